@@ -1,0 +1,31 @@
+"""dcpgraph: decode context parallelism as a compiler over FX graphs."""
+
+from . import layout, ops
+from .errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    DcpGraphError,
+    RequestError,
+    UnsupportedModelError,
+    VerificationError,
+)
+from .mesh import Mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "ConfigError",
+    "DcpGraphError",
+    "Mesh",
+    "RequestError",
+    "UnsupportedModelError",
+    "VerificationError",
+    "layout",
+    "ops",
+]
+
+from .api import compile, trace  # noqa: E402,A004
+from .runtime.engine import Engine  # noqa: E402
+
+__all__ += ["Engine", "compile", "trace"]

@@ -1,0 +1,121 @@
+"""Public entry points: ``trace``, ``compile`` and ``explain``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, UnsupportedModelError
+from .mesh import Mesh
+from .program import Program
+
+
+def trace(model: torch.nn.Module, example_inputs=None) -> Program:
+    """The model's forward as a functional FX Program with canonical attention nodes.
+
+    HF transformers causal LMs go through the registered attention implementation; other
+    ``nn.Module``s through SDPA or hand-written attention recognition. Raises
+    :class:`UnsupportedModelError` for attention the pipeline cannot implement.
+    """
+    from .frontends import hf
+
+    if hf.is_hf_model(model):
+        program = hf.trace_hf(model, example_inputs)
+    else:
+        from .frontends import fx
+
+        program = fx.trace_module(model, example_inputs)
+    count = sum(
+        1 for n in program.graph_module.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.dcpgraph.attention.default
+    )
+    if count == 0:
+        raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
+    if count != program.facts.num_layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found {count} attention nodes for {program.facts.num_layers} layers; "
+            "some attention was not recognised"
+        )
+    return program
+
+
+def facts_of(model: torch.nn.Module):
+    from .frontends import hf
+
+    if hf.is_hf_model(model):
+        return hf.model_facts(model)
+    from .frontends import fx
+
+    return fx.module_facts(model)
+
+
+def compile(  # noqa: A001 - the library's verb, like torch.compile
+    model: torch.nn.Module,
+    *,
+    tp: int = 1,
+    dcp: int = 1,
+    interleave: int = 1,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    comm: str = "auto",
+    backend: Any = "auto",
+    **options: Any,
+):
+    """Compile ``model`` for ``tp`` ranks with DCP groups of ``dcp``; returns an :class:`Engine`.
+
+    Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
+    ``kv_cache_bytes_per_rank`` (cache size), ``max_batched_tokens`` (chunked-prefill budget,
+    default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
+    "distributed"), ``verify`` (run the verifier after every pass, default True).
+    """
+    from .passes.pipeline import compile_program
+    from .runtime.engine import Engine, blocks_for_budget
+    from .runtime.executors import DistributedExecutor, EmulatedExecutor
+
+    mesh = Mesh(tp, dcp)
+    facts = facts_of(model)
+    mesh.validate(
+        attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
+        block_size=block_size, interleave=interleave,
+    )
+    executor = options.pop("executor", "auto")
+    executor_cls = _executor_for(executor, mesh, EmulatedExecutor, DistributedExecutor)
+    max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    max_num_seqs = int(options.pop("max_num_seqs", 8))
+    max_batched_tokens = int(options.pop("max_batched_tokens", 256))
+    sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
+    program = compile_program(
+        model, mesh, block_size=block_size, interleave=interleave, comm=comm,
+        plan=options.pop("plan", None), verify=options.pop("verify", True),
+    )
+    if options:
+        raise TypeError(f"unknown options: {sorted(options)}")
+    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    from .backends import compile_backend
+
+    compiled, backend_report = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
+    return Engine(
+        program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
+        max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, compiled=compiled,
+        backend_report=backend_report,
+    )
+
+
+def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
+    import torch.distributed as dist
+
+    running = dist.is_available() and dist.is_initialized()
+    if choice == "auto":
+        if running and dist.get_world_size() == mesh.tp:
+            return distributed
+        return emulated
+    if choice == "emulated":
+        return emulated
+    if choice == "distributed":
+        if not running:
+            raise ConfigError("executor='distributed' needs an initialised torch.distributed (e.g. torchrun)")
+        if dist.get_world_size() != mesh.tp:
+            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp={mesh.tp}")
+        return distributed
+    raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {choice!r}")

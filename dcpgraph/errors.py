@@ -1,0 +1,37 @@
+"""The exceptions dcpgraph raises on purpose.
+
+Every one of them is raised *before* any collective starts, so no rank is left waiting on a peer
+that already gave up.
+"""
+
+
+class DcpGraphError(Exception):
+    """Base class of the errors dcpgraph raises deliberately."""
+
+
+class ConfigError(DcpGraphError, ValueError):
+    """A parallel configuration (tp, dcp, interleave, block size…) that cannot work for a model.
+
+    The message names the rule that failed and the nearest settings that satisfy it.
+    """
+
+
+class UnsupportedModelError(DcpGraphError, NotImplementedError):
+    """A model, or a feature of one of its layers, that the pipeline does not implement.
+
+    Raised instead of silently rewriting the model into something that computes a different
+    function (sliding windows, soft-capping, ALiBi, attention sinks, non-causal attention…).
+    """
+
+
+class VerificationError(DcpGraphError, AssertionError):
+    """A pass produced a program that breaks an invariant; the message names pass and invariant."""
+
+
+class RequestError(DcpGraphError, ValueError):
+    """A generation request that can never be served (empty prompt, token id outside the
+    vocabulary, longer than ``max_model_len`` or than the whole KV cache)."""
+
+
+class CollectiveMismatchError(DcpGraphError, RuntimeError):
+    """Ranks of one group reached different collectives: on real hardware this would hang."""

@@ -1,0 +1,156 @@
+"""The device mesh: a TP group of ``tp`` ranks, cut into DCP groups of ``dcp`` consecutive ranks.
+
+DCP adds no ranks: the world *is* the TP group. With tp=8, dcp=2 the DCP groups are {0,1}, {2,3},
+{4,5}, {6,7}. GQA replicates KV head ``k`` on the ``tp // n_kv`` consecutive ranks
+``[k·tp/n_kv, (k+1)·tp/n_kv)``; a DCP group must sit inside one such replica set, which is why the
+groups are consecutive and why ``(tp // n_kv) % dcp == 0`` is required.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``tp`` ranks in one tensor-parallel group; DCP groups are consecutive runs of ``dcp``."""
+
+    tp: int
+    dcp: int = 1
+    pcp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dcp", "pcp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.tp)
+
+    # -- DCP groups -------------------------------------------------------------------------
+    def dcp_group(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of the DCP group that holds ``rank`` (consecutive)."""
+        self._check_rank(rank)
+        start = (rank // self.dcp) * self.dcp
+        return tuple(range(start, start + self.dcp))
+
+    def dcp_rank(self, rank: int) -> int:
+        """Position of ``rank`` inside its DCP group: the rank that owns tokens with owner == this."""
+        self._check_rank(rank)
+        return rank % self.dcp
+
+    def dcp_groups(self) -> list[tuple[int, ...]]:
+        return [self.dcp_group(r) for r in range(0, self.tp, self.dcp)]
+
+    # -- TP group (the world) ----------------------------------------------------------------
+    def tp_group(self, rank: int) -> tuple[int, ...]:
+        self._check_rank(rank)
+        return tuple(range(self.tp))
+
+    def tp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank
+
+    def group(self, kind: str, rank: int) -> tuple[int, ...]:
+        """Ranks of the ``kind`` ("tp" or "dcp") group that holds ``rank``."""
+        if kind == "tp":
+            return self.tp_group(rank)
+        if kind == "dcp":
+            return self.dcp_group(rank)
+        raise ValueError(f"unknown group kind {kind!r}; expected 'tp' or 'dcp'")
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.tp:
+            raise ValueError(f"rank {rank} is outside the mesh (tp={self.tp})")
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(
+        self,
+        *,
+        attention: str,
+        num_q_heads: int,
+        num_kv_heads: int | None = None,
+        block_size: int = 16,
+        interleave: int = 1,
+    ) -> Mesh:
+        """Check this mesh against a model; raise :class:`ConfigError` naming the failed rule.
+
+        Rules (DESIGN §3 and the vLLM Ascend guide, plus TP's own):
+
+        - ``pcp == 1`` (prefill context parallel is not supported);
+        - ``tp % dcp == 0``; ``block_size % interleave == 0``;
+        - ``num_q_heads % tp == 0``;
+        - MLA (one latent KV head): ``tp >= dcp`` and ``tp % dcp == 0``;
+        - GQA: ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0`` (TP), and for dcp > 1:
+          ``tp > num_kv_heads``, ``(tp // num_kv_heads) >= dcp`` and
+          ``(tp // num_kv_heads) % dcp == 0``.
+        """
+        tp, dcp = self.tp, self.dcp
+        if attention not in ("mla", "gqa"):
+            raise ConfigError(f"attention must be 'mla' or 'gqa', got {attention!r}")
+        if self.pcp != 1:
+            raise ConfigError(
+                f"prefill context parallel is not supported: pcp must be 1, got {self.pcp} "
+                "(the guide's rule: prefill_context_parallel_size stays at its default of 1)"
+            )
+        if block_size < 1 or interleave < 1 or block_size % interleave:
+            good = [i for i in range(1, block_size + 1) if block_size % i == 0] if block_size > 0 else []
+            raise ConfigError(
+                f"block_size % interleave == 0 failed: block_size={block_size}, interleave={interleave}; "
+                f"valid interleaves for this block size: {good}"
+            )
+        if num_q_heads % tp:
+            valid = [t for t in range(1, num_q_heads + 1) if num_q_heads % t == 0]
+            raise ConfigError(
+                f"num_q_heads % tp == 0 failed: {num_q_heads} query heads cannot be split over "
+                f"tp={tp}; valid tp: {valid}"
+            )
+        if tp % dcp:
+            valid = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise ConfigError(
+                f"tp % dcp == 0 failed: dcp={dcp} does not divide tp={tp}; valid dcp: {valid}"
+            )
+        if attention == "mla":
+            return self
+        if num_kv_heads is None or num_kv_heads < 1:
+            raise ConfigError(f"GQA needs num_kv_heads >= 1, got {num_kv_heads!r}")
+        if num_q_heads % num_kv_heads:
+            raise ConfigError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            valid = [t for t in range(1, 2 * max(num_kv_heads, tp) + 1)
+                     if (num_kv_heads % t == 0 or t % num_kv_heads == 0) and num_q_heads % t == 0]
+            raise ConfigError(
+                f"num_kv_heads % tp == 0 or tp % num_kv_heads == 0 failed: {num_kv_heads} KV heads "
+                f"at tp={tp}; valid tp: {valid}"
+            )
+        if dcp == 1:
+            return self
+        if tp <= num_kv_heads:
+            raise ConfigError(
+                f"dcp={dcp} with tp={tp} <= num_kv_heads={num_kv_heads}: every rank already holds "
+                "distinct KV heads, so there is no KV replication for DCP to remove. Use dcp=1, or "
+                f"raise tp above {num_kv_heads} (e.g. tp={2 * num_kv_heads} allows dcp=2)"
+            )
+        replicas = tp // num_kv_heads
+        if replicas < dcp or replicas % dcp:
+            valid = [d for d in range(1, replicas + 1) if replicas % d == 0]
+            raise ConfigError(
+                f"(tp // num_kv_heads) >= dcp and (tp // num_kv_heads) % dcp == 0 failed: each KV "
+                f"head is replicated on tp // num_kv_heads = {replicas} ranks, and a DCP group must "
+                f"sit inside one replica set; dcp={dcp} does not. Valid dcp at tp={tp}: {valid}"
+            )
+        return self
+
+    def __str__(self) -> str:
+        groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())
+        return f"Mesh(tp={self.tp}, dcp={self.dcp}; dcp groups {groups})"

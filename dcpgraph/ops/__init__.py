@@ -1,0 +1,24 @@
+"""Canonical ops (``torch.ops.dcpgraph.*``) and their Python entry points."""
+
+from . import library
+from .library import (
+    attention,
+    kv_cache_write_,
+    merge_attention,
+    paged_attention,
+    partial_attention,
+    rescale_to_global,
+)
+from .merge import merge_weights, sanitize_lse
+
+__all__ = [
+    "attention",
+    "kv_cache_write_",
+    "library",
+    "merge_attention",
+    "merge_weights",
+    "paged_attention",
+    "partial_attention",
+    "rescale_to_global",
+    "sanitize_lse",
+]

@@ -1,0 +1,180 @@
+"""Reference CPU kernels of partial attention: ``(out, lse)`` over a contiguous or paged KV.
+
+Shapes (token-major, as in a flattened continuous batch):
+
+- ``q`` ``[T, Hq, D]``; keys ``[S, Hkv, D]``; values ``[S, Hkv, Dv]``; ``Hq % Hkv == 0`` and query
+  head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA grouping);
+- ``out`` ``[T, Hq, Dv]`` in ``q``'s dtype; ``lse`` ``[T, Hq]`` natural log, fp32 (fp64 for fp64
+  inputs: see :func:`acc_dtype`);
+- a query row with no visible key gets ``out = 0`` and ``lse = −inf`` (the merge's neutral state).
+
+The fast path is aten's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``), which
+returns the LSE; it is used when q/k/v share a head size, the key set is non-empty (the kernel
+raises SIGFPE on zero keys) and the mask is none or a square causal one. Everything else takes an
+fp32 math path. Both read K/V through strided views: a run of consecutive physical blocks in a
+paged cache is a view, not a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSE and accumulation dtype: fp32, or fp64 for fp64 inputs (never below fp32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _empty_result(tq: int, hq: int, dv: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.zeros(tq, hq, dv, dtype=dtype, device=device),
+        torch.full((tq, hq), NEG_INF, dtype=acc_dtype(dtype), device=device),
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = False,
+    kv_bound: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [Lq, Hq, D]`` over ``k [Lk, Hkv, D]``, ``v [Lk, Hkv, Dv]`` → ``(out, lse)``.
+
+    ``causal``: bottom-right aligned (query ``i`` sees keys ``j <= Lk − Lq + i``).
+    ``kv_bound [Lq]``: query ``i`` sees keys ``j < kv_bound[i]`` only (a causal bound by global
+    position, translated to local key indices by the caller).
+    """
+    lq, hq, _ = q.shape
+    lk, hkv, dv = v.shape
+    if lq == 0:
+        return _empty_result(0, hq, dv, q.dtype, q.device)
+    if lk == 0:
+        return _empty_result(lq, hq, dv, q.dtype, q.device)
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    flash_ok = (
+        kv_bound is None
+        and q.shape[-1] == k.shape[-1] == dv
+        and (not causal or lq == lk)
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    )
+    if flash_ok:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            0.0,
+            causal,
+            scale=scale,
+        )[:2]
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1).to(acc_dtype(q.dtype))
+    return _attend_math(q, k, v, scale, causal=causal, kv_bound=kv_bound)
+
+
+def _attend_math(q, k, v, scale, *, causal, kv_bound):
+    lq, hq, _ = q.shape
+    lk, hkv, _ = v.shape
+    group = hq // hkv
+    acc = acc_dtype(q.dtype)
+    qf = q.to(acc).reshape(lq, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, Lq, D]
+    kf = k.to(acc).permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
+    vf = v.to(acc).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, Lk, Dv]
+    scores = torch.matmul(qf, kf) * scale  # [Hkv, G, Lq, Lk]
+    keys = torch.arange(lk, device=q.device)
+    visible = None
+    if causal:
+        visible = keys.unsqueeze(0) <= (lk - lq + torch.arange(lq, device=q.device)).unsqueeze(1)
+    if kv_bound is not None:
+        bound = keys.unsqueeze(0) < kv_bound.to(keys.device).unsqueeze(1)
+        visible = bound if visible is None else visible & bound
+    if visible is not None:
+        scores = scores.masked_fill(~visible, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, Lq]; -inf where nothing is visible
+    probs = torch.exp(scores - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, vf)  # [Hkv, G, Lq, Dv]
+    out = out.permute(2, 0, 1, 3).reshape(lq, hq, -1)
+    lse = lse.permute(2, 0, 1).reshape(lq, hq)
+    return out.to(q.dtype), lse
+
+
+def varlen_partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r``'s queries ``q[cq_r:cq_{r+1}]`` attend to keys ``k[ck_r:ck_{r+1}]``."""
+    tq, hq, _ = q.shape
+    out, lse = _empty_result(tq, hq, v.shape[-1], q.dtype, q.device)
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    for r in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[r], cq[r + 1], ck[r], ck[r + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        o, l_ = attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal=causal)
+        out[q0:q1] = o
+        lse[q0:q1] = l_
+    return out, lse
+
+
+def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
+    """The first ``length`` tokens of a request from a paged cache ``[NB, B, H, D]`` as ``[L, H, D]``.
+
+    A run of consecutive physical blocks is returned as a view (no copy); scattered blocks are
+    gathered run by run.
+    """
+    block = cache.shape[1]
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    pieces = [cache[s : s + n].reshape(n * block, *cache.shape[2:]) for s, n in runs]
+    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return flat[:length]
+
+
+def paged_partial_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_bound: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens.
+
+    Local key ``j`` of row ``r`` lives at slot ``block_table[r, j // B]·B + j % B``; with
+    ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``.
+    """
+    tq, hq, _ = q.shape
+    out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
+    block = k_cache.shape[1]
+    cq = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    table = block_table.tolist()
+    for r, n in enumerate(lens):
+        q0, q1 = cq[r], cq[r + 1]
+        if q1 == q0 or n <= 0:
+            continue
+        ids = table[r][: (n + block - 1) // block]
+        k = gather_paged(k_cache, ids, n)
+        v = gather_paged(v_cache, ids, n)
+        bound = None if kv_bound is None else kv_bound[q0:q1]
+        o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound)
+        out[q0:q1] = o
+        lse[q0:q1] = l_
+    return out, lse

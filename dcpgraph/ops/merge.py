@@ -1,0 +1,80 @@
+"""Exact N-way merge of partial attention results by their log-sum-exp.
+
+For partials ``(o_i, lse_i)`` over disjoint key sets::
+
+    lse = logsumexp_i(lse_i)          o = Σ_i exp(lse_i − lse) · o_i
+
+The merge is associative and commutative, so any tree of merges gives the dense result.
+Edge rules (each one a bug some system shipped): a shard with no keys has ``lse = −inf`` and any
+output, NaN included, and contributes nothing; NaN or +inf LSE counts as −inf; if every shard is
+empty the result is ``(0, −inf)``, never NaN; accumulation is fp32 (fp64 for fp64 inputs); the
+output keeps the input dtype; the LSE is natural-log, fp32 or wider.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 when the inputs are fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
+    """Copy of ``lse`` (at least fp32) with NaN and +inf mapped to −inf (an empty shard)."""
+    lse = lse.to(acc_dtype(lse.dtype))
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), NEG_INF, lse)
+
+
+def merge_weights(lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``exp(lse_i − lse)`` along ``dim`` and the merged ``lse`` (fp32).
+
+    Rows where every entry is −inf get weights 0 and ``lse = −inf``.
+    """
+    lses = sanitize_lse(lses)
+    peak = lses.amax(dim, keepdim=True)
+    peak = torch.where(peak == NEG_INF, 0.0, peak)
+    scaled = torch.exp(lses - peak)
+    total = scaled.sum(dim, keepdim=True)
+    nonempty = total > 0
+    weights = torch.where(nonempty, scaled / torch.where(nonempty, total, 1.0), 0.0)
+    lse = torch.where(nonempty, peak + torch.log(torch.where(nonempty, total, 1.0)), NEG_INF)
+    return weights, lse.squeeze(dim)
+
+
+def weighted_sum(outs: torch.Tensor, weights: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``Σ w_i·o_i`` in fp32 where a zero weight contributes exactly nothing (NaN cannot leak)."""
+    acc = torch.promote_types(weights.dtype, outs.dtype)
+    contrib = torch.where(weights.unsqueeze(-1) > 0, weights.unsqueeze(-1) * outs.to(acc), 0.0)
+    return contrib.sum(dim)
+
+
+def merge_attention_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference kernel of ``dcpgraph::merge_attention``: outs ``[N, ..., D]``, lses ``[N, ...]``."""
+    if outs.dim() != lses.dim() + 1 or outs.shape[:-1] != lses.shape:
+        raise ValueError(
+            f"merge_attention: outs {tuple(outs.shape)} must be lses {tuple(lses.shape)} plus a "
+            "trailing head-dim axis"
+        )
+    weights, lse = merge_weights(lses, 0)
+    return weighted_sum(outs, weights, 0).to(outs.dtype), lse
+
+
+def rescale_to_global_reference(
+    out: torch.Tensor, lse: torch.Tensor, lses_all: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AG+RS merge's local step: scale this rank's partial to its share of the global result.
+
+    ``lses_all`` ``[N, ...]`` are every rank's LSEs for the same rows (``lse`` is this rank's
+    entry). Returns ``(exp(lse − lse_g)·out`` in fp32, zero where the weight is 0``, lse_g)``, so
+    summing the first result over ranks (a reduce-scatter) gives the merged output.
+    """
+    _, lse_global = merge_weights(lses_all, 0)
+    own = sanitize_lse(lse)
+    weight = torch.where(lse_global == NEG_INF, 0.0, torch.exp(own - lse_global))
+    acc = torch.promote_types(weight.dtype, out.dtype)
+    scaled = torch.where(weight.unsqueeze(-1) > 0, weight.unsqueeze(-1) * out.to(acc), 0.0)
+    return scaled, lse_global

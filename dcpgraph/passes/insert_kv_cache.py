@@ -1,0 +1,100 @@
+"""``insert_kv_cache``: canonical attention → cached attention over a paged KV cache.
+
+Per layer, the canonical ``attention(q, k, v)`` over this step's tokens becomes (token-major,
+``q [T, Hq, D]``)::
+
+    kv_cache_write_(k_cache, k, slot_mapping); kv_cache_write_(v_cache, v, slot_mapping)
+    o_ctx, lse_ctx = paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens)
+    o_new, lse_new = partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_q, causal=True)
+    o, _           = merge_attention(stack(o_ctx, o_new), stack(lse_ctx, lse_new))
+
+which is exact because every cached context token precedes every new token of its request
+(the context/new split). One graph therefore serves prefill chunks, decode rows and draft tokens
+in the same step, with requests separated by ``cu_seqlens_q``. The caches are explicit program
+state: placeholders, returned as outputs, written in place (donated), so a step costs nothing
+proportional to cache capacity. Tokens with slot −1 are not written (DCP's non-owners).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import VerificationError
+from ..program import CACHE, META, CacheSpec, InputSpec, Program
+from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
+from .manager import program_pass
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+
+META_ROLES = ("cu_seqlens_q", "context_lens", "block_table", "slot_mapping")
+
+
+def _no_canonical_attention_left(program: Program) -> None:
+    left = nodes_calling(program.graph_module.graph, dcp_ops.attention.default)
+    if left:
+        raise VerificationError(f"canonical attention left after insert_kv_cache: {[n.name for n in left]}")
+    if len(nodes_calling(program.graph_module.graph, dcp_ops.paged_attention.default)) != program.facts.num_layers:
+        raise VerificationError("expected one paged attention per layer")
+
+
+@program_pass("insert_kv_cache", ensures=[_no_canonical_attention_left])
+def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.dtype | None = None):
+    gm = program.copy_graph()
+    graph = gm.graph
+    attn_nodes = nodes_calling(graph, dcp_ops.attention.default)
+    if not attn_nodes:
+        raise VerificationError("insert_kv_cache found no canonical attention node")
+    cache_names = [f"{role}_cache_{i}" for i in range(len(attn_nodes)) for role in ("k", "v")]
+    meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
+    cache_nodes = [n for n in graph.nodes if n.op == "placeholder" and n.name in cache_names]
+    cache_specs = []
+    e = Emitter(graph)
+    for layer, node in enumerate(attn_nodes):
+        q, k, v, scale, _causal = node.args
+        q_val, k_val, v_val = (a.meta["val"] for a in (q, k, v))
+        k_cache, v_cache = cache_nodes[2 * layer], cache_nodes[2 * layer + 1]
+        dtype = cache_dtype or k_val.dtype
+        cache_specs += [
+            CacheSpec(k_cache.name, layer, "k", k_val.shape[1], k_val.shape[-1], dtype),
+            CacheSpec(v_cache.name, layer, "v", v_val.shape[1], v_val.shape[-1], dtype),
+        ]
+        with graph.inserting_before(node):
+            # [1, H, T, D] -> [T, H, D]
+            qt, kt, vt = (e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in (q, k, v))
+            e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
+            e(dcp_ops.kv_cache_write_.default, v_cache, vt, meta_nodes["slot_mapping"])
+            o_ctx, lse_ctx = e.pair(
+                dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta_nodes["block_table"],
+                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale,
+            )
+            o_new, lse_new = e.pair(
+                dcp_ops.partial_attention.default, qt, kt, vt,
+                meta_nodes["cu_seqlens_q"], meta_nodes["cu_seqlens_q"], scale, True,
+            )
+            merged, _ = e.pair(
+                dcp_ops.merge_attention.default,
+                e(aten.stack.default, [o_ctx, o_new]),
+                e(aten.stack.default, [lse_ctx, lse_new]),
+            )
+            out = e(aten.unsqueeze.default, e(aten.transpose.int, merged, 0, 1), 0)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    out_node = output_node(graph)
+    outputs = out_node.args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    out_node.args = (tuple(outputs + cache_nodes),)
+    gm.recompile()
+    index = {s.name: s for s in program.inputs}
+    user_end = max(i for i, s in enumerate(program.inputs)) + 1
+    specs = list(program.inputs[:user_end])
+    specs += [InputSpec(c.name, CACHE, c.role) for c in cache_specs]
+    specs += [InputSpec(name, META, name) for name in META_ROLES]
+    assert all(s.name in index for s in specs[:user_end])
+    result = program.replace(
+        graph_module=gm,
+        inputs=tuple(specs),
+        caches=tuple(cache_specs),
+        options={**program.options, "block_size": block_size},
+    )
+    return result, f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size})"

@@ -1,0 +1,133 @@
+"""``shard_dcp``: cached attention → decode-context-parallel form (DESIGN §5).
+
+For each paged (context) attention of a layer, on every rank of a DCP group of ``N``::
+
+    q_all          = all_gather(q, heads)                          # [T, N·H, D]
+    o_c, lse_c     = paged_attention(q_all, local cache, local_context_lens)
+    o, lse         = merge over the group, back to this rank's H heads:
+        comm="a2a":   all_to_all of packed [o_c ‖ lse_c] by head block, then merge_attention
+        comm="ag_rs": all_gather(lse_c); rescale_to_global; reduce_scatter(sum) by head block
+
+The new-token part and the final two-way merge that ``insert_kv_cache`` emitted are unchanged,
+and the KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a
+rank does not own. The context length input becomes ``local_context_lens`` (per rank,
+``layout.local_len``). Every rank issues the same collectives in the same order; the only per-rank
+values are inputs (``dcp_rank``, lengths, slots), never control flow.
+
+Cost model for ``comm="auto"``: both move the same output bytes; a2a adds one fp32 lane per
+(token, head) and needs one collective after the query gather, ag_rs needs two plus an LSE
+all-gather that grows as N². a2a is chosen unless the value dim is so small that the extra lane
+dominates (Dv < 4), where ag_rs's N·H·4 bytes per token is cheaper than (Dv+1)/Dv more output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import VerificationError
+from ..mesh import Mesh
+from ..program import META, RANK, InputSpec, Program
+from . import collectives as coll
+from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
+from .manager import program_pass
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+COMMS = ("a2a", "ag_rs")
+
+
+def choose_comm(v_head_dim: int) -> str:
+    return "ag_rs" if v_head_dim < 4 else "a2a"
+
+
+def _ensures_dcp(program: Program) -> None:
+    n = program.mesh.dcp
+    if n == 1:
+        return
+    graph = program.graph_module.graph
+    gathers = [
+        x for x in graph.nodes
+        if x.op == "call_function" and x.target is coll.c10d.all_gather_into_tensor.default and x.args[2] == coll.DCP_GROUP
+    ]
+    if len(gathers) < program.facts.num_layers:
+        raise VerificationError("every layer's context attention must gather queries over the DCP group")
+    for node in nodes_calling(graph, dcp_ops.paged_attention.default):
+        if node.args[5].name != "local_context_lens":
+            raise VerificationError(f"{node.name} reads global context lengths under dcp={n}")
+
+
+@program_pass("shard_dcp", ensures=[_ensures_dcp])
+def shard_dcp(program: Program, comm: str = "auto"):
+    mesh: Mesh = program.mesh
+    n = mesh.dcp
+    if comm == "auto":
+        comm = choose_comm(program.facts.v_head_dim)
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
+    if n == 1:
+        return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
+    rewritten = 0
+    for node in nodes_calling(graph, dcp_ops.paged_attention.default):
+        q = node.args[0]
+        heads = q.meta["val"].shape[1]
+        dv = node.meta["val"][0].shape[-1]
+        with graph.inserting_before(node):
+            q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
+            q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
+        node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
+        users = getitem_users(node)
+        anchor = max((u for us in users.values() for u in us), key=lambda u: list(graph.nodes).index(u))
+        with graph.inserting_before(anchor.next):
+            o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
+            if comm == "a2a":
+                out, lse = _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q)
+            else:
+                out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank)
+        for index, result in ((0, out), (1, lse)):
+            for u in users.get(index, []):
+                u.replace_all_uses_with(result)
+                graph.erase_node(u)
+        rewritten += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    inputs = (
+        *program.inputs,
+        InputSpec("local_context_lens", META, "local_context_lens"),
+        InputSpec("dcp_rank", RANK, "dcp_rank"),
+    )
+    options = {**program.options, "comm": comm}
+    return (
+        program.replace(graph_module=gm, inputs=inputs, options=options),
+        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded",
+    )
+
+
+def _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q):
+    """Pack ``[o ‖ lse]`` per (token, head), exchange head blocks, merge locally."""
+    acc = e(aten.cat.default, [
+        e(aten._to_copy.default, o_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)),
+        e(aten.unsqueeze.default, e(aten._to_copy.default, lse_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)), -1),
+    ], -1)  # [T, N·H, Dv+1]
+    blocks = e(aten.clone.default, e(aten.permute.default, e(aten.view.default, acc, [-1, n, heads, dv + 1]), [1, 0, 2, 3]),
+               memory_format=torch.contiguous_format)  # [N, T, H, Dv+1]
+    received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
+    outs = e(aten.slice.Tensor, received, -1, 0, dv)
+    lses = e(aten.select.int, received, -1, dv)
+    merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
+    return e(aten._to_copy.default, merged, dtype=q.meta["val"].dtype), lse
+
+
+def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):
+    """All-gather the LSEs, rescale the local partial to its global share, reduce-scatter heads."""
+    lses = e(aten.view.default, coll.all_gather(graph, lse_c, n, "dcp"), [n, -1, n * heads])  # [N, T, N·H]
+    scaled, lse_global = e.pair(dcp_ops.rescale_to_global.default, o_c, lse_c, lses)
+    blocks = e(aten.clone.default, e(aten.permute.default, e(aten.view.default, scaled, [-1, n, heads, dv]), [1, 0, 2, 3]),
+               memory_format=torch.contiguous_format)  # [N, T, H, Dv]
+    mine = e(aten.select.int, coll.reduce_scatter(graph, blocks, n, "dcp"), 0, 0)  # [T, H, Dv]
+    lse = e(aten.squeeze.dim, e(aten.index_select.default, e(aten.view.default, lse_global, [-1, n, heads]), 1,
+                                e(aten.view.default, dcp_rank, [1])), 1)
+    return e(aten._to_copy.default, mine, dtype=q.meta["val"].dtype), lse

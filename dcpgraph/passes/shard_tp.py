@@ -1,0 +1,180 @@
+"""``shard_tp``: tensor parallelism from a plan that is data (torchtitan / HF ``tp_plan`` style).
+
+The plan maps module-path patterns (``*`` = one path component) to rules:
+
+=========================  ===================================================================
+rule                       effect on rank ``r`` of ``tp``
+=========================  ===================================================================
+``colwise``                weight and bias split on dim 0 (output features); for K/V
+                           projections with ``tp > n_kv``, split into ``n_kv`` parts and rank
+                           ``r`` takes part ``r // (tp // n_kv)`` (KV heads replicated)
+``rowwise``                weight split on dim 1; an all-reduce over TP follows the matmul, and
+                           any bias is added once, after it
+``colwise_gather_output``  colwise, then all-gather of the outputs over TP (the LM head)
+``vocab_parallel``         embedding rows split; out-of-range ids look up zeros; all-reduce
+=========================  ===================================================================
+
+Shards are computed functionally from the full parameters at run time (``Program.local_state``):
+the user's model is never modified. Reshapes in traced HF models use ``-1`` for head counts, so
+local head counts follow from the local weights; the verifier's shape propagation checks that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedModelError, VerificationError
+from ..mesh import Mesh
+from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule
+from . import collectives as coll
+from .graph_edit import Emitter, add_placeholders, nodes_calling
+from .manager import program_pass
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+
+
+def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
+    for pattern, rule in plan.items():
+        regex = "^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$"
+        if re.match(regex, module_path):
+            return rule
+    return None
+
+
+def nearest_linears(start: torch.fx.Node) -> set[torch.fx.Node]:
+    """Linear nodes reached walking backwards from ``start`` without passing through a linear."""
+    found, seen, queue = set(), {start}, deque([start])
+    while queue:
+        node = queue.popleft()
+        if node.op == "call_function" and node.target is aten.linear.default and node is not start:
+            found.add(node)
+            continue
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                queue.append(arg)
+    return found
+
+
+def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The linears that produce the K/V written to the caches."""
+    found: set[torch.fx.Node] = set()
+    for write in nodes_calling(graph, dcp_ops.kv_cache_write_.default):
+        found |= nearest_linears(write.args[1])
+    return found
+
+
+def local_kv_heads(num_kv_heads: int, tp: int) -> int:
+    return num_kv_heads // tp if num_kv_heads >= tp else 1
+
+
+@program_pass("shard_tp")
+def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
+    facts = program.facts
+    if program.mesh.tp != 1:
+        raise VerificationError("shard_tp applied twice")
+    if mesh.tp == 1:
+        return program.replace(mesh=mesh), "tp=1: nothing to shard"
+    plan = dict(facts.tp_plan if plan is None else plan)
+    tp = mesh.tp
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    specs = {s.name: s for s in program.inputs}
+    rules: dict[str, ShardRule] = {}
+    kv_linears = kv_projection_linears(graph)
+    n_kv = facts.num_kv_heads
+    counts: dict[str, int] = {}
+
+    def assign(node: torch.fx.Node | None, rule: ShardRule, what: str) -> None:
+        if node is None:
+            return
+        spec = specs.get(node.name)
+        if spec is None or spec.kind != PARAM:
+            raise UnsupportedModelError(f"{what}: expected a parameter, found {node.name}")
+        if rules.get(node.name, rule) != rule:
+            raise UnsupportedModelError(f"{spec.target} needs two different shardings ({rules[node.name]} vs {rule})")
+        full = program.state[spec.target]
+        parts = rule.parts or tp
+        if rule.dim is not None and full.shape[rule.dim] % parts:
+            raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
+        rules[node.name] = rule
+
+    tp_rank = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default and node.args[0].name in specs:
+            weight, ids = node.args[:2]
+            vocab = program.state[specs[weight.name].target].shape[0]
+            if vocab % tp:
+                continue  # replicated embedding
+            if tp_rank is None:
+                (tp_rank,) = add_placeholders(graph, ["tp_rank"])
+            assign(weight, ShardRule(0), "embedding")
+            with graph.inserting_before(node):
+                rows = vocab // tp
+                local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, tp_rank, rows))
+                outside = e(aten.logical_or.default, e(aten.lt.Scalar, local, 0), e(aten.ge.Scalar, local, rows))
+                safe = e(aten.masked_fill.Scalar, local, outside, 0)
+            with graph.inserting_before(node.next):
+                zeroed = e(aten.masked_fill.Scalar, node, e(aten.unsqueeze.default, outside, -1), 0.0)
+                reduced = coll.all_reduce(graph, zeroed, "tp")
+            node.replace_all_uses_with(reduced)
+            zeroed.args = (node, *zeroed.args[1:])
+            node.args = (weight, safe, *node.args[2:])
+            counts["vocab_parallel"] = counts.get("vocab_parallel", 0) + 1
+            continue
+        if node.target is not aten.linear.default:
+            continue
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        spec = specs.get(weight.name)
+        if spec is None or spec.kind != PARAM:
+            continue
+        path = spec.target.removesuffix(".weight")
+        rule = plan_rule(plan, path)
+        if rule is None:
+            continue
+        counts[rule] = counts.get(rule, 0) + 1
+        if rule in ("colwise", "colwise_gather_output"):
+            parts = n_kv if (node in kv_linears and n_kv < tp) else None
+            assign(weight, ShardRule(0, parts), path)
+            assign(bias, ShardRule(0, parts), path)
+            if rule == "colwise_gather_output":
+                with graph.inserting_before(node.next):
+                    moved = e(aten.movedim.int, node, -1, 0)
+                    contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
+                    gathered = coll.all_gather(graph, contiguous, tp, "tp")
+                    back = e(aten.movedim.int, gathered, 0, -1)
+                node.replace_all_uses_with(back)
+                moved.args = (node, *moved.args[1:])
+        elif rule == "rowwise":
+            assign(weight, ShardRule(1), path)
+            if bias is not None:
+                assign(bias, ShardRule(None), path)
+                node.args = (node.args[0], weight)
+            with graph.inserting_before(node.next):
+                reduced = coll.all_reduce(graph, node, "tp")
+                result = e(aten.add.Tensor, reduced, bias) if bias is not None else reduced
+            node.replace_all_uses_with(result)
+            reduced.args[0].args = (node, *reduced.args[0].args[1:])
+        else:
+            raise UnsupportedModelError(f"TP plan rule {rule!r} for {path} is not supported")
+    gm.recompile()
+    inputs = [
+        InputSpec(s.name, s.kind, s.target, rules.get(s.name, s.shard)) for s in program.inputs
+    ]
+    if tp_rank is not None:
+        inputs.append(InputSpec("tp_rank", RANK, "tp_rank"))
+    caches = tuple(
+        CacheSpec(c.name, c.layer, c.role, local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads, c.dim, c.dtype)
+        for c in program.caches
+    )
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no planned layers"
+    return program.replace(graph_module=gm, inputs=tuple(inputs), mesh=mesh, caches=caches), f"tp={tp}: {summary}"

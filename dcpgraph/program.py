@@ -1,0 +1,172 @@
+"""``Program``: an FX graph plus everything needed to run it, JAX-style (no hidden state).
+
+Every placeholder of ``Program.graph_module`` is described by one :class:`InputSpec`, in order:
+parameters, buffers and constants (values kept by reference in ``Program.state``, never mutated),
+the model's user inputs (``input_ids``, ``position_ids``), and after later passes the KV caches,
+the per-step metadata and the per-rank values (``tp_rank``/``dcp_rank``). A Program is immutable:
+passes build a new one with :meth:`Program.replace`, and :meth:`Program.copy_graph` gives them a
+private graph to edit.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .mesh import Mesh
+
+# Kinds of program inputs.
+PARAM, BUFFER, CONSTANT, USER, CACHE, META, RANK = (
+    "param", "buffer", "constant", "user", "cache", "meta", "rank",
+)
+STATE_KINDS = (PARAM, BUFFER, CONSTANT)
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How rank ``r`` of a TP group of ``tp`` gets its piece of a full tensor.
+
+    ``dim=None`` replicates. Otherwise the tensor is split into ``tp`` equal chunks along ``dim``
+    (``chunks = tp``), or, for KV heads replicated over ``tp // n_kv`` ranks, into ``parts`` chunks
+    of which rank ``r`` takes chunk ``r // (tp // parts)``.
+    """
+
+    dim: int | None = None
+    parts: int | None = None  # None: one part per rank
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if self.dim is None or tp == 1:
+            return full
+        parts = self.parts or tp
+        if full.shape[self.dim] % parts:
+            raise ValueError(f"cannot split dim {self.dim} of {tuple(full.shape)} into {parts}")
+        index = rank // (tp // parts)
+        return full.chunk(parts, self.dim)[index].contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        if self.dim is None or tp == 1:
+            return tuple(shape)
+        out = list(shape)
+        out[self.dim] //= self.parts or tp
+        return tuple(out)
+
+
+REPLICATE = ShardRule()
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One placeholder. ``target`` is the state key (FQN) for state kinds, else a role name."""
+
+    name: str
+    kind: str
+    target: str
+    shard: ShardRule = REPLICATE
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One paged KV cache tensor per rank: ``[num_blocks, block_size, heads, dim]``."""
+
+    name: str  # placeholder name
+    layer: int
+    role: str  # "k", "v" or "latent"
+    heads: int  # per rank
+    dim: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the compiler knows about the model, read from its config and graph."""
+
+    architecture: str
+    attention: str  # "gqa" or "mla"
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int  # query/key head dim of the canonical attention
+    v_head_dim: int
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype = torch.float32
+    eos_token_id: tuple[int, ...] = ()
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a pass did: its name, wall time, and a summary of what it matched or changed."""
+
+    name: str
+    seconds: float
+    summary: str
+
+    def __str__(self) -> str:
+        return f"# {self.name} ({self.seconds * 1e3:.1f} ms): {self.summary}"
+
+
+@dataclass(frozen=True)
+class Program:
+    graph_module: torch.fx.GraphModule
+    inputs: tuple[InputSpec, ...]
+    facts: ModelFacts
+    state: Mapping[str, torch.Tensor]
+    mesh: Mesh = Mesh(1, 1)
+    caches: tuple[CacheSpec, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    provenance: tuple[Provenance, ...] = ()
+    stages: tuple[tuple[str, torch.fx.GraphModule], ...] = ()
+
+    # -- construction helpers for passes -------------------------------------------------------
+    def replace(self, **changes: Any) -> Program:
+        return dataclasses.replace(self, **changes)
+
+    def copy_graph(self) -> torch.fx.GraphModule:
+        """A new GraphModule over a deep copy of the graph (node meta copied, values shared)."""
+        graph = torch.fx.Graph()
+        value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+        out = graph.graph_copy(self.graph_module.graph, value_map)
+        graph.output(out)
+        for old, new in value_map.items():
+            new.meta = copy.copy(old.meta)
+        gm = torch.fx.GraphModule(self.graph_module, graph)
+        return gm
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+
+    def spec(self, name: str) -> InputSpec:
+        for s in self.inputs:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def inputs_of(self, kind: str) -> list[InputSpec]:
+        return [s for s in self.inputs if s.kind == kind]
+
+    def local_state(self, rank: int) -> list[torch.Tensor]:
+        """This rank's parameters/buffers/constants, in placeholder order."""
+        tp = self.mesh.tp
+        return [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
+
+    def with_stage(self, name: str, gm: torch.fx.GraphModule, record: Provenance) -> Program:
+        return self.replace(
+            graph_module=gm,
+            provenance=(*self.provenance, record),
+            stages=(*self.stages, (name, gm)),
+        )
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start

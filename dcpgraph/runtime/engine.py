@@ -1,0 +1,177 @@
+"""``Engine``: serves generation requests with a compiled per-rank program.
+
+Requests are validated completely before any rank does any work: a request that can never be
+served raises :class:`~dcpgraph.errors.RequestError` and leaves the engine, and every request
+already running, untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import RequestError
+from ..program import Program
+from .blocks import BlockManager
+from .sampling import SamplingParams, sample
+from .scheduler import Request, Scheduler
+from .step_inputs import build_step_inputs
+
+
+def kv_bytes_per_block(program: Program) -> int:
+    """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
+    block = int(program.options["block_size"])
+    return sum(block * c.heads * c.dim * torch.empty((), dtype=c.dtype).element_size() for c in program.caches)
+
+
+class Engine:
+    def __init__(
+        self,
+        program: Program,
+        *,
+        executor_cls,
+        num_blocks: int,
+        max_model_len: int,
+        max_batched_tokens: int,
+        max_num_seqs: int,
+        compiled=None,
+        backend_report: dict | None = None,
+    ):
+        self.program = program
+        self.mesh = program.mesh
+        self.block_size = int(program.options["block_size"])
+        self.interleave = int(program.options.get("interleave", 1))
+        self.max_model_len = max_model_len
+        self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp)
+        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs)
+        self.executor = executor_cls(program, num_blocks, compiled)
+        self._next_id = 0
+        self._requests: dict[int, Request] = {}
+        self._backend_report = backend_report or {}
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        facts = self.program.facts
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        tokens = [int(t) for t in prompt] if prompt is not None else []
+        if not tokens:
+            raise RequestError("empty prompt: at least one token is needed")
+        bad = [t for t in tokens if not 0 <= t < facts.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {facts.vocab_size})")
+        total = len(tokens) + max_new_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(tokens)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise RequestError(
+                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks; the cache has "
+                f"{self.blocks.num_blocks} ({self.blocks.capacity_tokens} tokens)"
+            )
+        return tokens
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
+        """Queue one request; returns its id. Raises ``RequestError`` before queuing anything."""
+        tokens = self.check_request(prompt, max_new_tokens)
+        params = SamplingParams(**sampling)
+        return self._enqueue(tokens, max_new_tokens, params)
+
+    def _enqueue(self, tokens: list[int], max_new_tokens: int, params: SamplingParams) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed((params.seed if params.seed is not None else 0) + rid)
+        request = Request(rid, tokens, max_new_tokens, params, gen)
+        self._requests[rid] = request
+        self.scheduler.add(request)
+        return rid
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        """Run one scheduled step on every rank; returns ``(request_id, token, finished)``."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress (cache too small for any waiting request)")
+            return []
+        shared, per_rank = build_step_inputs([p.chunk for p in plan], self.mesh, self.block_size, self.interleave)
+        logits = self.executor.run(shared, per_rank)
+        self.steps += 1
+        events = []
+        eos = set(self.program.facts.eos_token_id)
+        for row, item in enumerate(plan):
+            request = item.request
+            request.computed += len(item.chunk.tokens)
+            if not item.samples:
+                continue
+            token = sample(logits[row], request.params, request.generator)
+            request.output.append(token)
+            done = len(request.output) >= request.max_new_tokens or token in eos
+            if done:
+                self.scheduler.finish(request)
+            events.append((request.id, token, done))
+        return events
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
+        """New tokens of each prompt (greedy unless ``temperature`` > 0). All prompts are checked
+        before any work starts; a bad one raises ``RequestError`` naming it."""
+        params = SamplingParams(**sampling)
+        checked = []
+        for i, prompt in enumerate(prompts):
+            try:
+                checked.append(self.check_request(prompt, max_new_tokens))
+            except RequestError as err:
+                raise RequestError(f"prompt {i}: {err}") from None
+        ids = [self._enqueue(tokens, max_new_tokens, params) for tokens in checked]
+        while not all(self._requests[i].finished for i in ids):
+            self.step()
+        return [self._requests.pop(i).output for i in ids]
+
+    # -- reports ------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        per_block = kv_bytes_per_block(self.program)
+        per_rank = per_block * self.blocks.num_blocks
+        capacity = self.blocks.capacity_tokens
+        return {
+            "kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
+            "kv_bytes_per_token": per_rank / capacity,
+            "kv_capacity_tokens": capacity,
+            "num_blocks": self.blocks.num_blocks,
+            "block_size": self.block_size,
+            "virtual_block_tokens": self.block_size * self.mesh.dcp,
+            "tp": self.mesh.tp,
+            "dcp": self.mesh.dcp,
+        }
+
+    def report(self) -> dict:
+        return {
+            "executor": self.executor.mode,
+            "mesh": str(self.mesh),
+            "comm": self.program.options.get("comm"),
+            "steps": self.steps,
+            **self._backend_report,
+        }
+
+
+def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None, kv_cache_bytes_per_rank=None,
+                      max_model_len: int, max_num_seqs: int) -> int:
+    """Cache size in blocks from whichever budget the user gave (default: every sequence slot
+    at ``max_model_len``)."""
+    per_block = kv_bytes_per_block(program)
+    tokens_per_block = int(program.options["block_size"]) * program.mesh.dcp
+    given = [x is not None for x in (num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank)]
+    if sum(given) > 1:
+        raise ValueError("give at most one of num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank")
+    if num_blocks is not None:
+        return int(num_blocks)
+    if kv_cache_bytes_per_rank is not None:
+        return max(1, int(kv_cache_bytes_per_rank) // per_block)
+    tokens = kv_cache_tokens if kv_cache_tokens is not None else max_model_len * max_num_seqs
+    return max(1, math.ceil(tokens / tokens_per_block))

@@ -1,0 +1,94 @@
+"""Executors: run one step of a compiled program on every rank.
+
+- :class:`EmulatedExecutor`: all ranks in this process, in lockstep, through
+  :func:`~dcpgraph.runtime.emulator.run_spmd` (a single rank runs the graph directly).
+- :class:`DistributedExecutor`: this process is one rank of an initialised ``torch.distributed``
+  world of size ``tp`` (e.g. under ``torchrun``); it runs only its own rank, and every rank,
+  running the same deterministic engine, reaches the same result.
+
+Both own the per-rank KV caches (allocated once, written in place by the program) and the
+per-rank parameter shards (computed once from the full parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
+
+
+def allocate_caches(program: Program, num_blocks: int) -> dict[str, torch.Tensor]:
+    block = int(program.options["block_size"])
+    return {
+        c.name: torch.zeros(num_blocks, block, c.heads, c.dim, dtype=c.dtype) for c in program.caches
+    }
+
+
+def rank_arguments(
+    program: Program,
+    state: list[torch.Tensor],
+    caches: dict[str, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    own: dict[str, torch.Tensor],
+) -> list[torch.Tensor]:
+    args, states = [], iter(state)
+    for spec in program.inputs:
+        if spec.kind in STATE_KINDS:
+            args.append(next(states))
+        elif spec.kind == CACHE:
+            args.append(caches[spec.name])
+        elif spec.kind in (USER, META):
+            args.append(shared[spec.target] if spec.target in shared else own[spec.target])
+        elif spec.kind == RANK:
+            args.append(own[spec.target])
+        else:
+            raise ValueError(f"unknown input kind {spec.kind}")
+    return args
+
+
+def logits_of(output) -> torch.Tensor:
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    return first[0]  # [1, R, V] -> [R, V]
+
+
+class EmulatedExecutor:
+    mode = "emulated"
+
+    def __init__(self, program: Program, num_blocks: int, compiled: Callable | None = None):
+        self.program = program
+        self.ranks = list(program.mesh.ranks)
+        self.states = [program.local_state(r) for r in self.ranks]
+        self.caches = [allocate_caches(program, num_blocks) for _ in self.ranks]
+        self.compiled = compiled
+
+    def run(self, shared, per_rank) -> torch.Tensor:
+        from .emulator import run_spmd
+
+        args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, per_rank[r]) for r in self.ranks]
+        if len(self.ranks) == 1:
+            fn = self.compiled or self.program.graph_module
+            return logits_of(fn(*args[0]))
+        outputs = run_spmd(self.program.graph_module, args, self.program.mesh)
+        return logits_of(outputs[0])
+
+
+class DistributedExecutor:
+    mode = "distributed"
+
+    def __init__(self, program: Program, num_blocks: int, compiled: Callable | None = None):
+        import torch.distributed as dist
+
+        from .distributed import register_mesh_groups
+
+        self.program = program
+        self.rank = dist.get_rank()
+        register_mesh_groups(program.mesh)
+        self.state = program.local_state(self.rank)
+        self.caches = allocate_caches(program, num_blocks)
+        self.fn = compiled or program.graph_module
+
+    def run(self, shared, per_rank) -> torch.Tensor:
+        args = rank_arguments(self.program, self.state, self.caches, shared, per_rank[self.rank])
+        return logits_of(self.fn(*args))

@@ -1,0 +1,69 @@
+"""Per-step, per-rank inputs of a compiled program: the flattened token layout (DESIGN §6).
+
+Every scheduled token of every request is flattened into one sequence. For request ``r`` with
+``context_lens[r]`` tokens already cached and ``n_r`` new tokens this step:
+
+- ``input_ids``/``position_ids`` ``[1, T]``: the new tokens at positions ``context + arange(n_r)``;
+- ``cu_seqlens_q`` ``[R+1]``: request boundaries in the flattened sequence;
+- ``context_lens`` ``[R]`` (global) and ``local_context_lens`` ``[R]``: ``layout.local_len`` for
+  this rank's DCP index;
+- ``block_table`` ``[R, W]``: the shared virtual-block table (padding entries are never read);
+- ``slot_mapping`` ``[T]``: where this rank writes each new token, −1 where it does not own it;
+- ``logits_indices`` ``[R]``: the last new token of each request;
+- ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import layout
+from ..mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``tokens`` of one request, starting at global position ``start``."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+
+def build_step_inputs(
+    chunks: list[Chunk], mesh: Mesh, block_size: int, interleave: int
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Inputs shared by all ranks, and each rank's own ``slot_mapping``/lengths/ranks."""
+    counts = [len(c.tokens) for c in chunks]
+    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+    ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
+    positions = starts[owner] + torch.arange(len(ids)) - cu[:-1].to(torch.int64)[owner]
+    width = max(len(c.block_table) for c in chunks)
+    table = torch.zeros(len(chunks), width, dtype=torch.int32)
+    for i, c in enumerate(chunks):
+        table[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+    shared = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": positions.unsqueeze(0),
+        "cu_seqlens_q": cu,
+        "context_lens": starts.to(torch.int32),
+        "block_table": table,
+        "logits_indices": (cu[1:] - 1).to(torch.int64),
+    }
+    rows = table[owner]
+    per_rank = []
+    for rank in mesh.ranks:
+        d = mesh.dcp_rank(rank)
+        per_rank.append({
+            "slot_mapping": layout.slot_mapping(positions, rows, d, mesh.dcp, block_size, interleave),
+            "local_context_lens": layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32),
+            "tp_rank": torch.tensor(mesh.tp_rank(rank), dtype=torch.int64),
+            "dcp_rank": torch.tensor(d, dtype=torch.int64),
+        })
+    return shared, per_rank

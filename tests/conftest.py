@@ -1,0 +1,44 @@
+"""Shared pytest configuration for dcpgraph's tests.
+
+Sections (append new fixtures below the last one, keeping each section self-contained):
+
+1. Hypothesis profiles: ``ci`` (default: deterministic, no example database, no deadline) and
+   ``dev`` (more examples, for local runs). Select with ``HYPOTHESIS_PROFILE=dev pytest ...``.
+2. Fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+# -- 1. Hypothesis profiles ---------------------------------------------------------------------
+settings.register_profile(
+    "ci",
+    derandomize=True,  # the same examples on every run and every machine
+    deadline=None,  # CPU timings vary too much on shared runners
+    database=None,  # nothing written to .hypothesis/ and no replay of old local failures
+    max_examples=50,
+    print_blob=True,  # a failure prints the @reproduce_failure blob
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=500,
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# -- 2. Fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """2-core CI machines: intra-op threads fighting other processes cost far more than they give."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -40,7 +40,9 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
     return program
 
 
-def facts_of(model: torch.nn.Module):
+def facts_of(model: torch.nn.Module | Program):
+    if isinstance(model, Program):
+        return model.facts
     from .frontends import hf
 
     if hf.is_hf_model(model):
@@ -63,6 +65,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     **options: Any,
 ):
     """Compile ``model`` for ``tp`` ranks with DCP groups of ``dcp``; returns an :class:`Engine`.
+
+    ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
     ``kv_cache_bytes_per_rank`` (cache size), ``max_batched_tokens`` (chunked-prefill budget,

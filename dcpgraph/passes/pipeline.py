@@ -23,11 +23,11 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None):
 
 
 def compile_program(
-    model: torch.nn.Module, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
+    model: torch.nn.Module | Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True,
 ) -> Program:
     from ..api import trace
 
-    program = trace(model)
+    program = model if isinstance(model, Program) else trace(model)
     program = program.replace(options={**program.options, "interleave": interleave})
     return run_passes(program, default_passes(mesh, block_size=block_size, comm=comm, plan=plan), verify=verify)

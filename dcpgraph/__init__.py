@@ -29,3 +29,7 @@ from .api import compile, trace  # noqa: E402,A004
 from .runtime.engine import Engine  # noqa: E402
 
 __all__ += ["Engine", "compile", "trace"]
+
+from .explain import explain  # noqa: E402
+
+__all__ += ["explain"]

@@ -71,7 +71,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
     ``kv_cache_bytes_per_rank`` (cache size), ``max_batched_tokens`` (chunked-prefill budget,
     default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
-    "distributed"), ``verify`` (run the verifier after every pass, default True).
+    "distributed"), ``verify`` (run the verifier after every pass, default True),
+    ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
+    graph mode).
     """
     from .passes.pipeline import compile_program
     from .runtime.engine import Engine, blocks_for_budget
@@ -88,6 +90,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     max_num_seqs = int(options.pop("max_num_seqs", 8))
     max_batched_tokens = int(options.pop("max_batched_tokens", 256))
+    capture_limit = int(options.pop("capture_limit", 32))
     sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
     program = compile_program(
         model, mesh, block_size=block_size, interleave=interleave, comm=comm,
@@ -95,14 +98,16 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     )
     if options:
         raise TypeError(f"unknown options: {sorted(options)}")
+    if capture_limit < 0:
+        raise ConfigError(f"capture_limit must be >= 0, got {capture_limit}")
     num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     from .backends import compile_backend
 
-    compiled, backend_report = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
+    graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
-        max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, compiled=compiled,
-        backend_report=backend_report,
+        max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, graphs=graphs,
+        capture_limit=capture_limit,
     )
 
 

@@ -124,7 +124,9 @@ class Program:
     caches: tuple[CacheSpec, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     provenance: tuple[Provenance, ...] = ()
-    stages: tuple[tuple[str, torch.fx.GraphModule], ...] = ()
+    # (pass name, the Program right after that pass): graph *and* its input specs, caches, mesh…
+    # Snapshots keep ``stages=()`` themselves, so the history is flat.
+    stages: tuple[tuple[str, Program], ...] = ()
 
     # -- construction helpers for passes -------------------------------------------------------
     def replace(self, **changes: Any) -> Program:
@@ -159,11 +161,15 @@ class Program:
         return [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
 
     def with_stage(self, name: str, gm: torch.fx.GraphModule, record: Provenance) -> Program:
-        return self.replace(
-            graph_module=gm,
-            provenance=(*self.provenance, record),
-            stages=(*self.stages, (name, gm)),
-        )
+        snapshot = self.replace(graph_module=gm, provenance=(*self.provenance, record), stages=())
+        return snapshot.replace(stages=(*self.stages, (name, snapshot)))
+
+    def stage(self, name: str) -> Program:
+        """The Program as it was right after pass ``name`` (the last such stage)."""
+        for stage_name, snapshot in reversed(self.stages):
+            if stage_name == name:
+                return snapshot
+        raise KeyError(f"no stage {name!r}; stages: {[n for n, _ in self.stages]}")
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

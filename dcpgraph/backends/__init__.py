@@ -1,10 +1,82 @@
-"""Backends that compile a per-rank program (issue 6 grows this into eager/inductor/torchair)."""
+"""Backends: turn a per-rank FX program into something that runs, with an eager fallback.
+
+``backend=`` in :func:`dcpgraph.compile` accepts ``"auto"``, ``"eager"``, ``"inductor"``,
+``"torchair"`` (Ascend GE graph mode), ``"npugraph_ex"`` (Ascend aclgraph capture), or a callable
+with ``torch.compile``'s backend signature ``(GraphModule, example_inputs) -> callable``.
+``"auto"`` picks torchair on Ascend when it imports, inductor on CUDA, eager on CPU.
+
+Every non-eager backend is wrapped in :class:`~dcpgraph.backends.fallback.FallbackGraph`: an
+exception while compiling **or during the first call** (GE compiles lazily) switches that graph
+to eager for good, records the reason and warns once; results are identical to eager's because
+the same GraphModule runs.
+
+Where compiled code runs: the single-rank executor and the distributed executor call the
+compiled callable. The multi-rank emulator interprets the FX graph node by node (it has to stop
+at every collective), so it always runs eagerly; its report says so.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
 
-def compile_backend(program, backend, *, distributed: bool):
-    """Returns ``(callable or None, report)``; None means run the GraphModule as is (eager)."""
-    if backend not in ("auto", "eager"):
-        raise NotImplementedError(f"backend {backend!r} is not available yet")
-    return None, {"backend": "eager"}
+import torch
+import torch.fx
+
+from .registry import available_backends, resolve_backend
+
+__all__ = ["CompiledGraphs", "available_backends", "compile_backend", "resolve_backend"]
+
+
+class CompiledGraphs:
+    """The compiled graphs of one program, by key: ``"mixed"`` (dynamic token count: prefill and
+    mixed steps) and ``("decode", R_b)`` (one static-shape graph per decode bucket). Each key
+    gets its own GraphModule copy (its own code object, so dynamo caches never mix) wrapped in a
+    :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly."""
+
+    def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None):
+        self.program = program
+        self.name = name
+        self.factory = factory
+        self.runs_compiled = runs_compiled and factory is not None
+        self.note = note
+        self._graphs: dict[Any, Any] = {}
+
+    def get(self, key) -> Callable | None:
+        if not self.runs_compiled:
+            return None
+        if key not in self._graphs:
+            from .fallback import FallbackGraph
+
+            gm = self.program.graph_module
+            copy = torch.fx.GraphModule(gm, gm.graph)
+            factory = self.factory
+            if getattr(factory, "wants_static", False):
+                factory = functools.partial(factory, static=key != "mixed")
+            self._graphs[key] = FallbackGraph(_key_name(key), copy, factory, program=self.program,
+                                              backend=self.name)
+        return self._graphs[key]
+
+    def report(self) -> dict:
+        graphs = {_key_name(k): dict(g.status) for k, g in self._graphs.items()}
+        for status in graphs.values():
+            status.pop("traceback", None)
+        out = {"backend": self.name, "graphs": graphs}
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def _key_name(key) -> str:
+    return key if isinstance(key, str) else f"{key[0]}[{key[1]}]"
+
+
+def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGraphs:
+    """The graphs of ``program`` for ``backend``, compiled lazily per shape key."""
+    name, factory = resolve_backend(backend)
+    runs_compiled = distributed or program.mesh.world_size == 1
+    note = None
+    if factory is not None and not runs_compiled:
+        note = f"{name} requested; the multi-rank emulator interprets the graph eagerly"
+    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note)

@@ -10,11 +10,13 @@ and dims come from the config (MLA is recognised by ``kv_lora_rank``), the TP pl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 
-from ..errors import UnsupportedModelError
-from ..program import BUFFER, CONSTANT, PARAM, USER, InputSpec, ModelFacts, Program
+from ..program import ModelFacts, Program
+from .export import finish, program_from_export, run_export
 from .hf_attention import using_dcpgraph_attention
 
 _WRAPPER_PREFIX = "model."
@@ -96,6 +98,23 @@ def default_example_inputs(facts: ModelFacts, tokens: int = 8) -> tuple[torch.Te
     return ids, torch.arange(tokens).unsqueeze(0)
 
 
+@contextlib.contextmanager
+def _traceable_experts(model: torch.nn.Module):
+    """MoE experts: HF's ``eager`` loop is data-dependent (untraceable) and ``grouped_mm`` has no
+    fp64 kernel, so those trace with ``batched_mm`` (same math, gathers expert weights per token);
+    the model's own setting is restored afterwards."""
+    current = getattr(model.config, "_experts_implementation", None)
+    fp64 = next(model.parameters()).dtype == torch.float64
+    switch = current is not None and (current == "eager" or (current == "grouped_mm" and fp64))
+    if switch:
+        model.set_experts_implementation("batched_mm")
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_experts_implementation(current)
+
+
 def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 << 16) -> Program:
     facts = model_facts(model)
     if example_inputs is None:
@@ -105,67 +124,11 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
     was_training = model.training
     model.eval()
     try:
-        with using_dcpgraph_attention(model), torch.no_grad():
-            exported = torch.export.export(
-                wrapper,
-                tuple(example_inputs),
-                dynamic_shapes={"input_ids": {1: tokens}, "position_ids": {1: tokens}},
-                strict=False,
+        with using_dcpgraph_attention(model), _traceable_experts(model), torch.no_grad():
+            exported, seconds = run_export(
+                wrapper, tuple(example_inputs), {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
             )
-    except UnsupportedModelError:
-        raise
-    except Exception as err:
-        cause = err
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            nxt = cause.__cause__ or cause.__context__
-            if isinstance(nxt, UnsupportedModelError):
-                raise nxt from err
-            cause = nxt
-        raise
     finally:
         model.train(was_training)
-    return _program_from_export(exported, facts)
-
-
-def _program_from_export(exported: torch.export.ExportedProgram, facts: ModelFacts) -> Program:
-    from torch.export.graph_signature import InputKind
-
-    kinds = {
-        InputKind.PARAMETER: PARAM,
-        InputKind.BUFFER: BUFFER,
-        InputKind.CONSTANT_TENSOR: CONSTANT,
-        InputKind.USER_INPUT: USER,
-    }
-    state: dict[str, torch.Tensor] = {}
-    specs = []
-    user_roles = iter(("input_ids", "position_ids"))
-    for s in exported.graph_signature.input_specs:
-        if s.kind not in kinds:
-            raise UnsupportedModelError(f"exported input {s.arg.name} of kind {s.kind} is not supported")
-        kind = kinds[s.kind]
-        if kind == USER:
-            specs.append(InputSpec(s.arg.name, USER, next(user_roles)))
-            continue
-        target = s.target.removeprefix(_WRAPPER_PREFIX)
-        value = exported.state_dict.get(s.target)
-        if value is None:
-            value = exported.constants[s.target]
-        state[target] = value.detach()
-        specs.append(InputSpec(s.arg.name, kind, target))
-    if exported.graph_signature.buffers_to_mutate:
-        raise UnsupportedModelError(
-            f"the model mutates buffers {list(exported.graph_signature.buffers_to_mutate.values())}"
-        )
-    gm = exported.graph_module
-    # Drop export's runtime assertion ops: the shape contracts they check are ours to keep.
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in (
-            torch.ops.aten._assert_tensor_metadata.default,
-            torch.ops.aten._assert_scalar.default,
-        ):
-            graph.erase_node(node)
-    graph.eliminate_dead_code()
-    gm.recompile()
-    plain = torch.fx.GraphModule(gm, graph)
-    return Program(graph_module=plain, inputs=tuple(specs), facts=facts, state=state)
+    program = program_from_export(exported, facts, prefix=_WRAPPER_PREFIX, seconds=seconds)
+    return finish(program)

@@ -134,6 +134,18 @@ def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torc
     gathered run by run.
     """
     block = cache.shape[1]
+    # A block table row that is too short (or holds padding / out-of-range ids where real blocks
+    # are needed) would otherwise attend over fewer keys without a word, or fail in a reshape.
+    if len(block_ids) * block < length:
+        raise ValueError(
+            f"paged attention: {length} tokens need {-(-length // block)} blocks of {block}, "
+            f"but the block table row has {len(block_ids)}"
+        )
+    bad = [b for b in block_ids if not 0 <= b < cache.shape[0]]
+    if bad:
+        raise ValueError(
+            f"paged attention: block ids {bad} outside the cache's {cache.shape[0]} blocks"
+        )
     runs: list[tuple[int, int]] = []
     for b in block_ids:
         if runs and runs[-1][0] + runs[-1][1] == b:

@@ -13,6 +13,9 @@ which is exact because every cached context token precedes every new token of it
 in the same step, with requests separated by ``cu_seqlens_q``. The caches are explicit program
 state: placeholders, returned as outputs, written in place (donated), so a step costs nothing
 proportional to cache capacity. Tokens with slot −1 are not written (DCP's non-owners).
+
+MLA in latent form (values = a prefix of the key, see ``absorb_mla``) gets one cache per layer
+(``latent_cache_i`` holding ``[c ‖ k_rope]``) and reads its values as a view of it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ dcp_ops = torch.ops.dcpgraph
 META_ROLES = ("cu_seqlens_q", "context_lens", "block_table", "slot_mapping")
 
 
+def _latent_value_dim(node) -> int:
+    """Dv when the attention's values are ``k[..., :Dv]`` (MLA latent form), else 0."""
+    k, v = node.args[1], node.args[2]
+    if (v.op == "call_function" and v.target is aten.slice.Tensor and v.args[0] is k
+            and v.args[1] in (-1, 3) and v.args[2] == 0):
+        return int(v.args[3])
+    return 0
+
+
 def _no_canonical_attention_left(program: Program) -> None:
     left = nodes_calling(program.graph_module.graph, dcp_ops.attention.default)
     if left:
@@ -45,25 +57,36 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
     attn_nodes = nodes_calling(graph, dcp_ops.attention.default)
     if not attn_nodes:
         raise VerificationError("insert_kv_cache found no canonical attention node")
-    cache_names = [f"{role}_cache_{i}" for i in range(len(attn_nodes)) for role in ("k", "v")]
+    latent = [_latent_value_dim(n) for n in attn_nodes]
+    cache_names = []
+    for i, dv in enumerate(latent):
+        cache_names += [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
     meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
-    cache_nodes = [n for n in graph.nodes if n.op == "placeholder" and n.name in cache_names]
+    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    cache_nodes = [by_name[name] for name in cache_names]
     cache_specs = []
     e = Emitter(graph)
     for layer, node in enumerate(attn_nodes):
         q, k, v, scale, _causal = node.args
-        q_val, k_val, v_val = (a.meta["val"] for a in (q, k, v))
-        k_cache, v_cache = cache_nodes[2 * layer], cache_nodes[2 * layer + 1]
+        k_val, v_val = k.meta["val"], v.meta["val"]
         dtype = cache_dtype or k_val.dtype
-        cache_specs += [
-            CacheSpec(k_cache.name, layer, "k", k_val.shape[1], k_val.shape[-1], dtype),
-            CacheSpec(v_cache.name, layer, "v", v_val.shape[1], v_val.shape[-1], dtype),
-        ]
         with graph.inserting_before(node):
             # [1, H, T, D] -> [T, H, D]
             qt, kt, vt = (e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in (q, k, v))
-            e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
-            e(dcp_ops.kv_cache_write_.default, v_cache, vt, meta_nodes["slot_mapping"])
+            if latent[layer]:
+                # MLA: one cache of [c ‖ k_rope]; the values are its first R dims (a view).
+                k_cache = by_name[f"latent_cache_{layer}"]
+                cache_specs.append(CacheSpec(k_cache.name, layer, "latent", k_val.shape[1], k_val.shape[-1], dtype))
+                e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
+                v_cache = e(aten.slice.Tensor, k_cache, -1, 0, latent[layer])
+            else:
+                k_cache, v_cache = by_name[f"k_cache_{layer}"], by_name[f"v_cache_{layer}"]
+                cache_specs += [
+                    CacheSpec(k_cache.name, layer, "k", k_val.shape[1], k_val.shape[-1], dtype),
+                    CacheSpec(v_cache.name, layer, "v", v_val.shape[1], v_val.shape[-1], dtype),
+                ]
+                e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
+                e(dcp_ops.kv_cache_write_.default, v_cache, vt, meta_nodes["slot_mapping"])
             o_ctx, lse_ctx = e.pair(
                 dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta_nodes["block_table"],
                 meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale,

@@ -1,4 +1,4 @@
-"""The default pipeline: trace → insert_kv_cache → select_logits → shard_tp → shard_dcp."""
+"""The default pipeline: trace → absorb_mla → insert_kv_cache → select_logits → shard_tp → shard_dcp."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from ..mesh import Mesh
 from ..program import Program
+from .absorb_mla import absorb_mla
 from .insert_kv_cache import insert_kv_cache
 from .manager import run_passes
 from .select_logits import select_logits
@@ -15,6 +16,7 @@ from .shard_tp import shard_tp
 
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None):
     return [
+        absorb_mla,
         insert_kv_cache.with_options(block_size=block_size),
         select_logits,
         shard_tp.with_options(mesh=mesh, plan=plan),

@@ -33,9 +33,16 @@ from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
 from .manager import program_pass
+from .respecialize import respecialize_shapes
+from .verify import example_specs
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
+
+
+# Plan rules that leave a linear replicated here: MLA's latent down-projection is shared by all
+# heads (its output is the one latent KV head every rank needs).
+_REPLICATED_RULES = frozenset({"mla_kv_a_proj", "replicate", "replicated"})
 
 
 def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
@@ -164,9 +171,10 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
                 result = e(aten.add.Tensor, reduced, bias) if bias is not None else reduced
             node.replace_all_uses_with(result)
             reduced.args[0].args = (node, *reduced.args[0].args[1:])
+        elif rule in _REPLICATED_RULES:
+            continue
         else:
             raise UnsupportedModelError(f"TP plan rule {rule!r} for {path} is not supported")
-    gm.recompile()
     inputs = [
         InputSpec(s.name, s.kind, s.target, rules.get(s.name, s.shard)) for s in program.inputs
     ]
@@ -176,5 +184,8 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
         CacheSpec(c.name, c.layer, c.role, local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads, c.dim, c.dtype)
         for c in program.caches
     )
+    result = program.replace(graph_module=gm, inputs=tuple(inputs), mesh=mesh, caches=caches)
+    fixed = respecialize_shapes(gm, example_specs(result))
+    gm.recompile()
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no planned layers"
-    return program.replace(graph_module=gm, inputs=tuple(inputs), mesh=mesh, caches=caches), f"tp={tp}: {summary}"
+    return result, f"tp={tp}: {summary}; {fixed} baked-in shape literals re-specialised"

@@ -16,6 +16,7 @@ import torch
 from ..errors import RequestError
 from ..program import Program
 from .blocks import BlockManager
+from .graph_mode import DecodeBuckets, default_buckets
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
 from .step_inputs import build_step_inputs
@@ -37,8 +38,8 @@ class Engine:
         max_model_len: int,
         max_batched_tokens: int,
         max_num_seqs: int,
-        compiled=None,
-        backend_report: dict | None = None,
+        graphs=None,
+        capture_limit: int = 32,
     ):
         self.program = program
         self.mesh = program.mesh
@@ -47,11 +48,16 @@ class Engine:
         self.max_model_len = max_model_len
         self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp)
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs)
-        self.executor = executor_cls(program, num_blocks, compiled)
+        self.executor = executor_cls(program, num_blocks, graphs)
+        self.graphs = graphs
+        self.buckets = None
+        if capture_limit > 0:
+            width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
+            self.buckets = DecodeBuckets(default_buckets(min(capture_limit, max_num_seqs)), width)
         self._next_id = 0
         self._requests: dict[int, Request] = {}
-        self._backend_report = backend_report or {}
         self.steps = 0
+        self.graph_steps: dict[str, int] = {}
 
     # -- requests -----------------------------------------------------------------------------
     def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -83,12 +89,15 @@ class Engine:
         params = SamplingParams(**sampling)
         return self._enqueue(tokens, max_new_tokens, params)
 
-    def _enqueue(self, tokens: list[int], max_new_tokens: int, params: SamplingParams) -> int:
+    def _enqueue(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> int:
         rid = self._next_id
         self._next_id += 1
         gen = None
         if not params.greedy:
-            gen = torch.Generator().manual_seed((params.seed if params.seed is not None else 0) + rid)
+            # A seeded request's stream depends on its seed and its index in its generate() call,
+            # not on how many requests this engine served before (so the same seed reproduces the
+            # same tokens on the same engine); unseeded requests get one stream per request id.
+            gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
         request = Request(rid, tokens, max_new_tokens, params, gen)
         self._requests[rid] = request
         self.scheduler.add(request)
@@ -102,7 +111,16 @@ class Engine:
                 raise RuntimeError("scheduler made no progress (cache too small for any waiting request)")
             return []
         shared, per_rank = build_step_inputs([p.chunk for p in plan], self.mesh, self.block_size, self.interleave)
-        logits = self.executor.run(shared, per_rank)
+        key = "mixed"
+        bucket = None
+        if self.buckets is not None and all(len(p.chunk.tokens) == 1 for p in plan):
+            bucket = self.buckets.bucket_for(len(plan))
+        if bucket is not None:
+            shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
+            key = ("decode", bucket)
+        name = key if isinstance(key, str) else f"decode[{bucket}]"
+        self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
+        logits = self.executor.run(shared, per_rank, key)
         self.steps += 1
         events = []
         eos = set(self.program.facts.eos_token_id)
@@ -129,7 +147,7 @@ class Engine:
                 checked.append(self.check_request(prompt, max_new_tokens))
             except RequestError as err:
                 raise RequestError(f"prompt {i}: {err}") from None
-        ids = [self._enqueue(tokens, max_new_tokens, params) for tokens in checked]
+        ids = [self._enqueue(tokens, max_new_tokens, params, i) for i, tokens in enumerate(checked)]
         while not all(self._requests[i].finished for i in ids):
             self.step()
         return [self._requests.pop(i).output for i in ids]
@@ -151,12 +169,17 @@ class Engine:
         }
 
     def report(self) -> dict:
+        """What ran where: per graph, the backend used and any fallback with its reason, the
+        decode buckets, and how many steps each graph served."""
+        backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
         return {
             "executor": self.executor.mode,
             "mesh": str(self.mesh),
             "comm": self.program.options.get("comm"),
             "steps": self.steps,
-            **self._backend_report,
+            "graph_steps": dict(self.graph_steps),
+            "decode_buckets": list(self.buckets.sizes) if self.buckets else [],
+            **backend,
         }
 
 

@@ -12,8 +12,6 @@ per-rank parameter shards (computed once from the full parameters).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
@@ -56,19 +54,19 @@ def logits_of(output) -> torch.Tensor:
 class EmulatedExecutor:
     mode = "emulated"
 
-    def __init__(self, program: Program, num_blocks: int, compiled: Callable | None = None):
+    def __init__(self, program: Program, num_blocks: int, graphs=None):
         self.program = program
         self.ranks = list(program.mesh.ranks)
         self.states = [program.local_state(r) for r in self.ranks]
         self.caches = [allocate_caches(program, num_blocks) for _ in self.ranks]
-        self.compiled = compiled
+        self.graphs = graphs
 
-    def run(self, shared, per_rank) -> torch.Tensor:
+    def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         from .emulator import run_spmd
 
         args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, per_rank[r]) for r in self.ranks]
         if len(self.ranks) == 1:
-            fn = self.compiled or self.program.graph_module
+            fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
             return logits_of(fn(*args[0]))
         outputs = run_spmd(self.program.graph_module, args, self.program.mesh)
         return logits_of(outputs[0])
@@ -77,7 +75,7 @@ class EmulatedExecutor:
 class DistributedExecutor:
     mode = "distributed"
 
-    def __init__(self, program: Program, num_blocks: int, compiled: Callable | None = None):
+    def __init__(self, program: Program, num_blocks: int, graphs=None):
         import torch.distributed as dist
 
         from .distributed import register_mesh_groups
@@ -87,8 +85,9 @@ class DistributedExecutor:
         register_mesh_groups(program.mesh)
         self.state = program.local_state(self.rank)
         self.caches = allocate_caches(program, num_blocks)
-        self.fn = compiled or program.graph_module
+        self.graphs = graphs
 
-    def run(self, shared, per_rank) -> torch.Tensor:
+    def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         args = rank_arguments(self.program, self.state, self.caches, shared, per_rank[self.rank])
-        return logits_of(self.fn(*args))
+        fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
+        return logits_of(fn(*args))

@@ -1,0 +1,74 @@
+"""Names of the backends and how each turns a GraphModule into a callable.
+
+A factory is ``(gm, example_inputs) -> callable``, torch.compile's backend signature; imports of
+optional stacks (inductor's toolchain, torch_npu/torchair) happen inside the factory, so merely
+naming a backend never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+Factory = Callable[[torch.fx.GraphModule, list], Callable]
+
+
+def _eager(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    return gm
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list, *, static: bool = False) -> Callable:
+    from .inductor import compile_inductor
+
+    return compile_inductor(gm, example_inputs, static=static)
+
+
+_inductor.wants_static = True
+
+
+def _torchair(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    from .torchair import compile_torchair
+
+    return compile_torchair(gm, example_inputs, mode="max-autotune", **options)
+
+
+def _npugraph_ex(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    from .torchair import compile_torchair
+
+    return compile_torchair(gm, example_inputs, mode="npugraph_ex", **options)
+
+
+_BACKENDS: dict[str, Factory | None] = {
+    "eager": None,
+    "inductor": _inductor,
+    "torchair": _torchair,
+    "npugraph_ex": _npugraph_ex,
+}
+
+
+def ascend_available() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def available_backends() -> list[str]:
+    return ["auto", *_BACKENDS]
+
+
+def resolve_backend(backend: Any) -> tuple[str, Factory | None]:
+    """``(name, factory)``; a callable is a user backend named after itself."""
+    if callable(backend):
+        return getattr(backend, "__name__", "custom"), backend
+    if backend == "auto":
+        if ascend_available():
+            return "torchair", _BACKENDS["torchair"]
+        if torch.cuda.is_available():
+            return "inductor", _BACKENDS["inductor"]
+        return "eager", None
+    if backend not in _BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose from {available_backends()} or pass a callable")
+    return backend, _BACKENDS[backend]

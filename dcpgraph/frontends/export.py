@@ -1,0 +1,151 @@
+"""What every front end shares: run ``torch.export`` and turn its result into a :class:`Program`.
+
+Both front ends export a module whose forward is ``(input_ids [1, T], position_ids [1, T]) ->
+logits [1, T, V]`` non-strict with a dynamic token dim, then call :func:`program_from_export`:
+parameters, buffers and constants become explicit placeholders described by
+:class:`~dcpgraph.program.InputSpec` (values kept by reference in ``Program.state``), export's
+runtime assertion ops are dropped, and a ``trace`` stage with its provenance record is stamped on
+the result so ``dcpgraph.explain(program, stage="trace")`` shows the graph as exported.
+Afterwards :func:`finish` runs ``canonicalize_attention`` (verified, like any pass).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedModelError
+from ..program import BUFFER, CONSTANT, PARAM, USER, InputSpec, ModelFacts, Program, Provenance
+
+USER_ROLES = ("input_ids", "position_ids")
+TRACE_STAGE = "trace"
+
+
+def run_export(
+    module: torch.nn.Module, example_inputs: tuple, dynamic_shapes: Mapping[str, Any] | tuple,
+) -> tuple[torch.export.ExportedProgram, float]:
+    """``torch.export.export`` non-strict; returns ``(exported, seconds)``.
+
+    An :class:`UnsupportedModelError` raised anywhere inside the traced code (and wrapped by
+    export) is re-raised as itself, so callers see which layer and feature was refused.
+    """
+    start = time.perf_counter()
+    try:
+        exported = torch.export.export(
+            module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False,
+        )
+    except UnsupportedModelError:
+        raise
+    except Exception as err:
+        cause: BaseException = err
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            nxt = cause.__cause__ or cause.__context__
+            if isinstance(nxt, UnsupportedModelError):
+                raise nxt from err
+            cause = nxt
+        raise
+    return exported, time.perf_counter() - start
+
+
+def program_from_export(
+    exported: torch.export.ExportedProgram,
+    facts: ModelFacts,
+    *,
+    prefix: str = "",
+    seconds: float = 0.0,
+    summary: str | None = None,
+) -> Program:
+    """A Program over ``exported``'s graph; state keys lose ``prefix`` (a wrapper's attribute).
+
+    The result carries one stage, ``trace``, with a provenance record of ``seconds``.
+    """
+    from torch.export.graph_signature import InputKind
+
+    kinds = {
+        InputKind.PARAMETER: PARAM,
+        InputKind.BUFFER: BUFFER,
+        InputKind.CONSTANT_TENSOR: CONSTANT,
+        InputKind.USER_INPUT: USER,
+    }
+    state: dict[str, torch.Tensor] = {}
+    specs = []
+    user_roles = iter(USER_ROLES)
+    for s in exported.graph_signature.input_specs:
+        if s.kind not in kinds:
+            raise UnsupportedModelError(f"exported input {s.arg.name} of kind {s.kind} is not supported")
+        kind = kinds[s.kind]
+        if kind == USER:
+            role = next(user_roles, None)
+            if role is None:
+                raise UnsupportedModelError(
+                    f"the forward takes more than {len(USER_ROLES)} inputs {USER_ROLES}"
+                )
+            specs.append(InputSpec(s.arg.name, USER, role))
+            continue
+        target = s.target.removeprefix(prefix) if prefix else s.target
+        value = exported.state_dict.get(s.target)
+        if value is None:
+            value = exported.constants[s.target]
+        state[target] = value.detach()
+        specs.append(InputSpec(s.arg.name, kind, target))
+    if exported.graph_signature.buffers_to_mutate:
+        raise UnsupportedModelError(
+            f"the model mutates buffers {list(exported.graph_signature.buffers_to_mutate.values())}"
+        )
+    gm = exported.graph_module
+    # Drop export's runtime assertion ops: the shape contracts they check are ours to keep.
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten._assert_tensor_metadata.default,
+            torch.ops.aten._assert_scalar.default,
+        ):
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    plain = torch.fx.GraphModule(gm, graph)
+    program = Program(graph_module=plain, inputs=tuple(specs), facts=facts, state=state)
+    if summary is None:
+        calls = sum(1 for n in graph.nodes if n.op == "call_function")
+        summary = f"torch.export (non-strict, dynamic tokens): {calls} ops, {len(specs)} inputs"
+    return program.with_stage(TRACE_STAGE, plain, Provenance(TRACE_STAGE, seconds, summary))
+
+
+def token_symbol(program: Program):
+    """The sympy symbol of the token dim of ``input_ids`` (None if the trace is static)."""
+    for node in program.placeholders():
+        if node.name == _user_name(program, "input_ids"):
+            val = node.meta.get("val")
+            if val is None or val.dim() < 2:
+                return None
+            size = val.shape[1]
+            if isinstance(size, torch.SymInt):
+                free = size.node.expr.free_symbols
+                return next(iter(free)) if len(free) == 1 else None
+    return None
+
+
+def _user_name(program: Program, role: str) -> str | None:
+    for spec in program.inputs:
+        if spec.kind == USER and spec.target == role:
+            return spec.name
+    return None
+
+
+def finish(program: Program, *, verify: bool = True) -> Program:
+    """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass)."""
+    from ..passes.canonicalize import canonicalize_attention
+    from ..passes.manager import run_passes
+
+    return run_passes(program, [canonicalize_attention], verify=verify)
+
+
+def with_facts(program: Program, make: Callable[[Program], ModelFacts]) -> Program:
+    """``program`` with facts computed from its (canonical) graph, in every stage snapshot too."""
+    facts = make(program)
+    stages = tuple((name, snap.replace(facts=facts)) for name, snap in program.stages)
+    return program.replace(facts=facts, stages=stages)

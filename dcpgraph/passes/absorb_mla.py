@@ -1,0 +1,216 @@
+"""``absorb_mla``: decompressed multi-head latent attention → attention in latent space.
+
+HF's DeepSeek attention up-projects the cached latent ``c`` (``kv_lora_rank``, after its norm)
+with ``kv_b_proj`` into per-head ``k_nope`` and ``v``, and concatenates ``k_nope`` with the roped,
+head-shared ``k_rope``. With ``W = kv_b_proj.weight`` viewed ``[H, nope + v, R]``, ``W_UK = W[:, :nope]``
+and ``W_UV = W[:, nope:]``::
+
+    q_nope·k_nope[h] = (q_nope·W_UK[h])·c          Σ_j p_j·v_j[h] = W_UV[h]·(Σ_j p_j·c_j)
+
+so attention can run over one KV head ``[c ‖ k_rope]`` (dim ``R + rope``) with values ``c`` (dim
+``R``, a prefix of the key), queries ``[q_nope·W_UK ‖ q_rope]``, and ``W_UV`` applied after — and
+after any LSE merge, which is exact because ``W_UV`` is linear and the same on every shard. The
+cache then holds ``R + rope`` numbers per token instead of ``H·(nope + v + rope)``.
+
+Recognition is structural: the value's nearest linear is the up-projection (its input is ``c``);
+the key is assembled (``cat``, or ``new_empty`` + ``copy_`` into slices) from that projection's
+``k_nope`` and a head-broadcast ``k_rope``; the query is ``cat(q_nope, q_rope)``. Dims are checked
+against the config. The pass also records, as plan data, the TP roles it found: the query
+projection is column-parallel (by heads), the output projection row-parallel, and the absorbed
+``W_UK``/``W_UV`` are split by heads like the query.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedModelError, VerificationError
+from ..program import PARAM, InputSpec, Program, ShardRule
+from .graph_edit import Emitter, nodes_calling
+from .manager import program_pass
+from .shard_tp import nearest_linears
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+_VIEWS = {
+    aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
+    aten.expand.default, aten.clone.default, aten.alias.default, aten.unsqueeze.default,
+    aten.permute.default,
+}
+
+
+def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _parts(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The pieces a tensor was assembled from along its last dim (cat, or new_empty + copy_)."""
+    node = _strip_views(node)
+    if node.op == "call_function" and node.target is aten.cat.default and node.args[1] in (-1, 3):
+        return list(node.args[0])
+    if node.op == "call_function" and node.target is aten.new_empty.default:
+        pieces = []
+        for user in node.users:
+            if user.op == "call_function" and user.target is aten.slice.Tensor:
+                for copy in user.users:
+                    if copy.op == "call_function" and copy.target is aten.copy_.default:
+                        pieces.append((user.args[2], copy.args[1]))
+        return [src for _, src in sorted(pieces, key=lambda item: item[0])]
+    return []
+
+
+def _val(node: torch.fx.Node):
+    return node.meta.get("val")
+
+
+def _ensure_latent(program: Program) -> None:
+    if program.facts.attention != "mla":
+        return
+    for node in nodes_calling(program.graph_module.graph, dcp_ops.attention.default):
+        k, v = node.args[1], node.args[2]
+        if not (v.op == "call_function" and v.target is aten.slice.Tensor and v.args[0] is k):
+            raise VerificationError(f"{node.name}: MLA attention must read values as a prefix of the latent key")
+        if _val(k).shape[1] != 1:
+            raise VerificationError(f"{node.name}: latent attention must have one KV head")
+
+
+@program_pass("absorb_mla", ensures=[_ensure_latent])
+def absorb_mla(program: Program):
+    facts = program.facts
+    if facts.attention != "mla":
+        return program, "not an MLA model: nothing to absorb"
+    rank = facts.extra["kv_lora_rank"]
+    nope = facts.extra["qk_nope_head_dim"]
+    rope = facts.extra["qk_rope_head_dim"]
+    vdim = facts.v_head_dim
+    heads = facts.num_q_heads
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    specs = {s.name: s for s in program.inputs}
+    state = dict(program.state)
+    new_specs: list[InputSpec] = []
+    plan = dict(facts.tp_plan)
+    dropped: set[str] = set()
+    first_user = next(n for n in graph.nodes if n.op == "placeholder" and specs[n.name].kind != PARAM)
+    for layer, node in enumerate(nodes_calling(graph, dcp_ops.attention.default)):
+        q, k, v, scale, causal = node.args
+        where = f"layer {layer} ({node.name})"
+        up = nearest_linears(v)
+        if len(up) != 1:
+            raise UnsupportedModelError(f"{where}: MLA value does not come from one up-projection")
+        (up,) = up
+        weight = up.args[1]
+        if len(up.args) > 2 and up.args[2] is not None:
+            raise UnsupportedModelError(f"{where}: an up-projection bias cannot be absorbed")
+        if specs.get(weight.name) is None or specs[weight.name].kind != PARAM:
+            raise UnsupportedModelError(f"{where}: up-projection weight is not a parameter")
+        full = program.state[specs[weight.name].target]
+        if tuple(full.shape) != (heads * (nope + vdim), rank):
+            raise UnsupportedModelError(f"{where}: up-projection {tuple(full.shape)} does not match the config")
+        latent = up.args[0]
+        k_parts, q_parts = _parts(k), _parts(q)
+        if len(k_parts) != 2 or len(q_parts) != 2:
+            raise UnsupportedModelError(f"{where}: key/query are not [nope ‖ rope] concatenations")
+        k_rope = _strip_views(k_parts[1])
+        if nearest_linears(k_parts[0]) != {up} or _val(k_rope).shape[1] != 1 or _val(k_rope).shape[-1] != rope:
+            raise UnsupportedModelError(f"{where}: key is not [W_UK·c ‖ shared k_rope]")
+        q_nope, q_rope = q_parts
+        if _val(q_nope).shape[-1] != nope or _val(q_rope).shape[-1] != rope:
+            raise UnsupportedModelError(f"{where}: query parts do not match nope/rope dims")
+
+        # Absorbed projections, computed once from the full weight (functional state).
+        target = specs[weight.name].target.removesuffix(".weight")
+        w = full.view(heads, nope + vdim, rank)
+        uk_name, uv_name = f"{target}.absorbed_uk", f"{target}.absorbed_uv_t"
+        state[uk_name] = w[:, :nope, :].contiguous()  # [H, nope, R]
+        state[uv_name] = w[:, nope:, :].transpose(1, 2).contiguous()  # [H, R, v]
+        with graph.inserting_before(first_user):
+            uk_node = graph.placeholder(_safe(uk_name))
+            uv_node = graph.placeholder(_safe(uv_name))
+        new_specs += [InputSpec(uk_node.name, PARAM, uk_name, ShardRule(0)),
+                      InputSpec(uv_node.name, PARAM, uv_name, ShardRule(0))]
+        for n in (uk_node, uv_node):
+            n.meta["val"] = torch.empty(state[_target_of(n.name, new_specs)].shape, dtype=full.dtype, device="meta")
+
+        with graph.inserting_before(node):
+            c = e(aten.view.default, latent, [1, 1, -1, rank])  # [1, 1, T, R]
+            k_latent = e(aten.cat.default, [c, e(aten.view.default, k_rope, [1, 1, -1, rope])], -1)
+            v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
+            q_latent = e(aten.cat.default, [e(aten.matmul.default, q_nope, uk_node), q_rope], -1)
+            o_latent = e(dcp_ops.attention.default, q_latent, k_latent, v_latent, scale, causal)
+            out = e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        _drop_key_assembly(graph, k)
+        # TP roles found in the graph (sharding is data): queries by heads, output by rows.
+        for lin in nearest_linears(q_nope):
+            plan[_module_path(lin, specs)] = "colwise"
+        for user in _output_linears(out):
+            plan[_module_path(user, specs)] = "rowwise"
+        plan.pop(target, None)
+    graph.eliminate_dead_code()
+    for p in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:
+        spec = specs.get(p.name)
+        if spec is not None and spec.kind == PARAM:
+            dropped.add(spec.target)
+            graph.erase_node(p)
+    gm.recompile()
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    all_specs = {s.name: s for s in (*program.inputs, *new_specs)}
+    inputs = tuple(all_specs[n] for n in names)
+    for t in dropped:
+        state.pop(t, None)
+    result = program.replace(
+        graph_module=gm, inputs=inputs, state=state,
+        facts=_replace(facts, tp_plan=plan, num_kv_heads=1, head_dim=rank + rope, v_head_dim=rank),
+    )
+    return result, (f"{len(new_specs) // 2} MLA layers absorbed: latent KV {rank}+{rope} per token, "
+                    f"dropped {len(dropped)} up-projection weights")
+
+
+def _safe(name: str) -> str:
+    return "p_" + name.replace(".", "_")
+
+
+def _target_of(node_name: str, specs: list[InputSpec]) -> str:
+    return next(s.target for s in specs if s.name == node_name)
+
+
+def _module_path(linear: torch.fx.Node, specs: dict[str, InputSpec]) -> str:
+    return specs[linear.args[1].name].target.removesuffix(".weight")
+
+
+def _output_linears(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The linear(s) that consume the attention output through shape-only ops."""
+    found, frontier = [], [node]
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            if user.op == "call_function" and user.target is aten.linear.default:
+                found.append(user)
+            elif user.op == "call_function" and user.target in _VIEWS:
+                frontier.append(user)
+    return found
+
+
+def _drop_key_assembly(graph: torch.fx.Graph, key: torch.fx.Node) -> None:
+    """Erase the in-place copies that assembled the decompressed key (now dead)."""
+    base = _strip_views(key)
+    if base.op == "call_function" and base.target is aten.new_empty.default:
+        for user in list(base.users):
+            for copy in list(user.users):
+                if copy.op == "call_function" and copy.target is aten.copy_.default:
+                    graph.erase_node(copy)
+
+
+def _replace(facts, **changes):
+    import dataclasses
+
+    return dataclasses.replace(facts, **changes)
+
+
+

@@ -57,14 +57,11 @@ def attend(
         return _empty_result(lq, hq, dv, q.dtype, q.device)
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    flash_ok = (
-        kv_bound is None
-        and q.shape[-1] == k.shape[-1] == dv
-        and (not causal or lq == lk)
-        and q.dtype == k.dtype == v.dtype
-        and q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    )
-    if flash_ok:
+    value_prefix = _is_prefix_view(v, k)
+    flash_dtype = q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
+    if kv_bound is None and not causal and flash_dtype and (q.shape[-1] == k.shape[-1] == dv or value_prefix):
+        return _attend_grouped_flash(q, k, k if value_prefix else v, scale, dv)
+    if kv_bound is None and flash_dtype and q.shape[-1] == k.shape[-1] == dv and (not causal or lq == lk):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
@@ -75,6 +72,35 @@ def attend(
         )[:2]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1).to(acc_dtype(q.dtype))
     return _attend_math(q, k, v, scale, causal=causal, kv_bound=kv_bound)
+
+
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """``v`` is ``k[..., :Dv]`` (MLA's latent cache: values are the first R dims of the key)."""
+    return (
+        v.shape[-1] < k.shape[-1] and v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
+        and v.data_ptr() == k.data_ptr() and v.dtype == k.dtype
+    )
+
+
+def _attend_grouped_flash(q, k, v, scale, dv):
+    """Non-causal attention with the ``G = Hq/Hkv`` query heads of each KV head as extra query
+    rows: ``[Lq, Hkv·G, D] → [1, Hkv, G·Lq, D]`` against ``[1, Hkv, Lk, D]``. Exact (no mask ties a
+    row to a position), and the kernel streams each KV head once instead of once per query head,
+    which is what makes decode attention bandwidth-bound rather than G× slower. ``v`` may be wider
+    than ``dv`` (MLA passes the key itself); the output keeps the first ``dv`` dims."""
+    lq, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    rows = q.reshape(lq, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * lq, d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        rows, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, False, scale=scale
+    )[:2]
+    out = out[0, :, :, :dv].reshape(hkv, group, lq, dv).permute(2, 0, 1, 3).reshape(lq, hq, dv)
+    lse = lse[0].reshape(hkv, group, lq).permute(2, 0, 1).reshape(lq, hq)
+    return out, lse.to(acc_dtype(q.dtype))
 
 
 def _attend_math(q, k, v, scale, *, causal, kv_bound):
@@ -175,6 +201,7 @@ def paged_partial_attention(
     tq, hq, _ = q.shape
     out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
     block = k_cache.shape[1]
+    value_prefix = _is_prefix_view(v_cache, k_cache)
     cq = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()
     table = block_table.tolist()
@@ -184,7 +211,7 @@ def paged_partial_attention(
             continue
         ids = table[r][: (n + block - 1) // block]
         k = gather_paged(k_cache, ids, n)
-        v = gather_paged(v_cache, ids, n)
+        v = k[..., : v_cache.shape[-1]] if value_prefix else gather_paged(v_cache, ids, n)
         bound = None if kv_bound is None else kv_bound[q0:q1]
         o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound)
         out[q0:q1] = o

@@ -74,5 +74,15 @@ def run_passes(program: Program, passes: Sequence[ProgramPass], *, verify: bool 
                 raise VerificationError(
                     f"after pass {p.name!r}: invariant check crashed: {type(err).__name__}: {err}"
                 ) from err
+        else:
+            # Later passes read node.meta["val"], which shape propagation (part of verification)
+            # stores; without it shard_dcp crashed with KeyError 'val'. No check, so no error here:
+            # a pass that needs a value that could not be propagated fails on its own.
+            from .verify import propagate_shapes
+
+            try:
+                propagate_shapes(result)
+            except Exception:
+                pass
         program = result
     return program

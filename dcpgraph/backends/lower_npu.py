@@ -303,8 +303,8 @@ class _Lowering:
     def sanitize(self, lse, dtype: torch.dtype) -> torch.fx.Node:
         """lse in ``dtype`` with NaN and +inf mapped to −inf (an empty partial)."""
         lse = self.cast(lse, dtype)
-        bad = self(aten.logical_or.default, self(aten.isnan.default, lse), self(aten.eq.Scalar, lse, math.inf))
-        return self.where(bad, NEG_INF, lse)
+        # ``lse < inf`` is False exactly for NaN and +inf (torchair has no isnan converter).
+        return self.where(self(aten.lt.Scalar, lse, math.inf), lse, NEG_INF)
 
     def replace(self, node: torch.fx.Node, results: Sequence[torch.fx.Node | None]) -> None:
         """Route ``node``'s getitem users to ``results`` and erase it."""

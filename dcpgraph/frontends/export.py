@@ -115,27 +115,6 @@ def program_from_export(
     return program.with_stage(TRACE_STAGE, plain, Provenance(TRACE_STAGE, seconds, summary))
 
 
-def token_symbol(program: Program):
-    """The sympy symbol of the token dim of ``input_ids`` (None if the trace is static)."""
-    for node in program.placeholders():
-        if node.name == _user_name(program, "input_ids"):
-            val = node.meta.get("val")
-            if val is None or val.dim() < 2:
-                return None
-            size = val.shape[1]
-            if isinstance(size, torch.SymInt):
-                free = size.node.expr.free_symbols
-                return next(iter(free)) if len(free) == 1 else None
-    return None
-
-
-def _user_name(program: Program, role: str) -> str | None:
-    for spec in program.inputs:
-        if spec.kind == USER and spec.target == role:
-            return spec.name
-    return None
-
-
 def finish(program: Program, *, verify: bool = True) -> Program:
     """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass)."""
     from ..passes.canonicalize import canonicalize_attention

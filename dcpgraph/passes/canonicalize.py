@@ -279,6 +279,7 @@ class _Masks:
         self.gm = gm
         self.specs = {s.name: s for s in program.inputs}
         self.symbol = None
+        self.range = None
         for node in gm.graph.nodes:
             spec = self.specs.get(node.name)
             if node.op == "placeholder" and spec is not None and spec.kind == USER and spec.target == "input_ids":

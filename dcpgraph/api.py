@@ -80,6 +80,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     from .runtime.executors import DistributedExecutor, EmulatedExecutor
 
     mesh = Mesh(tp, dcp)
+    if comm not in ("auto", "a2a", "ag_rs"):
+        raise ConfigError(f"comm must be 'auto', 'a2a' or 'ag_rs', got {comm!r}")
     facts = facts_of(model)
     mesh.validate(
         attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,

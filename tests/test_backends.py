@@ -131,3 +131,11 @@ def test_inductor_matches_eager(arch):
     assert engine.generate(prompts, 6) == eager
     status = engine.report()["graphs"]["mixed"]
     assert status["backend"] == "inductor" and status["fallback"] is None
+
+
+def test_unknown_comm_is_refused_before_any_work(monkeypatch):
+    import dcpgraph.passes.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "compile_program", lambda *a, **k: pytest.fail("compiled anyway"))
+    with pytest.raises(dcpgraph.ConfigError, match="comm must be"):
+        dcpgraph.compile(build_model("llama"), tp=2, dcp=2, comm="ring")

@@ -38,7 +38,7 @@ dcpgraph op                      lowered to
                                  zeroed and its lse clamped to −1e30 so the kernel never computes
                                  ``−inf − (−inf)``, and rows where every partial is empty give
                                  ``(0, −inf)``. Outside the limits (e.g. dcp > 16, fp64, Dv = 4):
-                                 the merge written in aten (amax, exp, sum, log, where).
+                                 the merge written in aten (max, exp, sum, log, where).
 ``rescale_to_global``            aten (the AG+RS merge's local step, same edge rules).
 ``kv_cache_write_``              aten ``scatter_`` (GE ``ScatterElements``; torchair has no
                                  ``index_put`` converter) along dim 0 of the cache viewed
@@ -510,7 +510,7 @@ class _Lowering:
     def _weights(self, lses, dtype):
         """dcpgraph.ops.merge.merge_weights in aten: (weights [N, ...], lse [...])."""
         lses = self.sanitize(lses, dtype)
-        peak = self(aten.amax.default, lses, [0], True)
+        peak = self.item(self(aten.max.dim, lses, 0, True), 0)  # (torchair has no amax converter)
         peak = self.where(self(aten.eq.Scalar, peak, NEG_INF), 0.0, peak)
         scaled = self(aten.exp.default, self(aten.sub.Tensor, lses, peak))
         total = self(aten.sum.dim_IntList, scaled, [0], True)

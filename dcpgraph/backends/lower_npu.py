@@ -61,8 +61,9 @@ tensor inputs (``local_context_lens``): turning them into SymInts needs
 into the graph). torchair's own overload (``torchair.ops.npu_fused_infer_attention_score``,
 documented as graph-mode only) takes them as int64 device tensors. Both ops are looked up lazily,
 inside the pass: on Ascend ``torch.ops.npu.*`` come from libtorch_npu.so and ``torch.ops.air.*``
-from importing torchair; elsewhere (a test tier declares them) the pass raises
-:class:`NpuLoweringError` naming what is missing.
+from importing torchair; where they are missing (and no test tier declared them) the pass raises
+:class:`NpuLoweringError` naming what is missing. The merge, rescale and KV-write lowerings are
+plain aten and need neither.
 
 Limits (checked here, or inherited from the ops; the FIAS ones are not checked by conversion and
 would fail in CANN's compile on the device):
@@ -76,15 +77,20 @@ would fail in CANN's compile on the device):
 - ``paged_attention``'s optional ``kv_bound`` (a per-query causal bound inside the cache) has no
   FIAS form here and raises :class:`NpuLoweringError` (no dcpgraph pass emits it today).
 
-Unverified without Ascend hardware (the test tier only proves that conversion succeeds and which
-GE ops come out): FIAS's numerics and its output for requests with zero local keys (masked here
+Checked on CPU by ``tests/torchair_tier``: conversion of DCP decode programs (GQA and MLA, a2a and
+ag_rs) succeeds with every node converted, which GE ops come out, and the lowered graph run with
+CPU reference kernels of FIAS/AttentionUpdate (written from their documentation) reproduces eager's
+logits and caches — including requests with no local keys, slot −1 writes and all-empty merges.
+Unverified without Ascend hardware: FIAS's numerics and its output for requests with zero local keys (masked here
 anyway); that TND ``actual_seq_lengths_kv`` is per-request for paged KV and cumulative without
 paging (as the FIAS documentation describes); that non-paged TND accepts ``query_rope``;
 AttentionUpdate's numerics; and performance: the MLA latent cache is one tensor ``[c ‖ k_rope]``,
 so the ``c``/``k_rope`` slices handed to FIAS are strided views that GE may materialise as copies
 of the whole cache each step (vLLM-Ascend keeps two caches for this reason); a KV write through
 ``scatter_`` on a graph input is functionalised by AOT autograd (torchair keeps input mutations
-in the graph by default), not a dedicated scatter-to-cache kernel.
+in the graph by default), not a dedicated scatter-to-cache kernel (torchair does convert
+``npu_scatter_pa_kv_cache``; it is not used because its handling of slot −1 is unchecked). The KV-write
+lowering assumes a step has at least one token (as every dcpgraph step does).
 """
 
 from __future__ import annotations
@@ -386,8 +392,10 @@ class _Lowering:
 
     def _mask_empty_rows(self, out, lse, q, cu_q, kv_lens):
         """Rows whose request has no (local) key: out 0, lse −inf, whatever FIAS gave."""
-        tokens = self(aten.sym_size.int, q, 0)
-        positions = self(aten.arange.start_step, 0, tokens, 1, dtype=torch.int64, device=_val(q).device)
+        # positions 0..T-1 on q's device (an arange would bake the tracing device into the graph)
+        ones = self(aten.ones_like.default, self(aten.select.int, self(aten.select.int, q, -1, 0), -1, 0),
+                    dtype=torch.int64)  # [T]
+        positions = self(aten.sub.Tensor, self(aten.cumsum.default, ones, 0), ones)
         ends = self(aten.slice.Tensor, self.cast(cu_q, torch.int64), 0, 1, None)
         row = self(aten.sum.dim_IntList, self.cast(self(aten.ge.Tensor, self(aten.unsqueeze.default, positions, 1),
                                                         self(aten.unsqueeze.default, ends, 0)), torch.int64), [1])

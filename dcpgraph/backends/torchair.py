@@ -30,15 +30,23 @@ Modes:
     host ops with device↔host copies until dcpgraph registers NPU (PrivateUse1) kernels for them.
 
 Options exposed: ``frozen_parameter`` (``experimental_config.frozen_parameter``: parameters and
-``mark_static_address`` tensors as fixed device addresses), ``dynamic`` (torch.compile's; GE then
-builds a dynamic-shape graph with host scheduling), ``dump_dir`` (GE graph dumped as ``.pbtxt``
-files there: ``debug.graph_dump.type = "pbtxt"``), and ``config``: a ready
-``torchair.CompilerConfig`` that replaces all of these for GE mode.
+``mark_static_address`` tensors as fixed device addresses; note that a dcpgraph program takes its
+weights and KV caches as graph *inputs*, so this only covers inputs the caller marked with
+``torch._dynamo.mark_static_address``), ``dynamic`` (torch.compile's; ``False`` gives one static GE
+graph per distinct set of input shapes — token count, request count, block-table width, cache
+blocks — while ``True`` gives one dynamic-shape graph with host scheduling), ``dump_dir`` (GE graph
+dumped there as ``.pbtxt``: ``debug.graph_dump.type = "pbtxt"``), ``merge`` (see
+:func:`~dcpgraph.backends.lower_npu.lower_npu`), and ``config``: a ready
+``torchair.CompilerConfig`` that replaces mode/frozen_parameter/dump_dir.
 
-What is verified without Ascend hardware: that conversion of dcpgraph's DCP decode programs (GQA
-and MLA, a2a and ag_rs) to GE succeeds and which GE ops come out (``tests/torchair_tier``).
-Not verified: GE/CANN compile, numerics and performance on a device, the npugraph_ex path at all
-(it needs an NPU to capture), and ``dynamic=True`` graphs.
+What is verified without Ascend hardware (``tests/torchair_tier``, torchair's Python code from the
+torch-npu 2.13.0 wheel with stand-ins for its C extensions, two gloo ranks): conversion of
+dcpgraph's DCP decode programs (GQA and MLA, a2a and ag_rs, static shapes) to GE succeeds, which GE
+ops come out, and that the lowered graph, run on CPU with reference kernels of the two Ascend ops
+written from their documentation, reproduces eager's logits and KV caches. ``dynamic=True``
+conversion was checked by hand once (it converts), not by the tier. Not verified: GE/CANN compile,
+the Ascend kernels' numerics and limits, performance, and the npugraph_ex path (torchair's aclgraph
+compiler needs torch_npu's own ops even to build; capture needs an NPU).
 """
 
 from __future__ import annotations

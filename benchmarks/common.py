@@ -1,0 +1,90 @@
+"""Helpers shared by the benchmarks (not a benchmark itself: ``run.py`` skips this module).
+
+Records are plain dicts ``{"benchmark", "config", "metric", "value", "unit"}`` plus, where there
+is one, ``"baseline"`` and ``"ratio"`` (= value / baseline), and, for rows that carry a target,
+``"target"`` (the rule, in words), ``"met"`` (bool) and ``"miss"`` (how far off, in words; empty
+when met). The machine is shared and noisy, so every comparison is made inside one run, with the
+compared variants interleaved rep by rep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+
+def record(benchmark: str, config: str, metric: str, value: float, unit: str, *, baseline: float | None = None,
+           ratio: float | None = None, digits: int = 6, **extra) -> dict:
+    rec = {"benchmark": benchmark, "config": config, "metric": metric, "value": _round(value, digits), "unit": unit}
+    if baseline is not None:
+        rec["baseline"] = _round(baseline, digits)
+        rec["ratio"] = _round(ratio if ratio is not None else (value / baseline if baseline else float("nan")), 4)
+    rec.update(extra)
+    return rec
+
+
+def with_target(rec: dict, target: str, met: bool, miss: str = "") -> dict:
+    rec["target"] = target
+    rec["met"] = bool(met)
+    rec["miss"] = "" if met else miss
+    return rec
+
+
+def _round(x, digits):
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    return x
+
+
+def write(name: str, records: list[dict], out: Path | None = None) -> Path:
+    out = out or RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=2) + "\n")
+    return out
+
+
+def load_note() -> str:
+    """The 1-minute load average (the machine is shared): part of every config string."""
+    try:
+        return f"load={os.getloadavg()[0]:.1f}/{os.cpu_count()}cpu"
+    except OSError:
+        return "load=?"
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each call, the variants interleaved rep by rep so noise hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return times
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def print_records(records: list[dict]) -> None:
+    for r in records:
+        extra = ""
+        if "ratio" in r:
+            extra = f"  (baseline {r['baseline']}, ratio {r['ratio']})"
+        tgt = ""
+        if "target" in r:
+            tgt = f"  [{'MET' if r['met'] else 'MISSED'}: {r['target']}{'; ' + r['miss'] if r['miss'] else ''}]"
+        print(f"  {r['metric']:<28} {r['value']:>14} {r['unit']:<8} {r['config']}{extra}{tgt}")

@@ -129,6 +129,18 @@ def _attend_math(q, k, v, scale, *, causal, kv_bound):
     return out.to(q.dtype), lse
 
 
+def _one_key_per_row(q, k, v, scale):
+    """Every row is one query over exactly one key (decode's new-token part): the softmax weight
+    is 1, so ``out = v`` (per GQA group) and ``lse = scale·q·k`` — no kernel call per request."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    acc = acc_dtype(q.dtype)
+    kg = k.to(acc).repeat_interleave(hq // hkv, dim=1)
+    lse = (q.to(acc) * kg).sum(-1) * scale
+    out = v.repeat_interleave(hq // hkv, dim=1).to(q.dtype)
+    return out, lse
+
+
 def varlen_partial_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,9 +152,11 @@ def varlen_partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s queries ``q[cq_r:cq_{r+1}]`` attend to keys ``k[ck_r:ck_{r+1}]``."""
     tq, hq, _ = q.shape
-    out, lse = _empty_result(tq, hq, v.shape[-1], q.dtype, q.device)
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
+    if cq == ck == list(range(tq + 1)) and tq == k.shape[0]:
+        return _one_key_per_row(q, k, v, scale)
+    out, lse = _empty_result(tq, hq, v.shape[-1], q.dtype, q.device)
     for r in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[r], cq[r + 1], ck[r], ck[r + 1]
         if q1 == q0 or k1 == k0:
@@ -156,8 +170,8 @@ def varlen_partial_attention(
 def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
     """The first ``length`` tokens of a request from a paged cache ``[NB, B, H, D]`` as ``[L, H, D]``.
 
-    A run of consecutive physical blocks is returned as a view (no copy); scattered blocks are
-    gathered run by run.
+    Consecutive physical blocks are returned as a view (no copy); otherwise one ``index_select``
+    gathers every block in a single pass (a run-by-run ``cat`` cost several times more).
     """
     block = cache.shape[1]
     # A block table row that is too short (or holds padding / out-of-range ids where real blocks
@@ -172,15 +186,58 @@ def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torc
         raise ValueError(
             f"paged attention: block ids {bad} outside the cache's {cache.shape[0]} blocks"
         )
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    pieces = [cache[s : s + n].reshape(n * block, *cache.shape[2:]) for s, n in runs]
-    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return flat[:length]
+    first, count = block_ids[0], len(block_ids)
+    if block_ids[-1] - first == count - 1 and block_ids == list(range(first, first + count)):
+        return cache[first : first + count].reshape(count * block, *cache.shape[2:])[:length]
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+    return cache.index_select(0, index).reshape(count * block, *cache.shape[2:])[:length]
+
+
+# Decode batches whose longest context is at most this many tokens run as one batched gather + two
+# batched matmuls instead of a Python loop over requests (per-call overhead dominates there);
+# longer contexts keep the per-request streaming kernel, which reads the cache in place.
+BATCHED_DECODE_TOKENS = 512
+
+
+def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix):
+    """One query per row: gather every row's context into ``[R, Lmax, Hkv, D]`` with one index
+    op, mask keys past each row's length, and attend with batched matmuls in the accumulation
+    dtype. Rows with no keys give ``(0, −inf)``."""
+    rows, hq, d = q.shape
+    block, hkv = k_cache.shape[1], k_cache.shape[2]
+    dv = v_cache.shape[-1]
+    longest = int(kv_lens.max())
+    positions = torch.arange(longest, device=q.device)
+    width = (longest + block - 1) // block
+    if block_table.shape[1] < width:
+        raise ValueError(
+            f"paged attention: {longest} tokens need {width} blocks of {block}, "
+            f"but the block table row has {block_table.shape[1]}"
+        )
+    table = block_table.to(torch.int64)[:, :width]
+    needed = torch.arange(width, device=q.device).unsqueeze(0) * block < kv_lens.to(q.device).unsqueeze(1)
+    bad = needed & ((table < 0) | (table >= k_cache.shape[0]))
+    if bool(bad.any()):
+        raise ValueError(
+            f"paged attention: block ids {table[bad].tolist()} outside the cache's {k_cache.shape[0]} blocks"
+        )
+    slots = table.gather(1, (positions // block).unsqueeze(0).expand(rows, -1)) * block + positions % block
+    valid = positions.unsqueeze(0) < kv_lens.to(positions.device).unsqueeze(1)  # [R, L]
+    slots = torch.where(valid, slots, 0).reshape(-1)
+    acc = acc_dtype(q.dtype)
+    keys = k_cache.reshape(-1, hkv, k_cache.shape[-1]).index_select(0, slots).reshape(rows, longest, hkv, -1)
+    if value_prefix:
+        values = keys[..., :dv]
+    else:
+        values = v_cache.reshape(-1, hkv, dv).index_select(0, slots).reshape(rows, longest, hkv, dv)
+    group = hq // hkv
+    qg = q.to(acc).reshape(rows, hkv, group, d)  # [R, Hkv, G, D]
+    scores = torch.matmul(qg, keys.to(acc).permute(0, 2, 3, 1)) * scale  # [R, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], NEG_INF)
+    lse = torch.logsumexp(scores, -1)  # [R, Hkv, G]
+    probs = torch.exp(scores - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, values.to(acc).permute(0, 2, 1, 3))  # [R, Hkv, G, Dv]
+    return out.reshape(rows, hq, dv).to(q.dtype), lse.reshape(rows, hq)
 
 
 def paged_partial_attention(
@@ -199,11 +256,14 @@ def paged_partial_attention(
     ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``.
     """
     tq, hq, _ = q.shape
-    out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
     block = k_cache.shape[1]
     value_prefix = _is_prefix_view(v_cache, k_cache)
     cq = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()
+    rows = len(lens)
+    if kv_bound is None and tq == rows and cq == list(range(rows + 1)) and 0 < max(lens, default=0) <= BATCHED_DECODE_TOKENS:
+        return _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix)
+    out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
     table = block_table.tolist()
     for r, n in enumerate(lens):
         q0, q1 = cq[r], cq[r + 1]

@@ -29,10 +29,36 @@ from .merge import merge_attention_reference, rescale_to_global_reference
 
 NS = "dcpgraph"
 
+# Registered with the low-level ``torch.library.Library`` API (schema + CompositeExplicitAutograd
+# kernel + fake), not ``torch.library.custom_op``: the latter wraps every call in autograd and
+# dynamo-disable frames costing ~100 µs per call, which at 5 ops per layer was half of a small
+# model's decode step. These ops are inference-only (no autograd formula).
+_lib = torch.library.Library(NS, "DEF")
+_SCHEMAS = {
+    "attention": "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> Tensor",
+    "partial_attention": (
+        "partial_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "float scale, bool causal) -> (Tensor, Tensor)"
+    ),
+    "paged_attention": (
+        "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor cu_seqlens_q, Tensor kv_lens, Tensor? kv_bound, float scale) -> (Tensor, Tensor)"
+    ),
+    "merge_attention": "merge_attention(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
+    "rescale_to_global": "rescale_to_global(Tensor out, Tensor lse, Tensor lses_all) -> (Tensor, Tensor)",
+    "kv_cache_write_": "kv_cache_write_(Tensor(a!) cache, Tensor new, Tensor slot_mapping) -> ()",
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
 
-@torch.library.custom_op(f"{NS}::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    b, hq, s, _ = q.shape
+
+def _register(name: str, kernel, fake) -> None:
+    _lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NS}::{name}", fake, lib=_lib)
+
+
+def _attention(q, k, v, scale, causal):
+    b = q.shape[0]
     outs = []
     for i in range(b):
         o, _ = kernels.attend(q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), scale, causal=causal)
@@ -40,80 +66,51 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     return torch.stack(outs).contiguous()
 
 
-@attention.register_fake
-def _(q, k, v, scale, causal):
+def _attention_fake(q, k, v, scale, causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@torch.library.custom_op(f"{NS}::partial_attention", mutates_args=())
-def partial_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
     out, lse = kernels.varlen_partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return out.contiguous(), lse.contiguous()
 
 
-@partial_attention.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+def _partial_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
-@torch.library.custom_op(f"{NS}::paged_attention", mutates_args=())
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    kv_bound: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
     out, lse = kernels.paged_partial_attention(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale
     )
     return out.contiguous(), lse.contiguous()
 
 
-@paged_attention.register_fake
-def _(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
+def _paged_attention_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
     return (
         q.new_empty((*q.shape[:-1], v_cache.shape[-1])),
         q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype)),
     )
 
 
-@torch.library.custom_op(f"{NS}::merge_attention", mutates_args=())
-def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_attention(outs, lses):
     return merge_attention_reference(outs, lses)
 
 
-@merge_attention.register_fake
-def _(outs, lses):
+def _merge_attention_fake(outs, lses):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:], dtype=acc_dtype(lses.dtype))
 
 
-@torch.library.custom_op(f"{NS}::rescale_to_global", mutates_args=())
-def rescale_to_global(
-    out: torch.Tensor, lse: torch.Tensor, lses_all: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rescale_to_global(out, lse, lses_all):
     return rescale_to_global_reference(out, lse, lses_all)
 
 
-@rescale_to_global.register_fake
-def _(out, lse, lses_all):
+def _rescale_to_global_fake(out, lse, lses_all):
     acc = torch.promote_types(acc_dtype(lses_all.dtype), out.dtype)
     return out.new_empty(out.shape, dtype=acc), lse.new_empty(lse.shape, dtype=acc_dtype(lses_all.dtype))
 
 
-@torch.library.custom_op(f"{NS}::kv_cache_write_", mutates_args=("cache",))
-def kv_cache_write_(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _kv_cache_write_(cache, new, slot_mapping):
     flat = cache.view(-1, *cache.shape[2:])
     owned = slot_mapping >= 0
     if bool(owned.all()):
@@ -122,6 +119,21 @@ def kv_cache_write_(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.
         flat.index_copy_(0, slot_mapping[owned].to(torch.int64), new[owned].to(cache.dtype))
 
 
-@kv_cache_write_.register_fake
-def _(cache, new, slot_mapping):
+def _kv_cache_write_fake(cache, new, slot_mapping):
     return None
+
+
+_register("attention", _attention, _attention_fake)
+_register("partial_attention", _partial_attention, _partial_attention_fake)
+_register("paged_attention", _paged_attention, _paged_attention_fake)
+_register("merge_attention", _merge_attention, _merge_attention_fake)
+_register("rescale_to_global", _rescale_to_global, _rescale_to_global_fake)
+_register("kv_cache_write_", _kv_cache_write_, _kv_cache_write_fake)
+
+ops = torch.ops.dcpgraph
+attention = ops.attention
+partial_attention = ops.partial_attention
+paged_attention = ops.paged_attention
+merge_attention = ops.merge_attention
+rescale_to_global = ops.rescale_to_global
+kv_cache_write_ = ops.kv_cache_write_

@@ -73,7 +73,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
-    graph mode).
+    graph mode), ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
+    ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
+    whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
+    every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``).
     """
     from .passes.pipeline import compile_program
     from .runtime.engine import Engine, blocks_for_budget
@@ -93,6 +96,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     max_num_seqs = int(options.pop("max_num_seqs", 8))
     max_batched_tokens = int(options.pop("max_batched_tokens", 256))
     capture_limit = int(options.pop("capture_limit", 32))
+    enable_prefix_caching = bool(options.pop("enable_prefix_caching", False))
     sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
     program = compile_program(
         model, mesh, block_size=block_size, interleave=interleave, comm=comm,
@@ -109,7 +113,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
         max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, graphs=graphs,
-        capture_limit=capture_limit,
+        capture_limit=capture_limit, enable_prefix_caching=enable_prefix_caching,
     )
 
 

@@ -268,7 +268,7 @@ def test_explain_final_program(compiled):
     lines = text.splitlines()
     assert lines[0].startswith("# LM: gqa attention, 2 layers, 4 q heads / 2 kv heads, head dim 16")
     assert "# mesh: Mesh(tp=4, dcp=2; dcp groups {0,1} {2,3})" in lines
-    assert "# stage: shard_dcp" in lines
+    assert f"# stage: {compiled.stages[-1][0]}" in lines and compiled.stages[-1][0] == "fuse_new_tokens"
     assert "  caches (4):" in lines and any(line.strip().startswith("%k_cache_0: layer 0 k, [blocks, 8, 1, 16]") for line in lines)
     assert any("rank 0 holds" in line for line in lines if "params:" in line)
     assert "  rank: %tp_rank, %dcp_rank" in lines
@@ -309,3 +309,19 @@ def test_explain_fills_in_missing_shapes(traced):
     assert "# stage: final" in text
     attention = [line for line in text.splitlines() if "= dcpgraph.attention(" in line]
     assert attention and all(line.endswith(": [1, 4, 6, 16] float32") for line in attention)
+
+
+def test_fuse_new_tokens_only_without_dcp():
+    """dcp=1: one paged read per layer covers context and new tokens; dcp>1 keeps the split."""
+    from dcpgraph.models import build_model
+    from dcpgraph.passes.pipeline import compile_program
+
+    model = build_model("llama", dtype=torch.float64)
+    ops_of = lambda p: [n.target for n in p.graph_module.graph.nodes if n.op == "call_function"]  # noqa: E731
+    fused = compile_program(model, dcpgraph.Mesh(2, 1), block_size=4)
+    assert torch.ops.dcpgraph.partial_attention.default not in ops_of(fused)
+    assert torch.ops.dcpgraph.merge_attention.default not in ops_of(fused)
+    assert ops_of(fused).count(torch.ops.dcpgraph.paged_attention.default) == 2
+    split = compile_program(model, dcpgraph.Mesh(2, 2), block_size=4)
+    assert ops_of(split).count(torch.ops.dcpgraph.partial_attention.default) == 2
+    assert "context/new split is the DCP form" in split.provenance[-1].summary

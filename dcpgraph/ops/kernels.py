@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .merge import merge_attention_reference
+
 NEG_INF = float("-inf")
 
 
@@ -61,6 +63,11 @@ def attend(
     flash_dtype = q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
     if kv_bound is None and not causal and flash_dtype and (q.shape[-1] == k.shape[-1] == dv or value_prefix):
         return _attend_grouped_flash(q, k, k if value_prefix else v, scale, dv)
+    if causal and kv_bound is None and lk > lq:
+        # Bottom-right causal: every query sees the first lk − lq keys fully, then a causal square.
+        head = attend(q, k[: lk - lq], v[: lk - lq], scale)
+        tail = attend(q, k[lk - lq :], v[lk - lq :], scale, causal=True)
+        return merge_attention_reference(torch.stack([head[0], tail[0]]), torch.stack([head[1], tail[1]]))
     if kv_bound is None and flash_dtype and q.shape[-1] == k.shape[-1] == dv and (not causal or lq == lk):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(0, 1).unsqueeze(0),
@@ -240,6 +247,12 @@ def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, valu
     return out.reshape(rows, hq, dv).to(q.dtype), lse.reshape(rows, hq)
 
 
+def _is_suffix_causal(bound: torch.Tensor, keys: int) -> bool:
+    """The bound is bottom-right causal: query ``i`` of ``n`` sees keys ``< keys − n + 1 + i``."""
+    n = bound.numel()
+    return bool(torch.equal(bound.to(torch.int64), torch.arange(keys - n + 1, keys + 1, device=bound.device)))
+
+
 def paged_partial_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,7 +274,9 @@ def paged_partial_attention(
     cq = cu_seqlens_q.tolist()
     lens = kv_lens.tolist()
     rows = len(lens)
-    if kv_bound is None and tq == rows and cq == list(range(rows + 1)) and 0 < max(lens, default=0) <= BATCHED_DECODE_TOKENS:
+    if tq == rows and cq == list(range(rows + 1)) and 0 < max(lens, default=0) <= BATCHED_DECODE_TOKENS:
+        if kv_bound is not None:
+            kv_lens = torch.minimum(kv_lens.to(torch.int64), kv_bound.to(torch.int64))
         return _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix)
     out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
     table = block_table.tolist()
@@ -273,7 +288,10 @@ def paged_partial_attention(
         k = gather_paged(k_cache, ids, n)
         v = k[..., : v_cache.shape[-1]] if value_prefix else gather_paged(v_cache, ids, n)
         bound = None if kv_bound is None else kv_bound[q0:q1]
-        o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound)
+        if bound is not None and _is_suffix_causal(bound, n):
+            o, l_ = attend(q[q0:q1], k, v, scale, causal=True)
+        else:
+            o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound)
         out[q0:q1] = o
         lse[q0:q1] = l_
     return out, lse

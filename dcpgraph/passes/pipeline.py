@@ -1,4 +1,5 @@
-"""The default pipeline: trace → absorb_mla → insert_kv_cache → select_logits → shard_tp → shard_dcp."""
+"""The default pipeline: trace → absorb_mla → insert_kv_cache → select_logits → shard_tp →
+shard_dcp → fuse_new_tokens (dcp=1 only)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
+from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
 from .manager import run_passes
 from .select_logits import select_logits
@@ -21,6 +23,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None):
         select_logits,
         shard_tp.with_options(mesh=mesh, plan=plan),
         shard_dcp.with_options(comm=comm),
+        fuse_new_tokens,
     ]
 
 

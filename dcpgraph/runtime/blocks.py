@@ -1,25 +1,89 @@
-"""Virtual-block manager.
+"""Virtual-block manager, with optional prefix caching.
 
 The scheduler deals in *virtual blocks* of ``block_size · dcp`` tokens. Virtual block ``b`` is
 physical block ``b`` on every rank of a DCP group (each holding its own share of the block's
 tokens), so one block table serves the whole group. Admission reserves every block a request can
 ever need (prompt + max new tokens), so a running request never waits for memory and nothing is
 ever preempted or half-written.
+
+Prefix caching (``enable_prefix_caching``; vLLM's APC, DESIGN §6)
+-----------------------------------------------------------------
+A *full* virtual block of a request is named by a chained hash: ``h_i = sha256(h_{i-1} ‖ tokens
+of block i)`` (:func:`block_hashes`; hashlib over the int token ids, so every process of a
+distributed run, each running the same deterministic engine, computes the same hashes). The chain
+fixes the block's index too, hence the positions (RoPE) of its tokens. Once a request's
+``computed`` passes a block's end, :meth:`BlockManager.register` enters the block in the
+hash → block-id table. A new request's prompt is matched against that table
+(:meth:`BlockManager.match_prefix`) and the request starts with its table beginning with the
+matched (shared) block ids.
+
+Why a hit is valid on every DCP rank at once: the hash covers the *whole* virtual block, i.e. the
+tokens of every rank's share of it, and the block id is the same physical block on every rank of
+the group (the table is shared), so when the table entry is reused each rank finds its own share of
+exactly those tokens at the slots ``layout.slot_mapping`` would have written them to. Nothing
+per-rank is looked up or decided: the hit is the group's.
+
+Invariants:
+
+- blocks are reference-counted; a shared block is only ever a *full* block of a prompt prefix, and
+  a request never writes into a block that is hashed or shared (:meth:`check_writable`);
+- a block whose count drops to 0 keeps its hash and stays reusable ("cached free") until its id is
+  needed: allocation takes never-hashed free blocks first, then evicts cached free blocks least
+  recently released first (a request's blocks are released tail first, so the deeper blocks of a
+  chain go before its root);
+- the reservation counts each block once: a request needs ``blocks_for(tokens) − hits`` new
+  blocks plus the hits that are currently cached free (reviving them takes them off the free pool);
+  hits held by running requests cost nothing;
+- ``free_blocks`` counts both kinds of free block, so a drained engine has
+  ``free_blocks == num_blocks`` with or without prefix caching;
+- with prefix caching off nothing is hashed and allocation order is exactly that of a plain free
+  list (low ids first, released blocks reused last-released-first).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+_ROOT = b"dcpgraph-prefix-v1"
+
+
+def block_hashes(tokens: Sequence[int], tokens_per_block: int, parent: bytes | None = None,
+                 limit: int | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens`` (at most ``limit``), continuing from
+    ``parent`` (the hash of the block before ``tokens[0]``; ``None`` for a sequence start)."""
+    full = len(tokens) // tokens_per_block
+    if limit is not None:
+        full = min(full, limit)
+    out = []
+    h = _ROOT if parent is None else parent
+    for b in range(full):
+        digest = hashlib.sha256(h)
+        chunk = tokens[b * tokens_per_block : (b + 1) * tokens_per_block]
+        digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk))
+        h = digest.digest()
+        out.append(h)
+    return out
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int):
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._free = list(range(num_blocks - 1, -1, -1))  # never-hashed free blocks; pop() hands out low ids first
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, count 0; LRU first
         self._tables: dict[int, list[int]] = {}
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block id -> hash (registered blocks only)
+        self._by_hash: dict[bytes, int] = {}  # hash -> block id
+        self._chain: dict[int, tuple[int, bytes | None]] = {}  # request -> (blocks hashed, last hash)
+        self._shared: dict[int, int] = {}  # request -> leading blocks it got from the cache
+        self.stats = {"queries": 0, "query_tokens": 0, "hit_requests": 0, "hit_tokens": 0, "evictions": 0}
 
     @property
     def capacity_tokens(self) -> int:
@@ -27,27 +91,142 @@ class BlockManager:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks available to new allocations (never-hashed free + cached free)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a registered hash (in use or cached free)."""
+        return len(self._hash_of)
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.tokens_per_block)
 
-    def can_reserve(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self._free)
+    # -- prefix cache ------------------------------------------------------------------------
+    def match_prefix(self, prompt: Sequence[int]) -> list[int]:
+        """Block ids of the longest chain of cached full blocks that prefixes ``prompt``.
 
-    def reserve(self, request_id: int, tokens: int) -> list[int]:
-        """Give ``request_id`` blocks for ``tokens`` tokens (its block-table row)."""
+        Never the whole prompt: at most ``(len(prompt) − 1) // tokens_per_block`` blocks, so at
+        least the last prompt token is recomputed and the step has logits to sample from (a
+        prompt that is an exact multiple of the virtual block recomputes its whole last block,
+        which is then the request's own). The match is valid on every DCP rank at once (see
+        the module docstring). Empty when prefix caching is off. Does not change any state.
+        """
+        if not self.enable_prefix_caching or not prompt:
+            return []
+        limit = (len(prompt) - 1) // self.tokens_per_block
+        hits = []
+        for h in block_hashes(prompt, self.tokens_per_block, limit=limit):
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def register(self, request_id: int, tokens: Sequence[int], computed: int) -> None:
+        """Enter every block of ``request_id`` whose tokens are all computed (``computed`` has
+        passed its end) in the hash table. ``tokens`` are the request's tokens (prompt + output);
+        a block whose hash is already cached under another id stays unregistered (a duplicate)."""
+        if not self.enable_prefix_caching:
+            return
+        done, parent = self._chain.get(request_id, (0, None))
+        full = computed // self.tokens_per_block
+        if full <= done:
+            return
+        table = self._tables[request_id]
+        start = done * self.tokens_per_block
+        new = block_hashes(tokens[start : full * self.tokens_per_block], self.tokens_per_block, parent)
+        for i, h in enumerate(new, start=done):
+            block = table[i]
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h] = block
+                self._hash_of[block] = h
+        self._chain[request_id] = (full, new[-1])
+
+    def check_writable(self, request_id: int, start: int, end: int) -> None:
+        """Assert that positions ``[start, end)`` of ``request_id`` land only in blocks the request
+        owns alone and that are not registered (hashed blocks are full and immutable)."""
+        if end <= start:
+            return
+        table = self._tables[request_id]
+        assert start >= self._shared.get(request_id, 0) * self.tokens_per_block, (
+            f"request {request_id} would write position {start} into a shared prefix block")
+        for v in range((start // self.tokens_per_block), (end - 1) // self.tokens_per_block + 1):
+            block = table[v]
+            assert self._ref[block] == 1 and block not in self._hash_of, (
+                f"request {request_id} would write into block {block} (refs {self._ref[block]}, "
+                f"hashed {block in self._hash_of})")
+
+    # -- reservation -------------------------------------------------------------------------
+    def _needed(self, tokens: int, prefix: Sequence[int]) -> int:
+        revive = sum(1 for b in prefix if self._ref[b] == 0)
+        return self.blocks_for(tokens) - len(prefix) + revive
+
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether ``tokens`` tokens fit, the leading ``prefix`` blocks (from :meth:`match_prefix`)
+        being shared: each block is counted once."""
+        return self._needed(tokens, prefix) <= self.free_blocks
+
+    def reserve(self, request_id: int, tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+        """Give ``request_id`` blocks for ``tokens`` tokens (its block-table row), starting with
+        the shared ``prefix`` blocks (from :meth:`match_prefix`, same step)."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds blocks")
-        need = self.blocks_for(tokens)
-        if need > len(self._free):
-            raise MemoryError(f"need {need} blocks, {len(self._free)} free")
-        table = [self._free.pop() for _ in range(need)]
+        prefix = list(prefix)
+        if len(prefix) > self.blocks_for(tokens) or any(b not in self._hash_of for b in prefix):
+            raise ValueError(f"prefix {prefix} is not a cached prefix of {tokens} tokens")
+        need = self._needed(tokens, prefix)
+        if need > self.free_blocks:
+            raise MemoryError(f"need {need} blocks, {self.free_blocks} free")
+        for block in prefix:  # revive before allocating, so no hit is evicted for its own request
+            if self._ref[block] == 0:
+                del self._cached_free[block]
+            self._ref[block] += 1
+        table = prefix + [self._allocate() for _ in range(self.blocks_for(tokens) - len(prefix))]
         self._tables[request_id] = table
+        if self.enable_prefix_caching:
+            self._shared[request_id] = len(prefix)
+            self._chain[request_id] = (len(prefix), self._hash_of[prefix[-1]] if prefix else None)
         return table
+
+    def record_query(self, prompt_tokens: int, hit_blocks: int) -> None:
+        self.stats["queries"] += 1
+        self.stats["query_tokens"] += prompt_tokens
+        self.stats["hit_requests"] += bool(hit_blocks)
+        self.stats["hit_tokens"] += hit_blocks * self.tokens_per_block
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached_free.popitem(last=False)  # least recently released
+            del self._by_hash[self._hash_of.pop(block)]
+            self.stats["evictions"] += 1
+        assert self._ref[block] == 0
+        self._ref[block] = 1
+        return block
 
     def table(self, request_id: int) -> list[int]:
         return self._tables[request_id]
 
+    def shared_blocks(self, request_id: int) -> int:
+        """How many leading blocks of ``request_id`` came from the prefix cache."""
+        return self._shared.get(request_id, 0)
+
+    def refcount(self, block: int) -> int:
+        return self._ref[block]
+
     def release(self, request_id: int) -> None:
-        self._free.extend(reversed(self._tables.pop(request_id)))
+        """Drop ``request_id``'s references; blocks no one uses become free (hashed ones stay
+        cached until evicted). Released tail first."""
+        self._chain.pop(request_id, None)
+        self._shared.pop(request_id, None)
+        for block in reversed(self._tables.pop(request_id)):
+            self._ref[block] -= 1
+            assert self._ref[block] >= 0
+            if self._ref[block]:
+                continue
+            if block in self._hash_of:
+                self._cached_free[block] = None
+            else:
+                self._free.append(block)

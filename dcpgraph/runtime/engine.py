@@ -40,13 +40,14 @@ class Engine:
         max_num_seqs: int,
         graphs=None,
         capture_limit: int = 32,
+        enable_prefix_caching: bool = False,
     ):
         self.program = program
         self.mesh = program.mesh
         self.block_size = int(program.options["block_size"])
         self.interleave = int(program.options.get("interleave", 1))
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp)
+        self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs)
         self.executor = executor_cls(program, num_blocks, graphs)
         self.graphs = graphs
@@ -126,7 +127,7 @@ class Engine:
         eos = set(self.program.facts.eos_token_id)
         for row, item in enumerate(plan):
             request = item.request
-            request.computed += len(item.chunk.tokens)
+            self.scheduler.advance(request, len(item.chunk.tokens))
             if not item.samples:
                 continue
             token = sample(logits[row], request.params, request.generator)
@@ -166,6 +167,20 @@ class Engine:
             "virtual_block_tokens": self.block_size * self.mesh.dcp,
             "tp": self.mesh.tp,
             "dcp": self.mesh.dcp,
+            "prefix_cache": self.prefix_cache_report(),
+        }
+
+    def prefix_cache_report(self) -> dict:
+        """Prefix-cache counters: ``queries`` (admitted requests looked up) and ``query_tokens``
+        (their prompt tokens), ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens
+        served from the cache), ``evictions``, ``cached_blocks`` (virtual blocks holding a hash,
+        in use or free) and ``prompt_tokens_computed`` (prompt tokens the ranks actually ran).
+        A hit is one virtual block on every DCP rank at once."""
+        return {
+            "enabled": self.blocks.enable_prefix_caching,
+            **self.blocks.stats,
+            "cached_blocks": self.blocks.cached_blocks,
+            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
         }
 
     def report(self) -> dict:
@@ -179,6 +194,7 @@ class Engine:
             "steps": self.steps,
             "graph_steps": dict(self.graph_steps),
             "decode_buckets": list(self.buckets.sizes) if self.buckets else [],
+            "prefix_cache": self.prefix_cache_report(),
             **backend,
         }
 

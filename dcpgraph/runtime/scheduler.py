@@ -6,6 +6,15 @@ a shared token budget: decode rows (one pending token) first, then prefill chunk
 order, then newly admitted requests. A request is sampled when its chunk reaches its last known
 token, so prefill and decode are the same thing at different chunk sizes. Admission reserves the
 request's whole block budget (see :class:`~dcpgraph.runtime.blocks.BlockManager`).
+
+With prefix caching on, admission first matches the prompt against the cache of full virtual
+blocks: a request whose first ``h`` blocks hit starts with ``computed = h · block_size · dcp`` and a
+block table beginning with the shared block ids, and the step computes only the rest (at least the
+last prompt token). The hit is valid on every DCP rank at once because the hash covers whole virtual
+blocks and the table is shared by the group; the slot mapping of the recomputed tokens is the usual
+``layout.slot_mapping(positions, table)`` and lands in the request's own blocks only (asserted in
+:meth:`Scheduler._chunk`). After each step :meth:`Scheduler.advance` moves ``computed`` on and
+registers the blocks that became full.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prompt_tokens_computed = 0  # prompt tokens the engine actually ran (prefix hits excluded)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,15 +81,26 @@ class Scheduler:
             if budget == 0:
                 break
             budget -= self._chunk(request, budget, plan)
-        while (
-            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-            and self.blocks.can_reserve(self.waiting[0].reserve_tokens)
-        ):
-            request = self.waiting.popleft()
-            self.blocks.reserve(request.id, request.reserve_tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.blocks.match_prefix(request.prompt)
+            if not self.blocks.can_reserve(request.reserve_tokens, prefix):
+                break
+            self.waiting.popleft()
+            self.blocks.reserve(request.id, request.reserve_tokens, prefix)
+            if self.blocks.enable_prefix_caching:
+                self.blocks.record_query(len(request.prompt), len(prefix))
+            request.computed = len(prefix) * self.blocks.tokens_per_block
+            assert request.computed < len(request.prompt)
             self.running.append(request)
             budget -= self._chunk(request, budget, plan)
         return plan
+
+    def advance(self, request: Request, n: int) -> None:
+        """``n`` more tokens of ``request`` are in the KV cache on every rank; register the
+        virtual blocks that became full (prefix caching)."""
+        request.computed += n
+        self.blocks.register(request.id, request.tokens, request.computed)
 
     def _chunk(self, request: Request, budget: int, plan: list[ScheduledChunk]) -> int:
         tokens = request.tokens
@@ -87,6 +108,8 @@ class Scheduler:
         if n <= 0:
             return 0
         start = request.computed
+        self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
+        self.prompt_tokens_computed += max(0, min(start + n, len(request.prompt)) - start)
         chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(self.blocks.table(request.id)))
         plan.append(ScheduledChunk(request, chunk, samples=start + n == len(tokens)))
         return n

@@ -1,0 +1,74 @@
+"""``fuse_new_tokens`` (dcp=1 only): fold the new-token attention into the paged read.
+
+``insert_kv_cache`` splits each attention into a paged read of the context and a causal attention
+over the step's new tokens, merged by LSE — the form DCP needs, because under DCP the new tokens'
+K/V are identical on every rank while the context is sharded. Without DCP the split only costs
+time: the writes come first in the graph, so the cache already holds the new tokens, and one
+paged read over ``context + new`` keys with a causal bound by position gives the same result::
+
+    o = paged_attention(q, k_cache, v_cache, table, cu_seqlens_q,
+                        kv_lens = context_lens + (cu[1:] − cu[:-1]), kv_bound = position + 1)
+
+That removes, per layer, the varlen attention, two stacks and the merge.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..errors import VerificationError
+from ..program import Program
+from .graph_edit import Emitter, nodes_calling
+from .manager import program_pass
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+
+
+def _ensures(program: Program) -> None:
+    if program.mesh.dcp == 1 and nodes_calling(program.graph_module.graph, dcp_ops.partial_attention.default):
+        raise VerificationError("dcp=1 program still splits context and new-token attention")
+
+
+def _single_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+@program_pass("fuse_new_tokens", ensures=[_ensures])
+def fuse_new_tokens(program: Program):
+    if program.mesh.dcp != 1:
+        return program, f"dcp={program.mesh.dcp}: the context/new split is the DCP form; kept"
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    positions = placeholders["position_ids"]
+    fused = 0
+    seq_lens = bound = None
+    for merge in nodes_calling(graph, dcp_ops.merge_attention.default):
+        outs, lses = merge.args
+        if outs.target is not aten.stack.default or lses.target is not aten.stack.default:
+            continue
+        o_ctx, o_new = outs.args[0]
+        paged, partial = o_ctx.args[0], o_new.args[0]
+        if paged.target is not dcp_ops.paged_attention.default or partial.target is not dcp_ops.partial_attention.default:
+            continue
+        if paged.args[6] is not None:
+            continue
+        if seq_lens is None:
+            cu, ctx = paged.args[4], paged.args[5]
+            with graph.inserting_before(paged):
+                counts = e(aten.sub.Tensor, e(aten.slice.Tensor, cu, 0, 1), e(aten.slice.Tensor, cu, 0, 0, -1))
+                seq_lens = e(aten.add.Tensor, ctx, counts)
+                bound = e(aten.add.Tensor, e(aten.view.default, positions, [-1]), 1)
+        paged.args = (*paged.args[:5], seq_lens, bound, paged.args[7])
+        merged_out = [u for u in merge.users if u.target is operator.getitem and u.args[1] == 0]
+        for u in merged_out:
+            u.replace_all_uses_with(o_ctx)
+        fused += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return program.replace(graph_module=gm), f"{fused} layers read context and new tokens in one paged attention"

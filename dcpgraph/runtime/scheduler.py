@@ -100,7 +100,8 @@ class Scheduler:
         """``n`` more tokens of ``request`` are in the KV cache on every rank; register the
         virtual blocks that became full (prefix caching)."""
         request.computed += n
-        self.blocks.register(request.id, request.tokens, request.computed)
+        if self.blocks.enable_prefix_caching:
+            self.blocks.register(request.id, request.tokens, request.computed)
 
     def _chunk(self, request: Request, budget: int, plan: list[ScheduledChunk]) -> int:
         tokens = request.tokens

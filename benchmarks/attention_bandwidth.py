@@ -8,6 +8,8 @@ request, fp32) this times, interleaved rep by rep in one process and at the same
 * ``copy``: ``dst.copy_(src)`` of as many bytes (reported as source bytes per second);
 * ``paged_contiguous`` / ``paged_scattered``: the op with a block table of consecutive physical
   blocks / a random permutation of them (the target: both ≥ 85 % of ``read``);
+* ``torch_contiguous`` / ``torch_scattered``: the op's torch path (what it runs when the native
+  kernel, :mod:`dcpgraph.ops.native`, is off or unavailable), for comparison;
 * diagnostics: ``attend_no_paging`` (the same kernel, ``kernels.attend``, on pre-gathered
   contiguous K/V: the kernel alone), ``gather_scattered`` (``kernels.gather_paged`` of K and V for
   the scattered table: the cost of paging as the op pays it), ``gather_index_select`` (the same
@@ -194,11 +196,15 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
         for _ in range(inner):
             op(q1, sk, sv, small_table, cu1, small_lens, None, scale)
 
+    torch_path = kernels._paged_partial_attention_torch
     fns = {
         "read": lambda: src.sum(),
         "copy": lambda: dst.copy_(src),
         "paged_contiguous": lambda: op(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
         "paged_scattered": lambda: op(q, k_cache, v_cache, scattered, cu, lens, None, scale),
+        # the torch path the op took before the native kernel (views / gathers + aten's flash kernel)
+        "torch_contiguous": lambda: torch_path(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
+        "torch_scattered": lambda: torch_path(q, k_cache, v_cache, scattered, cu, lens, None, scale),
         "attend_no_paging": lambda: [kernels.attend(q[i : i + 1], flat_k[i], flat_v[i], scale) for i in range(nreq)],
         "gather_scattered": gather_paged_all,
         "gather_index_select": index_select_all,
@@ -221,10 +227,10 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
           f"{gather_share:.0%} of it (one index_select: ×{best['gather_scattered'] / best['gather_index_select']:.1f} "
           f"faster than gather_paged); prototype scattered ×{best['paged_scattered'] / best['proto_scattered']:.1f} "
           f"faster than the op")
-    config = (f"{label} fp32 block={BLOCK} threads={threads} KV={kv_bytes / 2**20:.0f}MiB "
+    config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if kernels.native_enabled() else 'off'} KV={kv_bytes / 2**20:.0f}MiB "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} {common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
-    for key in ("copy", "paged_contiguous", "paged_scattered", "attend_no_paging", "gather_scattered",
+    for key in ("copy", "paged_contiguous", "paged_scattered", "torch_contiguous", "torch_scattered", "attend_no_paging", "gather_scattered",
                 "gather_index_select", "incache_ceiling", "proto_contiguous", "proto_scattered"):
         metric = key + "_bandwidth" if key in ("copy",) else f"{key}_bw"
         rec = common.record(NAME, config, metric, bw[key], "GB/s", baseline=read, digits=4)

@@ -17,6 +17,8 @@ paged cache is a view, not a copy.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .merge import merge_attention_reference
@@ -253,6 +255,54 @@ def _is_suffix_causal(bound: torch.Tensor, keys: int) -> bool:
     return bool(torch.equal(bound.to(torch.int64), torch.arange(keys - n + 1, keys + 1, device=bound.device)))
 
 
+_native_state: dict[str, object] = {}  # "ok": bool once decided; "reason": why not
+
+
+def native_enabled() -> bool:
+    """Whether fp32 paged decode goes through the native kernel (:mod:`dcpgraph.ops.native`).
+
+    ``DCPGRAPH_NATIVE=0`` disables it. Otherwise, on first use, the kernel is built (or loaded from
+    its persistent build directory) and must match the torch path on a tiny self-check (GQA,
+    scattered blocks, lengths 0 / partial block); any failure leaves it off for this process, with
+    the reason in ``_native_state["reason"]``."""
+    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
+        return False
+    ok = _native_state.get("ok")
+    if ok is None:
+        ok = _native_self_check()
+        _native_state["ok"] = ok
+    return bool(ok)
+
+
+def _native_self_check() -> bool:
+    from . import native
+
+    if not native.available():
+        _native_state["reason"] = native.reason
+        return False
+    try:
+        gen = torch.Generator().manual_seed(1234)
+        nb, block, hkv, d, hq = 12, 4, 2, 24, 6
+        k_cache = torch.randn(nb, block, hkv, d, generator=gen)
+        v_cache = torch.randn(nb, block, hkv, 16, generator=gen)
+        table = torch.randperm(nb, generator=gen)[:9].view(3, 3).to(torch.int32)
+        lens = torch.tensor([0, 5, 11], dtype=torch.int32)
+        q = torch.randn(3, hq, d, generator=gen)
+        cu = torch.arange(4, dtype=torch.int32)
+        for v in (v_cache, k_cache[..., :16]):
+            ref = _paged_partial_attention_torch(q, k_cache, v, table, cu, lens, None, 0.3)
+            got = native.native_paged_decode(q, k_cache, v, table, cu, lens, 0.3, chunk_tokens=4)
+            if got is None or not (torch.allclose(got[0], ref[0], atol=1e-5, rtol=1e-5)
+                                   and torch.equal(torch.isinf(got[1]), torch.isinf(ref[1]))
+                                   and torch.allclose(got[1], ref[1], atol=1e-5, rtol=1e-5)):
+                _native_state["reason"] = "native paged-decode kernel failed its self-check"
+                return False
+    except Exception as exc:  # noqa: BLE001 - a broken kernel only disables itself
+        _native_state["reason"] = f"native self-check raised {type(exc).__name__}: {exc}"
+        return False
+    return True
+
+
 def paged_partial_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -267,7 +317,28 @@ def paged_partial_attention(
 
     Local key ``j`` of row ``r`` lives at slot ``block_table[r, j // B]·B + j % B``; with
     ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``.
+
+    fp32 without ``kv_bound`` (or decode, one query per row, with it) runs the native kernel when
+    it is enabled (:func:`native_enabled`); a block table that does not cover a row falls back
+    here, to the checked torch path.
     """
+    plain = kv_bound is None or (  # a bound on a one-query-per-row decode is a length cap
+        q.shape[0] == kv_lens.shape[0]
+        and torch.equal(cu_seqlens_q.to(torch.int64), torch.arange(q.shape[0] + 1))
+    )
+    if plain and q.dtype == torch.float32:
+        from . import native
+
+        if native.supports(q, k_cache, v_cache) and native_enabled():
+            lens = kv_lens if kv_bound is None else torch.minimum(kv_lens.to(torch.int64), kv_bound.to(torch.int64))
+            res = native.native_paged_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, lens, scale)
+            if res is not None:
+                return res
+    return _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale)
+
+
+def _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
+    """The torch path of :func:`paged_partial_attention` (views / gathers + aten kernels)."""
     tq, hq, _ = q.shape
     block = k_cache.shape[1]
     value_prefix = _is_prefix_view(v_cache, k_cache)

@@ -1,0 +1,489 @@
+// Paged decode attention over a block table, reading K/V in place (no gather copy).
+//
+// Row r's query rows q[cu[r]:cu[r+1]] attend to its first lens[r] cached tokens; local key j lives
+// at physical block table[r, j / B], slot j % B. For each (request, KV head, key chunk) the G query
+// heads of that KV head (times the request's query rows) are processed together: every K/V row is
+// read once per KV head, with an online softmax (running max/sum per row) over key blocks. Chunks
+// of one request are merged by LSE at the end (split-K, so one long request uses every thread).
+// fp32 only; outputs out [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as the
+// caller initialised them ((0, -inf)).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t RB = 4;  // query rows per register block
+
+// s[i * ss + t] = <q_i, k_t> for rows i < m, tokens t < nt (k_t = kb + t * ks).
+inline void block_scores(const float* q, int64_t m, int64_t d, const float* kb, int64_t ks, int64_t nt,
+                         float* s, int64_t ss) {
+  int64_t i = 0;
+  for (; i + RB <= m; i += RB) {
+    const float* q0 = q + i * d;
+    const float* q1 = q0 + d;
+    const float* q2 = q1 + d;
+    const float* q3 = q2 + d;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* k = kb + t * ks;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t x = 0; x < d; ++x) {
+        const float kv = k[x];
+        a0 += q0[x] * kv;
+        a1 += q1[x] * kv;
+        a2 += q2[x] * kv;
+        a3 += q3[x] * kv;
+      }
+      s[i * ss + t] = a0;
+      s[(i + 1) * ss + t] = a1;
+      s[(i + 2) * ss + t] = a2;
+      s[(i + 3) * ss + t] = a3;
+    }
+  }
+  for (; i < m; ++i) {
+    const float* qi = q + i * d;
+    int64_t t = 0;
+    for (; t + 4 <= nt; t += 4) {  // one row: four tokens at a time (four independent sums)
+      const float* k0 = kb + t * ks;
+      const float* k1 = k0 + ks;
+      const float* k2 = k1 + ks;
+      const float* k3 = k2 + ks;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t x = 0; x < d; ++x) {
+        const float qv = qi[x];
+        a0 += qv * k0[x];
+        a1 += qv * k1[x];
+        a2 += qv * k2[x];
+        a3 += qv * k3[x];
+      }
+      s[i * ss + t] = a0;
+      s[i * ss + t + 1] = a1;
+      s[i * ss + t + 2] = a2;
+      s[i * ss + t + 3] = a3;
+    }
+    for (; t < nt; ++t) {
+      const float* k = kb + t * ks;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t x = 0; x < d; ++x) a += qi[x] * k[x];
+      s[i * ss + t] = a;
+    }
+  }
+}
+
+// acc[i, :] += sum_t p[i * ps + t] * v_t for rows i < m (v_t = vb + t * vs, dv wide).
+inline void block_values(const float* p, int64_t ps, int64_t m, const float* vb, int64_t vs, int64_t nt,
+                         int64_t dv, float* acc) {
+  int64_t i = 0;
+  for (; i + RB <= m; i += RB) {
+    float* a0 = acc + i * dv;
+    float* a1 = a0 + dv;
+    float* a2 = a1 + dv;
+    float* a3 = a2 + dv;
+    const float* p0 = p + i * ps;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* v = vb + t * vs;
+      const float w0 = p0[t], w1 = p0[ps + t], w2 = p0[2 * ps + t], w3 = p0[3 * ps + t];
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) {
+        const float vv = v[x];
+        a0[x] += w0 * vv;
+        a1[x] += w1 * vv;
+        a2[x] += w2 * vv;
+        a3[x] += w3 * vv;
+      }
+    }
+  }
+  for (; i < m; ++i) {
+    float* a = acc + i * dv;
+    const float* pi = p + i * ps;
+    int64_t t = 0;
+    for (; t + 4 <= nt; t += 4) {
+      const float* v0 = vb + t * vs;
+      const float* v1 = v0 + vs;
+      const float* v2 = v1 + vs;
+      const float* v3 = v2 + vs;
+      const float w0 = pi[t], w1 = pi[t + 1], w2 = pi[t + 2], w3 = pi[t + 3];
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) a[x] += w0 * v0[x] + w1 * v1[x] + w2 * v2[x] + w3 * v3[x];
+    }
+    for (; t < nt; ++t) {
+      const float* v = vb + t * vs;
+      const float w = pi[t];
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) a[x] += w * v[x];
+    }
+  }
+}
+
+
+#ifdef __AVX512F__
+// AVX-512 micro-kernels (compiled with -march=native on a machine that has it): register tiles of
+// RR query rows x TT tokens for the scores and RR rows x NV 16-float vectors for the values, so
+// each K/V vector load feeds several FMAs and the accumulators stay in registers.
+template <int RR, int TT>
+inline void score_tile(const float* q, int64_t d, const float* k, int64_t ks, float* s, int64_t ss) {
+  __m512 acc[RR][TT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < RR; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t x = 0;
+  for (; x + 16 <= d; x += 16) {
+    __m512 kv[TT];
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) kv[j] = _mm512_loadu_ps(k + j * ks + x);
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i) {
+      const __m512 qv = _mm512_loadu_ps(q + i * d + x);
+      #pragma GCC unroll 16
+      for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
+    }
+  }
+  if (x < d) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (d - x)) - 1u);
+    __m512 kv[TT];
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) kv[j] = _mm512_maskz_loadu_ps(mk, k + j * ks + x);
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i) {
+      const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i * d + x);
+      #pragma GCC unroll 16
+      for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
+    }
+  }
+  if constexpr (RR == 4 && TT == 4) {
+    // Sixteen horizontal sums at once (a transpose-add tree): lane 4i + j of r is sum(acc[i][j]).
+    __m512 a[8], b[4];
+    #pragma GCC unroll 16
+    for (int u = 0; u < 8; ++u) {
+      const __m512 x = acc[(2 * u) / 4][(2 * u) % 4], y = acc[(2 * u + 1) / 4][(2 * u + 1) % 4];
+      a[u] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    #pragma GCC unroll 16
+    for (int u = 0; u < 4; ++u)
+      b[u] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * u], a[2 * u + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(a[2 * u], a[2 * u + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm_storeu_ps(s, _mm512_extractf32x4_ps(r, 0));
+    _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(r, 3));
+  } else {
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i)
+      #pragma GCC unroll 16
+      for (int j = 0; j < TT; ++j) s[i * ss + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
+using ScoreFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+static const ScoreFn kScore[4][4] = {
+    {score_tile<1, 1>, score_tile<1, 2>, score_tile<1, 3>, score_tile<1, 4>},
+    {score_tile<2, 1>, score_tile<2, 2>, score_tile<2, 3>, score_tile<2, 4>},
+    {score_tile<3, 1>, score_tile<3, 2>, score_tile<3, 3>, score_tile<3, 4>},
+    {score_tile<4, 1>, score_tile<4, 2>, score_tile<4, 3>, score_tile<4, 4>},
+};
+
+inline void block_scores_avx(const float* q, int64_t m, int64_t d, const float* kb, int64_t ks, int64_t nt,
+                             float* s, int64_t ss) {
+  for (int64_t i = 0; i < m; i += 4) {
+    const int64_t rr = std::min<int64_t>(4, m - i);
+    for (int64_t t = 0; t < nt; t += 4) {
+      const int64_t tt = std::min<int64_t>(4, nt - t);
+      kScore[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, s + i * ss + t, ss);
+    }
+  }
+}
+
+template <int RR, int NV>
+inline void value_tile(const float* p, int64_t ps, const float* v, int64_t vs, int64_t nt, float* acc, int64_t dv,
+                       __mmask16 last) {
+  __m512 a[RR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < RR; ++i)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c)
+      a[i][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, acc + i * dv + 16 * c);
+  for (int64_t t = 0; t < nt; ++t) {
+    __m512 vv[NV];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, v + t * vs + 16 * c);
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i * ps + t]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[i][c] = _mm512_fmadd_ps(w, vv[c], a[i][c]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < RR; ++i)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c)
+      _mm512_mask_storeu_ps(acc + i * dv + 16 * c, c == NV - 1 ? last : 0xFFFF, a[i][c]);
+}
+
+using ValueFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, __mmask16);
+static const ValueFn kValue4[4] = {value_tile<1, 4>, value_tile<2, 4>, value_tile<3, 4>, value_tile<4, 4>};
+static const ValueFn kValue1[4] = {value_tile<1, 1>, value_tile<2, 1>, value_tile<3, 1>, value_tile<4, 1>};
+
+inline void block_values_avx(const float* p, int64_t ps, int64_t m, const float* vb, int64_t vs, int64_t nt,
+                             int64_t dv, float* acc) {
+  for (int64_t i = 0; i < m; i += 4) {
+    const int64_t rr = std::min<int64_t>(4, m - i);
+    int64_t x = 0;
+    for (; x + 64 <= dv; x += 64) kValue4[rr - 1](p + i * ps, ps, vb + x, vs, nt, acc + i * dv + x, dv, 0xFFFF);
+    for (; x < dv; x += 16) {
+      const __mmask16 mk = dv - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - x)) - 1u);
+      kValue1[rr - 1](p + i * ps, ps, vb + x, vs, nt, acc + i * dv + x, dv, mk);
+    }
+  }
+}
+
+// exp(x) for x <= 0 (softmax weights): Cody-Waite range reduction, degree-7 Taylor, 2^n by scalef.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.f / 5040.f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 720.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Block max of s[0:nt] (nt <= ss, ss a multiple of 16).
+inline float block_max(const float* s, int64_t nt) {
+  __m512 mv = _mm512_set1_ps(-3.0e38f);
+  for (int64_t u = 0; u < nt; u += 16) {
+    const __mmask16 mk = nt - u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nt - u)) - 1u);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + u));
+  }
+  return _mm512_reduce_max_ps(mv);
+}
+
+// s[u] = exp(s[u] - mx) for u < nt, zero beyond (up to the next multiple of 16); returns the sum.
+inline float block_exp(float* s, int64_t nt, float mx) {
+  __m512 tot = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t u = 0; u < nt; u += 16) {
+    const __mmask16 mk = nt - u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nt - u)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + u), m)));
+    _mm512_storeu_ps(s + u, e);
+    tot = _mm512_add_ps(tot, e);
+  }
+  return _mm512_reduce_add_ps(tot);
+}
+#endif
+
+struct Item {
+  int64_t r, h, t0, t1, slot;  // request, KV head, key range [t0, t1), partial-result slot
+};
+
+}  // namespace
+
+// Returns false (and writes nothing) if a block table row is too short or holds an out-of-range
+// id where a real block is needed: the caller then takes its checked path, which raises.
+bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                  double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
+                  int64_t prefetch_blocks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "paged_decode: layout");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: K/V rows must be dense");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table int32");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "int64 lens");
+  const int64_t hq = q.size(1), d = q.size(2);
+  const int64_t nb = k_cache.size(0), bsz = k_cache.size(1), hkv = k_cache.size(2), dv = v_cache.size(3);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0 && v_cache.size(2) == hkv && v_cache.size(1) == bsz);
+  const int64_t g = hq / hkv;
+  const int64_t rows = kv_lens.size(0), width = block_table.size(1);
+  const int64_t* cu = cu_seqlens_q.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // Values inside the key rows (MLA: v = k[..., :dv]): prefetching K covers them.
+  const bool value_prefix = vp == kp && vs0 == ks0 && vs1 == ks1 && vs2 == ks2 && dv <= d;
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = lens[r];
+    if (n <= 0 || cu[r + 1] == cu[r]) continue;
+    const int64_t need = (n + bsz - 1) / bsz;
+    if (need > width) return false;
+    for (int64_t b = 0; b < need; ++b) {
+      const int32_t id = table[r * width + b];
+      if (id < 0 || id >= nb) return false;
+    }
+  }
+  chunk_tokens = std::max<int64_t>(bsz, (chunk_tokens + bsz - 1) / bsz * bsz);
+  std::vector<Item> items;
+  std::vector<int64_t> first(rows + 1, 0);  // first item of request r (all its heads and chunks)
+  int64_t slots = 0;
+  int64_t max_m = 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    const int64_t n = lens[r], lq = cu[r + 1] - cu[r];
+    if (n <= 0 || lq <= 0) continue;
+    max_m = std::max(max_m, lq * g);
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t t0 = 0; t0 < n; t0 += chunk_tokens)
+        items.push_back({r, h, t0, std::min(n, t0 + chunk_tokens), slots++});
+  }
+  first[rows] = static_cast<int64_t>(items.size());
+  // Partial results per item: acc [M, dv] (unnormalised), running max and sum [M].
+  std::vector<float> pacc(static_cast<size_t>(slots) * max_m * dv);
+  std::vector<float> pmax(static_cast<size_t>(slots) * max_m), psum(static_cast<size_t>(slots) * max_m);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t ss = (bsz + 15) / 16 * 16;  // score row stride (whole vectors)
+    std::vector<float> qbuf(max_m * d), sbuf(max_m * ss);
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& w = items[it];
+      const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
+      // Gather this head group's query rows (scaled) into [M, d]: row j * g + gi.
+      for (int64_t j = 0; j < lq; ++j)
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* src = qp + ((cu[w.r] + j) * hq + w.h * g + gi) * d;
+          float* dst = qbuf.data() + (j * g + gi) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * sc;
+        }
+      float* acc = pacc.data() + w.slot * max_m * dv;
+      float* mx = pmax.data() + w.slot * max_m;
+      float* sm = psum.data() + w.slot * max_m;
+      std::fill(acc, acc + m * dv, 0.f);
+      bool started = false;
+      for (int64_t t = w.t0; t < w.t1;) {
+        const int64_t blk = table[w.r * width + t / bsz], off = t % bsz;
+        const int64_t nt = std::min(bsz - off, w.t1 - t);
+        const float* kb = kp + blk * ks0 + off * ks1 + w.h * ks2;
+        const float* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
+        {  // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
+           // table, which the hardware prefetcher cannot follow for a scattered table).
+          const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
+          if (prefetch_blocks > 0 && ahead < w.t1) {
+            const int64_t pb = table[w.r * width + ahead / bsz];
+            const char* pk = reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2);
+            const char* pv = reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2);
+            const int64_t nu = std::min(bsz, w.t1 - ahead);
+            for (int64_t u = 0; u < nu; ++u) {
+              for (int64_t b = 0; b < d * 4; b += 64) __builtin_prefetch(pk + u * ks1 * 4 + b, 0, 2);
+              if (!value_prefix)
+                for (int64_t b = 0; b < dv * 4; b += 64) __builtin_prefetch(pv + u * vs1 * 4 + b, 0, 2);
+            }
+          }
+        }
+        float* s = sbuf.data();
+#ifdef __AVX512F__
+        block_scores_avx(qbuf.data(), m, d, kb, ks1, nt, s, ss);
+#else
+        block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
+#endif
+        for (int64_t i = 0; i < m; ++i) {
+          float* si = s + i * ss;
+#ifdef __AVX512F__
+          const float bm = block_max(si, nt);
+#else
+          float bm = si[0];
+          for (int64_t u = 1; u < nt; ++u) bm = std::max(bm, si[u]);
+#endif
+          float nm = started ? std::max(mx[i], bm) : bm;
+          if (started && nm > mx[i]) {
+            const float alpha = std::exp(mx[i] - nm);
+            float* ai = acc + i * dv;
+#pragma omp simd
+            for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
+            sm[i] *= alpha;
+          }
+#ifdef __AVX512F__
+          const float total = block_exp(si, nt, nm);
+#else
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t u = 0; u < nt; ++u) {
+            const float e = std::exp(si[u] - nm);
+            si[u] = e;
+            total += e;
+          }
+#endif
+          sm[i] = (started ? sm[i] : 0.f) + total;
+          mx[i] = nm;
+        }
+        started = true;
+#ifdef __AVX512F__
+        block_values_avx(s, ss, m, vb, vs1, nt, dv, acc);
+#else
+        block_values(s, ss, m, vb, vs1, nt, dv, acc);
+#endif
+        t += nt;
+      }
+    }
+  });
+
+  // Merge each (request, head)'s chunks by LSE and write out / lse.
+  at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(dv);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / hkv, h = rh % hkv;
+      const int64_t lq = cu[r + 1] - cu[r], m = lq * g;
+      if (lq <= 0) continue;
+      const int64_t nchunks = (first[r + 1] - first[r]) / hkv;
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t j = i / g, gi = i % g;
+        const int64_t row = (cu[r] + j) * hq + h * g + gi;
+        float* dst = op + row * dv;
+        if (nchunks == 0) continue;  // no keys: the caller's (0, -inf) stays
+        const int64_t s0 = items[first[r] + h * nchunks].slot;
+        float gm = pmax[s0 * max_m + i];
+        for (int64_t c = 1; c < nchunks; ++c) gm = std::max(gm, pmax[(s0 + c) * max_m + i]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float tot = 0.f;
+        for (int64_t c = 0; c < nchunks; ++c) {
+          const int64_t sl = s0 + c;
+          const float wgt = std::exp(pmax[sl * max_m + i] - gm);
+          tot += wgt * psum[sl * max_m + i];
+          const float* a = pacc.data() + (sl * max_m + i) * dv;
+#pragma omp simd
+          for (int64_t x = 0; x < dv; ++x) o[x] += wgt * a[x];
+        }
+        const float inv = 1.f / tot;
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) dst[x] = o[x] * inv;
+        lp[row] = gm + std::log(tot);
+      }
+    }
+  });
+  return true;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, in-place block-table reads)");
+}

@@ -1,0 +1,158 @@
+"""Optional native (C++) kernel for paged decode attention, built lazily on first use.
+
+:func:`native_paged_decode` computes what :func:`dcpgraph.ops.kernels.paged_partial_attention`
+does without ``kv_bound`` (row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens),
+for fp32 inputs, reading K and V **in place through the block table** (no gather copy, so a
+scattered table costs what a contiguous one does). For each (request, KV head, key chunk) the ``G``
+query heads of the KV head are processed together, so every K/V row is read once per KV head,
+with an online softmax over key blocks; chunks of one request are merged by LSE (split-K, so one
+long request still uses every thread). Source: ``csrc/paged_decode.cpp``.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) the
+first time :func:`available` (or the kernel) is called, into a persistent directory:
+``$DCPGRAPH_NATIVE_BUILD_DIR`` or ``~/.cache/dcpgraph/native/<hash>`` (the hash covers the
+source, the flags, the torch version and the CPU's feature flags, so a change rebuilds and other processes reuse the
+build). Nothing is built or registered at import. Any failure makes :func:`available` return
+``False`` with the reason in :data:`reason`; it never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+# Reassociation for vector reductions, but never "finite math only": empty rows and the merge
+# rely on -inf and NaN keeping their IEEE meaning.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+# Keys per split-K chunk when a request is split across threads (a multiple of the block size).
+CHUNK_TOKENS = 1024
+# Software prefetch distance in blocks (0: none); ``DCPGRAPH_NATIVE_PREFETCH`` overrides.
+PREFETCH_BLOCKS = 4
+
+reason: str | None = None  # why the native kernel is unavailable (None: not tried yet, or fine)
+build_seconds: float | None = None  # wall time of the build/load on first use in this process
+_module = None
+_tried = False
+_lock = threading.Lock()
+
+
+def _cpu_id() -> bytes:
+    """What ``-march=native`` depends on: a build is only reused on a CPU with the same flags."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor().encode() + platform.machine().encode()
+
+
+def build_dir() -> Path:
+    """The persistent build directory (created on demand)."""
+    tag = hashlib.sha256(
+        _SRC.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode() + torch.__version__.encode() + _cpu_id()
+    ).hexdigest()[:16]
+    base = os.environ.get("DCPGRAPH_NATIVE_BUILD_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "dcpgraph" / "native"
+    return root / tag
+
+
+def _load():
+    global _module, _tried, reason, build_seconds
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        import time
+
+        start = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load
+
+            path = build_dir()
+            path.mkdir(parents=True, exist_ok=True)
+            _module = load(
+                name="dcpgraph_paged_decode",
+                sources=[str(_SRC)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(path),
+                verbose=False,
+            )
+            reason = None
+        except Exception as exc:  # noqa: BLE001 - any build/load failure only disables the kernel
+            _module = None
+            reason = f"native paged-decode kernel unavailable: {type(exc).__name__}: {exc}"
+        build_seconds = time.perf_counter() - start
+        return _module
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loadable (tries the build once per process)."""
+    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
+        return False
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The inputs this kernel handles: CPU fp32, dense K/V rows, matching block/head shapes."""
+    return (
+        q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+        and q.dim() == 3 and k_cache.dim() == 4 and v_cache.dim() == 4
+        and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        and k_cache.shape[:3] == v_cache.shape[:3] and q.shape[-1] == k_cache.shape[-1]
+        and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def native_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out [T, Hq, Dv] fp32, lse [T, Hq] fp32)``, or ``None`` when the block table does not
+    cover a row's keys (too short, or an out-of-range id): the caller's checked path then raises.
+
+    Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(reason or "native kernel unavailable")
+    tq, hq, _ = q.shape
+    dv = v_cache.shape[-1]
+    out = torch.zeros(tq, hq, dv, dtype=torch.float32)
+    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32)
+    lens = kv_lens.to(torch.int64).contiguous()
+    if chunk_tokens is None:
+        # Split each request's keys so that the (request, KV head, chunk) items keep every thread
+        # busy; with one thread (or enough requests x heads) a request is one chunk.
+        threads = torch.get_num_threads()
+        items = max(1, len(lens)) * k_cache.shape[2]
+        longest = int(lens.max()) if lens.numel() else 0
+        if threads <= 1 or items >= 4 * threads or longest == 0:
+            chunk_tokens = max(longest, 1)
+        else:
+            splits = -(-4 * threads // items)
+            chunk_tokens = max(CHUNK_TOKENS // 4, -(-longest // splits))
+    ok = mod.paged_decode(
+        q.contiguous(), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+        cu_seqlens_q.to(torch.int64).contiguous(), lens, float(scale), out, lse, int(chunk_tokens),
+        int(os.environ.get("DCPGRAPH_NATIVE_PREFETCH", PREFETCH_BLOCKS)),
+    )
+    return (out, lse) if ok else None

@@ -1,0 +1,141 @@
+"""The optional native paged-decode kernel (:mod:`dcpgraph.ops.native`) against the torch path.
+
+The extension is built once into its persistent directory (``~/.cache/dcpgraph/native/<hash>``
+or ``$DCPGRAPH_NATIVE_BUILD_DIR``) and reused by every later process; if it cannot be built on
+this machine, every test here is skipped with the build's reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpgraph.ops import kernels, native
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason}")
+
+
+def _torch_path(*args):
+    return kernels._paged_partial_attention_torch(*args)
+
+
+def _check(q, k_cache, v_cache, table, lens, scale=0.2, chunk_tokens=None):
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    ref_o, ref_l = _torch_path(q, k_cache, v_cache, table, cu, lens, None, scale)
+    got = native.native_paged_decode(q, k_cache, v_cache, table, cu, lens, scale, chunk_tokens=chunk_tokens)
+    assert got is not None
+    out, lse = got
+    assert out.shape == ref_o.shape and lse.shape == ref_l.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_o, atol=ATOL, rtol=ATOL)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l))
+    torch.testing.assert_close(lse, ref_l, atol=ATOL, rtol=ATOL)
+    return out, lse
+
+
+def _case(seed, nb, block, hkv, d, dv, hq, rows, width, prefix=False):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(nb, block, hkv, d, generator=gen)
+    v_cache = k_cache[..., :dv] if prefix else torch.randn(nb, block, hkv, dv, generator=gen)
+    table = torch.randperm(nb, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
+    q = torch.randn(rows, hq, d, generator=gen)
+    return q, k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 1), (8, 2), (6, 3), (5, 5), (1, 1)])
+def test_gqa_grouping_and_lengths(hq, hkv):
+    # lengths 0, < one block, exactly one block, not a multiple of the block size; scattered ids
+    q, k, v, table = _case(0, 64, 16, hkv, 40, 40, hq, 5, 10)
+    out, lse = _check(q, k, v, table, [0, 5, 16, 37, 150])
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 16, 48, 4096])
+def test_split_k_chunks(chunk_tokens):
+    # a request split into several key chunks merged by LSE gives the same result as one chunk
+    q, k, v, table = _case(1, 96, 8, 2, 32, 24, 8, 3, 30)
+    _check(q, k, v, table, [233, 1, 96], chunk_tokens=chunk_tokens)
+
+
+def test_mla_prefix_view_values():
+    # MLA: values are a prefix view k_cache[..., :dv] of the latent (576/512-style, here 72/64)
+    q, k, v, table = _case(2, 48, 16, 1, 72, 64, 16, 3, 12, prefix=True)
+    assert v.data_ptr() == k.data_ptr()
+    _check(q, k, v, table, [190, 7, 0])
+
+
+def test_odd_block_size_and_head_dims():
+    q, k, v, table = _case(3, 40, 5, 2, 19, 33, 6, 4, 9)
+    _check(q, k, v, table, [44, 45, 3, 20])
+
+
+def test_independent_of_block_placement():
+    q, k, v, table = _case(4, 64, 16, 2, 64, 64, 8, 2, 16)
+    lens = [250, 177]
+    cu = torch.arange(3, dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    a = native.native_paged_decode(q, k, v, table, cu, lens_t, 0.1)
+    # Move every block to a new physical id (a permutation), rewriting the table to match.
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(9))
+    k2, v2 = torch.empty_like(k), torch.empty_like(v)
+    k2[perm], v2[perm] = k, v
+    b = native.native_paged_decode(q, k2, v2, perm[table.long()].to(torch.int32), cu, lens_t, 0.1)
+    # contiguous placement too
+    k3 = torch.cat([k[table[r].long()] for r in range(2)])
+    v3 = torch.cat([v[table[r].long()] for r in range(2)])
+    c = native.native_paged_decode(q, k3, v3, torch.arange(32, dtype=torch.int32).view(2, 16), cu, lens_t, 0.1)
+    for other in (b, c):
+        torch.testing.assert_close(other[0], a[0], atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(other[1], a[1], atol=ATOL, rtol=ATOL)
+
+
+def test_several_query_rows_per_request():
+    # no kv_bound: every query row of a request sees all of its keys
+    q, k, v, table = _case(5, 32, 8, 2, 24, 24, 4, 5, 6)
+    cu = torch.tensor([0, 2, 2, 5, 6, 7], dtype=torch.int32)
+    lens = torch.tensor([30, 10, 0, 48, 9], dtype=torch.int32)
+    qs = torch.randn(7, 4, 24, generator=torch.Generator().manual_seed(6))
+    ref = _torch_path(qs, k, v, table, cu, lens, None, 0.3)
+    got = native.native_paged_decode(qs, k, v, table, cu, lens, 0.3)
+    torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
+
+
+def test_short_table_falls_back_and_raises():
+    q, k, v, table = _case(7, 16, 4, 1, 16, 16, 2, 2, 3)
+    cu = torch.arange(3, dtype=torch.int32)
+    lens = torch.tensor([20, 4], dtype=torch.int32)  # 20 tokens need 5 blocks, the row has 3
+    assert native.native_paged_decode(q, k, v, table, cu, lens, 0.1) is None
+    with pytest.raises(ValueError, match="block table row"):
+        kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.1)
+
+
+def test_dispatch_uses_native_for_fp32_decode(monkeypatch):
+    q, k, v, table = _case(8, 64, 16, 2, 32, 32, 4, 3, 12)
+    cu = torch.arange(4, dtype=torch.int32)
+    lens = torch.tensor([100, 0, 191], dtype=torch.int32)
+    calls = []
+    real = native.native_paged_decode
+    monkeypatch.setattr(native, "native_paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert kernels.native_enabled()
+    out, lse = kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
+    assert calls
+    ref = _torch_path(q, k, v, table, cu, lens, None, 0.25)
+    torch.testing.assert_close(out, ref[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
+    # decode with a kv_bound caps each row's length
+    bound = torch.tensor([50, 3, 191], dtype=torch.int32)
+    got = kernels.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.25)
+    ref = _torch_path(q, k, v, table, cu, lens, bound, 0.25)
+    torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
+    monkeypatch.setenv("DCPGRAPH_NATIVE", "0")
+    calls.clear()
+    kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
+    assert not calls

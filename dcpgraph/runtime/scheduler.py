@@ -90,7 +90,8 @@ class Scheduler:
             self.blocks.reserve(request.id, request.reserve_tokens, prefix)
             if self.blocks.enable_prefix_caching:
                 self.blocks.record_query(len(request.prompt), len(prefix))
-            request.computed = len(prefix) * self.blocks.tokens_per_block
+            if prefix:  # a fresh request starts at 0; a hit skips its cached blocks
+                request.computed = len(prefix) * self.blocks.tokens_per_block
             assert request.computed < len(request.prompt)
             self.running.append(request)
             budget -= self._chunk(request, budget, plan)

@@ -153,6 +153,42 @@ class Engine:
             self.step()
         return [self._requests.pop(i).output for i in ids]
 
+    # -- prefill/decode disaggregation -------------------------------------------------------
+    def prefill(self, prompt: Sequence[int], **sampling: Any):
+        """Run ``prompt`` until its first token is sampled and export its KV
+        (:class:`~dcpgraph.runtime.kv_transfer.KVTransfer`); the request then leaves this engine."""
+        from .kv_transfer import export_kv
+
+        rid = self.add_request(prompt, 2, **sampling)
+        request = self._requests[rid]
+        while not request.output:
+            self.step()
+        transfer = export_kv(self, request)
+        self.scheduler.finish(request)
+        del self._requests[rid]
+        return transfer
+
+    def continue_from(self, transfer, max_new_tokens: int, **sampling: Any) -> int:
+        """Continue a request exported by another engine's :meth:`prefill` (same model and tp,
+        any dcp / interleave / block size): re-shards its KV into this engine's cache and queues
+        it for decoding. ``max_new_tokens`` counts the token the prefill engine sampled."""
+        from .kv_transfer import check_transfer, import_kv
+
+        check_transfer(self, transfer)
+        prompt = list(transfer.tokens[: transfer.prompt_len])
+        self.check_request(prompt, max_new_tokens)
+        if not self.blocks.can_reserve(len(prompt) + max_new_tokens):
+            raise RequestError("not enough free KV blocks to take over the request now")
+        rid = self._enqueue(prompt, max_new_tokens, SamplingParams(**sampling))
+        request = self._requests[rid]
+        self.scheduler.waiting.remove(request)
+        self.blocks.reserve(rid, request.reserve_tokens)
+        request.output = list(transfer.tokens[transfer.prompt_len :])
+        request.computed = transfer.computed
+        import_kv(self, transfer, request)
+        self.scheduler.running.append(request)
+        return rid
+
     # -- reports ------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         per_block = kv_bytes_per_block(self.program)

@@ -1,0 +1,101 @@
+"""KV transfer between engines (prefill/decode disaggregation), across DCP sizes and layouts.
+
+A prefill engine computes a prompt and exports its KV in *global token order*: for each TP rank,
+each cache ``[tokens, local heads, dim]``, assembled from the DCP group that shards it (every
+member of a group holds the same heads; token ``t`` is on member ``owner(t)`` at the slot the
+layout gives). A decode engine with the same model and ``tp`` but any ``dcp``, interleave or
+block size re-shards it with its own slot mapping and continues the request. With
+``interleave == block_size`` on both sides every physical block is a contiguous run of tokens,
+which is what lets a real transport move whole blocks; this in-process version gathers and
+scatters token rows, so it works for any layout.
+
+Limitation: both engines must hold all their ranks in this process (the emulated executor); a
+multi-process transfer needs a transport between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import layout
+from ..errors import RequestError
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """A request's KV, ready to continue elsewhere: ``tokens[:computed]`` are cached."""
+
+    tokens: tuple[int, ...]
+    computed: int
+    prompt_len: int
+    tp: int
+    caches: tuple[dict[str, torch.Tensor], ...]  # per TP rank: cache name -> [computed, heads, dim]
+    layout_key: tuple  # (name, heads, dim, dtype) per cache: what must match on import
+
+
+def _layout_key(engine) -> tuple:
+    return tuple((c.name, c.heads, c.dim, str(c.dtype)) for c in engine.program.caches)
+
+
+def _emulated_caches(engine) -> list[dict[str, torch.Tensor]]:
+    caches = getattr(engine.executor, "caches", None)
+    if not isinstance(caches, list):
+        raise RequestError("KV transfer needs the emulated executor (all ranks in this process)")
+    return caches
+
+
+def _slots(engine, positions: torch.Tensor, table: list[int], rank: int) -> torch.Tensor:
+    mesh = engine.mesh
+    rows = torch.tensor(table, dtype=torch.int64).expand(len(positions), -1)
+    return layout.slot_mapping(positions, rows, mesh.dcp_rank(rank), mesh.dcp, engine.block_size, engine.interleave)
+
+
+def export_kv(engine, request) -> KVTransfer:
+    """The KV of ``request``'s first ``computed`` tokens, per TP rank, in global token order."""
+    caches = _emulated_caches(engine)
+    mesh = engine.mesh
+    table = engine.blocks.table(request.id)
+    positions = torch.arange(request.computed)
+    owners = layout.owner(positions, mesh.dcp, engine.interleave)
+    exported = []
+    for rank in mesh.ranks:
+        group = mesh.dcp_group(rank)
+        full = {}
+        for spec in engine.program.caches:
+            out = torch.empty(request.computed, spec.heads, spec.dim, dtype=spec.dtype)
+            for d, member in enumerate(group):
+                mine = owners == d
+                slots = _slots(engine, positions, table, member)[mine]
+                flat = caches[member][spec.name].view(-1, spec.heads, spec.dim)
+                out[mine] = flat.index_select(0, slots)
+            full[spec.name] = out
+        exported.append(full)
+    return KVTransfer(tuple(request.tokens), request.computed, len(request.prompt), mesh.tp,
+                      tuple(exported), _layout_key(engine))
+
+
+def check_transfer(engine, transfer: KVTransfer) -> None:
+    """Refuse, before anything changes, a transfer this engine cannot take."""
+    _emulated_caches(engine)
+    if transfer.tp != engine.mesh.tp or transfer.layout_key != _layout_key(engine):
+        raise RequestError(
+            "KV transfer needs the same model and tp on both sides "
+            f"(exported tp={transfer.tp}, caches {transfer.layout_key}; "
+            f"importing tp={engine.mesh.tp}, caches {_layout_key(engine)})"
+        )
+
+
+def import_kv(engine, transfer: KVTransfer, request) -> None:
+    """Write ``transfer`` into ``request``'s reserved blocks with ``engine``'s own layout."""
+    check_transfer(engine, transfer)
+    caches = _emulated_caches(engine)
+    table = engine.blocks.table(request.id)
+    positions = torch.arange(transfer.computed)
+    for rank in engine.mesh.ranks:
+        slots = _slots(engine, positions, table, rank)
+        owned = slots >= 0
+        for spec in engine.program.caches:
+            flat = caches[rank][spec.name].view(-1, spec.heads, spec.dim)
+            flat.index_copy_(0, slots[owned], transfer.caches[rank][spec.name][owned])

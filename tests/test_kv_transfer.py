@@ -1,0 +1,54 @@
+"""Prefill/decode disaggregation: KV exported by one engine continues on another DCP layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.models import build_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43, 44, 45, 46]]
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v2"])
+def setup(request):
+    model = build_model(request.param, dtype=torch.float64)
+    refs = [
+        model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        for p in PROMPTS
+    ]
+    return dcpgraph.trace(model), refs
+
+
+@pytest.mark.parametrize(
+    "prefill, decode",
+    [
+        (dict(dcp=1, interleave=1, block_size=4), dict(dcp=2, interleave=4, block_size=4)),  # P: no DCP, D: block interleave
+        (dict(dcp=2, interleave=1, block_size=4), dict(dcp=1, interleave=1, block_size=8)),  # back, other block size
+    ],
+)
+def test_decode_engine_continues_prefilled_requests(setup, prefill, decode):
+    program, refs = setup
+    p_engine = dcpgraph.compile(program, tp=2, **prefill)
+    d_engine = dcpgraph.compile(program, tp=2, **decode)
+    transfers = [p_engine.prefill(p) for p in PROMPTS]
+    assert p_engine.blocks.free_blocks == p_engine.blocks.num_blocks  # nothing left behind
+    ids = [d_engine.continue_from(t, NEW) for t in transfers]
+    outputs = {i: None for i in ids}
+    while any(v is None for v in outputs.values()):
+        for rid, _token, finished in d_engine.step():
+            if finished:
+                outputs[rid] = d_engine._requests[rid].output
+    for rid, ref in zip(ids, refs):
+        assert outputs[rid] == ref
+
+
+def test_transfer_refuses_a_different_tp(setup):
+    program, _ = setup
+    transfer = dcpgraph.compile(program, tp=2, dcp=1, block_size=4).prefill(PROMPTS[0])
+    other = dcpgraph.compile(program, tp=1, block_size=4)
+    with pytest.raises(dcpgraph.RequestError, match="same model and tp"):
+        other.continue_from(transfer, NEW)
+    assert not other.scheduler.has_work() and other.blocks.free_blocks == other.blocks.num_blocks

@@ -96,6 +96,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     max_num_seqs = int(options.pop("max_num_seqs", 8))
     max_batched_tokens = int(options.pop("max_batched_tokens", 256))
     capture_limit = int(options.pop("capture_limit", 32))
+    speculative_tokens = int(options.pop("speculative_tokens", 0))
     enable_prefix_caching = bool(options.pop("enable_prefix_caching", False))
     sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
     program = compile_program(
@@ -106,6 +107,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         raise TypeError(f"unknown options: {sorted(options)}")
     if capture_limit < 0:
         raise ConfigError(f"capture_limit must be >= 0, got {capture_limit}")
+    if speculative_tokens < 0:
+        raise ConfigError(f"speculative_tokens must be >= 0, got {speculative_tokens}")
     num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     from .backends import compile_backend
 
@@ -114,6 +117,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
         max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, graphs=graphs,
         capture_limit=capture_limit, enable_prefix_caching=enable_prefix_caching,
+        speculative_tokens=speculative_tokens,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .blocks import BlockManager
 from .graph_mode import DecodeBuckets, default_buckets
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
+from .speculative import accept, propose
 from .step_inputs import build_step_inputs
 
 
@@ -40,6 +42,7 @@ class Engine:
         max_num_seqs: int,
         graphs=None,
         capture_limit: int = 32,
+        speculative_tokens: int = 0,
         enable_prefix_caching: bool = False,
     ):
         self.program = program
@@ -59,6 +62,8 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self.steps = 0
         self.graph_steps: dict[str, int] = {}
+        self.speculative_tokens = speculative_tokens
+        self.spec_stats = {"drafted": 0, "accepted": 0}
 
     # -- requests -----------------------------------------------------------------------------
     def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -111,10 +116,16 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress (cache too small for any waiting request)")
             return []
-        shared, per_rank = build_step_inputs([p.chunk for p in plan], self.mesh, self.block_size, self.interleave)
+        drafts = {i: self._drafts(p) for i, p in enumerate(plan)}
+        chunks = [
+            replace(p.chunk, tokens=p.chunk.tokens + tuple(drafts[i]), logits_rows=1 + len(drafts[i]))
+            if drafts[i] else p.chunk
+            for i, p in enumerate(plan)
+        ]
+        shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave)
         key = "mixed"
         bucket = None
-        if self.buckets is not None and all(len(p.chunk.tokens) == 1 for p in plan):
+        if self.buckets is not None and all(len(c.tokens) == 1 for c in chunks):
             bucket = self.buckets.bucket_for(len(plan))
         if bucket is not None:
             shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
@@ -125,18 +136,43 @@ class Engine:
         self.steps += 1
         events = []
         eos = set(self.program.facts.eos_token_id)
-        for row, item in enumerate(plan):
-            request = item.request
-            self.scheduler.advance(request, len(item.chunk.tokens))
-            if not item.samples:
-                continue
-            token = sample(logits[row], request.params, request.generator)
-            request.output.append(token)
-            done = len(request.output) >= request.max_new_tokens or token in eos
+        row = 0
+        for i, item in enumerate(plan):
+            request, chunk = item.request, chunks[i]
+            rows = logits[row : row + chunk.logits_rows]
+            row += chunk.logits_rows
+            if drafts[i]:
+                greedy = [int(r.argmax()) for r in rows]
+                accepted = accept(drafts[i], greedy)
+                self.spec_stats["drafted"] += len(drafts[i])
+                self.spec_stats["accepted"] += accepted
+                emitted, advance = greedy[: accepted + 1], 1 + accepted  # last token + confirmed drafts
+            else:
+                emitted, advance = None, len(chunk.tokens)
+                if item.samples:
+                    emitted = [sample(rows[-1], request.params, request.generator)]
+            done = False
+            for n, token in enumerate(emitted or ()):
+                request.output.append(token)
+                done = len(request.output) >= request.max_new_tokens or token in eos
+                events.append((request.id, token, done))
+                if done:
+                    if drafts[i]:
+                        advance = min(advance, n + 1)  # confirmed drafts past the stop are not kept
+                    break
+            # Tokens first, then ``computed``: blocks are registered for prefix caching from both.
+            self.scheduler.advance(request, advance)
             if done:
                 self.scheduler.finish(request)
-            events.append((request.id, token, done))
         return events
+
+    def _drafts(self, item) -> list[int]:
+        """Prompt-lookup drafts for a greedy decode row (never past the request's budget)."""
+        request = item.request
+        if not (self.speculative_tokens and item.samples and len(item.chunk.tokens) == 1 and request.params.greedy):
+            return []
+        room = request.max_new_tokens - len(request.output) - 1
+        return propose(request.tokens, min(self.speculative_tokens, room))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
         """New tokens of each prompt (greedy unless ``temperature`` > 0). All prompts are checked
@@ -230,6 +266,7 @@ class Engine:
             "steps": self.steps,
             "graph_steps": dict(self.graph_steps),
             "decode_buckets": list(self.buckets.sizes) if self.buckets else [],
+            "speculative": {"tokens": self.speculative_tokens, **self.spec_stats},
             "prefix_cache": self.prefix_cache_report(),
             **backend,
         }

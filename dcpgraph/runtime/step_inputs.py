@@ -9,7 +9,8 @@ Every scheduled token of every request is flattened into one sequence. For reque
   this rank's DCP index;
 - ``block_table`` ``[R, W]``: the shared virtual-block table (padding entries are never read);
 - ``slot_mapping`` ``[T]``: where this rank writes each new token, −1 where it does not own it;
-- ``logits_indices`` ``[R]``: the last new token of each request;
+- ``logits_indices``: the last ``logits_rows`` new tokens of each request (one, or ``1 + k`` when
+  ``k`` draft tokens are verified);
 - ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow).
 """
 
@@ -31,6 +32,7 @@ class Chunk:
     tokens: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
+    logits_rows: int = 1
 
 
 def build_step_inputs(
@@ -54,7 +56,9 @@ def build_step_inputs(
         "cu_seqlens_q": cu,
         "context_lens": starts.to(torch.int32),
         "block_table": table,
-        "logits_indices": (cu[1:] - 1).to(torch.int64),
+        "logits_indices": torch.cat([
+            torch.arange(int(end) - c.logits_rows, int(end), dtype=torch.int64) for c, end in zip(chunks, cu[1:])
+        ]),
     }
     rows = table[owner]
     per_rank = []

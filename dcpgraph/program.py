@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +170,3 @@ class Program:
                 return snapshot
         raise KeyError(f"no stage {name!r}; stages: {[n for n, _ in self.stages]}")
 
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start

@@ -6,6 +6,12 @@ there. On failure the graph switches to the GraphModule itself (identical result
 program the backend was given), records ``{"backend": "eager", "fallback": reason}`` in its
 status, and warns once. Later failures of an already-working compiled graph are real errors and
 propagate.
+
+Nothing is left half-written by a first call that dies: the only cache rows a step may write are
+its own ``slot_mapping`` rows (a functionalised copy-back of the whole cache writes old values
+everywhere else), and the eager re-run of the same step rewrites exactly those rows. So no
+snapshot is taken — an earlier version cloned every cache, an O(capacity) copy that protected
+nothing (``tests/test_backends.py`` poisons those rows and checks eager's tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class FallbackGraph:
         self.name = name
         self.gm = gm
         self.factory = factory
-        self.program = program
+        self.program = program  # for reports: which program this graph runs
         label = backend or getattr(factory, "__name__", "custom").lstrip("_")
         self.status: dict[str, Any] = {"backend": label, "fallback": None, "calls": 0}
         self._compiled: Callable | None = None
@@ -49,27 +55,10 @@ class FallbackGraph:
             except Exception as err:  # noqa: BLE001 - any compile failure means eager
                 self._fall_back("compile", err)
                 return self.gm(*args)
-        snapshot = _snapshot_mutable(self.program, args)
         try:
             result = self._compiled(*args)
         except Exception as err:  # noqa: BLE001 - the first call is part of compiling
-            _restore_mutable(snapshot)
             self._fall_back("first call", err)
             return self.gm(*args)
         self._proven = True
         return result
-
-
-def _snapshot_mutable(program, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of the KV caches among ``args``: a first call that fails half-way must not leave a
-    half-written cache behind before eager runs the step again (nothing half-written)."""
-    if program is None:
-        return []
-    from ..program import CACHE
-
-    return [(a, a.clone()) for spec, a in zip(program.inputs, args) if spec.kind == CACHE]
-
-
-def _restore_mutable(snapshot) -> None:
-    for tensor, copy in snapshot:
-        tensor.copy_(copy)

@@ -54,8 +54,7 @@ class CompiledGraphs:
             factory = self.factory
             if getattr(factory, "wants_static", False):
                 factory = functools.partial(factory, static=key != "mixed")
-            self._graphs[key] = FallbackGraph(_key_name(key), copy, factory, program=self.program,
-                                              backend=self.name)
+            self._graphs[key] = FallbackGraph(_key_name(key), copy, factory, backend=self.name)
         return self._graphs[key]
 
     def report(self) -> dict:

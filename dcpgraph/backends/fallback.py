@@ -25,12 +25,10 @@ import torch
 
 
 class FallbackGraph:
-    def __init__(self, name: str, gm: torch.fx.GraphModule, factory: Callable, *, program=None,
-                 backend: str | None = None):
+    def __init__(self, name: str, gm: torch.fx.GraphModule, factory: Callable, *, backend: str | None = None):
         self.name = name
         self.gm = gm
         self.factory = factory
-        self.program = program  # for reports: which program this graph runs
         label = backend or getattr(factory, "__name__", "custom").lstrip("_")
         self.status: dict[str, Any] = {"backend": label, "fallback": None, "calls": 0}
         self._compiled: Callable | None = None

@@ -112,6 +112,16 @@ def _attend_grouped_flash(q, k, v, scale, dv):
     return out, lse.to(acc_dtype(q.dtype))
 
 
+def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None):
+    """``(softmax(scores)·values, logsumexp(scores))`` over the last axis, keys outside ``visible``
+    masked; a row that sees no key gives ``(0, −inf)``, never NaN."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
+    return torch.matmul(probs, values), lse
+
+
 def _attend_math(q, k, v, scale, *, causal, kv_bound):
     lq, hq, _ = q.shape
     lk, hkv, _ = v.shape
@@ -128,11 +138,7 @@ def _attend_math(q, k, v, scale, *, causal, kv_bound):
     if kv_bound is not None:
         bound = keys.unsqueeze(0) < kv_bound.to(keys.device).unsqueeze(1)
         visible = bound if visible is None else visible & bound
-    if visible is not None:
-        scores = scores.masked_fill(~visible, NEG_INF)
-    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, Lq]; -inf where nothing is visible
-    probs = torch.exp(scores - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, vf)  # [Hkv, G, Lq, Dv]
+    out, lse = _softmax_attend(scores, vf, visible)  # [Hkv, G, Lq, Dv], [Hkv, G, Lq]
     out = out.permute(2, 0, 1, 3).reshape(lq, hq, -1)
     lse = lse.permute(2, 0, 1).reshape(lq, hq)
     return out.to(q.dtype), lse
@@ -242,10 +248,7 @@ def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, valu
     group = hq // hkv
     qg = q.to(acc).reshape(rows, hkv, group, d)  # [R, Hkv, G, D]
     scores = torch.matmul(qg, keys.to(acc).permute(0, 2, 3, 1)) * scale  # [R, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], NEG_INF)
-    lse = torch.logsumexp(scores, -1)  # [R, Hkv, G]
-    probs = torch.exp(scores - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, values.to(acc).permute(0, 2, 1, 3))  # [R, Hkv, G, Dv]
+    out, lse = _softmax_attend(scores, values.to(acc).permute(0, 2, 1, 3), valid[:, None, None, :])
     return out.reshape(rows, hq, dv).to(q.dtype), lse.reshape(rows, hq)
 
 

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import dcpgraph
     from dcpgraph.models import build_model
     from dcpgraph.runtime.distributed import spawn
+    from dcpgraph.testing.generation import hf_greedy
 
     start = time.perf_counter()
     _say(f"dcpgraph {dcpgraph.__version__}: model={args.model} tp={args.tp} dcp={args.dcp} "
@@ -96,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     _say("  reference: the unsharded model's own greedy generate ...")
-    reference = []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                             pad_token_id=0)
-        reference.append(out[0, len(p):].tolist())
+    reference = [hf_greedy(model, p, args.max_new_tokens) for p in prompts]
 
     if args.emulate:
         _say(f"  running {args.tp} ranks in one process (SPMD emulator) ...")

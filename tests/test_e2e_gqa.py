@@ -46,6 +46,7 @@ import torch
 import dcpgraph
 from dcpgraph import ConfigError, Mesh, RequestError, layout
 from dcpgraph.api import facts_of
+from dcpgraph.testing.generation import drain, hf_greedy
 
 # -- models -------------------------------------------------------------------------------------
 VOCAB = 128
@@ -100,14 +101,6 @@ def build_model(name: str, seed: int | None = None) -> torch.nn.Module:
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.3)
     return model
-
-
-def hf_greedy(model: torch.nn.Module, prompt, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
 
 
 def valid_meshes(name: str) -> list[tuple[int, int]]:
@@ -360,15 +353,6 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(zoo):
     assert engine.generate(good, new) == [zoo.reference(name, p, new) for p in good]
 
 
-def _run_to_completion(engine, outputs: dict[int, list[int]], max_steps: int = 500) -> None:
-    for _ in range(max_steps):
-        if not engine.scheduler.has_work():
-            return
-        for rid, token, _ in engine.step():
-            outputs.setdefault(rid, []).append(token)
-    raise AssertionError("engine did not finish")
-
-
 def test_bad_add_request_does_not_disturb_running_requests(zoo):
     name = "qwen2"
     engine = zoo.engine(name, 4, 2, interleave=BLOCK_SIZE, comm="ag_rs", max_model_len=64)
@@ -383,7 +367,7 @@ def test_bad_add_request_does_not_disturb_running_requests(zoo):
             engine.add_request(prompt, max_new)
     rid = engine.add_request(list(PROMPTS[3]), MAX_NEW)  # a valid one after the bad ones
     rids[rid] = PROMPTS[3]
-    _run_to_completion(engine, outputs)
+    drain(engine, outputs)
     assert set(outputs) == set(rids)
     for r, prompt in rids.items():
         assert outputs[r] == zoo.reference(name, prompt), f"request {r}"
@@ -406,7 +390,7 @@ def test_seeded_sampling_is_reproducible_and_mesh_independent(zoo):
     # add_request with the same seed: the same stream as the first prompt of a generate() call
     rid = single.add_request(prompts[0], n, **params)
     outputs: dict[int, list[int]] = {}
-    _run_to_completion(single, outputs)
+    drain(single, outputs)
     assert outputs[rid] == a[0]
     # top_k=1 and a vanishing top_p keep only the argmax: sampling degenerates to greedy
     assert sharded.generate(prompts, n, temperature=1.5, top_k=1, seed=5) == greedy

@@ -56,6 +56,7 @@ from dcpgraph.models import build_model
 from dcpgraph.passes.absorb_mla import absorb_mla
 from dcpgraph.passes.manager import run_passes
 from dcpgraph.program import STATE_KINDS, USER
+from dcpgraph.testing.generation import hf_greedy
 
 aten = torch.ops.aten
 
@@ -99,14 +100,6 @@ def build(name: str) -> torch.nn.Module:
             if bname.endswith("e_score_correction_bias"):
                 draw(b, 0.0, 0.1)
     return model
-
-
-def hf_greedy(model: torch.nn.Module, prompt, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
 
 
 def valid_meshes() -> list[tuple[int, int]]:

@@ -7,6 +7,7 @@ import torch
 
 import dcpgraph
 from dcpgraph.models import build_model
+from dcpgraph.testing.generation import drain, hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43, 44, 45, 46]]
 NEW = 12
@@ -15,10 +16,7 @@ NEW = 12
 @pytest.fixture(scope="module", params=["llama", "deepseek_v2"])
 def setup(request):
     model = build_model(request.param, dtype=torch.float64)
-    refs = [
-        model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        for p in PROMPTS
-    ]
+    refs = [hf_greedy(model, p, NEW) for p in PROMPTS]
     return dcpgraph.trace(model), refs
 
 
@@ -36,13 +34,8 @@ def test_decode_engine_continues_prefilled_requests(setup, prefill, decode):
     transfers = [p_engine.prefill(p) for p in PROMPTS]
     assert p_engine.blocks.free_blocks == p_engine.blocks.num_blocks  # nothing left behind
     ids = [d_engine.continue_from(t, NEW) for t in transfers]
-    outputs = {i: None for i in ids}
-    while any(v is None for v in outputs.values()):
-        for rid, _token, finished in d_engine.step():
-            if finished:
-                outputs[rid] = d_engine._requests[rid].output
-    for rid, ref in zip(ids, refs):
-        assert outputs[rid] == ref
+    drain(d_engine)
+    assert [d_engine._requests[rid].output for rid in ids] == refs
 
 
 def test_transfer_refuses_a_different_tp(setup):

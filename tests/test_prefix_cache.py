@@ -26,6 +26,7 @@ from dcpgraph import layout
 from dcpgraph.models import build_model
 from dcpgraph.runtime.blocks import BlockManager, block_hashes
 from dcpgraph.runtime.step_inputs import Chunk, build_step_inputs
+from dcpgraph.testing.generation import drain, hf_greedy
 
 BLOCK_SIZE = 4
 PREFIX = [(7 * i + 3) % 256 for i in range(26)]  # 26 tokens: 3 full virtual blocks at dcp=2, 6 at dcp=1
@@ -61,15 +62,6 @@ def setup() -> Setup:
 
 def _stats(engine) -> dict:
     return dict(engine.report()["prefix_cache"])
-
-
-def _drain(engine, outputs: dict[int, list[int]], max_steps: int = 300) -> None:
-    for _ in range(max_steps):
-        if not engine.scheduler.has_work():
-            return
-        for rid, token, _ in engine.step():
-            outputs.setdefault(rid, []).append(token)
-    raise AssertionError("engine did not finish")
 
 
 def _kv(engine, table: list[int], length: int) -> list[dict[str, torch.Tensor]]:
@@ -204,7 +196,7 @@ def test_shared_blocks_live_until_both_requests_finish_then_get_evicted(setup):
     assert b in {r.id for r in engine.scheduler.running}
     assert [blocks.refcount(x) for x in table_a[:2]] == [1, 1]
     assert blocks.free_blocks == 1  # only a's own third block came back
-    _drain(engine, outputs)
+    drain(engine, outputs)
     assert outputs[a] == setup.ref(a_prompt, 3) and outputs[b] == setup.ref(b_prompt, 4)
     assert [blocks.refcount(x) for x in table_a[:2]] == [0, 0]
     assert blocks.free_blocks == blocks.num_blocks and blocks.cached_blocks == 2  # cached, free
@@ -297,9 +289,7 @@ def test_mla_prefix_hits_match_hf():
     engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, interleave=2, block_size=BLOCK_SIZE,
                               enable_prefix_caching=True, max_batched_tokens=16, max_model_len=64)
     prompts = [PREFIX + [100 + i, 50 + i, 9 * i + 1] for i in range(3)]
-    with torch.no_grad():
-        refs = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    refs = [hf_greedy(model, p, 6) for p in prompts]
     assert engine.generate(prompts[:1], 6) + engine.generate(prompts[1:], 6) == refs
     stats = _stats(engine)
     assert stats["hit_tokens"] == 2 * 3 * BLOCK_SIZE * 2

@@ -8,6 +8,7 @@ import torch
 import dcpgraph
 from dcpgraph.models import build_model
 from dcpgraph.runtime.speculative import accept, propose
+from dcpgraph.testing.generation import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41]]
 NEW = 20
@@ -29,10 +30,7 @@ def test_accept_counts_the_confirmed_prefix():
 @pytest.fixture(scope="module", params=["llama", "deepseek_v2"])
 def setup(request):
     model = build_model(request.param, dtype=torch.float64)
-    refs = [
-        model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        for p in PROMPTS
-    ]
+    refs = [hf_greedy(model, p, NEW) for p in PROMPTS]
     return request.param, dcpgraph.trace(model), refs
 
 

@@ -116,7 +116,7 @@ def _rank(rank: int, world: int, tier, cases: dict, dump_root: str):
             return built["graph"]
 
         factory.__name__ = "_torchair"
-        graph = FallbackGraph("step", program.graph_module, factory, program=program)
+        graph = FallbackGraph("step", program.graph_module, factory)
         fb_args = _clone(args)
         fell_back = _outputs(program, fb_args, graph(*fb_args))
         t2 = time.perf_counter()

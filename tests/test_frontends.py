@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import dcpgraph
 from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.frontends import fx as fx_frontend
-from dcpgraph.passes.canonicalize import raw_attention
+from dcpgraph.frontends.canonicalize import raw_attention
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS = 128, 64, 4, 2, 2
 TOKEN_COUNTS = (2, 5, 13)

@@ -1,16 +1,15 @@
 """Pass infrastructure: canonicalize_attention as a pass, the verifier catching broken passes,
 purity, provenance and stage snapshots, and ``dcpgraph.explain``.
 
-The pattern tests are tinygrad-style: small, rule-level (the roles one match binds), then the pass
-(structure before/after, numbers unchanged), then the manager around it (a deliberately broken
-pass is named by the verifier).
+The pass (structure before/after, numbers unchanged), then the manager around it (a deliberately
+broken pass is named by the verifier). The pattern rules themselves are tested in
+tests/test_canonicalize.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import networkx as nx
 import pytest
 import torch
 import torch.nn as nn
@@ -18,8 +17,8 @@ import torch.nn.functional as F
 
 import dcpgraph
 from dcpgraph.errors import VerificationError
+from dcpgraph.frontends import canonicalize as canon
 from dcpgraph.mesh import Mesh
-from dcpgraph.passes import canonicalize as canon
 from dcpgraph.passes.manager import program_pass, run_passes
 from dcpgraph.passes.pipeline import compile_program, default_passes
 from dcpgraph.passes.select_logits import select_logits
@@ -102,42 +101,6 @@ def run(program: Program, tokens: int) -> torch.Tensor:
 
 def count(program: Program, target) -> int:
     return sum(1 for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target is target)
-
-
-# -- the pattern, rule level ---------------------------------------------------------------------------
-def test_graph_view_is_a_faithful_read_only_copy(traced):
-    graph = traced["tril"].stage("trace").graph_module.graph
-    view = canon.graph_view(graph)
-    assert view.number_of_nodes() == len(graph.nodes)
-    for node in graph.nodes:
-        assert view.nodes[node.name]["node"] is node
-        for i, arg in enumerate(node.args):
-            if isinstance(arg, torch.fx.Node):
-                assert i in view.edges[arg.name, node.name]["index"]
-    assert nx.is_directed_acyclic_graph(view)
-
-
-def test_match_binds_every_role_of_the_hand_written_attention(traced):
-    graph = traced["tril"].stage("trace").graph_module.graph
-    view = canon.graph_view(graph)
-    softmaxes = [n for n in graph.nodes if n.target is aten.softmax.int]
-    assert len(softmaxes) == 2
-    name, roles = canon.match_scores(view, softmaxes[0].name)
-    assert name == "scaled masked_fill"
-    assert {r: n.target for r, n in roles.items() if r not in ("q", "kT", "mask")} == {
-        "qk": aten.matmul.default, "scale": aten.div.Tensor,
-        "masked": aten.masked_fill.Scalar, "softmax": aten.softmax.int,
-    }
-    assert canon.untranspose(roles["kT"]).target is aten.repeat_interleave.self_int
-    source, reps = canon.unrepeat(canon.untranspose(roles["kT"]))
-    assert reps == HEADS // KV_HEADS and source.meta["val"].shape[1] == KV_HEADS
-    # a node that is not a softmax anchors nothing
-    assert canon.match_scores(view, roles["qk"].name) is None
-
-
-def test_patterns_are_small_and_longest_first():
-    sizes = [p.number_of_nodes() for _, p in canon._patterns()]
-    assert sizes == sorted(sizes, reverse=True) and max(sizes) <= 8
 
 
 # -- the pass -------------------------------------------------------------------------------------------

@@ -117,8 +117,8 @@ def program_from_export(
 
 def finish(program: Program, *, verify: bool = True) -> Program:
     """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass)."""
-    from ..passes.canonicalize import canonicalize_attention
     from ..passes.manager import run_passes
+    from .canonicalize import canonicalize_attention
 
     return run_passes(program, [canonicalize_attention], verify=verify)
 

@@ -10,7 +10,7 @@ decoding a step's tokens do not start at position 0.
 :func:`trace_module` exports the module with ``torch.export`` (non-strict, dynamic token count,
 range inferred by export) and runs ``canonicalize_attention``, which turns SDPA and hand-written
 matmul–softmax–matmul attention into ``torch.ops.dcpgraph.attention`` nodes (see
-:mod:`dcpgraph.passes.canonicalize`). :func:`module_facts` reads the facts off that graph:
+:mod:`dcpgraph.frontends.canonicalize`). :func:`module_facts` reads the facts off that graph:
 
 - ``num_layers``: the number of canonical attention nodes;
 - ``num_q_heads`` / ``num_kv_heads`` / ``head_dim`` / ``v_head_dim``: from the q/k/v shapes (every

@@ -128,10 +128,16 @@ def _trace(name: str, scale: str | None, mask: str | None) -> ScorePattern:
 
     mask_step, mask_dtype = MASK_STEPS[mask]
     fn = _score_function(SCALE_STEPS[scale], mask_step)
-    example = (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 4), torch.zeros(4, 4, dtype=mask_dtype))
+    cpu = {"device": "cpu"}  # explicit, whatever default device or dtype the caller has set
+    example = (
+        torch.zeros(1, 2, 4, 8, dtype=torch.float32, **cpu),
+        torch.zeros(1, 2, 8, 4, dtype=torch.float32, **cpu),
+        torch.zeros(4, 4, dtype=mask_dtype, **cpu),
+    )
     graph = make_fx(fn, pre_dispatch=True)(*example).graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    assert len(placeholders) == len(inspect.signature(fn).parameters) == len(_PLACEHOLDER_ROLES)
+    if not len(placeholders) == len(inspect.signature(fn).parameters) == len(_PLACEHOLDER_ROLES):
+        raise AssertionError(f"score pattern {name!r} traced to placeholders {placeholders}")
     roles = dict(zip(placeholders, _PLACEHOLDER_ROLES))
     for node in graph.nodes:
         if node.op == "call_function":

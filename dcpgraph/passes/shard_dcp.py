@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..collectives import ALL_GATHER
 from ..errors import VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
@@ -45,10 +46,7 @@ def _ensures_dcp(program: Program) -> None:
     if n == 1:
         return
     graph = program.graph_module.graph
-    gathers = [
-        x for x in graph.nodes
-        if x.op == "call_function" and x.target is coll.c10d.all_gather_into_tensor.default and x.args[2] == coll.DCP_GROUP
-    ]
+    gathers = [x for x in nodes_calling(graph, ALL_GATHER.op) if coll.collective_group(x)[0] == "dcp"]
     if len(gathers) < program.facts.num_layers:
         raise VerificationError("every layer's context attention must gather queries over the DCP group")
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):

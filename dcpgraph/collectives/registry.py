@@ -7,7 +7,7 @@ One :class:`Collective` per op holds everything the rest of dcpgraph knows about
   in this order with defaults filled in (:func:`bind`); ``group_name`` is always last, and
   ``group_size``, where the op has one, sits at ``size_index``. Checked against torch's schema at
   import, so a torch that changes the layout fails loudly here instead of mis-reading graphs;
-- ``args``: how a pass inserts it, ``args(x, group_size, group_name) -> node args``;
+- ``emit_args``: how a pass inserts it, ``emit_args(x, group_size, group_name) -> node args``;
   :meth:`Collective.emit` adds the call and the ``wait_tensor`` that completes it;
 - ``emulate``: its exact semantics over one group: each member's ``params`` in group-rank order
   in, each member's result out (run by :mod:`dcpgraph.runtime.emulator`). Members whose calls
@@ -84,7 +84,7 @@ class Collective:
     op: torch._ops.OpOverload
     layout: tuple[str, ...]
     display: str
-    args: Callable[[Any, int | None, str], tuple]
+    emit_args: Callable[[Any, int | None, str], tuple]
     emulate: Callable[[Sequence[tuple]], list[torch.Tensor]]
     details: Callable[[tuple], list[str]]
     size_index: int | None = field(init=False)
@@ -111,7 +111,7 @@ class Collective:
         """Insert this collective of ``x`` over the ``kind`` group (``"tp"``/``"dcp"``, of ``size``
         ranks) and its ``wait_tensor``; return the wait node. An unknown kind raises ``ValueError``
         before anything is inserted."""
-        node = graph.call_function(self.op, self.args(x, size, group_name(kind)))
+        node = graph.call_function(self.op, self.emit_args(x, size, group_name(kind)))
         return graph.call_function(WAIT, (node,))
 
 
@@ -223,7 +223,7 @@ ALL_GATHER = Collective(
     op=_c10d.all_gather_into_tensor.default,
     layout=("input", "group_size", "group_name"),
     display="all_gather",
-    args=lambda x, size, group: (x, size, group),
+    emit_args=lambda x, size, group: (x, size, group),
     emulate=_emulate_all_gather,
     details=lambda p: [str(p[1])],
 )
@@ -247,7 +247,7 @@ REDUCE_SCATTER = Collective(
     op=_c10d.reduce_scatter_tensor.default,
     layout=("input", "reduce_op", "group_size", "group_name"),
     display="reduce_scatter",
-    args=lambda x, size, group: (x, "sum", size, group),
+    emit_args=lambda x, size, group: (x, "sum", size, group),
     emulate=_emulate_reduce_scatter,
     details=lambda p: [str(p[2]), str(p[1])],
 )
@@ -265,7 +265,7 @@ ALL_REDUCE = Collective(
     op=_c10d.all_reduce.default,
     layout=("input", "reduce_op", "group_name"),
     display="all_reduce",
-    args=lambda x, size, group: (x, "sum", group),
+    emit_args=lambda x, size, group: (x, "sum", group),
     emulate=_emulate_all_reduce,
     details=lambda p: [str(p[1])],
 )
@@ -324,7 +324,7 @@ ALL_TO_ALL = Collective(
     layout=("input", "output_split_sizes", "input_split_sizes", "group_name"),
     display="all_to_all",
     # Constant splits [1]*size: the graph stays valid for any token count (dim 0 is the group).
-    args=lambda x, size, group: (x, [1] * size, [1] * size, group),
+    emit_args=lambda x, size, group: (x, [1] * size, [1] * size, group),
     emulate=_emulate_all_to_all,
     details=lambda p: [str(len(p[1]))] if isinstance(p[1], (list, tuple)) else [],
 )

@@ -35,14 +35,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from .collectives import WAIT, Collective, bind, collective_of, group_kind
 from .program import BUFFER, CACHE, CONSTANT, META, PARAM, RANK, USER, Program
-
-_COLLECTIVE_NAMES = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-}
 
 
 def explain(obj: Any, stage: str | None = None) -> str:
@@ -192,8 +186,11 @@ def _op_name_and_args(node: torch.fx.Node) -> tuple[str, str]:
         return f"{node.op}[{target}]", _fmt_args(args, kwargs)
     packet = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
     namespace = getattr(target, "namespace", None)
-    if namespace == "_c10d_functional":
-        return _collective(packet, args, kwargs)
+    if target is WAIT:
+        return "wait", _fmt_args(args, kwargs)
+    collective = collective_of(target) if namespace is not None else None
+    if collective is not None:
+        return _collective(collective, args, kwargs)
     if namespace is not None:
         overload = getattr(target, "_overloadname", "default")
         name = f"{namespace}.{packet}" + ("" if overload == "default" else f".{overload}")
@@ -203,29 +200,20 @@ def _op_name_and_args(node: torch.fx.Node) -> tuple[str, str]:
     return name, _fmt_args(args, kwargs)
 
 
-def _collective(op: str, args: list, kwargs: dict) -> tuple[str, str]:
-    from .runtime.groups import group_kind
-
-    if op == "wait_tensor":
-        return "wait", _fmt_args(args, kwargs)
-    short = _COLLECTIVE_NAMES.get(op, op)
-    group = next((a for a in args if isinstance(a, str) and a.startswith("dcpgraph.")), None)
-    group = group or kwargs.get("group_name")
+def _collective(collective: Collective, args: list, kwargs: dict) -> tuple[str, str]:
+    """``all_gather[dcp, 2]``-style name (group kind, then the entry's details) and the input;
+    a call that does not fit the schema is printed as written."""
+    try:
+        params = bind(collective.op, args, kwargs)
+    except TypeError:
+        return f"{collective.display}?", _fmt_args(args, kwargs)
+    group = params[collective.group_index]
     try:
         kind = group_kind(group)
     except ValueError:
         kind = str(group)
-    tensor = args[0]
-    detail = [kind]
-    if op == "all_gather_into_tensor" and len(args) > 1:
-        detail.append(str(args[1]))
-    elif op == "reduce_scatter_tensor" and len(args) > 2:
-        detail += [str(args[2]), str(args[1])]
-    elif op == "all_to_all_single" and len(args) > 1 and isinstance(args[1], (list, tuple)):
-        detail.append(str(len(args[1])))
-    elif op == "all_reduce" and len(args) > 1:
-        detail.append(str(args[1]))
-    return f"{short}[{', '.join(detail)}]", _fmt_arg(tensor)
+    detail = [kind, *collective.details(params)]
+    return f"{collective.display}[{', '.join(detail)}]", _fmt_arg(params[0])
 
 
 def _fmt_args(args: list, kwargs: dict) -> str:

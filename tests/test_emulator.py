@@ -20,13 +20,10 @@ import torch.fx
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dcpgraph.collectives import DCP_GROUP, TP_GROUP, group_kind, group_name
 from dcpgraph.errors import CollectiveMismatchError
 from dcpgraph.mesh import Mesh
 from dcpgraph.runtime import (
-    DCP_GROUP,
-    TP_GROUP,
-    group_kind,
-    group_name,
     register_mesh_groups,
     run_distributed_graph,
     run_spmd,

@@ -10,10 +10,14 @@ long request still uses every thread). Source: ``csrc/paged_decode.cpp``.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) the
 first time :func:`available` (or the kernel) is called, into a persistent directory:
-``$DCPGRAPH_NATIVE_BUILD_DIR`` or ``~/.cache/dcpgraph/native/<hash>`` (the hash covers the
-source, the flags, the torch version and the CPU's feature flags, so a change rebuilds and other processes reuse the
-build). Nothing is built or registered at import. Any failure makes :func:`available` return
-``False`` with the reason in :data:`reason`; it never raises.
+``$DCPGRAPH_NATIVE_BUILD_DIR`` or ``~/.cache/dcpgraph/native/<hash>``. The hash covers the
+source's bytes, the flags, the torch version and the CPU's feature flags, never where dcpgraph is
+installed: the source is compiled from a copy inside that directory, so every installation with
+the same source (a checkout, an installed wheel, another worktree) shares one build and none of
+them makes ninja rebuild it for the others; a change to any hashed input gets a fresh directory.
+Nothing is built or registered at import. Any failure makes :func:`available` return ``False``
+with the reason in :data:`reason`; it never raises. A source missing from the installation is a
+packaging error, so it also emits a ``RuntimeWarning`` naming the path.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import torch
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+_LAYOUT = b"build-from-copy-1"  # how a build directory is laid out; part of its hash
 # Reassociation for vector reductions, but never "finite math only": empty rows and the merge
 # rely on -inf and NaN keeping their IEEE meaning.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples: torch's load() appends its own flags to the lists it is given, which would change
+# build_dir()'s hash after the first build; it gets fresh lists.
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 # Keys per split-K chunk when a request is split across threads (a multiple of the block size).
 CHUNK_TOKENS = 1024
@@ -58,13 +66,37 @@ def _cpu_id() -> bytes:
 
 
 def build_dir() -> Path:
-    """The persistent build directory (created on demand)."""
+    """The persistent build directory (created on demand by the build)."""
     tag = hashlib.sha256(
-        _SRC.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode() + torch.__version__.encode() + _cpu_id()
+        _LAYOUT + _SRC.read_bytes() + " ".join((*_CFLAGS, *_LDFLAGS)).encode()
+        + torch.__version__.encode() + _cpu_id()
     ).hexdigest()[:16]
     base = os.environ.get("DCPGRAPH_NATIVE_BUILD_DIR")
     root = Path(base) if base else Path.home() / ".cache" / "dcpgraph" / "native"
     return root / tag
+
+
+def _source_copy(directory: Path) -> Path:
+    """``_SRC`` copied into ``directory``: written only when absent or different, so its mtime
+    (which ninja compares) changes only with its content."""
+    source = _SRC.read_bytes()
+    copy = directory / _SRC.name
+    if not copy.is_file() or copy.read_bytes() != source:
+        staging = directory / f".{_SRC.name}.{os.getpid()}.tmp"
+        staging.write_bytes(source)
+        os.replace(staging, copy)
+    return copy
+
+
+def _missing_source() -> str | None:
+    """Why the kernel cannot be built from this installation, if its source is not there."""
+    if _SRC.is_file():
+        return None
+    return (
+        f"native paged-decode kernel unavailable: its source {_SRC} is missing from this "
+        "installation (dcpgraph was packaged without dcpgraph/ops/csrc/*.cpp); decode runs on the "
+        "torch path"
+    )
 
 
 def _load():
@@ -76,6 +108,11 @@ def _load():
         import time
 
         start = time.perf_counter()
+        missing = _missing_source()
+        if missing is not None:
+            reason, build_seconds = missing, 0.0
+            warnings.warn(missing, RuntimeWarning, stacklevel=3)
+            return None
         try:
             from torch.utils.cpp_extension import load
 
@@ -83,9 +120,9 @@ def _load():
             path.mkdir(parents=True, exist_ok=True)
             _module = load(
                 name="dcpgraph_paged_decode",
-                sources=[str(_SRC)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
+                sources=[str(_source_copy(path))],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
                 build_directory=str(path),
                 verbose=False,
             )

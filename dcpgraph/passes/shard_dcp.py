@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..collectives import ALL_GATHER
 from ..errors import VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
@@ -45,10 +46,7 @@ def _ensures_dcp(program: Program) -> None:
     if n == 1:
         return
     graph = program.graph_module.graph
-    gathers = [
-        x for x in graph.nodes
-        if x.op == "call_function" and x.target is coll.c10d.all_gather_into_tensor.default and x.args[2] == coll.DCP_GROUP
-    ]
+    gathers = [x for x in nodes_calling(graph, ALL_GATHER.op) if coll.collective_group(x)[0] == "dcp"]
     if len(gathers) < program.facts.num_layers:
         raise VerificationError("every layer's context attention must gather queries over the DCP group")
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):
@@ -71,6 +69,9 @@ def shard_dcp(program: Program, comm: str = "auto"):
     e = Emitter(graph)
     local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
     rewritten = 0
+    # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
+    # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):
         q = node.args[0]
         heads = q.meta["val"].shape[1]
@@ -80,7 +81,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
             q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
         node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
         users = getitem_users(node)
-        anchor = max((u for us in users.values() for u in us), key=lambda u: list(graph.nodes).index(u))
+        anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
             if comm == "a2a":

@@ -1,7 +1,7 @@
 """Run dcpgraph graphs on a real ``torch.distributed`` world, unchanged.
 
 The graphs call ``torch.ops._c10d_functional.*`` with the logical group names of
-:mod:`dcpgraph.runtime.groups`. :func:`register_mesh_groups` makes those names resolve in this
+:mod:`dcpgraph.collectives.groups`. :func:`register_mesh_groups` makes those names resolve in this
 process: ``TP_GROUP`` to the world, ``DCP_GROUP`` to this rank's DCP subgroup. After that,
 ``gm(*args)`` runs the same GraphModule the emulator runs (:func:`run_distributed_graph`).
 
@@ -29,8 +29,8 @@ from torch._C._distributed_c10d import (
     _unregister_process_group,
 )
 
+from ..collectives.groups import DCP_GROUP, TP_GROUP
 from ..mesh import Mesh
-from .groups import DCP_GROUP, TP_GROUP
 
 __all__ = [
     "RankFailedError",

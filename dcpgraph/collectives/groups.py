@@ -10,7 +10,7 @@ a concrete process group (which differs from rank to rank for the DCP groups). I
 How a name becomes a group of ranks, in the two execution modes:
 
 - **Emulator** (:func:`dcpgraph.runtime.emulator.run_spmd`): all ranks run in one process and the
-  name together with the rank resolves through the mesh: ``mesh.group(group_kind(name), rank)``.
+  name together with the rank resolves through the mesh: :func:`group_ranks`.
 - **torch.distributed** (:mod:`dcpgraph.runtime.distributed`): functional collectives resolve a
   group name with ``torch._C._distributed_c10d._resolve_process_group(name)``, a per-process
   registry. Each process registers the world under ``TP_GROUP`` and *its own* DCP subgroup under
@@ -26,6 +26,8 @@ or ``dcp == 1`` with ``tp == 1``); a rank in a TP collective never matches a ran
 from __future__ import annotations
 
 from ..mesh import Mesh
+
+__all__ = ["DCP_GROUP", "TP_GROUP", "group_kind", "group_name", "group_ranks"]
 
 TP_GROUP = "dcpgraph.tp"
 DCP_GROUP = "dcpgraph.dcp"

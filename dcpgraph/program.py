@@ -168,16 +168,17 @@ class Program:
         snapshot = self.replace(graph_module=gm, provenance=(*self.provenance, record), stages=())
         return snapshot.replace(stages=(*self.stages, (name, snapshot)))
 
-    def stage_names(self) -> list[str]:
-        """Names of the passes run so far, in order (``trace`` first for a traced model)."""
-        return [name for name, _ in self.stages]
+    def passes_run(self) -> list[str]:
+        """Names of the passes that made this Program, in order (``trace`` first for a traced
+        model), from its provenance, which stage snapshots keep too."""
+        return [record.name for record in self.provenance]
 
     def stage(self, name: str) -> Program:
         """The Program as it was right after pass ``name`` (the last such stage)."""
         for stage_name, snapshot in reversed(self.stages):
             if stage_name == name:
                 return snapshot
-        raise KeyError(f"no stage {name!r}; stages: {self.stage_names()}")
+        raise KeyError(f"no stage {name!r}; stages: {[n for n, _ in self.stages]}")
 
 
 # -- example inputs ------------------------------------------------------------------------------

@@ -81,9 +81,9 @@ def _ensure_latent(program: Program) -> None:
 @program_pass(
     "absorb_mla",
     requires=[
-        CANONICAL_ATTENTION,
         not_yet_run("insert_kv_cache", "it rewrites the canonical attention nodes this pass matches"),
         not_yet_run("shard_tp", "this pass records the TP roles shard_tp reads from the plan"),
+        CANONICAL_ATTENTION,
     ],
     ensures=[_ensure_latent],
 )

@@ -53,7 +53,7 @@ CANONICAL_ATTENTION = holds(
 # MLA caches hold the latent form; decompressed K/V would cost H·(nope + v + rope) per token.
 _MLA_ABSORBED = holds(
     "'absorb_mla' to have run on an MLA model (its cache holds the latent form)",
-    lambda p: p.facts.attention != "mla" or "absorb_mla" in p.stage_names(),
+    lambda p: p.facts.attention != "mla" or "absorb_mla" in p.passes_run(),
 )
 
 

@@ -6,8 +6,9 @@ mutate) and returns ``(new_program, summary)``. Calling the pass times the body 
 
 A pass declares two lists of facts about Programs:
 
-- ``requires``: :class:`Requirement` s of its *input* (a stage already run, a stage not yet run,
-  or a predicate), so a misordered pipeline fails before the pass runs, naming both passes;
+- ``requires``: :class:`Requirement` s of its *input* (a pass already run, a pass not yet run,
+  both read from the input's provenance, or a predicate), so a misordered pipeline fails before
+  the pass runs, naming both passes;
 - ``ensures``: invariants of its *output*, raising :class:`~dcpgraph.errors.VerificationError`.
 
 :func:`run_passes` does, for every pass in order:
@@ -53,17 +54,17 @@ class Requirement:
 
 
 def ran(stage: str, why: str = "") -> Requirement:
-    """``stage`` is among the input's stages (the pass named ``stage`` already ran)."""
+    """The pass named ``stage`` is among those that made the input (``Program.passes_run``)."""
     because = f" ({why})" if why else ""
-    return Requirement(f"{stage!r} to have run{because}", lambda p: stage in p.stage_names(), stage)
+    return Requirement(f"{stage!r} to have run{because}", lambda p: stage in p.passes_run(), stage)
 
 
 def not_yet_run(stage: str, why: str = "") -> Requirement:
-    """``stage`` is not among the input's stages (the pass named ``stage`` must come later)."""
+    """The pass named ``stage`` is not among those that made the input: it must come later."""
     because = f" ({why})" if why else ""
     return Requirement(
         f"{stage!r} not to have run yet, it must run after this pass{because}",
-        lambda p: stage not in p.stage_names(), stage,
+        lambda p: stage not in p.passes_run(), stage,
     )
 
 
@@ -110,7 +111,7 @@ class ProgramPass:
             if not requirement.holds(program):
                 raise PassOrderError(
                     f"pass {self.name!r} requires {requirement.needs}; "
-                    f"stages so far: {program.stage_names()}"
+                    f"stages so far: {program.passes_run()}"
                 )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from .errors import ConfigError, UnsupportedModelError
 from .mesh import Mesh
+from .options import CACHE_SIZE_OPTIONS, compile_options
 from .program import Program
 
 
@@ -53,7 +54,7 @@ def facts_of(model: torch.nn.Module | Program):
 
 
 def compile(  # noqa: A001 - the library's verb, like torch.compile
-    model: torch.nn.Module,
+    model: torch.nn.Module | Program,
     *,
     tp: int = 1,
     dcp: int = 1,
@@ -69,55 +70,53 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
-    ``kv_cache_bytes_per_rank`` (cache size), ``max_batched_tokens`` (chunked-prefill budget,
-    default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
+    ``kv_cache_bytes_per_rank`` (cache size, at most one), ``max_batched_tokens`` (chunked-prefill
+    budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
-    graph mode), ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
+    graph mode), ``speculative_tokens`` (draft tokens per decode step, default 0),
+    ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
     every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``).
+
+    Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
+    model) before any tracing, pass or collective runs.
     """
-    from .passes.pipeline import compile_program
     from .runtime.engine import Engine, blocks_for_budget
     from .runtime.executors import DistributedExecutor, EmulatedExecutor
 
+    if not isinstance(model, (torch.nn.Module, Program)):
+        raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     mesh = Mesh(tp, dcp)
-    if comm not in ("auto", "a2a", "ag_rs"):
-        raise ConfigError(f"comm must be 'auto', 'a2a' or 'ag_rs', got {comm!r}")
+    opts = compile_options(
+        interleave=interleave, block_size=block_size, max_model_len=max_model_len, comm=comm,
+        backend=backend, **options,
+    )
+    executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
     facts = facts_of(model)
     mesh.validate(
         attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
         block_size=block_size, interleave=interleave,
     )
-    executor = options.pop("executor", "auto")
-    executor_cls = _executor_for(executor, mesh, EmulatedExecutor, DistributedExecutor)
     max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
-    max_num_seqs = int(options.pop("max_num_seqs", 8))
-    max_batched_tokens = int(options.pop("max_batched_tokens", 256))
-    capture_limit = int(options.pop("capture_limit", 32))
-    speculative_tokens = int(options.pop("speculative_tokens", 0))
-    enable_prefix_caching = bool(options.pop("enable_prefix_caching", False))
-    sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
+    from .passes.pipeline import compile_program
+
+    program = model if isinstance(model, Program) else trace(model)
     program = compile_program(
-        model, mesh, block_size=block_size, interleave=interleave, comm=comm,
-        plan=options.pop("plan", None), verify=options.pop("verify", True),
+        program, mesh, block_size=block_size, interleave=interleave, comm=comm,
+        plan=opts["plan"], verify=opts["verify"],
     )
-    if options:
-        raise TypeError(f"unknown options: {sorted(options)}")
-    if capture_limit < 0:
-        raise ConfigError(f"capture_limit must be >= 0, got {capture_limit}")
-    if speculative_tokens < 0:
-        raise ConfigError(f"speculative_tokens must be >= 0, got {speculative_tokens}")
-    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
+    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"])
     from .backends import compile_backend
 
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
-        max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, graphs=graphs,
-        capture_limit=capture_limit, enable_prefix_caching=enable_prefix_caching,
-        speculative_tokens=speculative_tokens,
+        max_batched_tokens=opts["max_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
+        capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
+        speculative_tokens=opts["speculative_tokens"],
     )
 
 

@@ -25,7 +25,17 @@ class UnsupportedModelError(DcpGraphError, NotImplementedError):
 
 
 class VerificationError(DcpGraphError, AssertionError):
-    """A pass produced a program that breaks an invariant; the message names pass and invariant."""
+    """A pass produced a program that breaks an invariant; the message names pass and invariant.
+
+    Where the invariant fails at one node, the message ends with the program lines around it,
+    the failing line marked ``>>``.
+    """
+
+
+class PassOrderError(VerificationError):
+    """A pass was asked to run on a Program that lacks what it ``requires`` (a misordered
+    pipeline); the message names the pass, the requirement (often another pass) and the stages
+    run so far."""
 
 
 class RequestError(DcpGraphError, ValueError):

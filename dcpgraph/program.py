@@ -6,6 +6,10 @@ the model's user inputs (``input_ids``, ``position_ids``), and after later passe
 the per-step metadata and the per-rank values (``tp_rank``/``dcp_rank``). A Program is immutable:
 passes build a new one with :meth:`Program.replace`, and :meth:`Program.copy_graph` gives them a
 private graph to edit.
+
+:func:`example_specs` gives the (shape, dtype) of an example value for every input, from which the
+verifier's shape propagation fills ``meta["val"]``: ``EXAMPLE_TOKENS`` tokens in
+``EXAMPLE_REQUESTS`` requests, caches of ``EXAMPLE_BLOCKS`` blocks, state sharded as rank 0 holds it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .errors import VerificationError
 from .mesh import Mesh
 
 # Kinds of program inputs.
@@ -163,10 +168,64 @@ class Program:
         snapshot = self.replace(graph_module=gm, provenance=(*self.provenance, record), stages=())
         return snapshot.replace(stages=(*self.stages, (name, snapshot)))
 
+    def passes_run(self) -> list[str]:
+        """Names of the passes that made this Program, in order (``trace`` first for a traced
+        model), from its provenance, which stage snapshots keep too."""
+        return [record.name for record in self.provenance]
+
     def stage(self, name: str) -> Program:
         """The Program as it was right after pass ``name`` (the last such stage)."""
         for stage_name, snapshot in reversed(self.stages):
             if stage_name == name:
                 return snapshot
         raise KeyError(f"no stage {name!r}; stages: {[n for n, _ in self.stages]}")
+
+
+# -- example inputs ------------------------------------------------------------------------------
+EXAMPLE_TOKENS = 6
+EXAMPLE_REQUESTS = 2
+EXAMPLE_BLOCKS = 8
+EXAMPLE_TABLE_WIDTH = 4
+
+# Shapes and dtypes of user/meta/rank inputs, by role (InputSpec.target).
+_ROLE_SHAPES = {
+    "input_ids": ((1, EXAMPLE_TOKENS), torch.int64),
+    "position_ids": ((1, EXAMPLE_TOKENS), torch.int64),
+    "cu_seqlens_q": ((EXAMPLE_REQUESTS + 1,), torch.int32),
+    "context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
+    "local_context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
+    "block_table": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),
+    "slot_mapping": ((EXAMPLE_TOKENS,), torch.int64),
+    "logits_indices": ((EXAMPLE_REQUESTS,), torch.int64),
+    "tp_rank": ((), torch.int64),
+    "dcp_rank": ((), torch.int64),
+}
+
+
+def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of an example input for every entry of ``program.inputs``, in order.
+
+    State: the full tensor's shape under its shard rule for rank 0 of ``program.mesh.tp``;
+    caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; user/meta/rank inputs: by role.
+    """
+    caches = {c.name: c for c in program.caches}
+    block_size = int(program.options.get("block_size", 16))
+    out = []
+    for spec in program.inputs:
+        if spec.kind in STATE_KINDS:
+            full = program.state[spec.target]
+            shape = spec.shard.local_shape(tuple(full.shape), program.mesh.tp)
+            out.append((shape, full.dtype))
+        elif spec.kind == CACHE:
+            c = caches[spec.name]
+            out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
+        elif spec.kind in (USER, META, RANK):
+            if spec.target not in _ROLE_SHAPES:
+                raise VerificationError(
+                    f"input {spec.name!r} has unknown role {spec.target!r}; known roles: {sorted(_ROLE_SHAPES)}"
+                )
+            out.append(_ROLE_SHAPES[spec.target])
+        else:
+            raise VerificationError(f"input {spec.name!r} has unknown kind {spec.kind!r}")
+    return out
 

@@ -281,10 +281,11 @@ def test_fuse_new_tokens_only_without_dcp():
 
     model = build_model("llama", dtype=torch.float64)
     ops_of = lambda p: [n.target for n in p.graph_module.graph.nodes if n.op == "call_function"]  # noqa: E731
-    fused = compile_program(model, dcpgraph.Mesh(2, 1), block_size=4)
+    program = dcpgraph.trace(model)
+    fused = compile_program(program, dcpgraph.Mesh(2, 1), block_size=4)
     assert torch.ops.dcpgraph.partial_attention.default not in ops_of(fused)
     assert torch.ops.dcpgraph.merge_attention.default not in ops_of(fused)
     assert ops_of(fused).count(torch.ops.dcpgraph.paged_attention.default) == 2
-    split = compile_program(model, dcpgraph.Mesh(2, 2), block_size=4)
+    split = compile_program(program, dcpgraph.Mesh(2, 2), block_size=4)
     assert ops_of(split).count(torch.ops.dcpgraph.partial_attention.default) == 2
     assert "context/new split is the DCP form" in split.provenance[-1].summary

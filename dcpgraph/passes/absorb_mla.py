@@ -28,7 +28,8 @@ import torch.fx
 from ..errors import UnsupportedModelError, VerificationError
 from ..program import PARAM, InputSpec, Program, ShardRule
 from .graph_edit import Emitter, nodes_calling
-from .manager import program_pass
+from .insert_kv_cache import CANONICAL_ATTENTION
+from .manager import not_yet_run, program_pass
 from .shard_tp import nearest_linears
 
 aten = torch.ops.aten
@@ -77,7 +78,15 @@ def _ensure_latent(program: Program) -> None:
             raise VerificationError(f"{node.name}: latent attention must have one KV head")
 
 
-@program_pass("absorb_mla", ensures=[_ensure_latent])
+@program_pass(
+    "absorb_mla",
+    requires=[
+        not_yet_run("insert_kv_cache", "it rewrites the canonical attention nodes this pass matches"),
+        not_yet_run("shard_tp", "this pass records the TP roles shard_tp reads from the plan"),
+        CANONICAL_ATTENTION,
+    ],
+    ensures=[_ensure_latent],
+)
 def absorb_mla(program: Program):
     facts = program.facts
     if facts.attention != "mla":

@@ -21,7 +21,7 @@ import torch
 from ..errors import VerificationError
 from ..program import Program
 from .graph_edit import Emitter, nodes_calling
-from .manager import program_pass
+from .manager import program_pass, ran
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -37,7 +37,11 @@ def _single_user(node):
     return users[0] if len(users) == 1 else None
 
 
-@program_pass("fuse_new_tokens", ensures=[_ensures])
+@program_pass(
+    "fuse_new_tokens",
+    requires=[ran("shard_dcp", "fusing removes the context/new split that DCP sharding needs")],
+    ensures=[_ensures],
+)
 def fuse_new_tokens(program: Program):
     if program.mesh.dcp != 1:
         return program, f"dcp={program.mesh.dcp}: the context/new split is the DCP form; kept"

@@ -25,7 +25,7 @@ import torch
 from ..errors import VerificationError
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
-from .manager import program_pass
+from .manager import holds, program_pass
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -42,6 +42,21 @@ def _latent_value_dim(node) -> int:
     return 0
 
 
+def _has_canonical_attention(program: Program) -> bool:
+    return bool(nodes_calling(program.graph_module.graph, dcp_ops.attention.default))
+
+
+CANONICAL_ATTENTION = holds(
+    "canonical dcpgraph.attention nodes (made by canonicalize_attention, replaced by insert_kv_cache)",
+    _has_canonical_attention,
+)
+# MLA caches hold the latent form; decompressed K/V would cost H·(nope + v + rope) per token.
+_MLA_ABSORBED = holds(
+    "'absorb_mla' to have run on an MLA model (its cache holds the latent form)",
+    lambda p: p.facts.attention != "mla" or "absorb_mla" in p.passes_run(),
+)
+
+
 def _no_canonical_attention_left(program: Program) -> None:
     left = nodes_calling(program.graph_module.graph, dcp_ops.attention.default)
     if left:
@@ -50,7 +65,9 @@ def _no_canonical_attention_left(program: Program) -> None:
         raise VerificationError("expected one paged attention per layer")
 
 
-@program_pass("insert_kv_cache", ensures=[_no_canonical_attention_left])
+@program_pass(
+    "insert_kv_cache", requires=[CANONICAL_ATTENTION, _MLA_ABSORBED], ensures=[_no_canonical_attention_left],
+)
 def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.dtype | None = None):
     gm = program.copy_graph()
     graph = gm.graph
@@ -108,12 +125,10 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     out_node.args = (tuple(outputs + cache_nodes),)
     gm.recompile()
-    index = {s.name: s for s in program.inputs}
-    user_end = max(i for i, s in enumerate(program.inputs)) + 1
-    specs = list(program.inputs[:user_end])
+    # add_placeholders appended caches then metadata after every existing placeholder.
+    specs = list(program.inputs)
     specs += [InputSpec(c.name, CACHE, c.role) for c in cache_specs]
     specs += [InputSpec(name, META, name) for name in META_ROLES]
-    assert all(s.name in index for s in specs[:user_end])
     result = program.replace(
         graph_module=gm,
         inputs=tuple(specs),

@@ -1,38 +1,56 @@
-"""The default pipeline: trace → absorb_mla → insert_kv_cache → select_logits → shard_tp →
-shard_dcp → fuse_new_tokens (dcp=1 only)."""
+"""The compiler pipeline: a traced, canonical Program → the per-rank program the engine runs.
+
+The front end (:func:`dcpgraph.trace`) has already run ``trace`` and ``canonicalize_attention``.
+Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sits where it does):
+
+1. ``absorb_mla``       MLA attention → attention over the latent (no-op for GQA);
+2. ``insert_kv_cache``  canonical attention → paged KV cache read + new-token attention + merge;
+3. ``select_logits``    the LM head computes only the rows that will be sampled;
+4. ``shard_tp``         tensor parallelism from the TP plan (collectives, sharded state);
+5. ``shard_dcp``        context attention sharded over DCP groups (LSE merge across ranks);
+6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens.
+"""
 
 from __future__ import annotations
-
-import torch
 
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
-from .manager import run_passes
+from .manager import ProgramPass, run_passes
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
 from .shard_tp import shard_tp
 
+PIPELINE: tuple[ProgramPass, ...] = (
+    absorb_mla,
+    insert_kv_cache,
+    select_logits,
+    shard_tp,
+    shard_dcp,
+    fuse_new_tokens,
+)
 
-def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None):
-    return [
-        absorb_mla,
-        insert_kv_cache.with_options(block_size=block_size),
-        select_logits,
-        shard_tp.with_options(mesh=mesh, plan=plan),
-        shard_dcp.with_options(comm=comm),
-        fuse_new_tokens,
-    ]
+
+def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None) -> list[ProgramPass]:
+    """:data:`PIPELINE` with the configuration's options bound to the passes that take them."""
+    options = {
+        insert_kv_cache.name: {"block_size": block_size},
+        shard_tp.name: {"mesh": mesh, "plan": plan},
+        shard_dcp.name: {"comm": comm},
+    }
+    return [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
 
 
 def compile_program(
-    model: torch.nn.Module | Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
+    program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True,
 ) -> Program:
-    from ..api import trace
-
-    program = model if isinstance(model, Program) else trace(model)
+    """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
+    if not isinstance(program, Program):
+        raise TypeError(
+            f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
+        )
     program = program.replace(options={**program.options, "interleave": interleave})
     return run_passes(program, default_passes(mesh, block_size=block_size, comm=comm, plan=plan), verify=verify)

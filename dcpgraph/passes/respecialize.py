@@ -7,8 +7,10 @@ before each shape-taking op, realigns its shape argument with its input:
 
 - position rule: a literal ``S[i]`` equal to the input's *original* size at ``i`` (from the
   traced ``meta["val"]``) is replaced by the input's *current* size at ``i``;
-- element-count rule: with no ``-1``, a literal equal to an original size that changed is scaled
-  by the same factor when that is the only way to keep the element count.
+- element-count rule: with no ``-1`` and every entry a literal, if the shape holds ``f`` times
+  the input's current element count, the one literal equal to an original size that shrank by
+  exactly ``f`` (``before == f · now``) is divided by ``f``; with no such literal, or several, the
+  shape is left as it is (and a wrong one fails shape propagation loudly).
 
 Sizes that never changed are never touched, so an unsharded program is returned unchanged.
 """
@@ -51,7 +53,11 @@ def _realign(shape: list, original: tuple, current: tuple) -> list | None:
     if numel_shape == numel_now or numel_shape % numel_now:
         return None
     factor = numel_shape // numel_now
-    candidates = [i for i, lit in enumerate(shape) if lit % factor == 0 and lit in {_concrete(s) for s in original}]
+    shrunk = {
+        before for before, now in zip(map(_concrete, original), map(_concrete, current))
+        if before is not None and now is not None and before == factor * now
+    }
+    candidates = [i for i, lit in enumerate(shape) if lit in shrunk]
     if len(candidates) == 1:
         out[candidates[0]] //= factor
         return out

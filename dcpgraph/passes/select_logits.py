@@ -14,7 +14,7 @@ import torch
 from ..errors import VerificationError
 from ..program import META, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, output_node
-from .manager import program_pass
+from .manager import not_yet_run, program_pass
 
 aten = torch.ops.aten
 _PASS_THROUGH = {
@@ -34,7 +34,10 @@ def find_logits_linear(graph: torch.fx.Graph) -> torch.fx.Node:
     return node
 
 
-@program_pass("select_logits")
+@program_pass(
+    "select_logits",
+    requires=[not_yet_run("shard_tp", "its LM-head all-gather hides the logits linear from the walk back")],
+)
 def select_logits(program: Program):
     gm = program.copy_graph()
     graph = gm.graph

@@ -54,7 +54,7 @@ def _ensures_dcp(program: Program) -> None:
             raise VerificationError(f"{node.name} reads global context lengths under dcp={n}")
 
 
-@program_pass("shard_dcp", ensures=[_ensures_dcp])
+@program_pass("shard_dcp", requires=["insert_kv_cache", "shard_tp"], ensures=[_ensures_dcp])
 def shard_dcp(program: Program, comm: str = "auto"):
     mesh: Mesh = program.mesh
     n = mesh.dcp

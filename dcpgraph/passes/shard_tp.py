@@ -29,12 +29,11 @@ import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
-from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule
+from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule, example_specs
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
-from .manager import program_pass
+from .manager import program_pass, ran
 from .respecialize import respecialize_shapes
-from .verify import example_specs
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -80,7 +79,10 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
-@program_pass("shard_tp")
+@program_pass(
+    "shard_tp",
+    requires=[ran("insert_kv_cache", "K/V projections are found from the cache writes; cache heads become local")],
+)
 def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     facts = program.facts
     if program.mesh.tp != 1:

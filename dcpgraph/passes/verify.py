@@ -1,109 +1,159 @@
 """The verifier that runs after every pass.
 
-Generic invariants of any Program:
+Generic invariants of any Program (:func:`verify_program` checks them all):
 
 1. ``graph.lint()`` passes (well-formed SSA, targets exist);
 2. placeholders match ``Program.inputs`` one to one, in order;
-3. fake-tensor shape propagation succeeds on example inputs built from the input specs (this
-   stores ``meta["val"]`` on every node, which :func:`dcpgraph.explain` prints);
+3. fake-tensor shape propagation succeeds on the example inputs of
+   :func:`dcpgraph.program.example_specs` (this stores ``meta["val"]`` on every node, which later
+   passes and :func:`dcpgraph.explain` read);
 4. every functional collective names a dcpgraph group whose size matches the mesh;
 5. no data-dependent control flow (no ``cond``/``while_loop`` higher-order ops): every rank issues
    the same collectives in the same order.
 
+:func:`check_structure` is 1, 2, 4 and 5; :func:`propagate_shapes` is 2 and 3 (the manager runs it
+after every pass even without verification, because later passes need ``meta["val"]``).
 Pass-specific invariants live next to each pass (``ensures=``).
+
+An invariant that fails at one node raises a :class:`~dcpgraph.errors.VerificationError` ending
+with :func:`node_context`: the program lines around that node, the node marked ``>>``.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import VerificationError
-from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
+from ..program import Program, example_specs
 from .collectives import collective_group
 
-EXAMPLE_TOKENS = 6
-EXAMPLE_REQUESTS = 2
-EXAMPLE_BLOCKS = 8
-EXAMPLE_TABLE_WIDTH = 4
-
-# Shapes and dtypes of user/meta/rank inputs, by role (InputSpec.target).
-_ROLE_SHAPES = {
-    "input_ids": ((1, EXAMPLE_TOKENS), torch.int64),
-    "position_ids": ((1, EXAMPLE_TOKENS), torch.int64),
-    "cu_seqlens_q": ((EXAMPLE_REQUESTS + 1,), torch.int32),
-    "context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
-    "local_context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
-    "block_table": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),
-    "slot_mapping": ((EXAMPLE_TOKENS,), torch.int64),
-    "logits_indices": ((EXAMPLE_REQUESTS,), torch.int64),
-    "tp_rank": ((), torch.int64),
-    "dcp_rank": ((), torch.int64),
-}
+CONTEXT_LINES = 3
 
 
-def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of an example input for every placeholder of ``program`` (rank 0's)."""
-    caches = {c.name: c for c in program.caches}
-    block_size = int(program.options.get("block_size", 16))
-    out = []
-    for spec in program.inputs:
-        if spec.kind in STATE_KINDS:
-            full = program.state[spec.target]
-            shape = spec.shard.local_shape(tuple(full.shape), program.mesh.tp)
-            out.append((shape, full.dtype))
-        elif spec.kind == CACHE:
-            c = caches[spec.name]
-            out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
-        elif spec.kind in (USER, META, RANK):
-            if spec.target not in _ROLE_SHAPES:
-                raise VerificationError(f"input {spec.name!r} has unknown role {spec.target!r}")
-            shape, dtype = _ROLE_SHAPES[spec.target]
-            out.append((shape, dtype))
-        else:
-            raise VerificationError(f"input {spec.name!r} has unknown kind {spec.kind!r}")
-    return out
+def check_inputs(program: Program) -> None:
+    """Invariant 2: placeholder names equal ``[s.name for s in program.inputs]``, in order."""
+    names = [n.name for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+    specs = [s.name for s in program.inputs]
+    if names != specs:
+        raise VerificationError(f"placeholders {names} do not match input specs {specs}")
 
 
 def propagate_shapes(program: Program) -> None:
-    """Run the graph on fake tensors, storing ``meta['val']`` on every node."""
+    """Run the graph on fake tensors, storing ``meta['val']`` on every node.
+
+    Raises :class:`VerificationError` naming the node that failed, with its context.
+    """
+    check_inputs(program)
+    gm = program.graph_module
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = [torch.empty(shape, dtype=dtype) for shape, dtype in example_specs(program)]
+        interpreter = _ShapeInterpreter(gm)
+        try:
+            interpreter.run(*args)
+        except Exception as err:
+            node = interpreter.current
+            where = f" at %{node.name}" if node is not None else ""
+            raise VerificationError(
+                f"shape propagation failed{where}: {type(err).__name__}: {err}"
+                + (f"\n{node_context(node, shapes_after=False)}" if node is not None else "")
+            ) from err
 
-        class _Prop(torch.fx.Interpreter):
-            def run_node(self, n):
-                result = super().run_node(n)
-                n.meta["val"] = result
-                return result
 
-        _Prop(program.graph_module).run(*args)
+class _ShapeInterpreter(torch.fx.Interpreter):
+    """Stores each node's fake result in ``meta['val']``; ``current`` is the node being run."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.extra_traceback = False  # the error names the node itself, with context
+        self.current: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node):
+        self.current = n
+        result = super().run_node(n)
+        n.meta["val"] = result
+        return result
 
 
-def verify_program(program: Program) -> None:
+def check_structure(program: Program) -> None:
+    """Invariants 1, 2, 4 and 5 (everything but shape propagation)."""
     gm = program.graph_module
     try:
         gm.graph.lint()
     except Exception as err:
         raise VerificationError(f"graph lint failed: {err}") from err
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    specs = [s.name for s in program.inputs]
-    if names != specs:
-        raise VerificationError(f"placeholders {names} do not match input specs {specs}")
+    check_inputs(program)
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "higher_order":
-            raise VerificationError(f"control flow {node.target} at {node.name}: ranks could diverge")
+            raise VerificationError(
+                f"control flow {node.target} at %{node.name}: ranks could diverge\n{node_context(node)}"
+            )
         group = collective_group(node)
         if group is not None:
             kind, size = group
             expected = program.mesh.tp if kind == "tp" else program.mesh.dcp
             if size is not None and size != expected:
                 raise VerificationError(
-                    f"collective {node.name} on the {kind} group has size {size}, mesh says {expected}"
+                    f"collective %{node.name} on the {kind} group has size {size}, mesh says {expected}\n"
+                    f"{node_context(node)}"
                 )
-    try:
-        propagate_shapes(program)
-    except VerificationError:
-        raise
-    except Exception as err:
-        raise VerificationError(f"shape propagation failed: {type(err).__name__}: {err}") from err
+
+
+def verify_program(program: Program) -> None:
+    """All generic invariants (1-5)."""
+    check_structure(program)
+    propagate_shapes(program)
+
+
+# -- context lines ---------------------------------------------------------------------------------
+def node_context(node: torch.fx.Node, radius: int = CONTEXT_LINES, *, shapes_after: bool = True) -> str:
+    """``radius`` program lines before and after ``node`` in its graph, ``node`` marked ``>>``.
+
+    Lines read like :func:`dcpgraph.explain`'s: ``%name = namespace.op(%arg, ...) : [shape] dtype``
+    (shapes from ``meta["val"]`` where known). ``shapes_after=False`` leaves shapes off ``node``
+    and the lines after it (a failed propagation did not reach them; their values are stale).
+    """
+    nodes = list(node.graph.nodes)
+    at = nodes.index(node)
+    lines = []
+    for i in range(max(0, at - radius), min(len(nodes), at + radius + 1)):
+        text = _line(nodes[i], with_val=shapes_after or i < at)
+        lines.append((">> " if i == at else "   ") + text)
+    return "\n".join(lines)
+
+
+def _line(node: torch.fx.Node, with_val: bool = True) -> str:
+    if node.op == "placeholder":
+        text = f"%{node.name} = input"
+    elif node.op == "output":
+        return f"return {_arg(node.args[0])}"
+    elif node.op == "call_function" and node.target is operator.getitem:
+        text = f"%{node.name} = {_arg(node.args[0])}[{node.args[1]}]"
+    else:
+        args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+        text = f"%{node.name} = {_target(node)}({', '.join(args)})"
+    val = node.meta.get("val") if with_val else None
+    if isinstance(val, torch.Tensor):
+        text += f" : [{', '.join(str(s) for s in val.shape)}] {str(val.dtype).removeprefix('torch.')}"
+    return text
+
+
+def _target(node: torch.fx.Node) -> str:
+    target = node.target
+    namespace = getattr(target, "namespace", None)
+    if namespace is None:
+        return getattr(target, "__name__", str(target))
+    overload = getattr(target, "_overloadname", "default")
+    return f"{namespace}.{target._opname}" + ("" if overload == "default" else f".{overload}")
+
+
+def _arg(arg) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return f"%{arg.name}"
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    return repr(arg)

@@ -1,0 +1,80 @@
+"""The options of :func:`dcpgraph.compile`, checked before any tracing, pass or collective.
+
+:func:`compile_options` returns every option with its default filled in, or raises: ``TypeError``
+for a name ``compile`` does not take, :class:`~dcpgraph.errors.ConfigError` for a value of the
+wrong type or out of range, or two cache sizes at once. Every message names the valid settings.
+Rules that depend on the model (head counts, ``block_size % interleave``) are
+:meth:`dcpgraph.mesh.Mesh.validate`'s.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+COMMS = ("auto", "a2a", "ag_rs")
+EXECUTORS = ("auto", "emulated", "distributed")
+CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+
+# name -> (default, smallest allowed value) for integer options
+_INTS = {
+    "interleave": (1, 1),
+    "block_size": (16, 1),
+    "max_num_seqs": (8, 1),
+    "max_batched_tokens": (256, 1),
+    "capture_limit": (32, 0),
+    "speculative_tokens": (0, 0),
+}
+_OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
+_BOOLS = {"verify": True, "enable_prefix_caching": False}
+_OTHER = ("comm", "backend", "executor", "plan")
+VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def compile_options(**given: Any) -> dict[str, Any]:
+    """Every compile option, defaults filled in, after checking names, types and ranges."""
+    unknown = sorted(set(given) - set(VALID_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
+    out: dict[str, Any] = {}
+    for name, (default, low) in _INTS.items():
+        value = given.get(name, default)
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        out[name] = int(value)
+    for name in _OPTIONAL_INTS:
+        value = given.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        out[name] = None if value is None else int(value)
+    for name, default in _BOOLS.items():
+        value = given.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
+        out[name] = value
+    sizes = [name for name in CACHE_SIZE_OPTIONS if out[name] is not None]
+    if len(sizes) > 1:
+        raise ConfigError(f"give at most one of {list(CACHE_SIZE_OPTIONS)}, got {sizes}")
+    comm = given.get("comm", "auto")
+    if comm not in COMMS:
+        raise ConfigError(f"comm must be 'auto', 'a2a' or 'ag_rs', got {comm!r}")
+    executor = given.get("executor", "auto")
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {executor!r}")
+    plan = given.get("plan")
+    if plan is not None and not (
+        isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
+    ):
+        raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
+    backend = given.get("backend", "auto")
+    from .backends.registry import resolve_backend
+
+    resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
+    return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend}

@@ -1,0 +1,92 @@
+"""``dcpgraph.compile`` checks every option before any work: no facts read, no trace, no pass.
+
+The front ends, ``dcpgraph.trace`` and ``compile_program`` are replaced by functions that fail the
+test if called, so a bad option that was only noticed after tracing (as unknown names,
+``capture_limit`` and ``speculative_tokens`` once were) shows up as "work started".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dcpgraph
+from dcpgraph import ConfigError
+from dcpgraph.models import build_model
+from dcpgraph.options import VALID_OPTIONS, compile_options
+from dcpgraph.program import Program
+
+
+class TinyLM(nn.Module):
+    """A plain module: its facts can only be read by tracing it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids, position_ids):
+        return self.head(self.emb(input_ids))
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    import dcpgraph.api as api
+    import dcpgraph.frontends.fx as fx
+    import dcpgraph.frontends.hf as hf
+    import dcpgraph.passes.pipeline as pipeline
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    for module, name in ((hf, "trace_hf"), (hf, "model_facts"), (fx, "trace_module"), (api, "trace"),
+                         (api, "facts_of"), (pipeline, "compile_program")):
+        monkeypatch.setattr(module, name, forbidden)
+
+
+BAD = [
+    ({"capture_limit": -1}, ConfigError, r"capture_limit must be an int >= 0, got -1"),
+    ({"speculative_tokens": -2}, ConfigError, r"speculative_tokens must be an int >= 0"),
+    ({"speculative_tokens": 1.5}, ConfigError, r"speculative_tokens must be an int"),
+    ({"max_num_seqs": 0}, ConfigError, r"max_num_seqs must be an int >= 1"),
+    ({"max_batched_tokens": "256"}, ConfigError, r"max_batched_tokens must be an int >= 1, got '256'"),
+    ({"block_size": 0}, ConfigError, r"block_size must be an int >= 1"),
+    ({"interleave": True}, ConfigError, r"interleave must be an int >= 1, got True"),
+    ({"max_model_len": 0}, ConfigError, r"max_model_len must be None or an int >= 1"),
+    ({"num_blocks": -3}, ConfigError, r"num_blocks must be None or an int >= 1"),
+    ({"num_blocks": 4, "kv_cache_tokens": 64}, ConfigError,
+     r"give at most one of \['num_blocks', 'kv_cache_tokens', 'kv_cache_bytes_per_rank'\]"),
+    ({"verify": "yes"}, ConfigError, r"verify must be True or False"),
+    ({"enable_prefix_caching": 1}, ConfigError, r"enable_prefix_caching must be True or False"),
+    ({"comm": "ring"}, ConfigError, r"comm must be 'auto', 'a2a' or 'ag_rs', got 'ring'"),
+    ({"executor": "gpu"}, ConfigError, r"executor must be 'auto', 'emulated' or 'distributed'"),
+    ({"backend": "tpu-magic"}, ConfigError, r"unknown backend 'tpu-magic'; choose from"),
+    ({"plan": ["colwise"]}, ConfigError, r"plan must be None or a dict"),
+    ({"capture_limt": 4}, TypeError, r"unknown options: \['capture_limt'\]; compile takes \[.*'capture_limit'"),
+    ({"tp": 0}, ConfigError, r"tp must be a positive int"),
+]
+
+
+@pytest.mark.parametrize(("kw", "error", "message"), BAD, ids=[next(iter(kw)) + str(i) for i, (kw, _, _) in enumerate(BAD)])
+@pytest.mark.parametrize("model", ["hf", "plain"])
+def test_bad_option_fails_before_any_work(no_work, model, kw, error, message):
+    module = build_model("llama") if model == "hf" else TinyLM()
+    with pytest.raises(error, match=message):
+        dcpgraph.compile(module, **kw)
+
+
+def test_a_program_is_not_compiled_either(no_work):
+    program = Program.__new__(Program)  # never looked at: the options fail first
+    with pytest.raises(ConfigError, match="capture_limit"):
+        dcpgraph.compile(program, capture_limit=-5)
+    with pytest.raises(TypeError, match="takes an nn.Module or a Program"):
+        dcpgraph.compile("llama")
+
+
+def test_defaults_and_every_valid_name():
+    opts = compile_options()
+    assert set(opts) == set(VALID_OPTIONS)
+    assert (opts["capture_limit"], opts["speculative_tokens"], opts["max_num_seqs"], opts["block_size"]) == (32, 0, 8, 16)
+    assert opts["verify"] is True and opts["plan"] is None and opts["num_blocks"] is None
+    assert compile_options(num_blocks=torch.tensor(3).item(), capture_limit=0)["num_blocks"] == 3

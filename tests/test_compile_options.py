@@ -1,8 +1,8 @@
 """``dcpgraph.compile`` checks every option before any work: no facts read, no trace, no pass.
 
-The front ends, ``dcpgraph.trace`` and ``compile_program`` are replaced by functions that fail the
-test if called, so a bad option that was only noticed after tracing (as unknown names,
-``capture_limit`` and ``speculative_tokens`` once were) shows up as "work started".
+The front ends, ``dcpgraph.trace``, ``facts_of`` and ``compile_program`` are replaced by functions
+that fail the test if called, so a bad option noticed only after some work shows up as
+"work started" instead of the expected error.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The traced model produces logits for every token of the step; the engine samples
 request (its last scheduled token). This pass finds the linear that produces the logits (walking
 back from the first output through shape-only and elementwise ops) and selects the rows given by
 a ``logits_indices [R]`` input before it: ``lm_head(h)[idx] == lm_head(h[idx])`` row by row, so
-nothing changes but the cost (prefill chunks no longer pay ``T × vocab``).
+nothing changes but the cost: a step computes ``R × vocab`` logits instead of ``T × vocab``.
 """
 
 from __future__ import annotations

@@ -76,7 +76,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     graph mode), ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
-    every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``).
+    every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``),
+    ``enable_expert_parallel`` (default False: routed experts tensor-parallel, each rank a
+    ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
+    :mod:`dcpgraph.passes.tp_modules`).
     """
     from .passes.pipeline import compile_program
     from .runtime.engine import Engine, blocks_for_budget
@@ -99,6 +102,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     speculative_tokens = int(options.pop("speculative_tokens", 0))
     enable_prefix_caching = bool(options.pop("enable_prefix_caching", False))
     sizes = {k: options.pop(k, None) for k in ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")}
+    if options.pop("enable_expert_parallel", False):
+        from .passes.tp_styles import with_expert_parallel
+
+        model = with_expert_parallel(model if isinstance(model, Program) else trace(model))
     program = compile_program(
         model, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=options.pop("plan", None), verify=options.pop("verify", True),

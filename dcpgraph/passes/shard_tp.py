@@ -45,6 +45,20 @@ aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 
 
+def _require_head_sharded_kv(kv_linears, plan: dict[str, str], specs) -> None:
+    """The KV cache layout gives each TP rank its own KV heads: the K/V projections must leave
+    their output column-sharded (a gathered or replicated projection runs attention replicated)."""
+    for linear in kv_linears:
+        path = specs[linear.args[1].name].target.removesuffix(".weight")
+        style = plan_rule(plan, path)
+        if style not in COLWISE or style in GATHER_OUTPUT:
+            raise UnsupportedModelError(
+                f"TP plan leaves the K/V projection {path} {style or 'unplanned'}: attention would run "
+                "replicated on every rank, but the KV cache layout needs head-sharded K/V "
+                "(a colwise / packed_colwise style); use tp=1"
+            )
+
+
 def _refuse_styles(plan: dict[str, str]) -> None:
     for pattern, style in plan.items():
         if style in REFUSED:
@@ -211,6 +225,8 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
             reduced.args[0].args = (node, *reduced.args[0].args[1:])
         else:
             raise UnsupportedModelError(f"TP plan style {rule!r} for the linear {path} is not supported")
+    if facts.attention == "gqa":
+        _require_head_sharded_kv(kv_linears, plan, specs)
     reduced = reduce_module_outputs(graph, plan, count, tp)
     shard_parameters(program, graph, plan, specs, rules, assign, count, tp, tp_rank, reduced)
     merged = merge_summed_reductions(graph)

@@ -78,7 +78,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
-    every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``).
+    every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``),
+    ``enable_expert_parallel`` (default False: routed experts tensor-parallel, each rank a
+    ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
+    :mod:`dcpgraph.passes.tp_modules`).
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -103,6 +106,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     from .passes.pipeline import compile_program
 
     program = model if isinstance(model, Program) else trace(model)
+    if opts["enable_expert_parallel"]:
+        from .passes.tp_styles import with_expert_parallel
+
+        program = with_expert_parallel(program)
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"],

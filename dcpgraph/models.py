@@ -12,7 +12,7 @@ import os
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 def tiny_config(arch: str, *, layers: int = 2, vocab: int = 256):
@@ -26,6 +26,9 @@ def tiny_config(arch: str, *, layers: int = 2, vocab: int = 256):
         return tf.Qwen2Config(num_key_value_heads=1, **common)
     if arch == "qwen3":
         return tf.Qwen3Config(num_key_value_heads=1, head_dim=16, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, norm_topk_prob=True, **common)
     mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=8)

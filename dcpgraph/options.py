@@ -29,7 +29,7 @@ _INTS = {
     "speculative_tokens": (0, 0),
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
-_BOOLS = {"verify": True, "enable_prefix_caching": False}
+_BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False}
 _OTHER = ("comm", "backend", "executor", "plan")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 

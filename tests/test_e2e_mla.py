@@ -438,14 +438,15 @@ def _hf_router_choices(model, prompt) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_routed_experts_are_replicated_and_routing_agrees_on_every_rank(zoo, name):
-    # input specs: routed experts and the router replicated on every TP rank of every engine
+def test_routed_experts_are_tensor_parallel_and_routing_agrees_on_every_rank(zoo, name):
+    # input specs: routed experts tensor-parallel (gate/up packed column-parallel, down row-parallel),
+    # the router replicated on every TP rank of every engine
     for case in [c for c in CASES if c[0] == name and c[1] > 1]:
         program = zoo.engine(*case).program
         rules = {s.target: s.shard.dim for s in program.inputs if s.kind in STATE_KINDS}
         for layer in MOE_LAYERS:
             mlp = f"model.layers.{layer}.mlp"
-            assert rules[f"{mlp}.experts.gate_up_proj"] is None and rules[f"{mlp}.experts.down_proj"] is None
+            assert rules[f"{mlp}.experts.gate_up_proj"] == -2 and rules[f"{mlp}.experts.down_proj"] == -1
             assert rules[f"{mlp}.gate.weight"] is None
             assert (rules[f"{mlp}.shared_experts.gate_proj.weight"], rules[f"{mlp}.shared_experts.up_proj.weight"],
                     rules[f"{mlp}.shared_experts.down_proj.weight"]) == (0, 0, 1)  # TP does shard the MLP
@@ -460,8 +461,12 @@ def test_routed_experts_are_replicated_and_routing_agrees_on_every_rank(zoo, nam
         targets = [s.target for s in program.inputs if s.kind in STATE_KINDS]
         for rank in range(tp):
             for target, local, whole in zip(targets, program.local_state(rank), full):
-                if ".mlp.experts." in target:
-                    assert torch.equal(local, whole), (rank, target)
+                if target.endswith(".mlp.experts.gate_up_proj"):  # [gate_r; up_r] of every expert
+                    gate, up = whole.chunk(2, 1)
+                    want = torch.cat([gate.chunk(tp, 1)[rank], up.chunk(tp, 1)[rank]], 1)
+                    assert torch.equal(local, want), (rank, target)
+                elif target.endswith(".mlp.experts.down_proj"):
+                    assert torch.equal(local, whole.chunk(tp, -1)[rank]), (rank, target)
     # the router's choices: identical on every rank, and equal to HF's
     model = zoo.model(name)
     for tp, dcp in ((2, 2), (4, 1)):

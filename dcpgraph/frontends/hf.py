@@ -58,6 +58,7 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         v_head_dim = head_dim
         extra = {}
     extra["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
+    extra["ep_plan"] = ep_plan(model)
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(text, "eos_token_id", None)
@@ -90,6 +91,13 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
     return plan
+
+
+def ep_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The config's ``base_model_ep_plan`` (expert parallelism) under the base model's prefix."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    prefix = getattr(model, "base_model_prefix", "model")
+    return {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_ep_plan", None) or {}).items()}
 
 
 def default_example_inputs(facts: ModelFacts, tokens: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

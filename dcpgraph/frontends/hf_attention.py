@@ -1,8 +1,9 @@
 """dcpgraph's implementation for ``transformers.AttentionInterface``.
 
 While a model is traced with ``attn_implementation="dcpgraph"``, every attention call becomes one
-``torch.ops.dcpgraph.attention`` node carrying its scale and causality. Every argument HF hands
-over is checked: a feature the pipeline does not implement (a mask tensor, sliding windows,
+``torch.ops.dcpgraph.attention`` node carrying its scale and causality. Every keyword HF hands
+over is classified (:data:`SEMANTICS_FREE`, :data:`IMPLEMENTED`, :data:`REFUSED`, else unknown): a
+semantics-free keyword never blocks a model; a feature the pipeline does not implement (a mask tensor, sliding windows,
 soft-capping, sinks, positional biases such as ALiBi, non-causal attention, dropout…) raises
 :class:`~dcpgraph.errors.UnsupportedModelError` naming the layer, instead of being dropped.
 The matching ``AttentionMaskInterface`` entry builds no mask: causality is the op's own flag.
@@ -19,17 +20,40 @@ from ..errors import UnsupportedModelError
 
 IMPLEMENTATION = "dcpgraph"
 
-# Keyword arguments HF passes that do not change what attention computes.
-_BENIGN_KWARGS = frozenset(
-    {
-        "position_ids", "use_cache", "cache_position", "output_attentions", "return_dict",
-        "past_key_values", "past_key_value", "layer_idx", "token_type_ids", "is_causal",
-        "output_hidden_states", "position_embeddings", "logits_to_keep",
-    }
-)
+# Every keyword HF passes to an attention implementation falls in exactly one of three classes.
+# A keyword that is absent, ``None`` or ``False`` asks for nothing and is always accepted.
+#
+# 1. Semantics-free: bookkeeping that cannot change what attention computes, whatever its value.
+SEMANTICS_FREE: dict[str, str] = {
+    "position_ids": "positions are already applied to q/k (RoPE) before attention is called",
+    "position_embeddings": "the RoPE cos/sin, already applied to q/k",
+    "cache_position": "cache bookkeeping; dcpgraph owns the cache",
+    "use_cache": "cache bookkeeping; dcpgraph owns the cache",
+    "past_key_values": "cache bookkeeping; dcpgraph owns the cache",
+    "past_key_value": "cache bookkeeping; dcpgraph owns the cache",
+    "layer_idx": "an index, not a parameter of the math",
+    "output_attentions": "asks for the probabilities as a second output; dcpgraph returns none",
+    "output_hidden_states": "an output-collection flag of the decoder stack",
+    "output_router_logits": "an output-collection flag of MoE routers",
+    "return_dict": "an output-format flag",
+    "logits_to_keep": "selects logits after the decoder stack",
+    "num_items_in_batch": "a loss-normalisation count",
+    "token_type_ids": "consumed by mask builders, which dcpgraph replaces by the causal flag",
+    "deterministic": "a flash-attention kernel determinism switch",
+    "max_length_q": "a packed-varlen length hint (packing itself is refused via cu_seq_lens_q)",
+    "max_length_k": "a packed-varlen length hint (packing itself is refused via cu_seq_lens_k)",
+    "is_causal": "checked together with the module's own flag (below); only causal is accepted",
+}
 
-# Keyword arguments that, when set, mean a feature dcpgraph does not implement.
-_FEATURES = {
+# 2. Implemented: handled by the canonical op (checked explicitly in ``dcpgraph_attention``).
+IMPLEMENTED: dict[str, str] = {
+    "scaling": "the op's softmax scale",
+    "dropout": "accepted at 0.0 (inference); any other value is refused",
+    "attention_mask": "accepted when None (causality is the op's flag); a tensor is refused",
+}
+
+# 3. Refused: a feature dcpgraph does not implement, named in the error.
+REFUSED: dict[str, str] = {
     "sliding_window": "sliding-window attention",
     "softcap": "attention logit soft-capping",
     "s_aux": "attention sinks",
@@ -39,7 +63,23 @@ _FEATURES = {
     "head_mask": "a head mask",
     "cu_seq_lens_q": "packed varlen sequences",
     "cu_seq_lens_k": "packed varlen sequences",
+    "seq_idx": "packed varlen sequences",
+    "indices": "sparse (top-k selected) attention",
+    "block_indices": "block-sparse attention",
 }
+# Anything else is unknown and refused by name: dcpgraph does not guess what it changes.
+
+
+def classify_keyword(name: str) -> str:
+    """``"semantics-free"``, ``"implemented"``, ``"refused"`` or ``"unknown"``."""
+    for kind, table in (("semantics-free", SEMANTICS_FREE), ("implemented", IMPLEMENTED), ("refused", REFUSED)):
+        if name in table:
+            return kind
+    return "unknown"
+
+
+def _asks_for_something(value: object) -> bool:
+    return value is not None and value is not False
 
 
 def _where(module: torch.nn.Module) -> str:
@@ -65,12 +105,12 @@ def dcpgraph_attention(
         raise UnsupportedModelError(f"{where}: an explicit attention mask tensor is not supported")
     if dropout:
         raise UnsupportedModelError(f"{where}: attention dropout ({dropout}) is not supported")
-    for name, feature in _FEATURES.items():
-        value_ = kwargs.get(name)
-        if value_ is not None and value_ is not False:
-            raise UnsupportedModelError(f"{where}: {feature} ({name}={value_!r}) is not supported")
     for name, value_ in kwargs.items():
-        if name not in _BENIGN_KWARGS and name not in _FEATURES and value_ is not None:
+        kind = classify_keyword(name)
+        if kind == "refused" and _asks_for_something(value_):
+            shown = f"{value_!r}" if not isinstance(value_, torch.Tensor) else f"Tensor{tuple(value_.shape)}"
+            raise UnsupportedModelError(f"{where}: {REFUSED[name]} ({name}={shown}) is not supported")
+        if kind == "unknown" and value_ is not None:
             raise UnsupportedModelError(
                 f"{where}: unrecognised attention argument {name}={type(value_).__name__}; "
                 "dcpgraph refuses rather than guess what it changes"

@@ -1,18 +1,11 @@
 """``shard_tp``: tensor parallelism from a plan that is data (torchtitan / HF ``tp_plan`` style).
 
-The plan maps module-path patterns (``*`` = one path component) to rules:
-
-=========================  ===================================================================
-rule                       effect on rank ``r`` of ``tp``
-=========================  ===================================================================
-``colwise``                weight and bias split on dim 0 (output features); for K/V
-                           projections with ``tp > n_kv``, split into ``n_kv`` parts and rank
-                           ``r`` takes part ``r // (tp // n_kv)`` (KV heads replicated)
-``rowwise``                weight split on dim 1; an all-reduce over TP follows the matmul, and
-                           any bias is added once, after it
-``colwise_gather_output``  colwise, then all-gather of the outputs over TP (the LM head)
-``vocab_parallel``         embedding rows split; out-of-range ids look up zeros; all-reduce
-=========================  ===================================================================
+The plan maps module- or parameter-path patterns (``*`` = one path component) to styles; the
+vocabulary (every style transformers' plans use) is :mod:`dcpgraph.passes.tp_styles`. Linears
+and embeddings are rewritten here; parameter entries (grouped experts, sinks), module-output
+reductions and expert parallelism in :mod:`dcpgraph.passes.tp_modules`. For K/V projections with
+``tp > n_kv`` a colwise split takes ``n_kv`` parts and rank ``r`` takes part ``r // (tp // n_kv)``
+(KV heads replicated).
 
 Shards are computed functionally from the full parameters at run time (``Program.local_state``):
 the user's model is never modified. Reshapes in traced HF models use ``-1`` for head counts, so
@@ -34,14 +27,45 @@ from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
 from .manager import program_pass, ran
 from .respecialize import respecialize_shapes
+from .tp_modules import merge_summed_reductions, reduce_module_outputs, shard_parameters
+from .tp_styles import (
+    ALL_STYLES,
+    COLWISE,
+    GATHER_OUTPUT,
+    PACKED,
+    REFUSED,
+    REPLICATED,
+    ROWWISE,
+    SPLIT_INPUT,
+    PackedShardRule,
+)
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 
 
-# Plan rules that leave a linear replicated here: MLA's latent down-projection is shared by all
-# heads (its output is the one latent KV head every rank needs).
-_REPLICATED_RULES = frozenset({"mla_kv_a_proj", "replicate", "replicated"})
+def _require_head_sharded_kv(kv_linears, plan: dict[str, str], specs) -> None:
+    """The KV cache layout gives each TP rank its own KV heads: the K/V projections must leave
+    their output column-sharded (a gathered or replicated projection runs attention replicated)."""
+    for linear in kv_linears:
+        path = specs[linear.args[1].name].target.removesuffix(".weight")
+        style = plan_rule(plan, path)
+        if style not in COLWISE or style in GATHER_OUTPUT:
+            raise UnsupportedModelError(
+                f"TP plan leaves the K/V projection {path} {style or 'unplanned'}: attention would run "
+                "replicated on every rank, but the KV cache layout needs head-sharded K/V "
+                "(a colwise / packed_colwise style); use tp=1"
+            )
+
+
+def _refuse_styles(plan: dict[str, str]) -> None:
+    for pattern, style in plan.items():
+        if style in REFUSED:
+            raise UnsupportedModelError(f"TP plan style {style!r} ({pattern}) is not supported: {REFUSED[style]}")
+        if style not in ALL_STYLES:
+            raise UnsupportedModelError(
+                f"TP plan style {style!r} ({pattern}) is unknown; known styles: {sorted(ALL_STYLES)}"
+            )
 
 
 def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
@@ -90,6 +114,7 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     if mesh.tp == 1:
         return program.replace(mesh=mesh), "tp=1: nothing to shard"
     plan = dict(facts.tp_plan if plan is None else plan)
+    _refuse_styles(plan)
     tp = mesh.tp
     gm = program.copy_graph()
     graph = gm.graph
@@ -99,6 +124,15 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     kv_linears = kv_projection_linears(graph)
     n_kv = facts.num_kv_heads
     counts: dict[str, int] = {}
+    rank_node: list[torch.fx.Node] = []
+
+    def tp_rank() -> torch.fx.Node:
+        if not rank_node:
+            rank_node.extend(add_placeholders(graph, ["tp_rank"]))
+        return rank_node[0]
+
+    def count(style: str) -> None:
+        counts[style] = counts.get(style, 0) + 1
 
     def assign(node: torch.fx.Node | None, rule: ShardRule, what: str) -> None:
         if node is None:
@@ -109,26 +143,39 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
         if rules.get(node.name, rule) != rule:
             raise UnsupportedModelError(f"{spec.target} needs two different shardings ({rules[node.name]} vs {rule})")
         full = program.state[spec.target]
-        parts = rule.parts or tp
+        parts = (rule.parts or tp) * getattr(rule, "packed", 1)
         if rule.dim is not None and full.shape[rule.dim] % parts:
             raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
         rules[node.name] = rule
 
-    tp_rank = None
+    def gather_last_dim(node: torch.fx.Node) -> None:
+        with graph.inserting_before(node.next):
+            moved = e(aten.movedim.int, node, -1, 0)
+            contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
+            gathered = coll.all_gather(graph, contiguous, tp, "tp")
+            back = e(aten.movedim.int, gathered, 0, -1)
+        node.replace_all_uses_with(back)
+        moved.args = (node, *moved.args[1:])
+
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.embedding.default and node.args[0].name in specs:
             weight, ids = node.args[:2]
+            path = specs[weight.name].target.removesuffix(".weight")
+            style = plan_rule(plan, path)
+            if style == "embedding_colwise":
+                assign(weight, ShardRule(1), path)
+                gather_last_dim(node)
+                count(style)
+                continue
             vocab = program.state[specs[weight.name].target].shape[0]
-            if vocab % tp:
+            if style in REPLICATED or vocab % tp:
                 continue  # replicated embedding
-            if tp_rank is None:
-                (tp_rank,) = add_placeholders(graph, ["tp_rank"])
             assign(weight, ShardRule(0), "embedding")
             with graph.inserting_before(node):
                 rows = vocab // tp
-                local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, tp_rank, rows))
+                local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, tp_rank(), rows))
                 outside = e(aten.logical_or.default, e(aten.lt.Scalar, local, 0), e(aten.ge.Scalar, local, rows))
                 safe = e(aten.masked_fill.Scalar, local, outside, 0)
             with graph.inserting_before(node.next):
@@ -137,7 +184,7 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
             node.replace_all_uses_with(reduced)
             zeroed.args = (node, *zeroed.args[1:])
             node.args = (weight, safe, *node.args[2:])
-            counts["vocab_parallel"] = counts.get("vocab_parallel", 0) + 1
+            count("vocab_parallel")
             continue
         if node.target is not aten.linear.default:
             continue
@@ -148,23 +195,28 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
             continue
         path = spec.target.removesuffix(".weight")
         rule = plan_rule(plan, path)
-        if rule is None:
+        if rule is None or rule in REPLICATED:
             continue
-        counts[rule] = counts.get(rule, 0) + 1
-        if rule in ("colwise", "colwise_gather_output"):
+        count(rule)
+        if rule in COLWISE:
             parts = n_kv if (node in kv_linears and n_kv < tp) else None
-            assign(weight, ShardRule(0, parts), path)
-            assign(bias, ShardRule(0, parts), path)
-            if rule == "colwise_gather_output":
-                with graph.inserting_before(node.next):
-                    moved = e(aten.movedim.int, node, -1, 0)
-                    contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
-                    gathered = coll.all_gather(graph, contiguous, tp, "tp")
-                    back = e(aten.movedim.int, gathered, 0, -1)
-                node.replace_all_uses_with(back)
-                moved.args = (node, *moved.args[1:])
-        elif rule == "rowwise":
-            assign(weight, ShardRule(1), path)
+            if rule in PACKED:
+                assign(weight, PackedShardRule(0), path)
+                assign(bias, PackedShardRule(0), path)
+            else:
+                assign(weight, ShardRule(0, parts), path)
+                assign(bias, ShardRule(0, parts), path)
+            if rule in GATHER_OUTPUT:
+                gather_last_dim(node)
+        elif rule in ROWWISE:
+            assign(weight, PackedShardRule(1) if rule in PACKED else ShardRule(1), path)
+            if rule in SPLIT_INPUT:
+                with graph.inserting_before(node):
+                    x = node.args[0]
+                    split = e(aten.unflatten.int, x, -1, [tp, -1])
+                    mine = e(aten.index_select.default, split, -2, e(aten.reshape.default, tp_rank(), [1]))
+                    local_x = e(aten.squeeze.dim, mine, -2)
+                node.args = (local_x, *node.args[1:])
             if bias is not None:
                 assign(bias, ShardRule(None), path)
                 node.args = (node.args[0], weight)
@@ -173,14 +225,17 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
                 result = e(aten.add.Tensor, reduced, bias) if bias is not None else reduced
             node.replace_all_uses_with(result)
             reduced.args[0].args = (node, *reduced.args[0].args[1:])
-        elif rule in _REPLICATED_RULES:
-            continue
         else:
-            raise UnsupportedModelError(f"TP plan rule {rule!r} for {path} is not supported")
+            raise UnsupportedModelError(f"TP plan style {rule!r} for the linear {path} is not supported")
+    if facts.attention == "gqa":
+        _require_head_sharded_kv(kv_linears, plan, specs)
+    reduced = reduce_module_outputs(graph, plan, count, tp)
+    shard_parameters(program, graph, plan, specs, rules, assign, count, tp, tp_rank, reduced)
+    merged = merge_summed_reductions(graph)
     inputs = [
         InputSpec(s.name, s.kind, s.target, rules.get(s.name, s.shard)) for s in program.inputs
     ]
-    if tp_rank is not None:
+    if rank_node:
         inputs.append(InputSpec("tp_rank", RANK, "tp_rank"))
     caches = tuple(
         CacheSpec(c.name, c.layer, c.role, local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads, c.dim, c.dtype)
@@ -190,4 +245,5 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     fixed = respecialize_shapes(gm, example_specs(result))
     gm.recompile()
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no planned layers"
-    return result, f"tp={tp}: {summary}; {fixed} baked-in shape literals re-specialised"
+    return result, (f"tp={tp}: {summary}; {merged} all-reduce pairs merged; "
+                    f"{fixed} baked-in shape literals re-specialised")

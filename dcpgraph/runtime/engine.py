@@ -240,6 +240,7 @@ class Engine:
             "tp": self.mesh.tp,
             "dcp": self.mesh.dcp,
             "prefix_cache": self.prefix_cache_report(),
+            "weight_bytes_per_rank": _weight_bytes_per_rank(self.program),
         }
 
     def prefix_cache_report(self) -> dict:
@@ -287,3 +288,9 @@ def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None
         return max(1, int(kv_cache_bytes_per_rank) // per_block)
     tokens = kv_cache_tokens if kv_cache_tokens is not None else max_model_len * max_num_seqs
     return max(1, math.ceil(tokens / tokens_per_block))
+
+
+def _weight_bytes_per_rank(program) -> list[int]:
+    from ..passes.tp_styles import weight_bytes_per_rank
+
+    return weight_bytes_per_rank(program)

@@ -1,0 +1,135 @@
+"""The TP-plan vocabulary: every style transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``
+use, with what it means for a forward-only graph whose activations are replicated over TP.
+
+A plan entry names either a module (``layers.*.mlp.down_proj``) or a parameter
+(``layers.*.mlp.experts.gate_up_proj``). Weight layouts: a linear's weight is ``[out, in]``; a
+grouped-expert weight is ``[E, out, in]`` (HF's fused experts), so "output features" is dim ``-2``
+and "input features" dim ``-1`` for both.
+
+======================================  ============================================================
+style                                   effect on rank ``r`` of ``tp``
+======================================  ============================================================
+``colwise``                             output features split (dim -2; a bias or 1-D parameter such
+                                        as attention sinks: dim -1); the output stays sharded
+``colwise_rep``,                        colwise, then all-gather of the output's last dim
+``colwise_gather_output``
+``rowwise``                             input features split (dim -1); on a linear an all-reduce
+                                        follows and a bias is added once after it; on a grouped-
+                                        expert parameter the owning ``moe_tp_experts`` module reduces
+``rowwise_split_input``, ``rowwise_rep``  rowwise whose input arrives replicated: the rank's slice of
+                                        the input's last dim is taken first
+``packed_colwise`` / ``packed_rowwise``   like colwise / rowwise on a fused ``[gate; up]`` dim: each
+                                        of the two halves is split, rank ``r`` keeps
+                                        ``[gate_r; up_r]``, so the model's own ``chunk(2)`` still
+                                        pairs gate and up
+``embedding_rowwise`` (vocab parallel)  embedding rows split, out-of-range ids look up zeros,
+                                        all-reduce
+``embedding_colwise``                   embedding columns split, all-gather of the last dim
+``moe_tp_experts``, ``all_reduce``,     all-reduce of the module's output (its parameters carry
+``ep_dispatch_experts``                 their own styles and leave partial sums)
+``grouped_gemm``                        expert parallelism: experts (dim 0) partitioned over ranks;
+                                        see :func:`dcpgraph.passes.shard_tp` for the dispatch
+``replicate``, ``replicated``,          replicated. ``sequence_parallel`` shards activations along
+``replicated_with_grad_allreduce``,     the sequence for training memory; on replicated
+``sequence_parallel``, ``mla_kv_a_proj``, activations its forward values are the replicated ones.
+``local_params``                        ``local_params`` only says its module runs on the local
+                                        shards its parameters' own entries produce.
+======================================  ============================================================
+
+Refused by name: ``moe_identity_expert`` (LongCat-Flash's zero-compute experts: HF pre-divides the
+identity's input by ``tp`` because its output is summed over ranks; an ``nn.Identity`` leaves no
+node in the traced graph to divide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..program import ShardRule
+
+COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
+GATHER_OUTPUT = frozenset({"colwise_rep", "colwise_gather_output"})
+ROWWISE = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"})
+SPLIT_INPUT = frozenset({"rowwise_split_input", "rowwise_rep"})
+PACKED = frozenset({"packed_colwise", "packed_rowwise"})
+EMBEDDING = frozenset({"embedding_rowwise", "vocab_parallel", "embedding_colwise"})
+MODULE_REDUCE = frozenset({"moe_tp_experts", "all_reduce", "ep_dispatch_experts"})
+EXPERT_PARALLEL = frozenset({"grouped_gemm"})
+REPLICATED = frozenset({
+    "replicate", "replicated", "replicated_with_grad_allreduce", "sequence_parallel", "mla_kv_a_proj",
+    "local_params",
+})
+REFUSED = {
+    "moe_identity_expert": "zero-compute identity experts (LongCat-Flash) leave no traced node to pre-divide",
+}
+ALL_STYLES = COLWISE | ROWWISE | EMBEDDING | MODULE_REDUCE | EXPERT_PARALLEL | REPLICATED | set(REFUSED)
+
+
+@dataclass(frozen=True)
+class PackedShardRule(ShardRule):
+    """Split ``dim`` into ``packed`` equal halves (``[gate; up]``), shard each half into ``tp``
+    chunks and keep rank ``r``'s chunk of every half, in order: ``[gate_r; up_r]``."""
+
+    packed: int = 2
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if self.dim is None or tp == 1:
+            return full
+        if full.shape[self.dim] % (self.packed * tp):
+            raise ValueError(f"cannot split dim {self.dim} of {tuple(full.shape)} into {self.packed}x{tp}")
+        halves = full.chunk(self.packed, self.dim)
+        return torch.cat([h.chunk(tp, self.dim)[rank] for h in halves], self.dim).contiguous()
+
+
+def param_rule(style: str, ndim: int, is_bias: bool) -> ShardRule:
+    """The shard of a parameter under a linear / grouped-expert style (see the module table)."""
+    if style in COLWISE:
+        dim = -1 if (is_bias or ndim == 1) else -2
+    elif style in ROWWISE:
+        if is_bias or ndim == 1:
+            return ShardRule(None)
+        dim = -1
+    elif style in EXPERT_PARALLEL:
+        return ShardRule(0)
+    else:
+        return ShardRule(None)
+    return PackedShardRule(dim) if style in PACKED else ShardRule(dim)
+
+
+def with_expert_parallel(program):
+    """``program`` whose TP plan has the model's expert-parallel entries (HF's
+    ``base_model_ep_plan``: ``grouped_gemm`` experts, ``ep_dispatch_experts`` module) in place of
+    its tensor-parallel expert entries; refused for a model without one."""
+    from dataclasses import replace
+
+    from ..errors import ConfigError
+
+    ep_plan = program.facts.extra.get("ep_plan") or {}
+    if not ep_plan:
+        raise ConfigError(
+            f"enable_expert_parallel=True: {program.facts.architecture} has no expert-parallel plan "
+            "(no routed experts); use enable_expert_parallel=False"
+        )
+    plan = {**program.facts.tp_plan, **ep_plan}
+    return program.replace(facts=replace(program.facts, tp_plan=plan))
+
+
+def weight_bytes_per_rank(program) -> list[int]:
+    """Bytes of parameters, buffers and constants each TP rank holds (its shards), rank order."""
+    from ..program import STATE_KINDS
+
+    tp = program.mesh.tp
+    per_rank = [0] * tp
+    for spec in program.inputs:
+        if spec.kind not in STATE_KINDS:
+            continue
+        full = program.state[spec.target]
+        for rank in range(tp):
+            shape = spec.shard.local_shape(tuple(full.shape), tp)
+            numel = 1
+            for size in shape:
+                numel *= size
+            per_rank[rank] += numel * full.element_size()
+    return per_rank

@@ -1,0 +1,110 @@
+"""Every TP-plan style against the unsharded model: greedy tokens equal HF ``generate`` (fp64).
+
+Styles and where they are exercised:
+
+* ``colwise`` / ``rowwise`` / ``embedding_rowwise`` (vocab parallel) / ``colwise_gather_output``
+  (LM head): every GQA/MLA end-to-end test;
+* ``packed_colwise`` + ``rowwise`` on grouped experts, ``moe_tp_experts``, ``grouped_gemm`` +
+  ``ep_dispatch_experts``: tests/test_e2e_moe.py (Qwen3-MoE, DeepSeek-V3);
+* here: GLM-4's own plan (``colwise_gather_output`` fused gate/up + ``rowwise_split_input``
+  down), and Llama with plans overridden to ``colwise_rep`` + ``rowwise_rep``,
+  ``embedding_colwise``, and the replicated styles (``replicate``,
+  ``sequence_parallel``, ``replicated_with_grad_allreduce``, ``local_params``) on norms;
+* refused by name: ``moe_identity_expert``, unknown styles, plans leaving K/V unsharded (Phi-3's
+  own ``colwise_gather_output`` qkv).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.errors import UnsupportedModelError
+from dcpgraph.passes.tp_styles import ALL_STYLES, PackedShardRule
+from dcpgraph.testing.generation import drain, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+              tie_word_embeddings=False, eos_token_id=2, pad_token_id=0)
+PROMPT = [5, 9, 4, 77, 10, 11, 3]
+NEW = 8
+
+
+def _model(arch: str):
+    config = transformers.AutoConfig.for_model(arch, **COMMON)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+
+
+def _tokens(program, tp, dcp=1, **kw):
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, **kw)
+    engine.add_request(PROMPT, max_new_tokens=NEW)
+    return drain(engine)[0], engine.program
+
+
+def _plan(model, **overrides):
+    program = dcpgraph.trace(model)
+    plan = dict(program.facts.tp_plan)
+    plan.update(overrides)
+    return program, plan
+
+
+LLAMA_VARIANTS = {
+    "colwise_rep+rowwise_rep": {"model.layers.*.mlp.gate_proj": "colwise_rep",
+                                "model.layers.*.mlp.up_proj": "colwise_rep",
+                                "model.layers.*.mlp.down_proj": "rowwise_rep"},
+    "embedding_colwise": {"model.embed_tokens": "embedding_colwise"},
+    "replicated styles": {"model.norm": "sequence_parallel", "model.layers.*.input_layernorm": "replicate",
+                          "model.layers.*.post_attention_layernorm": "replicated_with_grad_allreduce",
+                          "model.layers.*.self_attn": "local_params"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(LLAMA_VARIANTS))
+@pytest.mark.parametrize(("tp", "dcp"), [(2, 1), (4, 2)])
+def test_llama_with_overridden_styles_matches_hf(variant, tp, dcp):
+    model = _model("llama")
+    program, plan = _plan(model, **LLAMA_VARIANTS[variant])
+    got, sharded = _tokens(program, tp, dcp, plan=plan)
+    assert got == hf_greedy(model, PROMPT, NEW)
+    if variant == "embedding_colwise":
+        (spec,) = [s for s in sharded.inputs if s.target == "model.embed_tokens.weight"]
+        assert spec.shard.dim == 1
+
+
+def test_glm4_own_plan_split_input_matches_hf():
+    model = _model("glm4")
+    assert model.config.base_model_tp_plan["layers.*.mlp.down_proj"] == "rowwise_split_input"
+    program = dcpgraph.trace(model)
+    want = hf_greedy(model, PROMPT, NEW)
+    for tp, dcp in ((2, 1), (4, 1), (4, 2)):
+        got, sharded = _tokens(program, tp, dcp)
+        assert got == want, (tp, dcp)
+    rules = {s.target: s.shard.dim for s in sharded.inputs}
+    assert rules["model.layers.0.mlp.gate_up_proj.weight"] == 0 and rules["model.layers.0.mlp.down_proj.weight"] == 1
+
+
+def test_phi3_own_plan_leaving_kv_unsharded_is_refused_before_running():
+    program = dcpgraph.trace(_model("phi3"))
+    with pytest.raises(UnsupportedModelError, match="K/V projection .*qkv_proj colwise_gather_output"):
+        dcpgraph.compile(program, tp=2)
+
+
+def test_packed_shard_rule_keeps_gate_and_up_paired():
+    full = torch.arange(8.0)[:, None].expand(8, 3)  # gate rows 0..3, up rows 4..7
+    rule = PackedShardRule(0)
+    assert rule.local(full, 1, 2)[:, 0].tolist() == [2, 3, 6, 7]
+    assert rule.local_shape((8, 3), 2) == (4, 3)
+
+
+@pytest.mark.parametrize(("style", "message"), [("moe_identity_expert", "identity experts"),
+                                                ("frobnicate", "unknown; known styles")])
+def test_refused_styles_are_named(style, message):
+    model = _model("llama")
+    program, plan = _plan(model, **{"model.layers.*.mlp.up_proj": style})
+    with pytest.raises(UnsupportedModelError, match=f"{style}.*{message}"):
+        _tokens(program, 2, plan=plan)
+    assert "moe_identity_expert" in ALL_STYLES

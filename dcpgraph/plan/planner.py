@@ -138,7 +138,7 @@ def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_
         f"KV cache {kv_cache_dtype}" + (" (modelled: 1 B/element + one fp32 scale per 128 elements per "
                                          "token and head; dcpgraph does not compile an fp8 cache yet)"
                                          if kv_cache_dtype == "fp8_e4m3" else ""),
-        f"hardware {hw.name}: {hw.memory_bandwidth / 1e12:.2f} TB/s, {hw.compute_flops / 1e12:.0f} TFLOP/s, "
+        f"hardware {hw.name}: {hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.compute_flops / 1e9:,.0f} GFLOP/s, "
         f"link {hw.link_bandwidth / 1e9:.0f} GB/s + {hw.link_latency_s * 1e6:.0f} us per collective ({hw.source})",
     ]
     return Plan(shape, hw, world_size, block_size, max_model_len, context, concurrency, rows, best, reason,

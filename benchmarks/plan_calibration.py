@@ -1,0 +1,146 @@
+"""The planner's predicted decode attention time against measured, on this machine (dcp 1 and 2).
+
+The planner (:mod:`dcpgraph.plan.cost`) predicts one layer's decode attention on one rank as
+``KV bytes read / bandwidth + FLOPs / compute rate`` (the CPU kernel does not overlap the two).
+Here the two machine figures come from a short calibration run **by both ranks at once** (the
+ranks of a tp=2 engine are two processes sharing this machine's memory bandwidth):
+:func:`dcpgraph.plan.calibrate_attention` times ``paged_attention`` over 128K tokens of one KV
+head with 1 and with 16 query heads and solves for bandwidth and compute rate. Those shapes are
+not the ones predicted.
+
+Then, in the same two gloo processes, the shapes of ``decode_scaling.py`` are measured the way
+that benchmark measures them: its Qwen3 (8 query heads, 1 KV head of dim 128, fp32) at tp=2, one
+request, one layer's ``paged_attention`` at this rank's local length, dcp=1 (4 query heads per
+rank over the whole context) and dcp=2 (8 query heads, the DCP group's, over half of it), both
+ranks at once, median thread CPU time of rank 0, dcp 1 and 2 interleaved rep by rep. Contexts 4K
+to 128K. Each record carries the prediction, the measurement and the error; the target is
+|error| ≤ 25 % for every context and dcp. Predictions are also compared with the
+``decode_attention_time`` records of the last saved ``decode_scaling.json`` when present (another
+run, so another machine load; printed, not a target).
+
+    python3 benchmarks/plan_calibration.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import torch  # noqa: E402
+
+NAME = "plan_calibration"
+TP = 2
+BLOCK = 16
+CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+TARGET = 0.25
+SHAPE = {"model_type": "qwen3", "num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 8,
+         "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512, "intermediate_size": 512}
+
+
+def worker(rank: int, world: int, contexts: list[int], reps: int) -> dict:
+    import torch.distributed as dist
+
+    from dcpgraph import layout
+    from dcpgraph.plan import calibrate_attention
+    from dcpgraph.plan.hardware import _attention_args
+
+    torch.set_num_threads(1)
+    dist.barrier()
+    bw, rate, info = calibrate_attention(reps=reps)
+    dist.barrier()
+    op = torch.ops.dcpgraph.paged_attention
+    measured = {}
+    for ctx in contexts:
+        calls = {}
+        for dcp in (1, 2):
+            local = int(layout.local_len(ctx, rank % dcp, dcp))
+            calls[dcp] = _attention_args(local, 8 * dcp // TP, 128, BLOCK)
+            op(*calls[dcp])
+        times = {1: [], 2: []}
+        dist.barrier()
+        for _ in range(reps):
+            for dcp, args in calls.items():
+                start = time.thread_time()
+                op(*args)
+                times[dcp].append(time.thread_time() - start)
+        measured[ctx] = {d: statistics.median(t) for d, t in times.items()}
+    return {"bandwidth": bw, "rate": rate, "calibration": info, "measured": measured}
+
+
+def predict(hw, ctx: int, dcp: int) -> float:
+    from dcpgraph import capacity
+    from dcpgraph.plan import load_model_shape
+    from dcpgraph.plan.cost import attention_read, attention_seconds
+
+    shape = load_model_shape(SHAPE, dtype="float32")
+    per_token_layer = sum(c.bytes_per_token for c in shape.cache_shapes(TP)) / shape.num_layers
+    assert per_token_layer == capacity.CacheShape(1, 128, 4).bytes_per_token * 2
+    read, flops = attention_read(shape, TP, dcp, ctx, 1, per_token_layer)
+    return attention_seconds(read, flops, hw)
+
+
+def saved_decode_scaling() -> dict[tuple[int, int], float]:
+    path = common.RESULTS / "decode_scaling.json"
+    if not path.exists():
+        return {}
+    out = {}
+    for r in json.loads(path.read_text()):
+        if r["metric"] == "decode_attention_time":
+            ctx = int(r["config"].split(" ctx=")[1].split()[0])
+            dcp = int(r["config"].split(" dcp=")[1].split()[0])
+            out[(ctx, dcp)] = r["value"] * 1e-3
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (same contexts)")
+    args = parser.parse_args(argv)
+    from dcpgraph.plan import Hardware
+    from dcpgraph.runtime.distributed import spawn
+
+    start = time.perf_counter()
+    reps = 5 if args.quick else 11
+    r0 = spawn(worker, TP, list(CONTEXTS), reps, timeout_s=1800)[0]
+    hw = Hardware("this-machine (2 ranks at once)", 0, r0["bandwidth"], r0["rate"], 1.0, 0.0,
+                  compute_overlaps_memory=False, source="calibrated by plan_calibration.py")
+    load = common.load_note()
+    saved = saved_decode_scaling()
+    print(f"calibration (rank 0, both ranks at once): {hw.memory_bandwidth / 1e9:.2f} GB/s, "
+          f"{hw.compute_flops / 1e9:.1f} GFLOP/s fp32; seconds by query heads "
+          f"{r0['calibration']['seconds_by_heads']}  ({load})")
+    print(f"{'context':>8} {'dcp':>3} {'predicted':>10} {'measured':>10} {'error':>7}   "
+          f"{'saved decode_scaling':>20} {'error':>7}")
+    records = []
+    for ctx in CONTEXTS:
+        for dcp in (1, 2):
+            pred, meas = predict(hw, ctx, dcp), r0["measured"][ctx][dcp]
+            err = pred / meas - 1
+            config = (f"qwen3 hq=8 hkv=1 d=128 fp32 tp={TP} dcp={dcp} ctx={ctx} 1 layer "
+                      f"bw={hw.memory_bandwidth / 1e9:.2f}GB/s rate={hw.compute_flops / 1e9:.1f}GFLOP/s {load}")
+            rec = common.record(NAME, config, "predicted_attention_time", pred * 1e3, "ms", baseline=meas * 1e3,
+                                digits=4, error=round(err, 4))
+            common.with_target(rec, f"|predicted / measured − 1| ≤ {TARGET:.0%}", abs(err) <= TARGET,
+                               f"error {err:+.0%}")
+            records.append(rec)
+            old = saved.get((ctx, dcp))
+            old_cell = f"{old * 1e3:>18.3f}ms {pred / old - 1:>+7.0%}" if old else f"{'-':>20} {'':>7}"
+            print(f"{ctx:>8} {dcp:>3} {pred * 1e3:>8.3f}ms {meas * 1e3:>8.3f}ms {err:>+7.0%}   {old_cell}")
+            if old:
+                records.append(common.record(NAME, config, "predicted_vs_saved_decode_scaling", pred * 1e3, "ms",
+                                             baseline=old * 1e3, digits=4, error=round(pred / old - 1, 4)))
+    met = [r["met"] for r in records if "target" in r]
+    print(f"target (within {TARGET:.0%}): {sum(met)}/{len(met)} met")
+    out = common.write(NAME, records)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""KV-cache capacity arithmetic: the one place the per-block byte formula lives.
+
+A rank holds, for every cache of the program (per layer: K and V for GQA, one latent for MLA),
+a paged tensor ``[num_blocks, block_size, heads, dim]``. With DCP over ``dcp`` ranks the block
+manager hands out *virtual* blocks of ``block_size · dcp`` tokens: one physical block on each
+rank of the DCP group. Hence, per rank::
+
+    bytes_per_block      = Σ_caches block_size · heads · (dim · element_bytes + scale_bytes_per_head)
+    tokens_per_block     = block_size · dcp                  (a virtual block)
+    blocks_for(budget)   = budget // bytes_per_block         (at least 1)
+    capacity_tokens      = blocks · tokens_per_block
+    bytes_per_token      = bytes_per_block / tokens_per_block
+
+``scale_bytes_per_head`` is zero for the caches dcpgraph compiles today (bf16/fp16/fp32/fp64);
+a quantised cache (the planner's ``fp8_e4m3``) carries its scales per (token, head) there.
+Nothing here depends on a traced program: :func:`cache_shapes` reads anything with ``heads``,
+``dim`` and ``dtype`` attributes (the compiler's ``CacheSpec``), and the planner builds
+:class:`CacheShape` from a config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """One per-rank cache: ``heads`` heads of ``dim`` elements per token, plus scale bytes."""
+
+    heads: int
+    dim: int
+    element_bytes: int
+    scale_bytes_per_head: int = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.heads * (self.dim * self.element_bytes + self.scale_bytes_per_head)
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def cache_shapes(specs: Iterable) -> list[CacheShape]:
+    """``CacheShape`` of each compiler cache spec (``heads``, ``dim``, ``dtype``; no scales)."""
+    return [CacheShape(int(c.heads), int(c.dim), element_bytes(c.dtype)) for c in specs]
+
+
+def bytes_per_block(caches: Iterable[CacheShape], block_size: int) -> int:
+    """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
+    return block_size * sum(c.bytes_per_token for c in caches)
+
+
+def tokens_per_block(block_size: int, dcp: int) -> int:
+    """Tokens of one virtual block: one physical block on each of the ``dcp`` ranks."""
+    return block_size * dcp
+
+
+def blocks_for_bytes(budget_bytes: int, per_block: int) -> int:
+    """Blocks that fit in ``budget_bytes`` per rank (at least one, like the engine)."""
+    return max(1, int(budget_bytes) // per_block)
+
+
+def blocks_for_tokens(tokens: int, block_size: int, dcp: int) -> int:
+    """Virtual blocks needed to hold ``tokens`` tokens of one sequence (or a token budget)."""
+    return max(1, math.ceil(tokens / tokens_per_block(block_size, dcp)))
+
+
+def capacity_tokens(num_blocks: int, block_size: int, dcp: int) -> int:
+    return num_blocks * tokens_per_block(block_size, dcp)
+
+
+def bytes_per_token(caches: Iterable[CacheShape], block_size: int, dcp: int) -> Fraction:
+    """Per-rank KV bytes per token of context (exact): ``bytes_per_block / (block_size · dcp)``."""
+    return Fraction(bytes_per_block(caches, block_size), tokens_per_block(block_size, dcp))
+
+
+def max_sequences(num_blocks: int, context_tokens: int, block_size: int, dcp: int) -> int:
+    """How many sequences of ``context_tokens`` fit at once: each holds whole virtual blocks."""
+    return num_blocks // blocks_for_tokens(context_tokens, block_size, dcp)

@@ -1,0 +1,207 @@
+"""``plan(...)``: every (tp, dcp, interleave, comm) for a model, a world size, hardware and a KV
+budget, with capacity (the formulas of :mod:`dcpgraph.capacity`, as the compiled program uses
+them), predicted decode cost (:mod:`.cost`) and a recommendation for the workload.
+
+DCP adds no ranks (the world of one engine is its TP group), so a world of ``W`` ranks runs
+``W // tp`` independent replicas of a ``tp``-rank engine; every divisor ``tp`` of ``W`` is
+listed. Mesh validity is :meth:`dcpgraph.Mesh.validate` itself: an invalid mesh is listed with
+the message of the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .. import capacity
+from ..errors import ConfigError
+from ..mesh import Mesh
+from .cost import StepCost, decode_step
+from .hardware import Hardware, get_hardware
+from .model_shape import ModelShape, load_model_shape
+
+TIE = 0.02  # throughputs within 2 % count as equal: the smaller dcp (fewer collectives) wins
+
+
+@dataclass
+class PlanRow:
+    tp: int
+    dcp: int
+    interleave: int
+    comm: str
+    kv_cache_dtype: str
+    replicas: int
+    valid: bool
+    rule: str = ""  # why the mesh is refused (Mesh.validate's message), or why it does not fit
+    weight_bytes_per_rank: int = 0
+    kv_budget_bytes_per_rank: int = 0
+    kv_bytes_per_token: float = 0.0  # per rank
+    bytes_per_block: int = 0
+    num_blocks: int = 0
+    capacity_tokens: int = 0
+    max_concurrency: int = 0  # per replica, at the workload's context
+    batch: int = 0  # requests per replica in the predicted step
+    cost: StepCost | None = None
+    tokens_per_s: float = 0.0  # all replicas
+
+    @property
+    def fits(self) -> bool:
+        return self.valid and not self.rule
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "cost"}
+        if self.cost is not None:
+            d.update(attention_ms=self.cost.attention_s * 1e3, collective_ms=self.cost.collective_s * 1e3,
+                     collective_bytes_per_layer=self.cost.collective_bytes_per_layer,
+                     tp_allreduce_ms=self.cost.tp_allreduce_s * 1e3, weights_ms=self.cost.weights_s * 1e3,
+                     step_ms=self.cost.step_s * 1e3)
+        return d
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    hardware: Hardware
+    world_size: int
+    block_size: int
+    max_model_len: int
+    context_len: int
+    concurrency: int | None
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    reason: str
+    assumptions: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def routed_fraction_read(shape: ModelShape, batch: int) -> float:
+    """Expected fraction of routed experts a decode step of ``batch`` tokens touches (uniform
+    routing): ``1 − (1 − k/E)^batch``."""
+    if not shape.n_routed_experts:
+        return 1.0
+    return 1.0 - (1.0 - shape.experts_per_token / shape.n_routed_experts) ** batch
+
+
+def weight_read_bytes(shape: ModelShape, tp: int, batch: int, weight_bytes: float, experts: str) -> int:
+    full = shape.weight_params_per_rank(tp, experts)
+    routed = shape.routed_expert_params_per_rank(tp, experts)
+    return int((full - routed + routed * routed_fraction_read(shape, batch)) * weight_bytes)
+
+
+def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_memory_bytes: int | None = None,
+         gpu_memory_utilization: float | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
+         max_model_len: int, context_len: int | None = None, concurrency: int | None = None,
+         weight_dtype_bytes: float | None = None, experts: str = "sharded") -> Plan:
+    """Every candidate layout of ``world_size`` ranks, evaluated; see the module docstring.
+
+    Exactly one of ``kv_cache_memory_bytes`` (KV bytes per rank) and ``gpu_memory_utilization``
+    (fraction of device memory; KV gets what the weights leave) sizes the cache. ``context_len``
+    (default ``max_model_len``) and ``concurrency`` (default: as many as fit) are the workload.
+    """
+    shape = load_model_shape(model)
+    hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+    if (kv_cache_memory_bytes is None) == (gpu_memory_utilization is None):
+        raise ConfigError("give exactly one of kv_cache_memory_bytes and gpu_memory_utilization")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if world_size < 1 or block_size < 1 or max_model_len < 1:
+        raise ConfigError("world_size, block_size and max_model_len must be positive")
+    context = context_len or max_model_len
+    if context > max_model_len:
+        raise ConfigError(f"context_len {context} exceeds max_model_len {max_model_len}")
+    if concurrency is not None and concurrency < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+    shape.kv_element_bytes(kv_cache_dtype)  # validates the name
+    wbytes = weight_dtype_bytes or shape.dtype_bytes
+    rows: list[PlanRow] = []
+    for tp in sorted(_divisors(world_size), reverse=True):
+        for dcp in range(1, tp + 1):
+            interleaves = (1,) if dcp == 1 else tuple(sorted({1, block_size}))
+            comms = ("none",) if dcp == 1 else ("a2a", "ag_rs")
+            try:
+                Mesh(tp, dcp).validate(attention=shape.attention, num_q_heads=shape.num_q_heads,
+                                       num_kv_heads=shape.num_kv_heads, block_size=block_size)
+            except ConfigError as err:
+                rows.append(PlanRow(tp, dcp, 1, "-", kv_cache_dtype, world_size // tp, False, str(err)))
+                continue
+            for interleave in interleaves:
+                for comm in comms:
+                    rows.append(_evaluate(shape, hw, tp, dcp, interleave, comm, kv_cache_dtype, world_size,
+                                          block_size, max_model_len, context, concurrency, wbytes, experts,
+                                          kv_cache_memory_bytes, gpu_memory_utilization))
+    best, reason = _recommend(rows, context, concurrency)
+    assumptions = [
+        f"routed experts {experts} over tp; weights {wbytes:g} B/param",
+        f"KV cache {kv_cache_dtype}" + (" (modelled: 1 B/element + one fp32 scale per 128 elements per "
+                                         "token and head; dcpgraph does not compile an fp8 cache yet)"
+                                         if kv_cache_dtype == "fp8_e4m3" else ""),
+        f"hardware {hw.name}: {hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.compute_flops / 1e9:,.0f} GFLOP/s, "
+        f"link {hw.link_bandwidth / 1e9:.0f} GB/s + {hw.link_latency_s * 1e6:.0f} us per collective ({hw.source})",
+    ]
+    return Plan(shape, hw, world_size, block_size, max_model_len, context, concurrency, rows, best, reason,
+                assumptions)
+
+
+def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size, max_model_len, context,
+              concurrency, wbytes, experts, kv_bytes, utilization) -> PlanRow:
+    row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True)
+    row.weight_bytes_per_rank = int(shape.weight_params_per_rank(tp, experts) * wbytes)
+    caches = shape.cache_shapes(tp, kv_dtype)
+    row.bytes_per_block = capacity.bytes_per_block(caches, block_size)
+    row.kv_bytes_per_token = float(capacity.bytes_per_token(caches, block_size, dcp))
+    budget = kv_bytes if kv_bytes is not None else int(utilization * hw.memory_bytes) - row.weight_bytes_per_rank
+    row.kv_budget_bytes_per_rank = budget
+    if budget < row.bytes_per_block:
+        row.rule = (f"no room for the KV cache: {row.weight_bytes_per_rank / 2**30:,.1f} GiB of weights per "
+                    f"rank leave {budget / 2**30:,.1f} GiB of the budget")
+        return row
+    row.num_blocks = capacity.blocks_for_bytes(budget, row.bytes_per_block)
+    row.capacity_tokens = capacity.capacity_tokens(row.num_blocks, block_size, dcp)
+    if row.weight_bytes_per_rank + budget > hw.memory_bytes:
+        row.rule = (f"weights {row.weight_bytes_per_rank / 2**30:,.1f} GiB + KV {budget / 2**30:,.1f} GiB per rank "
+                    f"exceed {hw.name}'s {hw.memory_bytes / 2**30:,.1f} GiB")
+        return row
+    if row.capacity_tokens < max_model_len:
+        row.rule = f"capacity {row.capacity_tokens:,} tokens < max_model_len {max_model_len:,}"
+        return row
+    row.max_concurrency = capacity.max_sequences(row.num_blocks, context, block_size, dcp)
+    wanted = math.ceil(concurrency / row.replicas) if concurrency else row.max_concurrency
+    row.batch = max(1, min(wanted, row.max_concurrency))
+    per_layer = sum(c.bytes_per_token for c in caches) / shape.num_layers
+    row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=comm, context=context, batch=row.batch,
+                           kv_bytes_per_token_layer=per_layer,
+                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts))
+    row.tokens_per_s = row.replicas * row.batch / row.cost.step_s
+    return row
+
+
+def _recommend(rows: list[PlanRow], context: int, concurrency: int | None) -> tuple[PlanRow | None, str]:
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None, "no valid layout holds one max_model_len sequence in the KV budget"
+    top = max(r.tokens_per_s for r in fitting)
+    near = [r for r in fitting if r.tokens_per_s >= (1 - TIE) * top]
+    best = min(near, key=lambda r: (r.dcp, -r.tp, r.interleave, r.comm != "a2a"))
+    base = max((r for r in fitting if r.dcp == 1), key=lambda r: r.tokens_per_s, default=None)
+    want = f"{concurrency:,} requests" if concurrency else "as many requests as fit"
+    head = (f"tp={best.tp} dcp={best.dcp}" + (f" comm={best.comm}" if best.dcp > 1 else "") +
+            f": {want} at {context:,} tokens of context; predicted {best.tokens_per_s:,.0f} tok/s "
+            f"(step {best.cost.step_s * 1e3:,.2f} ms, batch {best.batch:,} per replica, "
+            f"{best.max_concurrency:,} fit)")
+    if base is None or base is best:
+        other = max((r for r in fitting if r.dcp > 1), key=lambda r: r.tokens_per_s, default=None)
+        if other is None:
+            return best, head + "; no dcp > 1 layout is valid and fits"
+        return best, (head + f"; the best dcp>1 (dcp={other.dcp}) holds {other.max_concurrency:,} but predicts "
+                      f"{other.tokens_per_s:,.0f} tok/s: its collectives add {other.cost.collective_s * 1e3:,.2f} "
+                      f"ms per step while attention only drops from {base.cost.attention_s * 1e3:,.2f} to "
+                      f"{other.cost.attention_s * 1e3:,.2f} ms")
+    return best, (head + f"; dcp=1 (tp={base.tp}) holds {base.max_concurrency:,} sequences of {context:,} "
+                  f"tokens per replica vs {best.max_concurrency:,}, runs a batch of {base.batch:,} vs "
+                  f"{best.batch:,}, and predicts {base.tokens_per_s:,.0f} tok/s "
+                  f"(×{best.tokens_per_s / base.tokens_per_s:.2f} for dcp={best.dcp}); attention "
+                  f"{base.cost.attention_s * 1e3:,.2f} → {best.cost.attention_s * 1e3:,.2f} ms per step for "
+                  f"those batches, collectives +{best.cost.collective_s * 1e3:,.2f} ms")

@@ -1,0 +1,64 @@
+"""A :class:`~.planner.Plan` as a console table (thousands separators) or as JSON."""
+
+from __future__ import annotations
+
+import json
+
+from .planner import Plan, PlanRow
+
+GIB = 2**30
+
+COLUMNS = ("tp", "dcp", "repl", "intlv", "comm", "kv dtype", "weights GiB/rank", "KV GiB/rank",
+           "KV B/token/rank", "blocks", "KV tokens", "max conc", "batch", "attn ms", "coll ms",
+           "coll B/layer", "step ms", "tok/s", "note")
+
+
+def _cells(row: PlanRow, recommended: PlanRow | None) -> list[str]:
+    head = [f"{row.tp}", f"{row.dcp}", f"{row.replicas}", f"{row.interleave}", row.comm, row.kv_cache_dtype]
+    if not row.valid:
+        return head + [""] * 12 + [f"INVALID: {row.rule}"]
+    cells = head + [f"{row.weight_bytes_per_rank / GIB:,.1f}", f"{row.kv_budget_bytes_per_rank / GIB:,.1f}",
+                    f"{row.kv_bytes_per_token:,.0f}" if row.kv_bytes_per_token == int(row.kv_bytes_per_token)
+                    else f"{row.kv_bytes_per_token:,.1f}"]
+    if row.rule:
+        return cells + [f"{row.num_blocks:,}", f"{row.capacity_tokens:,}"] + [""] * 7 + [f"DOES NOT FIT: {row.rule}"]
+    c = row.cost
+    cells += [f"{row.num_blocks:,}", f"{row.capacity_tokens:,}", f"{row.max_concurrency:,}", f"{row.batch:,}",
+              f"{c.attention_s * 1e3:,.2f}", f"{c.collective_s * 1e3:,.2f}", f"{c.collective_bytes_per_layer:,}",
+              f"{c.step_s * 1e3:,.2f}", f"{row.tokens_per_s:,.0f}"]
+    return cells + ["<- recommended" if row is recommended else ""]
+
+
+def render_table(p: Plan) -> str:
+    m = p.model
+    lines = [
+        f"model {m.name}: {m.attention.upper()}, {m.num_layers} layers, {m.num_q_heads} query heads, "
+        f"{m.num_kv_heads} KV head(s), cache dims {m.head_dim}/{m.v_head_dim}",
+        f"world {p.world_size} x {p.hardware.name}, block_size {p.block_size}, max_model_len {p.max_model_len:,}, "
+        f"workload: context {p.context_len:,}, concurrency "
+        + (f"{p.concurrency:,}" if p.concurrency else "as many as fit"),
+        "",
+    ]
+    rows = [list(COLUMNS)] + [_cells(r, p.recommended) for r in p.rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
+    for r in rows:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    lines += ["", f"recommendation: {p.reason}", "", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
+    lines.append("  - attention time = max(KV bytes read per rank / memory bandwidth, FLOPs / compute) per layer"
+                 if p.hardware.compute_overlaps_memory else
+                 "  - attention time = KV bytes read per rank / bandwidth + FLOPs / compute rate (measured)")
+    return "\n".join(lines)
+
+
+def plan_dict(p: Plan) -> dict:
+    return {
+        "model": p.model.__dict__, "hardware": p.hardware.__dict__, "world_size": p.world_size,
+        "block_size": p.block_size, "max_model_len": p.max_model_len, "context_len": p.context_len,
+        "concurrency": p.concurrency, "rows": [r.as_dict() for r in p.rows],
+        "recommended": p.rows.index(p.recommended) if p.recommended is not None else None,
+        "reason": p.reason, "assumptions": p.assumptions,
+    }
+
+
+def render_json(p: Plan) -> str:
+    return json.dumps(plan_dict(p), indent=2)

@@ -1,0 +1,196 @@
+"""The deployment planner (``dcpgraph.plan``, issue 17): acceptance anchors, rules, rendering.
+
+Independent checks: the published vLLM Kimi-K2 figures (70,272 B/token at tp=8; 715,072 tokens
+= 11,173 blocks of 64); parameter counts against real HF models built from the same configs;
+collective bytes against the closed forms written out by hand here; mesh validity against
+``Mesh.validate`` itself. The check against compiled engines is in ``test_plan_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dcpgraph import capacity
+from dcpgraph.cli import main as dcpgraph_main
+from dcpgraph.plan import dcp_collectives, load_model_shape, plan, render_table
+
+KIMI_TOKENS_TP8 = 715_072
+KIMI_BYTES_PER_TOKEN = 70_272  # 61 layers · (512 + 64) · 2 bytes
+KIMI_BUDGET = KIMI_TOKENS_TP8 * KIMI_BYTES_PER_TOKEN  # = 11,173 blocks of 64 tokens per rank
+
+
+def _kimi_plan(**kw):
+    args = dict(world_size=8, hardware="h200", kv_cache_memory_bytes=KIMI_BUDGET, block_size=64,
+                max_model_len=131072, weight_dtype_bytes=0.5)
+    args.update(kw)
+    return plan("kimi-k2", **args)
+
+
+def _row(p, tp, dcp, comm=None):
+    return next(r for r in p.rows if r.tp == tp and r.dcp == dcp and (comm is None or r.comm == comm))
+
+
+@pytest.mark.parametrize("arch", ["kimi-k2", "deepseek-v3"])
+def test_published_kimi_k2_capacity_anchor(arch):
+    p = _kimi_plan() if arch == "kimi-k2" else plan(arch, world_size=8, hardware="h200", block_size=64,
+                                                    kv_cache_memory_bytes=KIMI_BUDGET, max_model_len=131072,
+                                                    weight_dtype_bytes=1)
+    base = _row(p, 8, 1)
+    assert base.kv_bytes_per_token == KIMI_BYTES_PER_TOKEN
+    assert base.num_blocks == 11_173 and base.capacity_tokens == KIMI_TOKENS_TP8
+    assert abs(base.kv_budget_bytes_per_rank / 2**30 - 46.8) < 0.05
+    for dcp in (2, 4, 8):
+        row = _row(p, 8, dcp)
+        assert row.kv_bytes_per_token == KIMI_BYTES_PER_TOKEN / dcp
+        assert row.capacity_tokens == KIMI_TOKENS_TP8 * dcp
+    assert _row(p, 8, 8).capacity_tokens == 5_720_576
+    assert _row(p, 8, 8).kv_bytes_per_token == 8_784
+
+
+def test_invalid_dcp_listed_with_the_rule():
+    p = _kimi_plan()
+    for dcp in (3, 5, 6, 7):
+        row = _row(p, 8, dcp)
+        assert not row.valid and "tp % dcp == 0" in row.rule and "[1, 2, 4, 8]" in row.rule
+    q = plan("qwen3-235b-a22b", world_size=8, hardware="h200", kv_cache_memory_bytes=20 << 30,
+             max_model_len=32768, weight_dtype_bytes=1)
+    assert [r.dcp for r in q.rows if r.tp == 8 and r.valid] == [1, 2, 2, 2, 2]
+    bad = _row(q, 8, 4)
+    assert not bad.valid and "(tp // num_kv_heads) % dcp == 0" in bad.rule
+    assert "tp=4 <= num_kv_heads=4" in _row(q, 4, 2).rule
+
+
+def test_recommendation_long_context_high_concurrency_uses_dcp():
+    p = _kimi_plan(context_len=65536, concurrency=128)
+    best = p.recommended
+    assert best.dcp > 1, p.reason
+    base = max((r for r in p.rows if r.fits and r.dcp == 1), key=lambda r: r.tokens_per_s)
+    assert best.max_concurrency > base.max_concurrency and best.tokens_per_s > base.tokens_per_s
+    assert f"{base.max_concurrency:,} sequences" in p.reason and "tok/s" in p.reason
+
+
+def test_recommendation_short_context_low_concurrency_uses_dcp1():
+    p = _kimi_plan(context_len=2048, concurrency=4)
+    assert p.recommended.dcp == 1, p.reason
+    assert "collectives add" in p.reason and "ms" in p.reason
+
+
+def test_memory_utilisation_budget_and_weights_that_do_not_fit():
+    p = plan("deepseek-v3", world_size=8, hardware="h200", gpu_memory_utilization=0.9, max_model_len=65536,
+             weight_dtype_bytes=1)
+    row = _row(p, 8, 1)
+    assert row.kv_budget_bytes_per_rank == int(0.9 * 141e9) - row.weight_bytes_per_rank
+    assert row.num_blocks == row.kv_budget_bytes_per_rank // (16 * KIMI_BYTES_PER_TOKEN)
+    assert "no room for the KV cache" in _row(p, 1, 1).rule  # 671 GB of weights on one H200
+    replicated = plan("deepseek-v3", world_size=8, hardware="h200", gpu_memory_utilization=0.9,
+                      max_model_len=65536, weight_dtype_bytes=1, experts="replicated")
+    assert not any(r.fits for r in replicated.rows) and replicated.recommended is None
+
+
+def test_fp8_cache_models_scales():
+    p = _kimi_plan(kv_cache_dtype="fp8_e4m3")
+    # 576 fp8 elements + ceil(576 / 128) = 5 fp32 scales per token and layer
+    assert _row(p, 8, 1).kv_bytes_per_token == 61 * (576 + 5 * 4)
+    q = plan("llama-3.1-70b", world_size=8, hardware="b200", kv_cache_memory_bytes=1 << 30,
+             max_model_len=8192, kv_cache_dtype="fp8_e4m3")
+    assert _row(q, 8, 1).kv_bytes_per_token == 80 * 2 * (128 + 4)
+
+
+def test_dsa_indexer_cache_counted():
+    shape = load_model_shape("deepseek-v3.2")
+    assert sum(c.bytes_per_token for c in shape.cache_shapes(8)) == 61 * (576 * 2 + 128 + 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
+def test_weight_params_equal_the_hf_model(arch):
+    from dcpgraph.models import build_model
+
+    model = build_model(arch, dtype=__import__("torch").float32)
+    shape = load_model_shape(model.config, dtype="float32")
+    held = sum(p.numel() for p in model.parameters())
+    held += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert shape.weight_params_per_rank(1) == held
+    assert shape.weight_bytes_per_rank(1) == 4 * held
+
+
+def test_published_parameter_counts():
+    assert round(load_model_shape("deepseek-v3").weight_params_per_rank(1) / 1e9) == 671
+    assert round(load_model_shape("qwen3-235b-a22b").weight_params_per_rank(1) / 1e9) == 235
+    assert round(load_model_shape("kimi-k2").weight_params_per_rank(1) / 1e12, 2) == 1.03
+
+
+def test_collective_bytes_follow_shard_dcp():
+    shape = load_model_shape("kimi-k2")  # 64 heads -> 8 per rank at tp=8; Dq 576, Dv 512
+    n, t, h = 4, 3, 8
+    a2a = dcp_collectives(shape, 8, n, "a2a", t)
+    assert [c.bytes_per_rank for c in a2a] == [(n - 1) * t * h * 576 * 2, (n - 1) * t * h * 513 * 4]
+    ag_rs = dcp_collectives(shape, 8, n, "ag_rs", t)
+    assert [c.bytes_per_rank for c in ag_rs] == [(n - 1) * t * h * 576 * 2, (n - 1) * t * n * h * 4,
+                                                 (n - 1) * t * h * 512 * 4]
+    assert dcp_collectives(shape, 8, 1, "a2a", t) == []
+
+
+def test_attention_time_is_kv_bytes_over_bandwidth_when_memory_bound():
+    p = _kimi_plan(context_len=32768, concurrency=16)
+    row = _row(p, 8, 1)
+    read = row.batch * 32768 * KIMI_BYTES_PER_TOKEN  # every layer's KV of every request
+    assert row.cost.attention_s == pytest.approx(read / 4.8e12, rel=1e-9)
+    eight = _row(p, 8, 8, "a2a")
+    assert eight.cost.collective_s > 0 and eight.cost.attention_s < row.cost.attention_s
+
+
+def test_capacity_module_matches_closed_forms():
+    caches = [capacity.CacheShape(1, 576, 2)] * 61
+    assert capacity.bytes_per_block(caches, 64) == 64 * KIMI_BYTES_PER_TOKEN
+    assert capacity.bytes_per_token(caches, 64, 8) == 8784
+    assert capacity.blocks_for_bytes(KIMI_BUDGET, 64 * KIMI_BYTES_PER_TOKEN) == 11173
+    assert capacity.max_sequences(11173, 32768, 64, 8) == 11173 // math.ceil(32768 / 512)
+    assert capacity.blocks_for_bytes(5, 100) == 1  # at least one block, like the engine
+
+
+def test_cli_table_and_json(capsys):
+    argv = ["plan", "kimi-k2", "--world-size", "8", "--hardware", "h200", "--kv-cache-memory-bytes",
+            str(KIMI_BUDGET), "--block-size", "64", "--max-model-len", "131072", "--context-len", "32768",
+            "--concurrency", "64", "--weight-dtype-bytes", "0.5"]
+    assert dcpgraph_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "715,072" in out and "5,720,576" in out and "70,272" in out and "8,784" in out
+    assert "INVALID: tp % dcp == 0 failed" in out and "recommendation: tp=8 dcp=" in out
+    assert dcpgraph_main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = [r for r in data["rows"] if r["tp"] == 8 and r["valid"]]
+    assert {r["dcp"]: r["capacity_tokens"] for r in rows} == {1: 715072, 2: 1430144, 4: 2860288, 8: 5720576}
+    assert data["rows"][data["recommended"]]["dcp"] > 1
+
+
+def test_cli_errors_are_specific(capsys):
+    assert dcpgraph_main(["plan", "no-such-model", "--world-size", "8", "--kv-cache-memory-bytes", "1",
+                          "--max-model-len", "8"]) == 2
+    assert "kimi-k2" in capsys.readouterr().err
+    assert dcpgraph_main(["plan", "kimi-k2", "--world-size", "8", "--hardware", "tpu", "--kv-cache-memory-bytes",
+                          "1", "--max-model-len", "8"]) == 2
+    assert "h200" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # both budgets at once: argparse refuses
+        dcpgraph_main(["plan", "kimi-k2", "--world-size", "8", "--kv-cache-memory-bytes", "1",
+                       "--gpu-memory-utilization", "0.9", "--max-model-len", "8"])
+
+
+def test_hf_config_directory(tmp_path):
+    from dcpgraph.plan.architectures import ARCHITECTURES
+
+    (tmp_path / "config.json").write_text(json.dumps(ARCHITECTURES["qwen3-235b-a22b"]))
+    p = plan(str(tmp_path), world_size=8, hardware="ascend-910b", kv_cache_memory_bytes=8 << 30,
+             max_model_len=32768, weight_dtype_bytes=1)
+    assert _row(p, 8, 1).kv_bytes_per_token == 94 * 2 * 128 * 2  # one KV head per rank at tp=8
+    assert _row(p, 8, 2).kv_bytes_per_token == 94 * 128 * 2
+    assert "model " in render_table(p)
+
+
+def test_overrides_of_a_named_architecture():
+    shape = load_model_shape("deepseek-v3:num_hidden_layers=4,kv_lora_rank=256")
+    assert shape.num_layers == 4 and shape.head_dim == 256 + 64
+    with pytest.raises(ValueError, match="key=value"):
+        load_model_shape("deepseek-v3:oops")

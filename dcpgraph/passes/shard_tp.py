@@ -14,7 +14,6 @@ local head counts follow from the local weights; the verifier's shape propagatio
 
 from __future__ import annotations
 
-import re
 from collections import deque
 
 import torch
@@ -38,6 +37,7 @@ from .tp_styles import (
     ROWWISE,
     SPLIT_INPUT,
     PackedShardRule,
+    plan_rule,
 )
 
 aten = torch.ops.aten
@@ -66,14 +66,6 @@ def _refuse_styles(plan: dict[str, str]) -> None:
             raise UnsupportedModelError(
                 f"TP plan style {style!r} ({pattern}) is unknown; known styles: {sorted(ALL_STYLES)}"
             )
-
-
-def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
-    for pattern, rule in plan.items():
-        regex = "^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$"
-        if re.match(regex, module_path):
-            return rule
-    return None
 
 
 def nearest_linears(start: torch.fx.Node) -> set[torch.fx.Node]:

@@ -37,6 +37,7 @@ from .tp_styles import (
     ROWWISE,
     SPLIT_INPUT,
     param_rule,
+    plan_rule,
 )
 
 aten = torch.ops.aten
@@ -46,8 +47,6 @@ _VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.d
 
 
 def _match(plan: dict[str, str], path: str, styles) -> str | None:
-    from .shard_tp import plan_rule
-
     sub = {k: v for k, v in plan.items() if v in styles}
     return plan_rule(sub, path) if sub else None
 

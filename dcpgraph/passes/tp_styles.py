@@ -43,6 +43,7 @@ node in the traced graph to divide).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +134,13 @@ def weight_bytes_per_rank(program) -> list[int]:
                 numel *= size
             per_rank[rank] += numel * full.element_size()
     return per_rank
+
+
+def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
+    """The rule of the first plan pattern matching ``module_path`` (``*`` matches one path
+    component), or None."""
+    for pattern, rule in plan.items():
+        regex = "^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$"
+        if re.match(regex, module_path):
+            return rule
+    return None

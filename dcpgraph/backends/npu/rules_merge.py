@@ -60,6 +60,7 @@ def merge_with_attention_update(outs: torch.Tensor, lses: torch.Tensor, *, want_
     Around it: NaN/+inf lse counts as empty (:func:`~dcpgraph.ops.merge.sanitize_lse`), an empty
     partial's output (maybe NaN) is zeroed and its lse set to ``EMPTY_LSE`` so the op never
     computes ``−inf − (−inf)``, and rows where every partial is empty give ``(0, −inf)``.
+    The op's numerics are unverified without Ascend hardware.
     """
     lse32 = sanitize_lse(lses)  # fp32: the limits exclude fp64
     valid = lse32 > NEG_INF  # [N, T, H]

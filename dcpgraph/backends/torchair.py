@@ -15,8 +15,8 @@ Modes:
 
 ``"max-autotune"`` (GE)
     Every FX node needs a GE converter and dcpgraph's ops have none, so the graph is first
-    rewritten by :func:`dcpgraph.backends.lower_npu.lower_npu` (attention → FusedInferAttentionScore,
-    merge → AttentionUpdate or aten, KV writes → ``index_put_``; collectives stay functional and
+    rewritten by :func:`dcpgraph.backends.npu.lower_npu` (attention → FusedInferAttentionScore,
+    merge → AttentionUpdate or aten, KV writes → ``scatter_``; collectives stay functional and
     become Hcom ops). Conversion to GE happens while torch.compile compiles, which for a
     ``torch.compile`` callable is at its first call; GE compile and run happen right after, in
     that same first call. On a machine without CANN that first call therefore fails after
@@ -36,7 +36,7 @@ weights and KV caches as graph *inputs*, so this only covers inputs the caller m
 graph per distinct set of input shapes — token count, request count, block-table width, cache
 blocks — while ``True`` gives one dynamic-shape graph with host scheduling), ``dump_dir`` (GE graph
 dumped there as ``.pbtxt``: ``debug.graph_dump.type = "pbtxt"``), ``merge`` (see
-:func:`~dcpgraph.backends.lower_npu.lower_npu`), and ``config``: a ready
+:func:`~dcpgraph.backends.npu.lower_npu`), and ``config``: a ready
 ``torchair.CompilerConfig`` that replaces mode/frozen_parameter/dump_dir.
 
 What is verified without Ascend hardware (``tests/torchair_tier``, torchair's Python code from the
@@ -111,7 +111,7 @@ def compile_torchair(
 ) -> Callable:
     """``torch.compile`` of ``gm`` through torchair (see the module docstring).
 
-    ``merge`` is :func:`~dcpgraph.backends.lower_npu.lower_npu`'s choice for ``merge_attention``
+    ``merge`` is :func:`~dcpgraph.backends.npu.lower_npu`'s choice for ``merge_attention``
     (``"auto"``: ``npu_attention_update`` where its limits allow). The returned callable compiles
     at its first call; ``gm`` itself is never modified.
     """
@@ -128,7 +128,7 @@ def compile_torchair(
         backend = torchair.get_npu_backend(compiler_config=config)
         return TorchairGraph(torch.compile(gm.forward, backend=backend, dynamic=dynamic, fullgraph=True),
                              None, mode, config)
-    from .lower_npu import lower_npu
+    from .npu import lower_npu
 
     lowered = lower_npu(gm, example_inputs, merge=merge)
     config = config or make_config(torchair, mode=mode, frozen_parameter=frozen_parameter, dump_dir=dump_dir)

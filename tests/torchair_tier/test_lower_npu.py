@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from dcpgraph.backends.lower_npu import NpuLoweringError, lower_npu
+from dcpgraph.backends.npu import NpuLoweringError, lower_npu
 from dcpgraph.ops.merge import merge_attention_reference, rescale_to_global_reference
 
 pytestmark = pytest.mark.torchair
@@ -161,4 +161,27 @@ def test_kv_cache_write_casts_to_cache_dtype():
     want, got = cache.clone(), cache.clone()
     ops.kv_cache_write_(want, new, slots)
     lower_npu(_trace(f), [cache, new, slots])(got, new, slots)
+    assert torch.equal(got, want)
+
+
+def test_lowered_graphs_are_generic_in_sizes():
+    """Lowering sees the example sizes in ``meta['val']``; a compiled step runs with others (token
+    count, cache blocks), so no traced rule may bake them into the graph."""
+    outs, lses = _edge_case_partials(t=5)
+    lowered = lower_npu(_merge_graph(), [outs, lses], merge="aten")
+    outs, lses = _edge_case_partials(t=9)
+    got, want = lowered(outs, lses), merge_attention_reference(outs, lses)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+    def f(cache, new, slot_mapping):
+        ops.kv_cache_write_.default(cache, new, slot_mapping)
+        return (cache,)
+
+    example = [torch.zeros(3, 128, 2, 8), torch.randn(5, 2, 8), torch.tensor([5, -1, 130, 7, -1])]
+    lowered = lower_npu(_trace(f), example)
+    cache, new, slots = torch.randn(4, 128, 2, 8), torch.randn(2, 2, 8), torch.tensor([-1, 400])
+    want, got = cache.clone(), cache.clone()
+    ops.kv_cache_write_(want, new, slots)
+    lowered(got, new, slots)
     assert torch.equal(got, want)

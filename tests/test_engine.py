@@ -1,6 +1,9 @@
 """The engine's request lifecycle: outputs reach callers through events and finished requests are
 not held; ``abort``; a prefill whose first token ends the request; ``continue_from`` through the
-scheduler's limits; ``generate``/``prefill`` refuse to swallow other requests' tokens.
+scheduler's limits; ``generate``/``prefill`` refuse to swallow other requests' tokens. On-demand
+KV allocation: a cache smaller than all requests together serves them all with the tokens each
+gets alone (greedy against HF, with speculation and prefix caching too; seeded sampling against
+an engine that never preempts); requests larger than the cache and past ``max_waiting`` refused.
 
 Model: ``build_model("llama")`` (fp64, 2 layers). References: HF ``generate`` on the same weights.
 """
@@ -15,6 +18,9 @@ import torch
 
 import dcpgraph
 from dcpgraph.models import build_model
+from dcpgraph.runtime.engine import Engine
+from dcpgraph.runtime.executors import EmulatedExecutor
+from dcpgraph.runtime.scheduler import QueueFullError
 from dcpgraph.testing.generation import drain, hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44]]
@@ -136,3 +142,53 @@ def test_generate_and_prefill_refuse_a_busy_engine(setup):
         engine.prefill(PROMPTS[1])
     assert drain(engine) == {rid: refs[0]}
     assert engine.generate(PROMPTS[1:], NEW) == refs[1:]
+
+
+# -- on-demand KV allocation and preemption ---------------------------------------------------------
+SMALL_CACHE = dict(tp=2, dcp=2, block_size=4, num_blocks=6, max_model_len=48, max_num_seqs=4)  # 48 tokens
+LONG = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44], [90, 17, 23, 61, 8, 12]]
+LONG_NEW = 24  # 4 × 24 new tokens alone exceed the 48-token cache; each request (<= 31 tokens) fits
+
+
+@pytest.mark.parametrize("features", [{}, dict(speculative_tokens=3, enable_prefix_caching=True)],
+                         ids=["plain", "speculative+prefix"])
+def test_a_cache_smaller_than_the_requests_serves_them_all_unchanged(setup, features):
+    """Greedy: HF's tokens for every request although the youngest keeps being preempted."""
+    model, program, _ = setup
+    refs = [hf_greedy(model, p, LONG_NEW) for p in LONG]
+    assert min(len(r) for r in refs) == LONG_NEW  # no early EOS: the cache really runs out
+    engine = dcpgraph.compile(program, **SMALL_CACHE, **features)
+    assert engine.generate(LONG, LONG_NEW) == refs
+    report = engine.report()["scheduler"]
+    assert report["preemptions"] > 0 and report["preempted_tokens"] > 0 and report["peak_running"] >= 2
+    assert engine.blocks.free_blocks == engine.blocks.num_blocks and report["kv_blocks_used"] == 0
+
+
+def test_preempted_seeded_sampling_equals_running_alone(setup):
+    _, program, _ = setup
+    params = dict(temperature=0.9, top_k=40, seed=7)
+    engine = dcpgraph.compile(program, **SMALL_CACHE)
+    got = engine.generate(LONG, LONG_NEW, **params)
+    assert engine.report()["scheduler"]["preemptions"] > 0
+    alone = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_model_len=48)
+    # request i of a generate() call draws from seed + i: the same stream alone
+    expected = [alone.generate([p], LONG_NEW, **{**params, "seed": 7 + i})[0] for i, p in enumerate(LONG)]
+    assert got == expected
+    assert alone.report()["scheduler"]["preemptions"] == 0
+
+
+def test_requests_larger_than_the_cache_and_a_full_queue_are_refused(setup):
+    model, program, _ = setup
+    engine = dcpgraph.compile(program, **{**SMALL_CACHE, "num_blocks": 5})
+    with pytest.raises(dcpgraph.RequestError, match="need 6 KV blocks; the cache has 5"):
+        engine.add_request([1] * 20, 28)  # 48 tokens <= max_model_len, > 5 blocks of 8
+    assert not engine.scheduler.has_work()
+    bounded = Engine(engine.program, executor_cls=EmulatedExecutor, num_blocks=6, max_model_len=48,
+                     max_batched_tokens=64, max_num_seqs=1, max_waiting=2)
+    ids = [bounded.add_request(p, 4) for p in LONG[:2]]
+    with pytest.raises(QueueFullError, match="max_waiting=2"):
+        bounded.add_request(LONG[2], 4)
+    assert issubclass(QueueFullError, dcpgraph.RequestError)
+    assert sorted(drain(bounded)) == ids
+    # generate() feeds its prompts as the bounded queue has room: twice as many as fit are served
+    assert bounded.generate(LONG, 4) == [hf_greedy(model, p, 4) for p in LONG]

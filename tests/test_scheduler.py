@@ -1,8 +1,9 @@
 """The scheduler on its own: a ``BlockManager`` and hand-made step results, no model.
 
 Covered: the chunked-prefill token budget and when a chunk samples; decode rows before prefill
-chunks; admission limits (``max_num_seqs``, free blocks); a prefix hit starting a request after
-its shared blocks; ``postprocess`` (stop at ``max_new_tokens`` or EOS, speculative acceptance and
+chunks; admission limits (``max_num_seqs``, free blocks); on-demand allocation preempting the
+youngest request, which recomputes its output later, and the whole-request policy that never does;
+the bounded waiting queue; a prefix hit starting a request after its shared blocks; ``postprocess`` (stop at ``max_new_tokens`` or EOS, speculative acceptance and
 what it leaves cached); finishing and aborting release blocks at once and drop the request;
 ``adopt`` obeys ``max_num_seqs``.
 """
@@ -14,7 +15,7 @@ import pytest
 from dcpgraph.errors import RequestError
 from dcpgraph.runtime.blocks import BlockManager
 from dcpgraph.runtime.sampling import SamplingParams
-from dcpgraph.runtime.scheduler import Request, RowOutput, Scheduler, StepEvent
+from dcpgraph.runtime.scheduler import QueueFullError, Request, RowOutput, Scheduler, StepEvent
 
 EOS = 2
 
@@ -74,19 +75,75 @@ def test_decode_rows_come_first_then_prefill_chunks_in_admission_order():
 def test_admission_respects_max_num_seqs_and_free_blocks():
     s = make(num_blocks=4, tokens_per_block=4, budget=64, seqs=2)
     for rid in range(3):
-        s.add(request(rid, 4, new=4))  # 8 tokens: 2 blocks each
+        s.add(request(rid, 4, new=4))
     plan = s.schedule()
     assert [i.request.id for i in plan] == [0, 1] and len(s.waiting) == 1  # the sequence slots
-    assert s.blocks.free_blocks == 0
+    assert s.blocks.free_blocks == 2  # on demand: one block each, for the 4 prompt tokens
     s.abort(0)
     s.max_num_seqs = 3
     plan = s.schedule()
-    assert [i.request.id for i in plan] == [1, 2]  # 0's blocks went back at once and 2 took them
-    s2 = make(num_blocks=3, tokens_per_block=4, budget=64, seqs=4)
-    s2.add(request(0, 4, new=4))
-    s2.add(request(1, 4, new=4))
-    assert [i.request.id for i in s2.schedule()] == [0]  # 1 needs 2 blocks; 1 is free
+    assert [i.request.id for i in plan] == [1, 2]
+    s2 = make(num_blocks=2, tokens_per_block=4, budget=64, seqs=4)
+    s2.add(request(0, 8, new=1))
+    s2.add(request(1, 4, new=1))
+    assert [i.request.id for i in s2.schedule()] == [0]  # 1's first chunk needs a block; none is free
     assert list(s2.waiting) == [s2.get(1)]
+
+
+def test_the_youngest_request_is_preempted_and_recomputes_its_output():
+    """4 blocks of 4 tokens; two requests of 4 + 8 tokens (3 blocks each) start together. When
+    the older one needs its third block, the younger is preempted (blocks released, output kept);
+    re-admitted after, it recomputes prompt + output in one chunk and samples from its end."""
+    s = make(num_blocks=4, tokens_per_block=4, budget=64, seqs=4)
+    old, young = request(0, 4, new=8), request(1, 4, new=8, first=50)
+    s.add(old)
+    s.add(young)
+    for step in range(5):  # prefill, then decodes up to 8 cached tokens each: 4 blocks in use
+        plan = s.schedule()
+        assert [i.request.id for i in plan] == [0, 1]
+        s.postprocess(plan, [RowOutput([10 + step], []), RowOutput([20 + step], [])])
+    assert (old.computed, young.computed, s.blocks.free_blocks) == (8, 8, 0)
+    plan = s.schedule()  # old's 9th token needs a third block: young goes
+    assert shape(plan) == [(0, 8, 1, True)]
+    assert list(s.waiting) == [young] and young.computed == 0 and not s.blocks.holds(1)
+    assert young.output == [20, 21, 22, 23, 24] and s.stats["preemptions"] == 1
+    assert s.stats["preempted_tokens"] == 8 and s.blocks.free_blocks == 1
+    s.postprocess(plan, [RowOutput([15], [])])
+    while s.get(0) is not None:  # no room to re-admit young until old finishes
+        plan = s.schedule()
+        assert [i.request.id for i in plan] == [0]
+        s.postprocess(plan, [RowOutput([16], [])])
+    plan = s.schedule()
+    assert shape(plan) == [(1, 0, 9, True)]  # prompt + its 5 tokens, sampled at the end
+    s.postprocess(plan, [RowOutput([25], [])])
+    assert young.output == [20, 21, 22, 23, 24, 25] and young.computed == 9
+    assert s.stats["peak_running"] == 2
+
+
+def test_whole_request_allocation_never_preempts():
+    s = make(num_blocks=4, tokens_per_block=4, budget=64, seqs=4)
+    s.whole_request = True
+    s.add(request(0, 4, new=8))
+    s.add(request(1, 4, new=8))
+    plan = s.schedule()
+    assert [i.request.id for i in plan] == [0] and s.blocks.free_blocks == 1  # 3 blocks reserved
+    while s.has_work():
+        plan = s.schedule()
+        s.postprocess(plan, outputs_for(plan))
+    assert s.stats["preemptions"] == 0 and s.stats["peak_running"] == 1
+
+
+def test_the_waiting_queue_is_bounded():
+    s = make(seqs=1)
+    s.max_waiting = 2
+    s.add(request(0, 4))
+    s.add(request(1, 4))
+    with pytest.raises(QueueFullError, match="max_waiting=2"):
+        s.add(request(2, 4))
+    assert s.live == 2 and not s.can_add()
+    s.schedule()  # 0 is admitted: room for one more
+    assert s.can_add()
+    s.add(request(2, 4))
 
 
 def test_a_prefix_hit_starts_after_the_shared_blocks():
@@ -113,7 +170,7 @@ def test_stop_conditions_finish_release_and_drop():
     plan = s.schedule()
     s.postprocess(plan, [RowOutput([5], []), RowOutput([EOS], [])])  # 1 ends at EOS
     assert s.get(1) is None and [r.id for r in s.running] == [0]
-    assert s.blocks.free_blocks == free - 2  # only 0's blocks (6 tokens) are held
+    assert s.blocks.free_blocks == free - 1  # only 0's block (its 3 prompt tokens) is held
     for token in (5, 5):
         plan = s.schedule()
         events = s.postprocess(plan, [RowOutput([token], [])])
@@ -172,13 +229,13 @@ def test_adopt_obeys_max_num_seqs_and_free_blocks():
     a = request(0, 4, new=4)
     a.output, a.computed = [3], 4  # 4 tokens already cached elsewhere
     s.adopt(a)
-    assert s.running == [a] and s.blocks.free_blocks == 2
+    assert s.running == [a] and s.blocks.free_blocks == 2  # blocks for its 5 known tokens
     with pytest.raises(RequestError, match="max_num_seqs=1"):
         s.adopt(request(1, 4))
     assert s.live == 1
     s.max_num_seqs = 2
     with pytest.raises(RequestError, match="not enough free KV blocks"):
-        s.adopt(request(2, 8, new=4))
+        s.adopt(request(2, 12, new=4))  # 3 blocks; 2 are free
     assert s.live == 1 and s.blocks.free_blocks == 2
     plan = s.schedule()
     assert shape(plan) == [(0, 4, 1, True)]  # it continues from its cached tokens

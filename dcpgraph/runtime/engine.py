@@ -8,6 +8,7 @@ already running, untouched.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,11 @@ class Engine:
 
     Output reaches callers through :meth:`step`'s events (or :meth:`generate`'s return value); a
     request that finished or was aborted is no longer held anywhere, so the engine's memory is
-    proportional to its live requests."""
+    proportional to its live requests. At most ``max_waiting`` requests wait for admission
+    (``None``: unbounded); past that :meth:`add_request` raises
+    :class:`~.scheduler.QueueFullError`. KV blocks are allocated on demand, preempting the youngest
+    request when the cache is full (``kv_allocation="whole_request"`` reserves ``prompt +
+    max_new_tokens`` at admission instead and never preempts)."""
 
     def __init__(
         self,
@@ -49,6 +54,8 @@ class Engine:
         capture_limit: int = 32,
         speculative_tokens: int = 0,
         enable_prefix_caching: bool = False,
+        max_waiting: int | None = 1024,
+        kv_allocation: str = "on_demand",
     ):
         self.program = program
         self.mesh = program.mesh
@@ -57,7 +64,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
-                                   eos_token_ids=program.facts.eos_token_id, speculative_tokens=speculative_tokens)
+                                   eos_token_ids=program.facts.eos_token_id, speculative_tokens=speculative_tokens,
+                                   max_waiting=max_waiting, kv_allocation=kv_allocation)
         buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
@@ -98,7 +106,8 @@ class Engine:
         return tokens
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
-        """Queue one request; returns its id. Raises ``RequestError`` before queuing anything."""
+        """Queue one request; returns its id. Raises ``RequestError`` before queuing anything
+        (``QueueFullError``, a ``RequestError``, when ``max_waiting`` requests already wait)."""
         tokens = self.check_request(prompt, max_new_tokens)
         request = self._new_request(tokens, max_new_tokens, SamplingParams(**sampling))
         self.scheduler.add(request)
@@ -156,9 +165,10 @@ class Engine:
         self._require_idle("generate")
         requests = [self._new_request(tokens, max_new_tokens, params, i) for i, tokens in enumerate(checked)]
         outputs: dict[int, list[int]] = {r.id: [] for r in requests}
-        for request in requests:
-            self.scheduler.add(request)
-        while self.scheduler.has_work():
+        queue = deque(requests)  # fed as the waiting queue has room: any number of prompts
+        while queue or self.scheduler.has_work():
+            while queue and self.scheduler.can_add():
+                self.scheduler.add(queue.popleft())
             for rid, token, _ in self.step():
                 outputs[rid].append(token)
         return [outputs[r.id] for r in requests]
@@ -239,9 +249,24 @@ class Engine:
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
         }
 
+    def scheduler_report(self) -> dict:
+        """``running``/``waiting`` requests now, ``peak_running``, ``kv_blocks_used`` (virtual
+        blocks referenced by a request), ``preemptions`` and ``preempted_tokens`` (cached tokens
+        they discarded, recomputed on re-admission), the ``kv_allocation`` policy, ``max_waiting``."""
+        scheduler = self.scheduler
+        return {
+            "kv_allocation": "whole_request" if scheduler.whole_request else "on_demand",
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "max_waiting": scheduler.max_waiting,
+            "kv_blocks_used": self.blocks.used_blocks,
+            **scheduler.stats,
+        }
+
     def report(self) -> dict:
         """What ran where: per graph, the backend used and any fallback with its reason, the
-        decode buckets, and how many steps each graph served."""
+        decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
+        and the prefix cache."""
         backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
         return {
             "executor": self.executor.mode,
@@ -251,6 +276,7 @@ class Engine:
             "graph_steps": dict(self.runner.graph_steps),
             "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],
             "speculative": {"tokens": self.speculative_tokens, **self.scheduler.spec_stats},
+            "scheduler": self.scheduler_report(),
             "prefix_cache": self.prefix_cache_report(),
             **backend,
         }

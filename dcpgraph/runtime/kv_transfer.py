@@ -107,7 +107,7 @@ def check_transfer(engine, transfer: KVTransfer) -> None:
 
 
 def import_kv(engine, transfer: KVTransfer, request) -> None:
-    """Write ``transfer`` into ``request``'s reserved blocks with ``engine``'s own layout."""
+    """Write ``transfer`` into ``request``'s allocated blocks with ``engine``'s own layout."""
     check_transfer(engine, transfer)
     caches = _emulated_caches(engine)
     table = engine.blocks.table(request.id)

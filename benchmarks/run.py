@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "compile_time": (["--quick"], "export vs pass time, at two depths"),
     "decode_tokens_per_s": (["--quick"], "engine decode tok/s vs HF generate (tp=1)"),
     "decode_capacity": (["--steps", "16", "--rounds", "2"], "decode step time independent of cache size"),
+    "kv_preemption": (["--quick"], "concurrency of on-demand KV allocation vs whole-request reservation"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -48,6 +49,7 @@ HEADLINE = {
     "compile_time": {"export_time", "verify_time"},
     "decode_tokens_per_s": {"hf_decode_tokens_per_s"},
     "decode_capacity": set(),
+    "kv_preemption": {"peak_running", "mean_running", "steps"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

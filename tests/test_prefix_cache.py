@@ -12,7 +12,7 @@ a request reads from shared blocks equals what recomputation writes, on every ra
 of the recomputed tail equals the tail of the full prompt's; refcounting (shared blocks stay while
 any user runs; the reservation counts them once) and LRU eviction of cached free blocks, with
 correct tokens after eviction; an MLA model (deepseek_v2) at tp=2/dcp=2; with prefix caching off
-the schedule and block tables are those of a plain free list; the ``BlockManager`` invariants (no
+the schedule and block tables are those of a FIFO free queue; the ``BlockManager`` invariants (no
 writes into shared or hashed blocks).
 """
 
@@ -215,30 +215,30 @@ def test_lru_eviction_and_allocation_counting():
     x, y = list(range(10, 19)), list(range(50, 59))
     assert m.allocate(0, 9) == [0, 1, 2]
     m.register(0, x, 9)  # blocks 0, 1 full; 2 is not
-    m.release(0)  # tail first: 2 to the plain free list, then 1, 0 cached (1 least recent)
-    assert m.allocate(1, 9) == [2, 3, 4]  # never-hashed blocks before any cached one
+    m.release(0)  # tail first: 2 to the free queue, then 1, 0 cached (1 least recent)
+    assert m.allocate(1, 9) == [3, 4, 2]  # never-hashed blocks (unused, then released) before cached ones
     m.register(1, y, 8)
     m.release(1)
     assert m.free_blocks == 5 and m.cached_blocks == 4
-    assert m.allocate(2, 4) == [4]
+    assert m.allocate(2, 4) == [2]
     assert m.allocate(3, 4) == [1]  # evicts the least recently released cached block
     assert m.match_prefix(x) == [0] and m.stats["evictions"] == 1
     # an allocation counts a revived cached block once: y's 2 blocks + 1 new = 3 of the 3 free
     prefix = m.match_prefix(y + [1])
-    assert prefix == [2, 3] and m.can_allocate(12, prefix) and not m.can_allocate(13, prefix)
-    assert m.allocate(4, 12, prefix) == [2, 3, 0]  # x's root evicted for the new block, not a hit
+    assert prefix == [3, 4] and m.can_allocate(12, prefix) and not m.can_allocate(13, prefix)
+    assert m.allocate(4, 12, prefix) == [3, 4, 0]  # x's root evicted for the new block, not a hit
     assert m.match_prefix(x) == [] and m.free_blocks == 0 and m.stats["evictions"] == 2
     with pytest.raises(AssertionError, match="shared prefix"):
         m.check_writable(4, 7, 9)
     m.check_writable(4, 8, 12)
     m.release(2)
-    assert m.allocate(5, 4) == [4]
+    assert m.allocate(5, 4) == [2]
     m.register(5, [1, 2, 3, 4], 4)  # a full block of its own: hashed, so immutable from now on
     with pytest.raises(AssertionError, match="hashed True"):
         m.check_writable(5, 3, 4)
     # a hit held by a running request costs nothing; one that is cached free costs one block
     m.release(3)
-    assert m.match_prefix(y + [1]) == [2, 3] and m.can_allocate(9, [2, 3]) and m.free_blocks == 1
+    assert m.match_prefix(y + [1]) == [3, 4] and m.can_allocate(9, [3, 4]) and m.free_blocks == 1
 
 
 def test_block_hashes_are_chained_and_stable():
@@ -279,13 +279,13 @@ def test_prefix_caching_off_keeps_the_plain_free_list(setup):
     assert (stats["hit_tokens"], stats["queries"], stats["cached_blocks"]) == (0, 0, 0)
     assert blocks.match_prefix(prompts[0]) == [] and blocks.free_blocks == 10
     assert engine.report()["scheduler"]["preemptions"] == 0
-    # every block handed out is a plain free list's next (low ids first, last released reused first)
-    free = list(range(9, -1, -1))
+    # every block handed out is a FIFO free queue's next (unused ids in order, then least recently released)
+    free = list(range(10))
     for op, table in events:
         if op == "take":
-            assert table == tuple(free.pop() for _ in table)
+            assert table == tuple(free.pop(0) for _ in table)
         else:
-            free.extend(reversed(table))
+            free.extend(reversed(table))  # released tail first
     assert sum(op == "release" for op, _ in events) == len(prompts)
 
 

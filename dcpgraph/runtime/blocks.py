@@ -39,15 +39,17 @@ Invariants:
   hits held by running requests cost nothing;
 - ``free_blocks`` counts both kinds of free block, so a drained engine has
   ``free_blocks == num_blocks`` with or without prefix caching;
-- with prefix caching off nothing is hashed and allocation order is exactly that of a plain free
-  list (low ids first, released blocks reused last-released-first).
+- with prefix caching off nothing is hashed and allocation order is exactly that of a FIFO free
+  queue: never-used blocks in id order first, then released blocks least recently released first
+  (as vLLM's free-block queue), so with on-demand allocation a block is reused only once every
+  block has been used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 _ROOT = b"dcpgraph-prefix-v1"
@@ -78,7 +80,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self._free = list(range(num_blocks - 1, -1, -1))  # never-hashed free blocks; pop() hands out low ids first
+        # never-hashed free blocks, handed out from the right: never-used ones in id order first, then
+        # released ones least recently released first (release appends on the left)
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, count 0; LRU first
         self._tables: dict[int, list[int]] = {}
         self._ref = [0] * num_blocks
@@ -255,4 +259,4 @@ class BlockManager:
             if block in self._hash_of:
                 self._cached_free[block] = None
             else:
-                self._free.append(block)
+                self._free.appendleft(block)

@@ -112,7 +112,7 @@ def worker(rank: int, world: int, contexts: list[int], steps: int, warm: int, ro
 
     def start(engine, ctx, n):
         rid = engine.add_request(prompt_all[:ctx], n)
-        engine._requests[rid].computed = ctx - 1  # the context is "in the cache" (random values)
+        engine.scheduler.get(rid).computed = ctx - 1  # the context is "in the cache" (random values)
         return rid
 
     results: dict = {"heads": heads, "contexts": {}}
@@ -132,7 +132,7 @@ def worker(rank: int, world: int, contexts: list[int], steps: int, warm: int, ro
                     if i >= warm:
                         step_wall[dcp].append(w1 - w0)
                         step_cpu[dcp].append(c1 - c0)
-                assert engine._requests.pop(rid).finished
+                assert engine.scheduler.get(rid) is None  # finished and dropped
         # Shares of the step from a profile of rank 0 (rank 1 runs the same steps unprofiled).
         shares = {}
         for dcp, engine in engines.items():
@@ -153,7 +153,7 @@ def worker(rank: int, world: int, contexts: list[int], steps: int, warm: int, ro
             else:
                 for _ in range(prof_steps):
                     engine.step()
-            engine._requests.pop(rid)
+            assert engine.scheduler.get(rid) is None
         # One layer's paged attention alone, at this rank's local length, both meshes interleaved.
         attn = {1: [], 2: []}
         calls = {}

@@ -12,7 +12,7 @@ a request reads from shared blocks equals what recomputation writes, on every ra
 of the recomputed tail equals the tail of the full prompt's; refcounting (shared blocks stay while
 any user runs; the reservation counts them once) and LRU eviction of cached free blocks, with
 correct tokens after eviction; an MLA model (deepseek_v2) at tp=2/dcp=2; with prefix caching off
-the schedule and block tables are those of a plain free list; the ``BlockManager`` invariants (no
+the schedule and block tables are those of a FIFO free queue; the ``BlockManager`` invariants (no
 writes into shared or hashed blocks).
 """
 
@@ -159,8 +159,8 @@ def test_slot_mapping_of_the_recomputed_tail_is_unchanged():
 # -- refcounting, the reservation and eviction ------------------------------------------------------
 def test_shared_blocks_live_until_both_requests_finish_then_get_evicted(setup):
     """num_blocks=4 virtual blocks of 8 tokens; a request of 20 + 4 tokens needs 3. Two such
-    requests sharing 2 prefix blocks run *together* only because the reservation counts shared
-    blocks once. The KV each reads from the shared blocks equals what recomputing writes, on every
+    requests sharing 2 prefix blocks run *together* without preemption only because an allocation
+    counts shared blocks once. The KV each reads from the shared blocks equals what recomputing writes, on every
     rank. Then an unrelated request needing all 4 blocks evicts the cached ones, and still gives
     HF's tokens, as does the first prompt again (now a miss)."""
     engine = setup.engine(2, 2, interleave=1, enable_prefix_caching=True, num_blocks=4, max_model_len=32)
@@ -172,13 +172,13 @@ def test_shared_blocks_live_until_both_requests_finish_then_get_evicted(setup):
     while engine.scheduler.running == [] or engine.scheduler.running[0].computed < 16:
         for rid, token, _ in engine.step():
             outputs.setdefault(rid, []).append(token)
-    table_a = list(blocks.table(a))
-    assert blocks.cached_blocks == 2 and blocks.free_blocks == 1
+    assert blocks.cached_blocks == 2 and blocks.free_blocks == 2  # on demand: a holds what it filled
     b = engine.add_request(b_prompt, 4)
     for rid, token, _ in engine.step():
         outputs.setdefault(rid, []).append(token)
-    table_b = list(blocks.table(b))
+    table_a, table_b = list(blocks.table(a)), list(blocks.table(b))
     assert [r.id for r in engine.scheduler.running] == [a, b]  # admitted next to a: shared blocks counted once
+    assert engine.report()["scheduler"]["preemptions"] == 0
     assert table_b[:2] == table_a[:2] and table_b[2] not in table_a
     assert [blocks.refcount(x) for x in table_a[:2]] == [2, 2] and blocks.free_blocks == 0
     assert blocks.shared_blocks(b) == 2
@@ -210,35 +210,35 @@ def test_shared_blocks_live_until_both_requests_finish_then_get_evicted(setup):
     assert _stats(engine)["hit_tokens"] == before  # a miss now, and still right
 
 
-def test_lru_eviction_and_reservation_counting():
+def test_lru_eviction_and_allocation_counting():
     m = BlockManager(5, 4, enable_prefix_caching=True)
     x, y = list(range(10, 19)), list(range(50, 59))
-    assert m.reserve(0, 9) == [0, 1, 2]
+    assert m.allocate(0, 9) == [0, 1, 2]
     m.register(0, x, 9)  # blocks 0, 1 full; 2 is not
-    m.release(0)  # tail first: 2 to the plain free list, then 1, 0 cached (1 least recent)
-    assert m.reserve(1, 9) == [2, 3, 4]  # never-hashed blocks before any cached one
+    m.release(0)  # tail first: 2 to the free queue, then 1, 0 cached (1 least recent)
+    assert m.allocate(1, 9) == [3, 4, 2]  # never-hashed blocks (unused, then released) before cached ones
     m.register(1, y, 8)
     m.release(1)
     assert m.free_blocks == 5 and m.cached_blocks == 4
-    assert m.reserve(2, 4) == [4]
-    assert m.reserve(3, 4) == [1]  # evicts the least recently released cached block
+    assert m.allocate(2, 4) == [2]
+    assert m.allocate(3, 4) == [1]  # evicts the least recently released cached block
     assert m.match_prefix(x) == [0] and m.stats["evictions"] == 1
-    # the reservation counts a revived cached block once: y's 2 blocks + 1 new = 3 of the 3 free
+    # an allocation counts a revived cached block once: y's 2 blocks + 1 new = 3 of the 3 free
     prefix = m.match_prefix(y + [1])
-    assert prefix == [2, 3] and m.can_reserve(12, prefix) and not m.can_reserve(13, prefix)
-    assert m.reserve(4, 12, prefix) == [2, 3, 0]  # x's root evicted for the new block, not a hit
+    assert prefix == [3, 4] and m.can_allocate(12, prefix) and not m.can_allocate(13, prefix)
+    assert m.allocate(4, 12, prefix) == [3, 4, 0]  # x's root evicted for the new block, not a hit
     assert m.match_prefix(x) == [] and m.free_blocks == 0 and m.stats["evictions"] == 2
     with pytest.raises(AssertionError, match="shared prefix"):
         m.check_writable(4, 7, 9)
     m.check_writable(4, 8, 12)
     m.release(2)
-    assert m.reserve(5, 4) == [4]
+    assert m.allocate(5, 4) == [2]
     m.register(5, [1, 2, 3, 4], 4)  # a full block of its own: hashed, so immutable from now on
     with pytest.raises(AssertionError, match="hashed True"):
         m.check_writable(5, 3, 4)
     # a hit held by a running request costs nothing; one that is cached free costs one block
     m.release(3)
-    assert m.match_prefix(y + [1]) == [2, 3] and m.can_reserve(9, [2, 3]) and m.free_blocks == 1
+    assert m.match_prefix(y + [1]) == [3, 4] and m.can_allocate(9, [3, 4]) and m.free_blocks == 1
 
 
 def test_block_hashes_are_chained_and_stable():
@@ -251,35 +251,42 @@ def test_block_hashes_are_chained_and_stable():
 
 # -- off means off -----------------------------------------------------------------------------------
 def test_prefix_caching_off_keeps_the_plain_free_list(setup):
-    engine = setup.engine(2, 2, interleave=2, num_blocks=6, max_num_seqs=2)
+    engine = setup.engine(2, 2, interleave=2, num_blocks=10, max_num_seqs=2)  # two requests fit
     blocks = engine.blocks
-    events = []
-    reserve, release = blocks.reserve, blocks.release
+    events = []  # ("take", blocks appended to a table) / ("release", the table given back)
+    allocate, grow, release = blocks.allocate, blocks.grow, blocks.release
 
-    def recording_reserve(rid, tokens, prefix=()):
+    def recording_allocate(rid, tokens, prefix=()):
         assert list(prefix) == []
-        events.append(("reserve", rid, tokens, tuple(reserve(rid, tokens, prefix))))
+        events.append(("take", tuple(allocate(rid, tokens, prefix))))
         return blocks.table(rid)
 
+    def recording_grow(rid, tokens):
+        before = len(blocks.table(rid))
+        grown = grow(rid, tokens)
+        events.append(("take", tuple(blocks.table(rid)[before:])))
+        return grown
+
     def recording_release(rid):
-        events.append(("release", rid, None, tuple(blocks.table(rid))))
+        events.append(("release", tuple(blocks.table(rid))))
         release(rid)
 
-    blocks.reserve, blocks.release = recording_reserve, recording_release
+    blocks.allocate, blocks.grow, blocks.release = recording_allocate, recording_grow, recording_release
     prompts = ROUND1 + ROUND2 + ROUND1
     assert engine.generate(prompts, NEW) == [setup.ref(p) for p in prompts]
     stats = _stats(engine)
     assert stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)
     assert (stats["hit_tokens"], stats["queries"], stats["cached_blocks"]) == (0, 0, 0)
-    assert blocks.match_prefix(prompts[0]) == [] and blocks.free_blocks == 6
-    # the block tables are exactly a plain free list's (low ids first, last released reused first)
-    free = list(range(5, -1, -1))
-    for op, rid, tokens, table in events:
-        if op == "reserve":
-            assert table == tuple(free.pop() for _ in range(-(-tokens // 8))), rid
+    assert blocks.match_prefix(prompts[0]) == [] and blocks.free_blocks == 10
+    assert engine.report()["scheduler"]["preemptions"] == 0
+    # every block handed out is a FIFO free queue's next (unused ids in order, then least recently released)
+    free = list(range(10))
+    for op, table in events:
+        if op == "take":
+            assert table == tuple(free.pop(0) for _ in table)
         else:
-            free.extend(reversed(table))
-    assert sum(op == "release" for op, *_ in events) == len(prompts)
+            free.extend(reversed(table))  # released tail first
+    assert sum(op == "release" for op, _ in events) == len(prompts)
 
 
 # -- MLA -------------------------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 The scheduler deals in *virtual blocks* of ``block_size · dcp`` tokens. Virtual block ``b`` is
 physical block ``b`` on every rank of a DCP group (each holding its own share of the block's
-tokens), so one block table serves the whole group. Admission reserves every block a request can
-ever need (prompt + max new tokens), so a running request never waits for memory and nothing is
-ever preempted or half-written.
+tokens), so one block table serves the whole group. Blocks are allocated on demand: a request's
+table is created at admission (:meth:`BlockManager.allocate`, for the tokens of its first chunk)
+and extended before each step that writes past it (:meth:`BlockManager.grow`, all or nothing); it
+covers ``blocks_for(n)`` blocks where ``n`` is the most tokens the request has needed, and only
+:meth:`BlockManager.release` (finish, abort or preemption) gives blocks back. When ``grow`` fails
+the scheduler preempts (see :mod:`.scheduler`); a table never holds a block another request writes.
 
 Prefix caching (``enable_prefix_caching``; vLLM's APC, DESIGN §6)
 -----------------------------------------------------------------
@@ -31,20 +34,22 @@ Invariants:
   needed: allocation takes never-hashed free blocks first, then evicts cached free blocks least
   recently released first (a request's blocks are released tail first, so the deeper blocks of a
   chain go before its root);
-- the reservation counts each block once: a request needs ``blocks_for(tokens) − hits`` new
+- an allocation counts each block once: a request needs ``blocks_for(tokens) − hits`` new
   blocks plus the hits that are currently cached free (reviving them takes them off the free pool);
   hits held by running requests cost nothing;
 - ``free_blocks`` counts both kinds of free block, so a drained engine has
   ``free_blocks == num_blocks`` with or without prefix caching;
-- with prefix caching off nothing is hashed and allocation order is exactly that of a plain free
-  list (low ids first, released blocks reused last-released-first).
+- with prefix caching off nothing is hashed and allocation order is exactly that of a FIFO free
+  queue: never-used blocks in id order first, then released blocks least recently released first
+  (as vLLM's free-block queue), so with on-demand allocation a block is reused only once every
+  block has been used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 _ROOT = b"dcpgraph-prefix-v1"
@@ -75,7 +80,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self._free = list(range(num_blocks - 1, -1, -1))  # never-hashed free blocks; pop() hands out low ids first
+        # never-hashed free blocks, handed out from the right: never-used ones in id order first, then
+        # released ones least recently released first (release appends on the left)
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, count 0; LRU first
         self._tables: dict[int, list[int]] = {}
         self._ref = [0] * num_blocks
@@ -157,19 +164,20 @@ class BlockManager:
                 f"request {request_id} would write into block {block} (refs {self._ref[block]}, "
                 f"hashed {block in self._hash_of})")
 
-    # -- reservation -------------------------------------------------------------------------
+    # -- allocation --------------------------------------------------------------------------
     def _needed(self, tokens: int, prefix: Sequence[int]) -> int:
         revive = sum(1 for b in prefix if self._ref[b] == 0)
         return self.blocks_for(tokens) - len(prefix) + revive
 
-    def can_reserve(self, tokens: int, prefix: Sequence[int] = ()) -> bool:
-        """Whether ``tokens`` tokens fit, the leading ``prefix`` blocks (from :meth:`match_prefix`)
-        being shared: each block is counted once."""
+    def can_allocate(self, tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether a table for ``tokens`` tokens fits now, the leading ``prefix`` blocks (from
+        :meth:`match_prefix`) being shared: each block is counted once."""
         return self._needed(tokens, prefix) <= self.free_blocks
 
-    def reserve(self, request_id: int, tokens: int, prefix: Sequence[int] = ()) -> list[int]:
-        """Give ``request_id`` blocks for ``tokens`` tokens (its block-table row), starting with
-        the shared ``prefix`` blocks (from :meth:`match_prefix`, same step)."""
+    def allocate(self, request_id: int, tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+        """Give ``request_id`` its block table, for ``tokens`` tokens, starting with the shared
+        ``prefix`` blocks (from :meth:`match_prefix`, same step). Raises ``MemoryError`` if they do
+        not fit (check :meth:`can_allocate` first)."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds blocks")
         prefix = list(prefix)
@@ -188,6 +196,28 @@ class BlockManager:
             self._shared[request_id] = len(prefix)
             self._chain[request_id] = (len(prefix), self._hash_of[prefix[-1]] if prefix else None)
         return table
+
+    def room(self, request_id: int) -> int:
+        """The most tokens ``request_id``'s table could cover now: its blocks plus every free one."""
+        return (len(self._tables[request_id]) + self.free_blocks) * self.tokens_per_block
+
+    def grow(self, request_id: int, tokens: int) -> bool:
+        """Extend ``request_id``'s table to cover ``tokens`` tokens. All or nothing: returns
+        ``False`` and allocates nothing if the free blocks do not suffice."""
+        table = self._tables[request_id]
+        need = self.blocks_for(tokens) - len(table)
+        if need > self.free_blocks:
+            return False
+        table.extend(self._allocate() for _ in range(need))
+        return True
+
+    def holds(self, request_id: int) -> bool:
+        return request_id in self._tables
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks referenced by at least one table."""
+        return self.num_blocks - self.free_blocks
 
     def record_query(self, prompt_tokens: int, hit_blocks: int) -> None:
         self.stats["queries"] += 1
@@ -229,4 +259,4 @@ class BlockManager:
             if block in self._hash_of:
                 self._cached_free[block] = None
             else:
-                self._free.append(block)
+                self._free.appendleft(block)

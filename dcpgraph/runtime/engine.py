@@ -8,8 +8,8 @@ already running, untouched.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,10 +18,9 @@ from ..errors import RequestError
 from ..program import Program
 from .blocks import BlockManager
 from .graph_mode import DecodeBuckets, default_buckets
-from .sampling import SamplingParams, sample
-from .scheduler import Request, Scheduler
-from .speculative import accept, propose
-from .step_inputs import build_step_inputs
+from .model_runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Request, Scheduler, StepEvent
 
 
 def kv_bytes_per_block(program: Program) -> int:
@@ -31,6 +30,17 @@ def kv_bytes_per_block(program: Program) -> int:
 
 
 class Engine:
+    """Serves generation requests: :class:`~.scheduler.Scheduler` decides each step and applies its
+    results, :class:`~.model_runner.ModelRunner` runs it on every rank.
+
+    Output reaches callers through :meth:`step`'s events (or :meth:`generate`'s return value); a
+    request that finished or was aborted is no longer held anywhere, so the engine's memory is
+    proportional to its live requests. At most ``max_waiting`` requests wait for admission
+    (``None``: unbounded); past that :meth:`add_request` raises
+    :class:`~.scheduler.QueueFullError`. KV blocks are allocated on demand, preempting the youngest
+    request when the cache is full (``kv_allocation="whole_request"`` reserves ``prompt +
+    max_new_tokens`` at admission instead and never preempts)."""
+
     def __init__(
         self,
         program: Program,
@@ -44,6 +54,8 @@ class Engine:
         capture_limit: int = 32,
         speculative_tokens: int = 0,
         enable_prefix_caching: bool = False,
+        max_waiting: int | None = 1024,
+        kv_allocation: str = "on_demand",
     ):
         self.program = program
         self.mesh = program.mesh
@@ -51,19 +63,23 @@ class Engine:
         self.interleave = int(program.options.get("interleave", 1))
         self.max_model_len = max_model_len
         self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs)
-        self.executor = executor_cls(program, num_blocks, graphs)
-        self.graphs = graphs
-        self.buckets = None
+        self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
+                                   eos_token_ids=program.facts.eos_token_id, speculative_tokens=speculative_tokens,
+                                   max_waiting=max_waiting, kv_allocation=kv_allocation)
+        buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
-            self.buckets = DecodeBuckets(default_buckets(min(capture_limit, max_num_seqs)), width)
-        self._next_id = 0
-        self._requests: dict[int, Request] = {}
-        self.steps = 0
-        self.graph_steps: dict[str, int] = {}
+            buckets = DecodeBuckets(default_buckets(min(capture_limit, max_num_seqs)), width)
+        self.runner = ModelRunner(program, executor_cls(program, num_blocks, graphs), buckets)
+        self.executor = self.runner.executor
+        self.graphs = graphs
         self.speculative_tokens = speculative_tokens
-        self.spec_stats = {"drafted": 0, "accepted": 0}
+        self._next_id = 0
+
+    @property
+    def steps(self) -> int:
+        """Steps run so far (on every rank)."""
+        return self.runner.steps
 
     # -- requests -----------------------------------------------------------------------------
     def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -90,12 +106,14 @@ class Engine:
         return tokens
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
-        """Queue one request; returns its id. Raises ``RequestError`` before queuing anything."""
+        """Queue one request; returns its id. Raises ``RequestError`` before queuing anything
+        (``QueueFullError``, a ``RequestError``, when ``max_waiting`` requests already wait)."""
         tokens = self.check_request(prompt, max_new_tokens)
-        params = SamplingParams(**sampling)
-        return self._enqueue(tokens, max_new_tokens, params)
+        request = self._new_request(tokens, max_new_tokens, SamplingParams(**sampling))
+        self.scheduler.add(request)
+        return request.id
 
-    def _enqueue(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> int:
+    def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> Request:
         rid = self._next_id
         self._next_id += 1
         gen = None
@@ -104,75 +122,35 @@ class Engine:
             # not on how many requests this engine served before (so the same seed reproduces the
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
-        request = Request(rid, tokens, max_new_tokens, params, gen)
-        self._requests[rid] = request
-        self.scheduler.add(request)
-        return rid
+        return Request(rid, tokens, max_new_tokens, params, gen)
 
-    def step(self) -> list[tuple[int, int, bool]]:
-        """Run one scheduled step on every rank; returns ``(request_id, token, finished)``."""
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now: its KV blocks are free on return and it emits no further events.
+        Returns ``True`` if it was live (waiting or running); an id that already finished, was
+        aborted or never existed is a no-op returning ``False`` (so a client that disconnects
+        just as its request finishes is harmless)."""
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduled step on every rank; returns one ``(request_id, token, finished)``
+        :class:`~.scheduler.StepEvent` per emitted token. A finished request is dropped."""
         plan = self.scheduler.schedule()
         if not plan:
-            if self.scheduler.has_work():
-                raise RuntimeError("scheduler made no progress (cache too small for any waiting request)")
-            return []
-        drafts = {i: self._drafts(p) for i, p in enumerate(plan)}
-        chunks = [
-            replace(p.chunk, tokens=p.chunk.tokens + tuple(drafts[i]), logits_rows=1 + len(drafts[i]))
-            if drafts[i] else p.chunk
-            for i, p in enumerate(plan)
-        ]
-        shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave)
-        key = "mixed"
-        bucket = None
-        if self.buckets is not None and all(len(c.tokens) == 1 for c in chunks):
-            bucket = self.buckets.bucket_for(len(plan))
-        if bucket is not None:
-            shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
-            key = ("decode", bucket)
-        name = key if isinstance(key, str) else f"decode[{bucket}]"
-        self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
-        logits = self.executor.run(shared, per_rank, key)
-        self.steps += 1
-        events = []
-        eos = set(self.program.facts.eos_token_id)
-        row = 0
-        for i, item in enumerate(plan):
-            request, chunk = item.request, chunks[i]
-            rows = logits[row : row + chunk.logits_rows]
-            row += chunk.logits_rows
-            if drafts[i]:
-                greedy = [int(r.argmax()) for r in rows]
-                accepted = accept(drafts[i], greedy)
-                self.spec_stats["drafted"] += len(drafts[i])
-                self.spec_stats["accepted"] += accepted
-                emitted, advance = greedy[: accepted + 1], 1 + accepted  # last token + confirmed drafts
-            else:
-                emitted, advance = None, len(chunk.tokens)
-                if item.samples:
-                    emitted = [sample(rows[-1], request.params, request.generator)]
-            done = False
-            for n, token in enumerate(emitted or ()):
-                request.output.append(token)
-                done = len(request.output) >= request.max_new_tokens or token in eos
-                events.append((request.id, token, done))
-                if done:
-                    if drafts[i]:
-                        advance = min(advance, n + 1)  # confirmed drafts past the stop are not kept
-                    break
-            # Tokens first, then ``computed``: blocks are registered for prefix caching from both.
-            self.scheduler.advance(request, advance)
-            if done:
-                self.scheduler.finish(request)
-        return events
+            return self._idle()
+        return self.scheduler.postprocess(plan, self.runner.run(plan))
 
-    def _drafts(self, item) -> list[int]:
-        """Prompt-lookup drafts for a greedy decode row (never past the request's budget)."""
-        request = item.request
-        if not (self.speculative_tokens and item.samples and len(item.chunk.tokens) == 1 and request.params.greedy):
-            return []
-        room = request.max_new_tokens - len(request.output) - 1
-        return propose(request.tokens, min(self.speculative_tokens, room))
+    def _idle(self) -> list[StepEvent]:
+        if self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress (cache too small for any waiting request)")
+        return []
+
+    def _require_idle(self, caller: str) -> None:
+        if self.scheduler.has_work():
+            raise RequestError(
+                f"{caller}() steps the engine until its own requests finish, so it needs an idle engine: "
+                f"{self.scheduler.live} request(s) added with add_request() are live (their tokens would "
+                "be lost); step() them to completion or abort() them first"
+            )
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
         """New tokens of each prompt (greedy unless ``temperature`` > 0). All prompts are checked
@@ -184,46 +162,62 @@ class Engine:
                 checked.append(self.check_request(prompt, max_new_tokens))
             except RequestError as err:
                 raise RequestError(f"prompt {i}: {err}") from None
-        ids = [self._enqueue(tokens, max_new_tokens, params, i) for i, tokens in enumerate(checked)]
-        while not all(self._requests[i].finished for i in ids):
-            self.step()
-        return [self._requests.pop(i).output for i in ids]
+        self._require_idle("generate")
+        requests = [self._new_request(tokens, max_new_tokens, params, i) for i, tokens in enumerate(checked)]
+        outputs: dict[int, list[int]] = {r.id: [] for r in requests}
+        queue = deque(requests)  # fed as the waiting queue has room: any number of prompts
+        while queue or self.scheduler.has_work():
+            while queue and self.scheduler.can_add():
+                self.scheduler.add(queue.popleft())
+            for rid, token, _ in self.step():
+                outputs[rid].append(token)
+        return [outputs[r.id] for r in requests]
 
     # -- prefill/decode disaggregation -------------------------------------------------------
     def prefill(self, prompt: Sequence[int], **sampling: Any):
         """Run ``prompt`` until its first token is sampled and export its KV
-        (:class:`~dcpgraph.runtime.kv_transfer.KVTransfer`); the request then leaves this engine."""
-        from .kv_transfer import export_kv
+        (:class:`~dcpgraph.runtime.kv_transfer.KVTransfer`); the request then leaves this engine.
+        If that first token ends the request (an EOS id) the transfer is ``finished`` and carries
+        no KV: there is nothing to continue."""
+        from .kv_transfer import check_exportable, export_kv, finished_transfer
 
-        rid = self.add_request(prompt, 2, **sampling)
-        request = self._requests[rid]
-        while not request.output:
-            self.step()
-        transfer = export_kv(self, request)
-        self.scheduler.finish(request)
-        del self._requests[rid]
-        return transfer
+        check_exportable(self)
+        self._require_idle("prefill")
+        tokens = self.check_request(prompt, 2)
+        request = self._new_request(tokens, 2, SamplingParams(**sampling))
+        request.speculative = False  # one token, exactly: drafts could finish it before the export
+        self.scheduler.add(request)
+        try:
+            while not request.output:
+                self.step()
+            return finished_transfer(self, request) if request.finished else export_kv(self, request)
+        finally:
+            self.scheduler.abort(request.id)  # a no-op if it already finished
 
     def continue_from(self, transfer, max_new_tokens: int, **sampling: Any) -> int:
         """Continue a request exported by another engine's :meth:`prefill` (same model and tp,
-        any dcp / interleave / block size): re-shards its KV into this engine's cache and queues
-        it for decoding. ``max_new_tokens`` counts the token the prefill engine sampled."""
+        any dcp / interleave / block size): re-shards its KV into this engine's cache and runs it
+        now (it takes a sequence slot and its blocks at once, or raises ``RequestError``).
+        ``max_new_tokens`` counts the token the prefill engine sampled, so it must be >= 2; a
+        ``finished`` transfer is refused (its request already ended)."""
         from .kv_transfer import check_transfer, import_kv
 
         check_transfer(self, transfer)
+        if transfer.finished:
+            raise RequestError("the transferred request already finished at its first token (an EOS id): "
+                               "nothing to continue; its output is transfer.tokens[transfer.prompt_len:]")
         prompt = list(transfer.tokens[: transfer.prompt_len])
+        output = list(transfer.tokens[transfer.prompt_len :])
         self.check_request(prompt, max_new_tokens)
-        if not self.blocks.can_reserve(len(prompt) + max_new_tokens):
-            raise RequestError("not enough free KV blocks to take over the request now")
-        rid = self._enqueue(prompt, max_new_tokens, SamplingParams(**sampling))
-        request = self._requests[rid]
-        self.scheduler.waiting.remove(request)
-        self.blocks.reserve(rid, request.reserve_tokens)
-        request.output = list(transfer.tokens[transfer.prompt_len :])
+        if max_new_tokens <= len(output):
+            raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
+                               f"give at least {len(output) + 1} to generate anything")
+        request = self._new_request(prompt, max_new_tokens, SamplingParams(**sampling))
+        request.output = output
         request.computed = transfer.computed
+        self.scheduler.adopt(request)
         import_kv(self, transfer, request)
-        self.scheduler.running.append(request)
-        return rid
+        return request.id
 
     # -- reports ------------------------------------------------------------------------------
     def memory_report(self) -> dict:
@@ -256,18 +250,34 @@ class Engine:
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
         }
 
+    def scheduler_report(self) -> dict:
+        """``running``/``waiting`` requests now, ``peak_running``, ``kv_blocks_used`` (virtual
+        blocks referenced by a request), ``preemptions`` and ``preempted_tokens`` (cached tokens
+        they discarded, recomputed on re-admission), the ``kv_allocation`` policy, ``max_waiting``."""
+        scheduler = self.scheduler
+        return {
+            "kv_allocation": "whole_request" if scheduler.whole_request else "on_demand",
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "max_waiting": scheduler.max_waiting,
+            "kv_blocks_used": self.blocks.used_blocks,
+            **scheduler.stats,
+        }
+
     def report(self) -> dict:
         """What ran where: per graph, the backend used and any fallback with its reason, the
-        decode buckets, and how many steps each graph served."""
+        decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
+        and the prefix cache."""
         backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
         return {
             "executor": self.executor.mode,
             "mesh": str(self.mesh),
             "comm": self.program.options.get("comm"),
             "steps": self.steps,
-            "graph_steps": dict(self.graph_steps),
-            "decode_buckets": list(self.buckets.sizes) if self.buckets else [],
-            "speculative": {"tokens": self.speculative_tokens, **self.spec_stats},
+            "graph_steps": dict(self.runner.graph_steps),
+            "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],
+            "speculative": {"tokens": self.speculative_tokens, **self.scheduler.spec_stats},
+            "scheduler": self.scheduler_report(),
             "prefix_cache": self.prefix_cache_report(),
             **backend,
         }

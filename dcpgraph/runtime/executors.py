@@ -7,7 +7,9 @@
   running the same deterministic engine, reaches the same result.
 
 Both own the per-rank KV caches (allocated once, written in place by the program) and the
-per-rank parameter shards (computed once from the full parameters).
+per-rank parameter shards (computed once from the full parameters). ``local_ranks`` names the ranks
+whose caches this process holds and ``rank_caches(rank)`` returns one of them (cache name ->
+``[num_blocks, block_size, heads, dim]``), so code that reads caches asks the executor what it has.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class EmulatedExecutor:
         self.caches = [allocate_caches(program, num_blocks) for _ in self.ranks]
         self.graphs = graphs
 
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return tuple(self.ranks)
+
+    def rank_caches(self, rank: int) -> dict[str, torch.Tensor]:
+        return self.caches[rank]
+
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         from .emulator import run_spmd
 
@@ -86,6 +95,15 @@ class DistributedExecutor:
         self.state = program.local_state(self.rank)
         self.caches = allocate_caches(program, num_blocks)
         self.graphs = graphs
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return (self.rank,)
+
+    def rank_caches(self, rank: int) -> dict[str, torch.Tensor]:
+        if rank != self.rank:
+            raise ValueError(f"rank {rank}'s caches live in another process (this is rank {self.rank})")
+        return self.caches
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         args = rank_arguments(self.program, self.state, self.caches, shared, per_rank[self.rank])

@@ -25,7 +25,10 @@ from ..errors import RequestError
 
 @dataclass(frozen=True)
 class KVTransfer:
-    """A request's KV, ready to continue elsewhere: ``tokens[:computed]`` are cached."""
+    """A request's KV, ready to continue elsewhere: ``tokens[:computed]`` are cached.
+
+    ``finished``: the request already ended at ``tokens[prompt_len:]`` (its first token was an EOS
+    id); then ``computed == 0`` and ``caches`` is empty, and there is nothing to continue."""
 
     tokens: tuple[int, ...]
     computed: int
@@ -33,17 +36,22 @@ class KVTransfer:
     tp: int
     caches: tuple[dict[str, torch.Tensor], ...]  # per TP rank: cache name -> [computed, heads, dim]
     layout_key: tuple  # (name, heads, dim, dtype) per cache: what must match on import
+    finished: bool = False
 
 
 def _layout_key(engine) -> tuple:
     return tuple((c.name, c.heads, c.dim, str(c.dtype)) for c in engine.program.caches)
 
 
-def _emulated_caches(engine) -> list[dict[str, torch.Tensor]]:
-    caches = getattr(engine.executor, "caches", None)
-    if not isinstance(caches, list):
-        raise RequestError("KV transfer needs the emulated executor (all ranks in this process)")
-    return caches
+def _emulated_caches(engine) -> dict[int, dict[str, torch.Tensor]]:
+    """Every rank's caches, by rank; only an executor that holds all ranks in this process has them."""
+    executor, ranks = engine.executor, tuple(engine.mesh.ranks)
+    if tuple(executor.local_ranks) != ranks:
+        raise RequestError(
+            f"KV transfer needs every rank's cache in this process (the emulated executor); the "
+            f"{executor.mode} executor holds ranks {list(executor.local_ranks)} of {list(ranks)}"
+        )
+    return {rank: executor.rank_caches(rank) for rank in ranks}
 
 
 def _slots(engine, positions: torch.Tensor, table: list[int], rank: int) -> torch.Tensor:
@@ -76,6 +84,17 @@ def export_kv(engine, request) -> KVTransfer:
                       tuple(exported), _layout_key(engine))
 
 
+def check_exportable(engine) -> None:
+    """Refuse, before any step runs, an engine whose executor cannot read every rank's cache."""
+    _emulated_caches(engine)
+
+
+def finished_transfer(engine, request) -> KVTransfer:
+    """The transfer of a request that ended at its first token: its tokens, no KV."""
+    return KVTransfer(tuple(request.tokens), 0, len(request.prompt), engine.mesh.tp, (), _layout_key(engine),
+                      finished=True)
+
+
 def check_transfer(engine, transfer: KVTransfer) -> None:
     """Refuse, before anything changes, a transfer this engine cannot take."""
     _emulated_caches(engine)
@@ -88,7 +107,7 @@ def check_transfer(engine, transfer: KVTransfer) -> None:
 
 
 def import_kv(engine, transfer: KVTransfer, request) -> None:
-    """Write ``transfer`` into ``request``'s reserved blocks with ``engine``'s own layout."""
+    """Write ``transfer`` into ``request``'s allocated blocks with ``engine``'s own layout."""
     check_transfer(engine, transfer)
     caches = _emulated_caches(engine)
     table = engine.blocks.table(request.id)

@@ -4,32 +4,57 @@ A request's tokens are ``prompt + output``; the first ``computed`` of them are i
 Each step gives every running request its next chunk ``tokens[computed : computed + n]`` within
 a shared token budget: decode rows (one pending token) first, then prefill chunks in admission
 order, then newly admitted requests. A request is sampled when its chunk reaches its last known
-token, so prefill and decode are the same thing at different chunk sizes. Admission reserves the
-request's whole block budget (see :class:`~dcpgraph.runtime.blocks.BlockManager`).
+token, so prefill and decode are the same thing at different chunk sizes.
 
-With prefix caching on, admission first matches the prompt against the cache of full virtual
-blocks: a request whose first ``h`` blocks hit starts with ``computed = h · block_size · dcp`` and a
+KV blocks are allocated on demand (:class:`~dcpgraph.runtime.blocks.BlockManager`): admission
+takes the blocks of a request's first chunk, and before every step a running request's table is
+grown to hold the step's tokens (plus room for its drafts, only if free blocks allow). When a
+table cannot grow, the *youngest* running request (last admitted) is preempted: its blocks are
+released, ``computed`` drops to 0 and it goes back to the front of the waiting queue with its
+output so far; re-admitted, it recomputes ``prompt + output`` (its own full blocks may still be in
+the prefix cache) and samples its next token only when the recomputation reaches its last token,
+with its generator untouched, so its tokens are exactly those of an uninterrupted run. The oldest
+running request can always grow (every request fits the whole cache, checked at ``add``), so the
+schedule always makes progress. No request is admitted in a step that preempted one. With
+``kv_allocation="whole_request"`` admission instead takes ``prompt + max_new_tokens`` at once and
+nothing is ever preempted (the baseline ``benchmarks/kv_preemption.py`` measures against).
+
+New requests wait in a queue bounded by ``max_waiting`` (:class:`QueueFullError` past it);
+preempted requests always re-enter it.
+
+After the model ran, :meth:`Scheduler.postprocess` owns everything that follows: speculative
+acceptance, appending tokens, the stop conditions (``max_new_tokens`` or an EOS id), moving
+``computed`` on and finishing. A finished or aborted request leaves the scheduler at once (its
+blocks are released and nothing here refers to it any more), so the scheduler holds exactly the
+live requests.
+
+With prefix caching on, admission first matches the request's tokens (the prompt, or after a
+preemption prompt + output) against the cache of full virtual blocks: a request whose first ``h`` blocks hit starts with ``computed = h · block_size · dcp`` and a
 block table beginning with the shared block ids, and the step computes only the rest (at least the
 last prompt token). The hit is valid on every DCP rank at once because the hash covers whole virtual
 blocks and the table is shared by the group; the slot mapping of the recomputed tokens is the usual
 ``layout.slot_mapping(positions, table)`` and lands in the request's own blocks only (asserted in
-:meth:`Scheduler._chunk`). After each step :meth:`Scheduler.advance` moves ``computed`` on and
-registers the blocks that became full.
+:meth:`Scheduler._chunk`). After each step ``computed`` moves on and the blocks that became full
+are registered.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from ..errors import RequestError
 from .blocks import BlockManager
 from .sampling import SamplingParams
+from .speculative import accept
 from .step_inputs import Chunk
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     id: int
     prompt: list[int]
@@ -39,6 +64,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     computed: int = 0
     finished: bool = False
+    speculative: bool = True  # whether its greedy decode rows may carry prompt-lookup drafts
+    preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -51,72 +78,250 @@ class Request:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
+    """One request's share of a step. ``draft_room``: how many draft tokens may follow the chunk
+    (its blocks hold them and the request has that many tokens left to emit); 0 unless the chunk
+    is one token that is sampled greedily and speculation is on."""
+
     request: Request
     chunk: Chunk
     samples: bool
+    draft_room: int = 0
+
+
+class QueueFullError(RequestError):
+    """The waiting queue holds ``max_waiting`` requests: try again later (a server's 429/503)."""
+
+
+class StepEvent(NamedTuple):
+    """One emitted token. ``finished``: the request ended with it (it is then no longer held)."""
+
+    request_id: int
+    token: int
+    finished: bool
+
+
+class RowOutput(NamedTuple):
+    """What the model runner produced for one :class:`ScheduledChunk`: ``tokens`` sampled (none
+    for a prefill chunk that does not reach the last token; with drafts, the target's greedy token
+    after each of the ``1 + len(drafts)`` query rows) and the ``drafts`` it verified."""
+
+    tokens: list[int]
+    drafts: list[int]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int, *,
+                 eos_token_ids: Iterable[int] = (), speculative_tokens: int = 0,
+                 max_waiting: int | None = None, kv_allocation: str = "on_demand"):
         if max_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1")
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 (or None: unbounded), got {max_waiting}")
+        if kv_allocation not in ("on_demand", "whole_request"):
+            raise ValueError(f"kv_allocation must be 'on_demand' or 'whole_request', got {kv_allocation!r}")
+        self.max_waiting = max_waiting
+        self.whole_request = kv_allocation == "whole_request"
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.speculative_tokens = speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._live: dict[int, Request] = {}
         self.prompt_tokens_computed = 0  # prompt tokens the engine actually ran (prefix hits excluded)
+        self.spec_stats = {"drafted": 0, "accepted": 0}
+        # preempted_tokens: cached tokens discarded by preemption (recomputed on re-admission)
+        self.stats = {"preemptions": 0, "preempted_tokens": 0, "peak_running": 0}
+
+    # -- the requests it holds ---------------------------------------------------------------------
+    def can_add(self) -> bool:
+        """Whether :meth:`add` would accept a request now (the waiting queue has room)."""
+        return self.max_waiting is None or len(self.waiting) < self.max_waiting
 
     def add(self, request: Request) -> None:
+        """Queue ``request`` for admission (in arrival order); ``QueueFullError`` if the waiting
+        queue already holds ``max_waiting`` requests."""
+        if not self.can_add():
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting}); "
+                                 "retry after some finish")
+        self._hold(request)
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def adopt(self, request: Request) -> None:
+        """Run ``request`` from its current ``computed``/``output`` (its KV is written by the caller
+        into :meth:`BlockManager.table` before the next step), bypassing the waiting queue but not
+        the limits: raises ``RequestError`` if no sequence slot or not enough blocks are free now."""
+        if len(self.running) >= self.max_num_seqs:
+            raise RequestError(f"no free sequence slot: max_num_seqs={self.max_num_seqs} requests are running")
+        tokens = request.reserve_tokens if self.whole_request else len(request.tokens)
+        if not self.blocks.can_allocate(tokens):
+            raise RequestError(f"not enough free KV blocks to take over a request of {tokens} tokens now "
+                               f"({self.blocks.free_blocks} of {self.blocks.num_blocks} blocks free)")
+        self._hold(request)
+        self.blocks.allocate(request.id, tokens)
+        self._run(request)
 
+    def get(self, request_id: int) -> Request | None:
+        """The live (waiting or running) request with this id; ``None`` once it ended."""
+        return self._live.get(request_id)
+
+    @property
+    def live(self) -> int:
+        """Requests held: waiting + running."""
+        return len(self._live)
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, request_id: int) -> bool:
+        """End a live request now: its blocks are released and it is never scheduled again.
+        Returns ``False`` (and changes nothing) for an id that is not live."""
+        request = self._live.get(request_id)
+        if request is None:
+            return False
+        if request in self.running:
+            self._finish(request)
+        else:
+            self.waiting.remove(request)
+            self._drop(request)
+        return True
+
+    def _hold(self, request: Request) -> None:
+        if request.id in self._live:
+            raise ValueError(f"request {request.id} is already held")
+        self._live[request.id] = request
+
+    # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_batched_tokens
         plan: list[ScheduledChunk] = []
-        ordered = sorted(self.running, key=lambda r: len(r.tokens) - r.computed > 1)  # decodes first
-        for request in ordered:
+        preemptions = self.stats["preemptions"]
+        for request in sorted(self.running, key=lambda r: len(r.tokens) - r.computed > 1):  # decodes first
+            budget = self._budget(plan)
             if budget == 0:
                 break
-            budget -= self._chunk(request, budget, plan)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            prefix = self.blocks.match_prefix(request.prompt)
-            if not self.blocks.can_reserve(request.reserve_tokens, prefix):
+            if request not in self.running:  # preempted for an older request earlier in this loop
+                continue
+            n = min(len(request.tokens) - request.computed, budget)
+            if n <= 0:
+                continue
+            end = request.computed + n
+            room = self._draft_room(request, n, end == len(request.tokens))
+            room = max(0, min(room, self.blocks.room(request.id) - end))  # drafts never preempt anyone
+            if self._fit(request, end + room, plan):
+                self._chunk(request, n, plan)
+        while self.waiting and len(self.running) < self.max_num_seqs and self.stats["preemptions"] == preemptions:
+            budget = self._budget(plan)
+            if budget == 0 or not self._admit(self.waiting[0], budget, plan):
                 break
-            self.waiting.popleft()
-            self.blocks.reserve(request.id, request.reserve_tokens, prefix)
-            if self.blocks.enable_prefix_caching:
-                self.blocks.record_query(len(request.prompt), len(prefix))
-            if prefix:  # a fresh request starts at 0; a hit skips its cached blocks
-                request.computed = len(prefix) * self.blocks.tokens_per_block
-            assert request.computed < len(request.prompt)
-            self.running.append(request)
-            budget -= self._chunk(request, budget, plan)
         return plan
 
-    def advance(self, request: Request, n: int) -> None:
+    def _budget(self, plan: list[ScheduledChunk]) -> int:
+        return self.max_batched_tokens - sum(len(item.chunk.tokens) for item in plan)
+
+    def _admit(self, request: Request, budget: int, plan: list[ScheduledChunk]) -> bool:
+        """Start (or restart, after a preemption) the head of the waiting queue with its first chunk,
+        if its blocks fit without preempting anyone."""
+        tokens = request.tokens
+        prefix = self.blocks.match_prefix(tokens)
+        start = len(prefix) * self.blocks.tokens_per_block if prefix else request.computed
+        n = min(len(tokens) - start, budget)
+        need = request.reserve_tokens if self.whole_request else start + n
+        if not self.blocks.can_allocate(need, prefix):
+            return False
+        self.waiting.popleft()
+        self.blocks.allocate(request.id, need, prefix)
+        if self.blocks.enable_prefix_caching and not request.preemptions:
+            self.blocks.record_query(len(request.prompt), len(prefix))
+        request.computed = start  # a fresh request starts at 0; a hit skips its cached blocks
+        assert request.computed < len(tokens)
+        self._run(request)
+        self._chunk(request, n, plan)
+        return True
+
+    def _run(self, request: Request) -> None:
+        self.running.append(request)
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
+
+    def _fit(self, request: Request, tokens: int, plan: list[ScheduledChunk]) -> bool:
+        """Grow ``request``'s table to ``tokens`` tokens, preempting the youngest running requests
+        until it fits; ``False`` if ``request`` itself was the youngest and got preempted."""
+        while not self.blocks.grow(request.id, tokens):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: list[ScheduledChunk]) -> None:
+        """Free ``request``'s blocks and queue it first for recomputation; it keeps its output."""
+        plan[:] = [item for item in plan if item.request is not request]
+        self.running.remove(request)
+        self.blocks.release(request.id)
+        self.stats["preemptions"] += 1
+        self.stats["preempted_tokens"] += request.computed
+        request.computed = 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _chunk(self, request: Request, n: int, plan: list[ScheduledChunk]) -> None:
+        tokens, start = request.tokens, request.computed
+        self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
+        table = self.blocks.table(request.id)
+        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(table))
+        samples = start + n == len(tokens)
+        room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)
+        plan.append(ScheduledChunk(request, chunk, samples, room))
+
+    def _draft_room(self, request: Request, n: int, samples: bool) -> int:
+        """Drafts a chunk may carry: never past ``max_new_tokens`` (nor, in :meth:`_chunk`, the table)."""
+        if not (self.speculative_tokens and samples and n == 1 and request.speculative and request.params.greedy):
+            return 0
+        return max(0, min(self.speculative_tokens, request.max_new_tokens - len(request.output) - 1))
+
+    def postprocess(self, plan: Sequence[ScheduledChunk], outputs: Sequence[RowOutput]) -> list[StepEvent]:
+        """Apply one step's results: accept drafts, append tokens until a stop condition, move
+        ``computed`` on (tokens first: prefix-cache registration hashes them), finish requests."""
+        events: list[StepEvent] = []
+        for item, out in zip(plan, outputs, strict=True):
+            request = item.request
+            emitted, advance = self._accepted(item, out)
+            done = False
+            for n, token in enumerate(emitted):
+                request.output.append(token)
+                done = len(request.output) >= request.max_new_tokens or token in self.eos_token_ids
+                events.append(StepEvent(request.id, token, done))
+                if done:  # tokens past the stop (confirmed drafts) are not kept
+                    advance = min(advance, len(item.chunk.tokens) + n)
+                    break
+            self._advance(request, advance)
+            if done:
+                self._finish(request)
+        return events
+
+    def _accepted(self, item: ScheduledChunk, out: RowOutput) -> tuple[list[int], int]:
+        """Tokens to emit, and how many of the step's tokens are now validly cached."""
+        if not out.drafts:
+            return list(out.tokens), len(item.chunk.tokens)
+        accepted = accept(out.drafts, out.tokens)
+        self.spec_stats["drafted"] += len(out.drafts)
+        self.spec_stats["accepted"] += accepted
+        return list(out.tokens[: accepted + 1]), 1 + accepted  # the last token + confirmed drafts
+
+    def _advance(self, request: Request, n: int) -> None:
         """``n`` more tokens of ``request`` are in the KV cache on every rank; register the
         virtual blocks that became full (prefix caching)."""
+        start, prompt = request.computed, len(request.prompt)
+        self.prompt_tokens_computed += max(0, min(start + n, prompt) - start)
         request.computed += n
         if self.blocks.enable_prefix_caching:
             self.blocks.register(request.id, request.tokens, request.computed)
 
-    def _chunk(self, request: Request, budget: int, plan: list[ScheduledChunk]) -> int:
-        tokens = request.tokens
-        n = min(len(tokens) - request.computed, budget)
-        if n <= 0:
-            return 0
-        start = request.computed
-        self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
-        self.prompt_tokens_computed += max(0, min(start + n, len(request.prompt)) - start)
-        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(self.blocks.table(request.id)))
-        plan.append(ScheduledChunk(request, chunk, samples=start + n == len(tokens)))
-        return n
-
-    def finish(self, request: Request) -> None:
-        request.finished = True
+    def _finish(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.release(request.id)
+        self._drop(request)
+
+    def _drop(self, request: Request) -> None:
+        request.finished = True
+        del self._live[request.id]

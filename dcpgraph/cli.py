@@ -58,6 +58,11 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, prompts: list[li
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":  # `dcpgraph serve MODEL_DIR ...`: the OpenAI-compatible server
+        from .serving.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dcpgraph", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3",

@@ -77,14 +77,18 @@ def _eos_ids(path: str, config) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def require_model_dir(path: str) -> None:
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise ConfigError(f"model must be a local HF model directory with a config.json, got {path!r}")
+
+
 def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int = 1, block_size: int = 16,
                        interleave: int = 1, tokenizer=None) -> CheckpointInfo:
     """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise ConfigError(f"model must be a local HF model directory with a config.json, got {path!r}")
+    require_model_dir(path)
     try:
         config = tf.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as err:
@@ -131,4 +135,9 @@ def load_model(path: str, dtype: str) -> torch.nn.Module:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"model (or tokenizer) must be a local directory, got {path!r}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot load a tokenizer: {err}") from None

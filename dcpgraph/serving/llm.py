@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, RequestError
-from .checkpoint import inspect_checkpoint, load_tokenizer
+from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
 from .outputs import CompletionOutput, RequestOutput
@@ -43,6 +43,7 @@ class LLM:
                  worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0, **engine_options: Any):
         import torch.distributed as dist
 
+        require_model_dir(model)
         self.tokenizer = load_tokenizer(tokenizer or model)
         tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
         info = inspect_checkpoint(model, dtype=dtype, tp=tp, dcp=dcp, block_size=block_size,

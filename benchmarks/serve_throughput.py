@@ -11,7 +11,8 @@ its next request as soon as the last one ends (at most ``--clients`` in flight).
 request: TTFT (request sent → first streamed token) and TPOT ((last − first token time) /
 (tokens − 1)); overall: generated tokens per second of wall time. Then the same requests run on an
 offline :class:`dcpgraph.LLM` of the same configuration (the server is stopped first, so the two
-never share the CPUs); the ratio server/offline is the serving overhead. Records go to
+never share the CPUs); the ratio server/offline is the serving overhead. Both first run a warm-up
+batch of ``--clients`` short requests (the first step at each batch size compiles its graph). Records go to
 ``benchmarks/results/serve_throughput.json``.
 """
 
@@ -110,7 +111,9 @@ def main() -> None:
     flags = ["-tp", str(args.tensor_parallel_size), "-dcp", str(args.decode_context_parallel_size),
              "--block-size", str(args.block_size), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--served-model-name", "bench"]
+    warmup = [(prompt, 4) for prompt, _ in requests[: args.clients]]  # first use of each batch size compiles
     with running_server(model, *flags, log_path=f"{tmp.name}/server.log") as server:
+        asyncio.run(client_load(server.url, warmup, args.clients))
         results, wall = asyncio.run(client_load(server.url, requests, args.clients))
     tokens = sum(r["tokens"] for r in results)
     config = (f"tp={args.tensor_parallel_size} dcp={args.decode_context_parallel_size} clients={args.clients} "
@@ -124,6 +127,7 @@ def main() -> None:
               decode_context_parallel_size=args.decode_context_parallel_size, block_size=args.block_size,
               dtype=args.dtype, max_num_seqs=args.max_num_seqs)
     try:
+        llm.generate([p for p, _ in warmup], SamplingParams(temperature=0, max_tokens=4))
         start = time.perf_counter()
         outputs = llm.generate([r[0] for r in requests], [SamplingParams(temperature=0, max_tokens=n) for _, n in requests])
         offline_wall = time.perf_counter() - start

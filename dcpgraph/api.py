@@ -74,7 +74,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
-    graph mode), ``speculative_tokens`` (draft tokens per decode step, default 0),
+    graph mode), ``speculative_tokens`` (draft tokens per decode step, default 0), ``max_waiting`` (bound of
+    the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
+    ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
+    request when the cache is full; "whole_request": prompt + max new tokens reserved at admission),
     ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
@@ -123,7 +126,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
         max_batched_tokens=opts["max_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
         capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
-        speculative_tokens=opts["speculative_tokens"],
+        speculative_tokens=opts["speculative_tokens"], max_waiting=opts["max_waiting"],
+        kv_allocation=opts["kv_allocation"],
     )
 
 

@@ -18,6 +18,7 @@ from .errors import ConfigError
 COMMS = ("auto", "a2a", "ag_rs")
 EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+KV_ALLOCATIONS = ("on_demand", "whole_request")
 
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
@@ -27,10 +28,11 @@ _INTS = {
     "max_batched_tokens": (256, 1),
     "capture_limit": (32, 0),
     "speculative_tokens": (0, 0),
+    "max_waiting": (1024, 1),
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False}
-_OTHER = ("comm", "backend", "executor", "plan")
+_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -68,6 +70,9 @@ def compile_options(**given: Any) -> dict[str, Any]:
     executor = given.get("executor", "auto")
     if executor not in EXECUTORS:
         raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {executor!r}")
+    kv_allocation = given.get("kv_allocation", "on_demand")
+    if kv_allocation not in KV_ALLOCATIONS:
+        raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {kv_allocation!r}")
     plan = given.get("plan")
     if plan is not None and not (
         isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
@@ -77,4 +82,5 @@ def compile_options(**given: Any) -> dict[str, Any]:
     from .backends.registry import resolve_backend
 
     resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
-    return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend}
+    return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
+            "kv_allocation": kv_allocation}

@@ -106,3 +106,24 @@ def test_a_missing_kernel_source_is_reported_not_silent(monkeypatch, tmp_path):
     assert str(missing) in kernels._native_state["reason"]
     assert native.reason == kernels._native_state["reason"] and "torch path" in native.reason
     assert not native.available()  # decided once per process; no second build attempt
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's build lock is waited on forever; one left by a killed build must not hang loads."""
+    import os
+    import time
+    import warnings
+
+    from dcpgraph.ops import native
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may hold it right now
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        native._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert any("stale native-kernel build lock" in str(w.message) for w in caught)

@@ -99,6 +99,26 @@ def _missing_source() -> str | None:
     )
 
 
+# A build takes one to three minutes here; torch's build lock (a plain file, waited on forever)
+# older than this was left by a process killed mid-build.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Remove ``directory/lock`` if it is older than :data:`STALE_LOCK_SECONDS`: torch's
+    ``FileBaton`` waits for it to vanish with no timeout, so a build killed while holding it would
+    hang every later process that loads the kernel."""
+    import time
+
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            warnings.warn(f"removed a stale native-kernel build lock {lock}", RuntimeWarning, stacklevel=4)
+    except FileNotFoundError:
+        pass
+
+
 def _load():
     global _module, _tried, reason, build_seconds
     with _lock:
@@ -118,6 +138,7 @@ def _load():
 
             path = build_dir()
             path.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(path)
             _module = load(
                 name="dcpgraph_paged_decode",
                 sources=[str(_source_copy(path))],

@@ -140,8 +140,9 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
             outs, lses = [o_ctx, o_new], [lse_ctx, lse_new]
             if sinks is not None:
                 # The sink as one more partial: no value (0) with logit sink_h for every query.
-                outs.append(e(aten.zeros_like.default, o_new))
-                lses.append(e(aten.add.Tensor, e(aten.zeros_like.default, lse_new),
+                # Shaped after the context read, which every later pass keeps (fusion drops o_new).
+                outs.append(e(aten.zeros_like.default, o_ctx))
+                lses.append(e(aten.add.Tensor, e(aten.zeros_like.default, lse_ctx),
                               e(aten._to_copy.default, sinks, dtype=lse_new_dtype(q))))
             merged, _ = e.pair(
                 dcp_ops.merge_attention.default, e(aten.stack.default, outs), e(aten.stack.default, lses),

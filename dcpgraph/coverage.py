@@ -34,6 +34,7 @@ TINY = dict(
     num_key_value_heads=1, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     moe_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2,
+    sliding_window=4,  # shorter than PROMPT, so sliding layers really slide
 )
 # Per-architecture corrections where the common tiny values do not fit the config's constraints.
 OVERRIDES: dict[str, dict] = {

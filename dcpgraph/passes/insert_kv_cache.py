@@ -101,6 +101,7 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
     cache_specs = []
     e = Emitter(graph)
     window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
+    _require_uniform_kv_heads(program, attn_nodes, latent)
     for layer, node in enumerate(attn_nodes):
         q, k, v, scale, _causal = node.args[:5]
         window, softcap, sinks = attention_modifiers(node)
@@ -167,6 +168,22 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
     )
     modified = f"; sliding windows {sorted(window_starts)}" if window_starts else ""
     return result, f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}){modified}"
+
+
+def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:
+    """Every GQA layer must have the model's KV head count: TP/DCP placement (``Mesh.validate``)
+    is decided from that one number, so a layer with its own count (e.g. separate sliding-layer
+    KV heads) would be placed wrongly."""
+    from ..errors import UnsupportedModelError
+
+    expected = program.facts.num_kv_heads
+    for layer, (node, dv) in enumerate(zip(attn_nodes, latent)):
+        heads = node.args[1].meta["val"].shape[1]
+        if not dv and program.facts.attention == "gqa" and heads != expected:
+            raise UnsupportedModelError(
+                f"layer {layer} has {heads} KV heads but the model's config says {expected}: "
+                "per-layer KV head counts are not supported"
+            )
 
 
 def lse_new_dtype(q) -> torch.dtype:

@@ -193,3 +193,23 @@ def test_native_kernel_is_never_asked_for_a_window_or_a_cap(monkeypatch):
         ref, _ = dense_attention(q[i : i + 1], ks[i][:c], vs[i][:c], 0.5, q_positions=torch.tensor([c]),
                                  window=4, softcap=2.0)
         torch.testing.assert_close(o[i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dcp=dst.dcp_sizes(1, 8), interleave=dst.interleaves((1, 2, 4, 16)), data=st.data())
+def test_window_start_emitted_by_shard_dcp_equals_layout_local_len(dcp, interleave, data):
+    """The graph ops ``shard_dcp`` emits for a rank's local window start compute exactly
+    ``layout.local_len`` of the global start, on every rank."""
+    import torch.fx
+
+    from dcpgraph.passes.graph_edit import Emitter
+    from dcpgraph.passes.shard_dcp import _emit_local_len
+
+    graph = torch.fx.Graph()
+    start, rank = graph.placeholder("start"), graph.placeholder("dcp_rank")
+    graph.output(_emit_local_len(Emitter(graph), start, rank, dcp, interleave))
+    fn = torch.fx.GraphModule(torch.nn.Module(), graph)
+    starts = torch.tensor(data.draw(st.lists(dst.lengths(dcp, interleave, max_value=500), min_size=1, max_size=8)))
+    for r in range(dcp):
+        got = fn(starts, torch.tensor(r))
+        assert torch.equal(got, layout.local_len(starts, r, dcp, interleave)), (r, starts)

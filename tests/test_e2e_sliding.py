@@ -103,3 +103,14 @@ def test_explain_names_the_windows():
     compiled = compile_program(program, dcpgraph.Mesh(2, 2), block_size=BLOCK)
     summaries = " ".join(str(r) for r in compiled.provenance)
     assert f"sliding windows [{WINDOW}]" in summaries
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_speculative_drafts_keep_tokens(tp, dcp):
+    """Draft tokens are multi-query rows: the new-token part is windowed causally among them and
+    each query's context window starts at its own position (repetitive prompts, so drafts hit)."""
+    prompts = [(3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4), tuple(range(40, 61)) + (40, 41, 42)]
+    want = [hf_greedy(model("gemma2"), p, MAX_NEW) for p in prompts]
+    engine, got = run("gemma2", tp, dcp, 1, "auto", prompts, speculative_tokens=3)
+    assert got == want
+    assert engine.report()["speculative"]["accepted"] > 0

@@ -396,7 +396,7 @@ def test_hf_gemma2_traces_with_window_and_softcap_and_a_refusal_restores_the_imp
     before = model.config._attn_implementation
     program = dcpgraph.trace(model)  # sliding window + soft-cap become the op's arguments
     attn = [n for n in program.graph_module.graph.nodes if n.target is torch.ops.dcpgraph.attention.default]
-    assert any(len(n.args) == 8 and n.args[5] > 0 for n in attn)  # the sliding layer carries its window
+    assert [n.args[5:7] for n in attn] == [(4096, 50.0), (0, 50.0)]  # (window, soft-cap) per layer
     assert model.config._attn_implementation == before
     model.model.layers[0].self_attn.is_causal = False
     with pytest.raises(UnsupportedModelError, match=r"layer 0 \(Gemma2Attention\): non-causal attention"):

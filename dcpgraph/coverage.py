@@ -35,6 +35,10 @@ TINY = dict(
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     moe_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2,
 )
+# A window shorter than PROMPT for every architecture whose config has one, so sliding layers
+# really slide (set only where the config defines it: HF's cache reads ``config.sliding_window``
+# even for models whose attention ignores it).
+TINY_WINDOW = 4
 # Per-architecture corrections where the common tiny values do not fit the config's constraints.
 OVERRIDES: dict[str, dict] = {
     "deepseek_v2": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
@@ -86,6 +90,8 @@ def tiny_model(model_type: str):
     import transformers as tf
 
     config = tf.AutoConfig.for_model(model_type, **{**TINY, **OVERRIDES.get(model_type, {})})
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = TINY_WINDOW
     if getattr(config, "is_encoder_decoder", False):
         return None
     torch.manual_seed(0)

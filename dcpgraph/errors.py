@@ -20,7 +20,7 @@ class UnsupportedModelError(DcpGraphError, NotImplementedError):
     """A model, or a feature of one of its layers, that the pipeline does not implement.
 
     Raised instead of silently rewriting the model into something that computes a different
-    function (sliding windows, soft-capping, ALiBi, attention sinks, non-causal attention…).
+    function (ALiBi, explicit mask tensors, packed varlen inputs, non-causal attention…).
     """
 
 

@@ -390,11 +390,16 @@ def test_refuses_a_model_without_attention():
         dcpgraph.api.facts_of(NoAttention().eval())
 
 
-def test_hf_refuses_gemma2_and_restores_the_attention_implementation():
+def test_hf_gemma2_traces_with_window_and_softcap_and_a_refusal_restores_the_implementation():
     pytest.importorskip("transformers")
     model = _hf_model("gemma2")
     before = model.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match=r"layer 0 \(Gemma2Attention\): (sliding-window|.*soft-capping)"):
+    program = dcpgraph.trace(model)  # sliding window + soft-cap become the op's arguments
+    attn = [n for n in program.graph_module.graph.nodes if n.target is torch.ops.dcpgraph.attention.default]
+    assert [n.args[5:7] for n in attn] == [(4096, 50.0), (0, 50.0)]  # (window, soft-cap) per layer
+    assert model.config._attn_implementation == before
+    model.model.layers[0].self_attn.is_causal = False
+    with pytest.raises(UnsupportedModelError, match=r"layer 0 \(Gemma2Attention\): non-causal attention"):
         dcpgraph.trace(model)
     assert model.config._attn_implementation == before
 

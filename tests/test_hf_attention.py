@@ -98,3 +98,30 @@ def test_implemented_keywords_refuse_the_values_they_do_not_implement():
     q = torch.randn(1, 4, 5, 8)
     with pytest.raises(UnsupportedModelError, match="attention mask tensor"):
         hfa.dcpgraph_attention(_Attn(), q, q[:, :2], q[:, :2], torch.ones(1, 1, 5, 5))
+
+
+def test_window_softcap_and_sinks_reach_the_op_and_match_the_dense_reference():
+    from dcpgraph.testing.reference import dense_attention
+
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    out, _ = _call(scaling=0.7, sliding_window=2, softcap=1.5, s_aux=sinks)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=gen)
+    ref, _ = dense_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), k[0].transpose(0, 1), 0.7,
+                             q_positions=torch.arange(5), window=2, softcap=1.5, sinks=sinks)
+    torch.testing.assert_close(out[0], ref, rtol=0, atol=1e-12)
+    plain, _ = _call(scaling=0.7)
+    assert (plain - out).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(sliding_window=-1), "sliding_window must be a non-negative int"),
+    (dict(sliding_window=2.5), "sliding_window must be a non-negative int"),
+    (dict(softcap=-1.0), "softcap must be a non-negative number"),
+    (dict(s_aux=torch.zeros(3)), r"one logit per query head \(4,\), got \(3,\)"),
+    (dict(sinks=torch.zeros(4, 1)), r"one logit per query head"),
+])
+def test_modifier_values_are_checked(kw, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        _call(**kw)

@@ -571,16 +571,19 @@ def _op_samples():
             (bq, bk, bv, 0.35, True),
             (bq, bk, bv, 0.35, False),
             (bq.bfloat16(), bk.bfloat16(), bv.bfloat16(), 0.35, True),
+            (bq, bk, bv, 0.35, True, 3, 2.5, _randn(gen, 4)),  # window, soft-cap, sinks
         ],
         "partial_attention": [
             (q, k, v, cu_q, cu_k, 0.3, False),
             (q, k, v, cu_q, cu_k, 0.3, True),
             (q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, 0.3, True),  # LSE stays fp32
+            (q, k, v, cu_q, cu_k, 0.3, True, 2, 1.5),  # window, soft-cap
         ],
         "paged_attention": [
             (q, k_cache, v_cache, table, cu_q, kv_lens, None, 0.3),
             (q, k_cache, v_cache, table, cu_q, kv_lens, kv_bound, 0.3),
             (q.half(), k_cache.half(), v_cache.half(), table, cu_q, kv_lens, kv_bound, 0.3),
+            (q, k_cache, v_cache, table, cu_q, kv_lens, kv_bound, 0.3, kv_bound // 2, 1.5),  # window start, cap
         ],
         "merge_attention": [(outs, lses), (outs.bfloat16(), lses)],
         "rescale_to_global": [(outs[0], lses[0], lses), (outs[1].bfloat16(), lses[1], lses)],

@@ -3,8 +3,9 @@
 While a model is traced with ``attn_implementation="dcpgraph"``, every attention call becomes one
 ``torch.ops.dcpgraph.attention`` node carrying its scale and causality. Every keyword HF hands
 over is classified (:data:`SEMANTICS_FREE`, :data:`IMPLEMENTED`, :data:`REFUSED`, else unknown): a
-semantics-free keyword never blocks a model; a feature the pipeline does not implement (a mask tensor, sliding windows,
-soft-capping, sinks, positional biases such as ALiBi, non-causal attention, dropout…) raises
+semantics-free keyword never blocks a model; sliding windows, logit soft-capping and attention sinks
+become arguments of the op; a feature the pipeline does not implement (a mask tensor, positional
+biases such as ALiBi, non-causal attention, dropout…) raises
 :class:`~dcpgraph.errors.UnsupportedModelError` naming the layer, instead of being dropped.
 The matching ``AttentionMaskInterface`` entry builds no mask: causality is the op's own flag.
 """
@@ -50,14 +51,14 @@ IMPLEMENTED: dict[str, str] = {
     "scaling": "the op's softmax scale",
     "dropout": "accepted at 0.0 (inference); any other value is refused",
     "attention_mask": "accepted when None (causality is the op's flag); a tensor is refused",
+    "sliding_window": "the op's window: query at p sees keys at p − W < j <= p",
+    "softcap": "the op's logit soft-cap: scores become c·tanh(s/c)",
+    "s_aux": "the op's attention sinks: one learned logit per query head in the denominator",
+    "sinks": "the op's attention sinks: one learned logit per query head in the denominator",
 }
 
 # 3. Refused: a feature dcpgraph does not implement, named in the error.
 REFUSED: dict[str, str] = {
-    "sliding_window": "sliding-window attention",
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias (ALiBi / relative bias)",
     "alibi": "ALiBi",
     "head_mask": "a head mask",
@@ -115,6 +116,7 @@ def dcpgraph_attention(
                 f"{where}: unrecognised attention argument {name}={type(value_).__name__}; "
                 "dcpgraph refuses rather than guess what it changes"
             )
+    window, softcap, sinks = _modifiers(where, query.shape[1], kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         raise UnsupportedModelError(f"{where}: non-causal attention is not supported")
@@ -123,8 +125,27 @@ def dcpgraph_attention(
             f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads"
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.dcpgraph.attention(query, key, value, scale, True)
+    extra = (window, softcap, sinks) if (window or softcap or sinks is not None) else ()
+    out = torch.ops.dcpgraph.attention(query, key, value, scale, True, *extra)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _modifiers(where: str, q_heads: int, kwargs: dict) -> tuple[int, float, torch.Tensor | None]:
+    """``(window, softcap, sinks)`` from HF's keywords, each checked (0 / 0.0 / None: off)."""
+    window = kwargs.get("sliding_window")
+    if window is None or window is False:
+        window = 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise UnsupportedModelError(f"{where}: sliding_window must be a non-negative int, got {window!r}")
+    softcap = kwargs.get("softcap")
+    softcap = 0.0 if softcap is None else softcap
+    if isinstance(softcap, torch.Tensor) or not float(softcap) >= 0.0:
+        raise UnsupportedModelError(f"{where}: softcap must be a non-negative number, got {softcap!r}")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,)):
+        shown = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise UnsupportedModelError(f"{where}: attention sinks must be one logit per query head ({q_heads},), got {shown}")
+    return window, float(softcap), sinks
 
 
 def no_mask(*args, **kwargs) -> None:

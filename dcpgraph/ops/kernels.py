@@ -8,6 +8,12 @@ Shapes (token-major, as in a flattened continuous batch):
   inputs: see :func:`acc_dtype`);
 - a query row with no visible key gets ``out = 0`` and ``lse = −inf`` (the merge's neutral state).
 
+Two score modifiers are supported by every kernel here (and force the math path): ``softcap > 0``
+replaces each score ``s`` (already scaled) by ``c·tanh(s/c)`` before the softmax (Gemma2's
+``attn_logit_softcapping``), and a sliding ``window > 0`` keeps key ``j`` for query ``i`` only if
+``pos(i) − W < pos(j)`` (HF's ``sliding_window_overlay``), given either as a window over aligned
+positions (``attend``/varlen) or, for paged reads, as a per-query local lower bound ``kv_start``.
+
 The fast path is aten's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``), which
 returns the LSE; it is used when q/k/v share a head size, the key set is non-empty (the kernel
 raises SIGFPE on zero keys) and the mask is none or a square causal one. Everything else takes an
@@ -46,12 +52,18 @@ def attend(
     *,
     causal: bool = False,
     kv_bound: torch.Tensor | None = None,
+    kv_start: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [Lq, Hq, D]`` over ``k [Lk, Hkv, D]``, ``v [Lk, Hkv, Dv]`` → ``(out, lse)``.
 
     ``causal``: bottom-right aligned (query ``i`` sees keys ``j <= Lk − Lq + i``).
     ``kv_bound [Lq]``: query ``i`` sees keys ``j < kv_bound[i]`` only (a causal bound by global
     position, translated to local key indices by the caller).
+    ``kv_start [Lq]``: query ``i`` sees keys ``j >= kv_start[i]`` only (a sliding window's lower
+    bound in local key indices). ``window`` (with ``causal``): query ``i`` sees keys
+    ``j > Lk − Lq + i − window``. ``softcap``: scores become ``softcap·tanh(s/softcap)``.
     """
     lq, hq, _ = q.shape
     lk, hkv, dv = v.shape
@@ -61,6 +73,10 @@ def attend(
         return _empty_result(lq, hq, dv, q.dtype, q.device)
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if kv_start is not None or window or softcap:
+        return _attend_math(
+            q, k, v, scale, causal=causal, kv_bound=kv_bound, kv_start=kv_start, window=window, softcap=softcap
+        )
     value_prefix = _is_prefix_view(v, k)
     flash_dtype = q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
     if kv_bound is None and not causal and flash_dtype and (q.shape[-1] == k.shape[-1] == dv or value_prefix):
@@ -112,6 +128,11 @@ def _attend_grouped_flash(q, k, v, scale, dv):
     return out, lse.to(acc_dtype(q.dtype))
 
 
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``c·tanh(s/c)`` for ``c > 0``; the scores unchanged for ``c == 0``."""
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
+
+
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None):
     """``(softmax(scores)·values, logsumexp(scores))`` over the last axis, keys outside ``visible``
     masked; a row that sees no key gives ``(0, −inf)``, never NaN."""
@@ -122,7 +143,7 @@ def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, visible: torch.T
     return torch.matmul(probs, values), lse
 
 
-def _attend_math(q, k, v, scale, *, causal, kv_bound):
+def _attend_math(q, k, v, scale, *, causal, kv_bound, kv_start=None, window=0, softcap=0.0):
     lq, hq, _ = q.shape
     lk, hkv, _ = v.shape
     group = hq // hkv
@@ -130,28 +151,36 @@ def _attend_math(q, k, v, scale, *, causal, kv_bound):
     qf = q.to(acc).reshape(lq, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, Lq, D]
     kf = k.to(acc).permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
     vf = v.to(acc).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, Lk, Dv]
-    scores = torch.matmul(qf, kf) * scale  # [Hkv, G, Lq, Lk]
+    scores = soft_cap(torch.matmul(qf, kf) * scale, softcap)  # [Hkv, G, Lq, Lk]
     keys = torch.arange(lk, device=q.device)
-    visible = None
+    diagonal = (lk - lq + torch.arange(lq, device=q.device)).unsqueeze(1)  # aligned query positions
+    masks = []
     if causal:
-        visible = keys.unsqueeze(0) <= (lk - lq + torch.arange(lq, device=q.device)).unsqueeze(1)
+        masks.append(keys.unsqueeze(0) <= diagonal)
+        if window:
+            masks.append(keys.unsqueeze(0) > diagonal - window)
     if kv_bound is not None:
-        bound = keys.unsqueeze(0) < kv_bound.to(keys.device).unsqueeze(1)
-        visible = bound if visible is None else visible & bound
+        masks.append(keys.unsqueeze(0) < kv_bound.to(keys.device).unsqueeze(1))
+    if kv_start is not None:
+        masks.append(keys.unsqueeze(0) >= kv_start.to(keys.device).unsqueeze(1))
+    visible = None
+    for mask in masks:
+        visible = mask if visible is None else visible & mask
     out, lse = _softmax_attend(scores, vf, visible)  # [Hkv, G, Lq, Dv], [Hkv, G, Lq]
     out = out.permute(2, 0, 1, 3).reshape(lq, hq, -1)
     lse = lse.permute(2, 0, 1).reshape(lq, hq)
     return out.to(q.dtype), lse
 
 
-def _one_key_per_row(q, k, v, scale):
+def _one_key_per_row(q, k, v, scale, softcap=0.0):
     """Every row is one query over exactly one key (decode's new-token part): the softmax weight
-    is 1, so ``out = v`` (per GQA group) and ``lse = scale·q·k`` — no kernel call per request."""
+    is 1, so ``out = v`` (per GQA group) and ``lse = softcap(scale·q·k)`` — no kernel call per
+    request. A sliding window (at least 1) always keeps a query's own key."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     acc = acc_dtype(q.dtype)
     kg = k.to(acc).repeat_interleave(hq // hkv, dim=1)
-    lse = (q.to(acc) * kg).sum(-1) * scale
+    lse = soft_cap((q.to(acc) * kg).sum(-1) * scale, softcap)
     out = v.repeat_interleave(hq // hkv, dim=1).to(q.dtype)
     return out, lse
 
@@ -164,19 +193,22 @@ def varlen_partial_attention(
     cu_seqlens_k: torch.Tensor,
     scale: float,
     causal: bool,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row ``r``'s queries ``q[cq_r:cq_{r+1}]`` attend to keys ``k[ck_r:ck_{r+1}]``."""
+    """Row ``r``'s queries ``q[cq_r:cq_{r+1}]`` attend to keys ``k[ck_r:ck_{r+1}]`` (``window`` and
+    ``softcap`` as in :func:`attend`)."""
     tq, hq, _ = q.shape
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
     if cq == ck == list(range(tq + 1)) and tq == k.shape[0]:
-        return _one_key_per_row(q, k, v, scale)
+        return _one_key_per_row(q, k, v, scale, softcap)
     out, lse = _empty_result(tq, hq, v.shape[-1], q.dtype, q.device)
     for r in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[r], cq[r + 1], ck[r], ck[r + 1]
         if q1 == q0 or k1 == k0:
             continue
-        o, l_ = attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal=causal)
+        o, l_ = attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal=causal, window=window, softcap=softcap)
         out[q0:q1] = o
         lse[q0:q1] = l_
     return out, lse
@@ -214,10 +246,10 @@ def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torc
 BATCHED_DECODE_TOKENS = 512
 
 
-def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix):
+def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix, kv_start=None, softcap=0.0):
     """One query per row: gather every row's context into ``[R, Lmax, Hkv, D]`` with one index
-    op, mask keys past each row's length, and attend with batched matmuls in the accumulation
-    dtype. Rows with no keys give ``(0, −inf)``."""
+    op, mask keys past each row's length (and before its ``kv_start``), and attend with batched
+    matmuls in the accumulation dtype. Rows with no keys give ``(0, −inf)``."""
     rows, hq, d = q.shape
     block, hkv = k_cache.shape[1], k_cache.shape[2]
     dv = v_cache.shape[-1]
@@ -239,6 +271,8 @@ def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, valu
     slots = table.gather(1, (positions // block).unsqueeze(0).expand(rows, -1)) * block + positions % block
     valid = positions.unsqueeze(0) < kv_lens.to(positions.device).unsqueeze(1)  # [R, L]
     slots = torch.where(valid, slots, 0).reshape(-1)
+    if kv_start is not None:
+        valid = valid & (positions.unsqueeze(0) >= kv_start.to(positions.device).unsqueeze(1))
     acc = acc_dtype(q.dtype)
     keys = k_cache.reshape(-1, hkv, k_cache.shape[-1]).index_select(0, slots).reshape(rows, longest, hkv, -1)
     if value_prefix:
@@ -247,7 +281,7 @@ def _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, valu
         values = v_cache.reshape(-1, hkv, dv).index_select(0, slots).reshape(rows, longest, hkv, dv)
     group = hq // hkv
     qg = q.to(acc).reshape(rows, hkv, group, d)  # [R, Hkv, G, D]
-    scores = torch.matmul(qg, keys.to(acc).permute(0, 2, 3, 1)) * scale  # [R, Hkv, G, L]
+    scores = soft_cap(torch.matmul(qg, keys.to(acc).permute(0, 2, 3, 1)) * scale, softcap)  # [R, Hkv, G, L]
     out, lse = _softmax_attend(scores, values.to(acc).permute(0, 2, 1, 3), valid[:, None, None, :])
     return out.reshape(rows, hq, dv).to(q.dtype), lse.reshape(rows, hq)
 
@@ -315,20 +349,24 @@ def paged_partial_attention(
     kv_lens: torch.Tensor,
     kv_bound: torch.Tensor | None,
     scale: float,
+    kv_start: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens.
 
     Local key ``j`` of row ``r`` lives at slot ``block_table[r, j // B]·B + j % B``; with
-    ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``.
+    ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``, with ``kv_start`` only keys
+    ``j >= kv_start[t]`` (a sliding window), and ``softcap`` caps every score.
 
-    fp32 without ``kv_bound`` (or decode, one query per row, with it) runs the native kernel when
-    it is enabled (:func:`native_enabled`); a block table that does not cover a row falls back
-    here, to the checked torch path.
+    fp32 without ``kv_bound`` (or decode, one query per row, with it), ``kv_start`` and
+    ``softcap`` runs the native kernel when it is enabled (:func:`native_enabled`), which knows
+    neither a window nor a cap; a block table that does not cover a row falls back here, to the
+    checked torch path.
     """
-    plain = kv_bound is None or (  # a bound on a one-query-per-row decode is a length cap
+    plain = kv_start is None and not softcap and (kv_bound is None or (  # a bound on a one-query-per-row decode is a length cap
         q.shape[0] == kv_lens.shape[0]
         and torch.equal(cu_seqlens_q.to(torch.int64), torch.arange(q.shape[0] + 1))
-    )
+    ))
     if plain and q.dtype == torch.float32:
         from . import native
 
@@ -337,10 +375,14 @@ def paged_partial_attention(
             res = native.native_paged_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, lens, scale)
             if res is not None:
                 return res
-    return _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale)
+    return _paged_partial_attention_torch(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
+    )
 
 
-def _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
+def _paged_partial_attention_torch(
+    q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None, softcap=0.0
+):
     """The torch path of :func:`paged_partial_attention` (views / gathers + aten kernels)."""
     tq, hq, _ = q.shape
     block = k_cache.shape[1]
@@ -351,7 +393,7 @@ def _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_
     if tq == rows and cq == list(range(rows + 1)) and 0 < max(lens, default=0) <= BATCHED_DECODE_TOKENS:
         if kv_bound is not None:
             kv_lens = torch.minimum(kv_lens.to(torch.int64), kv_bound.to(torch.int64))
-        return _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix)
+        return _paged_decode_batched(q, k_cache, v_cache, block_table, kv_lens, scale, value_prefix, kv_start, softcap)
     out, lse = _empty_result(tq, hq, v_cache.shape[-1], q.dtype, q.device)
     table = block_table.tolist()
     for r, n in enumerate(lens):
@@ -362,10 +404,11 @@ def _paged_partial_attention_torch(q, k_cache, v_cache, block_table, cu_seqlens_
         k = gather_paged(k_cache, ids, n)
         v = k[..., : v_cache.shape[-1]] if value_prefix else gather_paged(v_cache, ids, n)
         bound = None if kv_bound is None else kv_bound[q0:q1]
-        if bound is not None and _is_suffix_causal(bound, n):
+        start = None if kv_start is None else kv_start[q0:q1]
+        if bound is not None and start is None and not softcap and _is_suffix_causal(bound, n):
             o, l_ = attend(q[q0:q1], k, v, scale, causal=True)
         else:
-            o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound)
+            o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound, kv_start=start, softcap=softcap)
         out[q0:q1] = o
         lse[q0:q1] = l_
     return out, lse

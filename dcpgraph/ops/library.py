@@ -7,16 +7,23 @@ mode gets them rewritten to Ascend ops first).
 =====================================  =========================================================
 op                                     meaning
 =====================================  =========================================================
-``attention(q,k,v,scale,causal)``      canonical attention from a front end, HF layout
-                                       ``[B, H, S, D]``; causal is top-left (``Sq == Sk``)
+``attention(q,k,v,scale,causal,        canonical attention from a front end, HF layout
+window,softcap,sinks)``                ``[B, H, S, D]``; causal is top-left (``Sq == Sk``)
 ``partial_attention(q,k,v,cu_q,cu_k,   varlen attention over contiguous KV → ``(out, lse)``;
-scale,causal)``                        causal is bottom-right per row
+scale,causal,window,softcap)``         causal is bottom-right per row
 ``paged_attention(q,kc,vc,table,cu_q,  attention over a paged KV cache → ``(out, lse)``,
-kv_lens,kv_bound,scale)``              ``kv_lens`` local per row, optional causal bound per query
+kv_lens,kv_bound,scale,kv_start,       ``kv_lens`` local per row, optional causal bound and
+softcap)``                             window start (local key index) per query
 ``merge_attention(outs,lses)``         exact N-way LSE merge (see :mod:`dcpgraph.ops.merge`)
 ``rescale_to_global(out,lse,lses)``    AG+RS merge's local step
 ``kv_cache_write_(cache,new,slots)``   in-place write of new K/V into their slots; slot −1 skips
 =====================================  =========================================================
+
+Score modifiers (defaults mean "off", and passes emit them only when on, so a graph without them
+is unchanged): ``window > 0`` is a sliding window (query at ``p`` sees keys at ``p − W < j <= p``),
+``softcap > 0`` caps each scaled score to ``c·tanh(s/c)``, and ``sinks [H]`` (canonical op only)
+adds one learned logit per head to the softmax denominator: ``out·σ(lse − sink)`` with
+``lse' = logaddexp(lse, sink)``, i.e. a merge with one extra partial ``(0, sink)``.
 """
 
 from __future__ import annotations
@@ -35,14 +42,18 @@ NS = "dcpgraph"
 # model's decode step. These ops are inference-only (no autograd formula).
 _lib = torch.library.Library(NS, "DEF")
 _SCHEMAS = {
-    "attention": "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> Tensor",
+    "attention": (
+        "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window=0, "
+        "float softcap=0.0, Tensor? sinks=None) -> Tensor"
+    ),
     "partial_attention": (
         "partial_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "float scale, bool causal) -> (Tensor, Tensor)"
+        "float scale, bool causal, int window=0, float softcap=0.0) -> (Tensor, Tensor)"
     ),
     "paged_attention": (
         "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor cu_seqlens_q, Tensor kv_lens, Tensor? kv_bound, float scale) -> (Tensor, Tensor)"
+        "Tensor cu_seqlens_q, Tensor kv_lens, Tensor? kv_bound, float scale, Tensor? kv_start=None, "
+        "float softcap=0.0) -> (Tensor, Tensor)"
     ),
     "merge_attention": "merge_attention(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
     "rescale_to_global": "rescale_to_global(Tensor out, Tensor lse, Tensor lses_all) -> (Tensor, Tensor)",
@@ -57,36 +68,51 @@ def _register(name: str, kernel, fake) -> None:
     torch.library.register_fake(f"{NS}::{name}", fake, lib=_lib)
 
 
-def _attention(q, k, v, scale, causal):
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``out [T, H, Dv]`` with each head's sink logit added to its softmax denominator: the merge
+    of ``(out, lse)`` with the partial ``(0, sinks[h])``."""
+    sink_lse = sinks.to(lse.dtype).unsqueeze(0).expand_as(lse)
+    merged, _ = merge_attention_reference(torch.stack([out, torch.zeros_like(out)]), torch.stack([lse, sink_lse]))
+    return merged
+
+
+def _attention(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None):
     b = q.shape[0]
     outs = []
     for i in range(b):
-        o, _ = kernels.attend(q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), scale, causal=causal)
+        o, lse = kernels.attend(
+            q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), scale,
+            causal=causal, window=window, softcap=softcap,
+        )
+        if sinks is not None:
+            o = with_sinks(o, lse, sinks)
         outs.append(o.transpose(0, 1))
     return torch.stack(outs).contiguous()
 
 
-def _attention_fake(q, k, v, scale, causal):
+def _attention_fake(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def _partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    out, lse = kernels.varlen_partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+def _partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window=0, softcap=0.0):
+    out, lse = kernels.varlen_partial_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap)
     return out.contiguous(), lse.contiguous()
 
 
-def _partial_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+def _partial_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window=0, softcap=0.0):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
-def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
+def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None,
+                     softcap=0.0):
     out, lse = kernels.paged_partial_attention(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale
+        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
     )
     return out.contiguous(), lse.contiguous()
 
 
-def _paged_attention_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale):
+def _paged_attention_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None,
+                          softcap=0.0):
     return (
         q.new_empty((*q.shape[:-1], v_cache.shape[-1])),
         q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype)),

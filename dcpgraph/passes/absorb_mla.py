@@ -106,7 +106,7 @@ def absorb_mla(program: Program):
     dropped: set[str] = set()
     first_user = next(n for n in graph.nodes if n.op == "placeholder" and specs[n.name].kind != PARAM)
     for layer, node in enumerate(nodes_calling(graph, dcp_ops.attention.default)):
-        q, k, v, scale, causal = node.args
+        q, k, v, scale, causal = node.args[:5]
         where = f"layer {layer} ({node.name})"
         up = nearest_linears(v)
         if len(up) != 1:
@@ -150,7 +150,7 @@ def absorb_mla(program: Program):
             k_latent = e(aten.cat.default, [c, e(aten.view.default, k_rope, [1, 1, -1, rope])], -1)
             v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
             q_latent = e(aten.cat.default, [e(aten.matmul.default, q_nope, uk_node), q_rope], -1)
-            o_latent = e(dcp_ops.attention.default, q_latent, k_latent, v_latent, scale, causal)
+            o_latent = e(dcp_ops.attention.default, q_latent, k_latent, v_latent, scale, causal, *node.args[5:])
             out = e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
         node.replace_all_uses_with(out)
         graph.erase_node(node)

@@ -9,7 +9,9 @@ paged read over ``context + new`` keys with a causal bound by position gives the
     o = paged_attention(q, k_cache, v_cache, table, cu_seqlens_q,
                         kv_lens = context_lens + (cu[1:] − cu[:-1]), kv_bound = position + 1)
 
-That removes, per layer, the varlen attention, two stacks and the merge.
+That removes, per layer, the varlen attention, two stacks and the merge. A sliding window's
+``kv_start`` and a soft-cap stay on the paged read (both are per query, by position); a layer
+with attention sinks keeps a two-way merge of the fused read with its sink partial.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def fuse_new_tokens(program: Program):
         outs, lses = merge.args
         if outs.target is not aten.stack.default or lses.target is not aten.stack.default:
             continue
-        o_ctx, o_new = outs.args[0]
+        o_ctx, o_new, *sink = outs.args[0]
         paged, partial = o_ctx.args[0], o_new.args[0]
         if paged.target is not dcp_ops.paged_attention.default or partial.target is not dcp_ops.partial_attention.default:
             continue
@@ -68,10 +70,15 @@ def fuse_new_tokens(program: Program):
                 counts = e(aten.sub.Tensor, e(aten.slice.Tensor, cu, 0, 1), e(aten.slice.Tensor, cu, 0, 0, -1))
                 seq_lens = e(aten.add.Tensor, ctx, counts)
                 bound = e(aten.add.Tensor, e(aten.view.default, positions, [-1]), 1)
-        paged.args = (*paged.args[:5], seq_lens, bound, paged.args[7])
-        merged_out = [u for u in merge.users if u.target is operator.getitem and u.args[1] == 0]
-        for u in merged_out:
-            u.replace_all_uses_with(o_ctx)
+        paged.args = (*paged.args[:5], seq_lens, bound, *paged.args[7:])
+        if sink:
+            lse_ctx, _lse_new, lse_sink = lses.args[0]
+            outs.args = ([o_ctx, *sink],)
+            lses.args = ([lse_ctx, lse_sink],)
+        else:
+            merged_out = [u for u in merge.users if u.target is operator.getitem and u.args[1] == 0]
+            for u in merged_out:
+                u.replace_all_uses_with(o_ctx)
         fused += 1
     graph.eliminate_dead_code()
     gm.recompile()

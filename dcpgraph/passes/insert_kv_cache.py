@@ -14,6 +14,13 @@ in the same step, with requests separated by ``cu_seqlens_q``. The caches are ex
 state: placeholders, returned as outputs, written in place (donated), so a step costs nothing
 proportional to cache capacity. Tokens with slot −1 are not written (DCP's non-owners).
 
+Score modifiers of the canonical op carry over to both halves: a soft-cap to the paged and the
+varlen attention alike; a sliding window ``W`` to the new-token part as ``window`` (aligned
+positions) and to the context part as a per-query lower bound ``kv_start = max(position − W + 1, 0)``
+computed in the graph from the ``position_ids`` input (global positions; ``shard_dcp`` turns it
+into each rank's local index). Attention sinks enter as a third partial ``(0, sink_h)`` of the
+final merge, which runs once per query after any DCP merge, so a sink is counted exactly once.
+
 MLA in latent form (values = a prefix of the key, see ``absorb_mla``) gets one cache per layer
 (``latent_cache_i`` holding ``[c ‖ k_rope]``) and reads its values as a view of it.
 """
@@ -40,6 +47,16 @@ def _latent_value_dim(node) -> int:
             and v.args[1] in (-1, 3) and v.args[2] == 0):
         return int(v.args[3])
     return 0
+
+
+def attention_modifiers(node) -> tuple[int, float, object]:
+    """``(window, softcap, sinks)`` of a canonical ``dcpgraph.attention`` node (0, 0.0, None: off)."""
+    names = ("window", "softcap", "sinks")
+    defaults = (0, 0.0, None)
+    values = []
+    for i, (name, default) in enumerate(zip(names, defaults)):
+        values.append(node.args[5 + i] if len(node.args) > 5 + i else node.kwargs.get(name, default))
+    return int(values[0] or 0), float(values[1] or 0.0), values[2]
 
 
 def _has_canonical_attention(program: Program) -> bool:
@@ -83,8 +100,13 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
     cache_nodes = [by_name[name] for name in cache_names]
     cache_specs = []
     e = Emitter(graph)
+    window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
+    _require_uniform_kv_heads(program, attn_nodes, latent)
     for layer, node in enumerate(attn_nodes):
-        q, k, v, scale, _causal = node.args
+        q, k, v, scale, _causal = node.args[:5]
+        window, softcap, sinks = attention_modifiers(node)
+        if window:
+            window_starts.setdefault(window, None)
         k_val, v_val = k.meta["val"], v.meta["val"]
         dtype = cache_dtype or k_val.dtype
         with graph.inserting_before(node):
@@ -104,18 +126,27 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
                 ]
                 e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
                 e(dcp_ops.kv_cache_write_.default, v_cache, vt, meta_nodes["slot_mapping"])
+            paged_extra, partial_extra = (), ()
+            if window or softcap:
+                paged_extra = (_window_start(graph, e, window_starts, window) if window else None, softcap)
+                partial_extra = (window, softcap)
             o_ctx, lse_ctx = e.pair(
                 dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta_nodes["block_table"],
-                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale,
+                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale, *paged_extra,
             )
             o_new, lse_new = e.pair(
                 dcp_ops.partial_attention.default, qt, kt, vt,
-                meta_nodes["cu_seqlens_q"], meta_nodes["cu_seqlens_q"], scale, True,
+                meta_nodes["cu_seqlens_q"], meta_nodes["cu_seqlens_q"], scale, True, *partial_extra,
             )
+            outs, lses = [o_ctx, o_new], [lse_ctx, lse_new]
+            if sinks is not None:
+                # The sink as one more partial: no value (0) with logit sink_h for every query.
+                # Shaped after the context read, which every later pass keeps (fusion drops o_new).
+                outs.append(e(aten.zeros_like.default, o_ctx))
+                lses.append(e(aten.add.Tensor, e(aten.zeros_like.default, lse_ctx),
+                              e(aten._to_copy.default, sinks, dtype=lse_new_dtype(q))))
             merged, _ = e.pair(
-                dcp_ops.merge_attention.default,
-                e(aten.stack.default, [o_ctx, o_new]),
-                e(aten.stack.default, [lse_ctx, lse_new]),
+                dcp_ops.merge_attention.default, e(aten.stack.default, outs), e(aten.stack.default, lses),
             )
             out = e(aten.unsqueeze.default, e(aten.transpose.int, merged, 0, 1), 0)
         node.replace_all_uses_with(out)
@@ -135,4 +166,40 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
         caches=tuple(cache_specs),
         options={**program.options, "block_size": block_size},
     )
-    return result, f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size})"
+    modified = f"; sliding windows {sorted(window_starts)}" if window_starts else ""
+    return result, f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}){modified}"
+
+
+def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:
+    """Every GQA layer must have the model's KV head count: TP/DCP placement (``Mesh.validate``)
+    is decided from that one number, so a layer with its own count (e.g. separate sliding-layer
+    KV heads) would be placed wrongly."""
+    from ..errors import UnsupportedModelError
+
+    expected = program.facts.num_kv_heads
+    for layer, (node, dv) in enumerate(zip(attn_nodes, latent)):
+        heads = node.args[1].meta["val"].shape[1]
+        if not dv and program.facts.attention == "gqa" and heads != expected:
+            raise UnsupportedModelError(
+                f"layer {layer} has {heads} KV heads but the model's config says {expected}: "
+                "per-layer KV head counts are not supported"
+            )
+
+
+def lse_new_dtype(q) -> torch.dtype:
+    """The LSE dtype of an attention over ``q``: fp32, or fp64 for fp64 queries."""
+    return torch.promote_types(q.meta["val"].dtype, torch.float32)
+
+
+def _window_start(graph, e: Emitter, cache: dict, window: int):
+    """``max(position − window + 1, 0)`` per new token, emitted once per window size right after
+    the ``position_ids`` placeholder: the first global position a query still sees."""
+    if cache.get(window) is None:
+        positions = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
+        if positions is None:
+            raise VerificationError("a sliding window needs the 'position_ids' input, which the graph lacks")
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            shifted = e(aten.sub.Tensor, e(aten.view.default, positions, [-1]), window - 1)
+            cache[window] = e(aten.clamp_min.default, shifted, 0)
+    return cache[window]

@@ -8,6 +8,11 @@ For each paged (context) attention of a layer, on every rank of a DCP group of `
         comm="a2a":   all_to_all of packed [o_c ‖ lse_c] by head block, then merge_attention
         comm="ag_rs": all_gather(lse_c); rescale_to_global; reduce_scatter(sum) by head block
 
+A sliding window's per-query start ``kv_start`` (a global position, from ``insert_kv_cache``)
+becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitted in the graph
+from the ``dcp_rank`` input: a rank's local tokens are in increasing global order, so the keys at
+global positions ``>= s`` are exactly its local suffix from ``local_len(s, r)``.
+
 The new-token part and the final two-way merge that ``insert_kv_cache`` emitted are unchanged,
 and the KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a
 rank does not own. The context length input becomes ``local_context_lens`` (per rank,
@@ -69,6 +74,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     e = Emitter(graph)
     local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
     rewritten = 0
+    interleave = int(program.options.get("interleave", 1))
+    local_starts: dict = {}  # global kv_start node -> this rank's local index
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
     # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -80,6 +87,12 @@ def shard_dcp(program: Program, comm: str = "auto"):
             q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
             q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
         node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
+        if len(node.args) > 8 and node.args[8] is not None:
+            start = node.args[8]
+            if start not in local_starts:
+                with graph.inserting_before(node):
+                    local_starts[start] = _emit_local_len(e, start, dcp_rank, n, interleave)
+            node.args = (*node.args[:8], local_starts[start], *node.args[9:])
         users = getitem_users(node)
         anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
         with graph.inserting_before(anchor.next):
@@ -105,6 +118,15 @@ def shard_dcp(program: Program, comm: str = "auto"):
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded",
     )
+
+
+def _emit_local_len(e: Emitter, length, rank, n: int, interleave: int):
+    """``layout.local_len`` as graph ops: ``base + clamp(L − base·N − r·I, 0, I)`` with
+    ``base = (L // (I·N))·I``, for an int64 tensor ``L`` and this rank's ``dcp_rank`` input ``r``."""
+    base = e(aten.mul.Tensor, e(aten.div.Tensor_mode, length, interleave * n, rounding_mode="floor"), interleave)
+    rem = e(aten.sub.Tensor, e(aten.sub.Tensor, length, e(aten.mul.Tensor, base, n)),
+            e(aten.mul.Tensor, rank, interleave))
+    return e(aten.add.Tensor, base, e(aten.clamp.default, rem, 0, interleave))
 
 
 def _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q):

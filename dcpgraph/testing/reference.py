@@ -5,7 +5,9 @@ so a test can compare the kernels under test (``torch.ops.dcpgraph.*``) with som
 none of their code paths:
 
 - :func:`dense_attention`: ``softmax(scale·q·kᵀ)·v`` and ``logsumexp`` of the scores, GQA by
-  ``repeat_interleave``, optionally causal by global position;
+  ``repeat_interleave``, optionally causal by global position, with an optional sliding window,
+  logit soft-cap and per-head sink logits (written as the models write them: ``c·tanh(s/c)``, a
+  position mask, an extra softmax column);
 - :func:`shard_tokens`: a sequence's tokens split into each DCP rank's contiguous local stream
   (:mod:`dcpgraph.layout`'s ``owner``/``local_index``);
 - :func:`merge_by_hand`: the exact LSE merge as a running pair folded over ranks;
@@ -35,12 +37,19 @@ def dense_attention(
     *,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention in float64 → ``(out [T, Hq, Dv], lse [T, Hq])``.
 
     With ``q_positions`` (global position of each query) the attention is causal by position:
     query ``i`` sees key ``j`` iff ``k_positions[j] <= q_positions[i]`` (``k_positions`` defaults
-    to ``arange(S)``). A query that sees no key gets ``out = 0``, ``lse = −inf``.
+    to ``arange(S)``), and with ``window > 0`` also ``k_positions[j] > q_positions[i] − window``.
+    ``softcap > 0`` replaces each scaled score by ``softcap·tanh(score/softcap)``. ``sinks [Hq]``
+    appends one logit column per head to the softmax (GPT-OSS): it takes probability mass but
+    carries no value; the returned ``lse`` then includes it. A query that sees no key (and has no
+    sink) gets ``out = 0``, ``lse = −inf``.
     """
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
@@ -50,10 +59,18 @@ def dense_attention(
     kd = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     vd = v.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, Dv]
     scores = scale * qd @ kd.transpose(1, 2)  # [Hq, T, S]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if q_positions is not None:
         kpos = torch.arange(k.shape[0]) if k_positions is None else k_positions
         visible = kpos.view(1, -1) <= q_positions.view(-1, 1)
+        if window:
+            visible &= kpos.view(1, -1) > q_positions.view(-1, 1) - window
         scores = scores.masked_fill(~visible, NEG_INF)
+    if sinks is not None:
+        sink_column = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+        vd = torch.cat([vd, vd.new_zeros(vd.shape[0], 1, vd.shape[2])], dim=1)
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]
     safe = torch.where(torch.isinf(lse), 0.0, lse)
     probs = torch.exp(scores - safe.unsqueeze(-1))

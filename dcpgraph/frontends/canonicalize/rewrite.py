@@ -204,7 +204,7 @@ def canonical_only(program: Program) -> None:
     if left:
         raise VerificationError(f"raw attention left after canonicalization: {[n.name for n in left]}")
     for node in nodes_calling(graph, dcp_ops.attention.default):
-        q, k, v, _scale, causal = node.args
+        q, k, v, _scale, causal = node.args[:5]
         if causal is not True:
             raise VerificationError(f"{node.name}: canonical attention must be causal")
         shapes = [tensor_shape(x) for x in (q, k, v)]

@@ -76,7 +76,18 @@ def _fias_dtype(q: torch.Tensor) -> str | None:
     return None
 
 
+def _modifiers(site: Site, first: int) -> str | None:
+    """A sliding window or a logit soft-cap (the op's optional arguments from ``first`` on) is not
+    lowered to FIAS here: refused with the reason rather than dropped."""
+    window, softcap = (tuple(site.args[first:first + 2]) + (None, None))[:2]
+    if (window is not None and not (isinstance(window, int) and window == 0)) or softcap:
+        return "a sliding window or logit soft-cap is not lowered to FIAS (no rule maps it yet)"
+    return None
+
+
 def _paged_applies(site: Site) -> str | None:
+    if (reason := _modifiers(site, 8)) is not None:
+        return reason
     if site.args[6] is not None:
         return "kv_bound (a per-query causal bound inside the cache) has no FIAS form"
     return _fias_dtype(site.args[0])
@@ -89,7 +100,7 @@ def _paged_mla_applies(site: Site) -> str | None:
 
 
 def _partial_applies(site: Site) -> str | None:
-    return _fias_dtype(site.args[0])
+    return _modifiers(site, 7) or _fias_dtype(site.args[0])
 
 
 def _partial_mla_applies(site: Site) -> str | None:

@@ -35,3 +35,7 @@ __all__ += ["Engine", "compile", "trace"]
 from .explain import explain  # noqa: E402
 
 __all__ += ["explain"]
+
+from .serving import LLM, SamplingParams  # noqa: E402
+
+__all__ += ["LLM", "SamplingParams"]

@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from .plan.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["serve"]:  # `dcpgraph serve MODEL_DIR ...`: the OpenAI-compatible server
+        from .serving.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dcpgraph", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3",

@@ -273,6 +273,22 @@ class Engine:
         }
 
 
+    # -- PLACEHOLDER (serving helper, issue 12): the integrator replaces this with the scheduler
+    # helper's Engine.abort. Minimal semantics serving relies on: an unfinished request stops at
+    # once, its blocks are released and it is forgotten; returns whether it was still unfinished.
+    def abort(self, request_id: int) -> bool:
+        """Stop ``request_id`` now and free its KV blocks (placeholder; see the comment above)."""
+        request = self._requests.pop(request_id, None)
+        if request is None or request.finished:
+            return False
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+            request.finished = True
+        else:
+            self.scheduler.finish(request)
+        return True
+
+
 def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None, kv_cache_bytes_per_rank=None,
                       max_model_len: int, max_num_seqs: int) -> int:
     """Cache size in blocks from whichever budget the user gave (default: every sequence slot

@@ -1,0 +1,143 @@
+"""A local HF model directory: checked up front, then loaded on whichever process needs it.
+
+:func:`inspect_checkpoint` reads only small files (``config.json``, the safetensors index and the
+tokenizer) and raises before any rank starts for: a path that is not a model directory, a config
+naming an architecture transformers has no causal LM for, missing weight files (``.bin``-only
+checkpoints included), a tokenizer with more tokens than the model's vocabulary, an unknown
+``dtype``, and a ``(tp, dcp)`` mesh the model's heads cannot take (:meth:`Mesh.validate`).
+
+:func:`load_model` loads the weights with ``from_pretrained`` and refuses a checkpoint whose tensors
+are missing, unexpected or of the wrong shape (transformers would otherwise initialise the missing
+ones randomly). Every process that loads reads the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, UnsupportedModelError
+from ..mesh import Mesh
+
+DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    architecture: str
+    dtype: str  # a key of DTYPES other than "auto"
+    vocab_size: int
+    max_position_embeddings: int | None
+    eos_token_ids: tuple[int, ...]
+    weight_files: tuple[str, ...]
+
+
+def resolve_dtype(name: str, config) -> str:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(configured, str):
+        configured = getattr(torch, configured)
+    return str(configured).removeprefix("torch.")
+
+
+def weight_files(path: str) -> tuple[str, ...]:
+    index = os.path.join(path, _INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
+        if missing:
+            raise ConfigError(f"{path}: {_INDEX} names weight files that are missing: {missing}")
+        return tuple(files)
+    if os.path.exists(os.path.join(path, _SINGLE)):
+        return (_SINGLE,)
+    present = sorted(os.listdir(path))
+    raise ConfigError(f"{path}: no safetensors weights ({_SINGLE} or {_INDEX}); the directory holds {present}")
+
+
+def _eos_ids(path: str, config) -> tuple[int, ...]:
+    eos = None
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        with open(os.path.join(path, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def require_model_dir(path: str) -> None:
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise ConfigError(f"model must be a local HF model directory with a config.json, got {path!r}")
+
+
+def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int = 1, block_size: int = 16,
+                       interleave: int = 1, tokenizer=None) -> CheckpointInfo:
+    """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    require_model_dir(path)
+    try:
+        config = tf.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as err:
+        raise UnsupportedModelError(f"{path}/config.json: {err}") from None
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = list(getattr(config, "architectures", None) or [])
+    usable = [a for a in architectures if a in known]
+    if not usable:
+        raise UnsupportedModelError(
+            f"{path}: config.architectures={architectures} names no causal LM transformers knows "
+            f"(e.g. {', '.join(sorted(known & {'LlamaForCausalLM', 'Qwen3ForCausalLM', 'DeepseekV2ForCausalLM'}))})")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    mla = getattr(text, "kv_lora_rank", None) is not None
+    Mesh(tp, dcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
+                           num_kv_heads=1 if mla else (getattr(text, "num_key_value_heads", None) or heads),
+                           block_size=block_size, interleave=interleave)
+    if tokenizer is not None and len(tokenizer) > text.vocab_size:
+        raise ConfigError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                          f"{text.vocab_size}; ids past it would index outside the embedding")
+    return CheckpointInfo(
+        path=path, architecture=usable[0], dtype=resolve_dtype(dtype, config), vocab_size=text.vocab_size,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        eos_token_ids=_eos_ids(path, config), weight_files=weight_files(path),
+    )
+
+
+def load_model(path: str, dtype: str) -> torch.nn.Module:
+    """The model of ``path`` in ``dtype`` (eval mode), refusing missing/unexpected/mismatched tensors."""
+    import transformers as tf
+
+    try:
+        model, info = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
+    except RuntimeError as err:  # transformers raises on shape mismatches
+        raise ConfigError(f"{path}: weights do not fit the config: {err}") from None
+    problems = {k: sorted(v) for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if problems:
+        raise ConfigError(f"{path}: checkpoint tensors do not match the model: {problems}")
+    if DTYPES[dtype] == torch.float64 and getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"model (or tokenizer) must be a local directory, got {path!r}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot load a tokenizer: {err}") from None

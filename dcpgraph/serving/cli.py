@@ -1,0 +1,83 @@
+"""``dcpgraph serve MODEL_DIR``: the OpenAI-compatible server, flags in vLLM's spelling.
+
+The flags are a thin map onto :class:`~dcpgraph.LLM`'s options (:func:`llm_options`); the model is
+loaded and compiled (and the worker processes started) before the server listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import DcpGraphError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dcpgraph serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="local HF model directory (config.json, safetensors weights, tokenizer)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="auto (from the config), float32, bfloat16, float16, float64")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("DCPGRAPH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DCPGRAPH_API_KEY)")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="interface the driver-to-worker channels and the gloo world bind to")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def llm_options(args: argparse.Namespace) -> dict:
+    options = dict(
+        tensor_parallel_size=args.tensor_parallel_size, decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, block_size=args.block_size,
+        max_model_len=args.max_model_len, dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        worker_host=args.worker_host,
+    )
+    if args.num_gpu_blocks_override is not None:
+        options["num_blocks"] = args.num_gpu_blocks_override
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("dcpgraph.serving")
+    import uvicorn
+
+    from .api_server import build_app
+    from .llm import LLM
+
+    try:
+        llm = LLM(model=args.model, **llm_options(args))
+    except DcpGraphError as err:
+        print(f"dcpgraph serve: {err}", file=sys.stderr)
+        return 2
+    pids = getattr(llm.engine, "pids", None)
+    if pids:
+        log.info("worker processes (rank order): pids %s", pids)
+    app = build_app(llm, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                    max_body_bytes=args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        app.state.engine_loop.stop()
+        llm.shutdown()
+    return 0

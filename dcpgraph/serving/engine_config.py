@@ -1,0 +1,52 @@
+"""What an engine is built from: a JSON-able record, the same on the driver and on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .checkpoint import load_model
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str  # resolved (never "auto"), a key of checkpoint.DTYPES
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    block_size: int = 16
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = False
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    engine_options: dict[str, Any] = field(default_factory=dict)  # more dcpgraph.compile options
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> EngineConfig:
+        return cls(**data)
+
+
+def build_engine(config: EngineConfig, executor: str = "auto"):
+    """Load the checkpoint and compile it: an :class:`~dcpgraph.Engine` on this process. Inside an
+    initialised world of size ``tp`` (a worker, or torchrun) "auto" picks the distributed executor."""
+    from ..api import compile as compile_model
+
+    model = load_model(config.model, config.dtype)
+    return compile_model(
+        model, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
+        interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
+        max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
+        max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_num_batched_tokens,
+        executor=executor, **config.engine_options,
+    )
+
+
+def kv_blocks_in_use(engine) -> tuple[int, int]:
+    """``(blocks in use, total blocks)`` of an engine on this process (cached-free prefix blocks
+    count as free). Reads the block manager: the one place serving looks inside the engine."""
+    blocks = engine.blocks
+    return blocks.num_blocks - blocks.free_blocks, blocks.num_blocks

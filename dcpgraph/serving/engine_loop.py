@@ -1,0 +1,206 @@
+"""``EngineLoop``: the one thread that touches the engine, feeding per-request asyncio queues.
+
+The engine is not thread-safe and a :class:`~.workers.RemoteEngine` is one conversation with its
+ranks, so every engine call (add, step, abort, reports) happens on this thread. HTTP handlers
+submit commands through a thread-safe queue and receive :class:`Piece` items on an
+``asyncio.Queue`` of their own (``loop.call_soon_threadsafe``). Invariants:
+
+- every submitted request ends with exactly one final piece: ``finished`` (with a finish reason)
+  or ``error`` (the engine died); an aborted request gets nothing more;
+- a request a stop string ended is aborted in the engine at once, so its blocks are freed;
+- once the engine fails (a worker died, a step raised) the loop never steps again: every live
+  request gets an error piece, every later submission fails, and :attr:`error` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import DcpGraphError
+from .detokenizer import TextStream
+from .metrics import Metrics
+from .params import SamplingParams
+
+log = logging.getLogger("dcpgraph.serving")
+SNAPSHOT_EVERY_S = 0.5
+
+
+class EngineDeadError(DcpGraphError, RuntimeError):
+    """The engine failed earlier (see the message); the server cannot generate any more."""
+
+
+@dataclass
+class Piece:
+    choice: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Live:
+    choice: int
+    stream: TextStream
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    prompt_tokens: int
+    log_id: str
+    arrived: float
+    first: float | None = None
+    last: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, llm, metrics: Metrics):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self.error: str | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[int, _Live] = {}
+        self._snapshot = {"running": 0, "waiting": 0, "kv_usage": [0.0] * llm.config.tensor_parallel_size,
+                          "prefix_cache": {}}
+        self._snapshot_at = 0.0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcpgraph-engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, index: int, choice: int,
+                     out: asyncio.Queue, log_id: str) -> int:
+        """Queue one completion; returns the engine's request id or raises its ``RequestError``."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("add", prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done))
+        return await done
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(("abort", request_id))
+
+    def snapshot(self) -> dict:
+        return dict(self._snapshot)
+
+    @property
+    def healthy(self) -> bool:
+        if self.error is not None or not self._thread.is_alive():
+            return False
+        procs = getattr(self.engine, "procs", None)
+        return procs is None or all(p.is_alive() for p in procs)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(10)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                if not self._live:  # idle: wait briefly for work instead of spinning
+                    try:
+                        self._handle(self._commands.get(timeout=0.1))
+                    except queue.Empty:
+                        pass
+                while True:
+                    try:
+                        self._handle(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if self._live and self.error is None:
+                    self._step()
+                self._refresh_snapshot()
+            except Exception as err:  # the engine or a worker failed: nothing can run any more
+                self._fail(err)
+
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "abort":
+            live = self._live.pop(command[1], None)
+            if live is not None and self.error is None:
+                self.engine.abort(command[1])
+                log.info("request %s: aborted (client went away)", live.log_id)
+            return
+        _, prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done = command
+        if self.error is not None:
+            loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(self.error))
+            return
+        try:
+            rid = self.engine.add_request(prompt_ids, max_tokens, **params.engine_params(index))
+        except (DcpGraphError, ValueError) as err:
+            loop.call_soon_threadsafe(_set_exception, done, err)
+            return
+        except Exception as err:
+            loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(str(err)))
+            raise
+        self._live[rid] = _Live(choice, TextStream(self.llm.tokenizer, params, self.llm.eos_token_ids), loop, out,
+                                len(prompt_ids), log_id, time.monotonic())
+        loop.call_soon_threadsafe(_set_result, done, rid)
+
+    def _step(self) -> None:
+        pieces: dict[int, tuple[_Live, Piece]] = {}
+        for rid, token, engine_finished in self.engine.step():
+            live = self._live.get(rid)
+            if live is None:  # aborted, or already ended by a stop string earlier in this step
+                continue
+            now = time.monotonic()
+            live.first = live.first or now
+            live.last = now
+            _, piece = pieces.setdefault(rid, (live, Piece(live.choice)))
+            piece.text += live.stream.add(token, engine_finished)
+            piece.token_ids.append(token)
+            if live.stream.finished:
+                piece.finished, piece.finish_reason = True, live.stream.finish_reason
+                del self._live[rid]
+                if not engine_finished:
+                    self.engine.abort(rid)
+                self._record(live)
+        for live, piece in pieces.values():
+            _post(live.loop, live.out, piece)
+
+    def _record(self, live: _Live) -> None:
+        n = len(live.stream.token_ids)
+        ttft = live.first - live.arrived if live.first else None
+        tpot = (live.last - live.first) / (n - 1) if n > 1 else None
+        self.metrics.request_done(live.prompt_tokens, n, live.stream.finish_reason, ttft, tpot)
+        log.info("request %s: finished (%s), %d prompt + %d generated tokens", live.log_id,
+                 live.stream.finish_reason, live.prompt_tokens, n)
+
+    def _refresh_snapshot(self) -> None:
+        now = time.monotonic()
+        idle_changed = not self._live and self._snapshot["running"] + self._snapshot["waiting"] > 0
+        if self.error is not None or (now - self._snapshot_at < SNAPSHOT_EVERY_S and not idle_changed):
+            return
+        running = sum(1 for v in self._live.values() if v.first is not None)
+        self._snapshot = {"running": running, "waiting": len(self._live) - running,
+                          "kv_usage": self.llm.kv_usage_per_rank(),
+                          "prefix_cache": self.engine.memory_report()["prefix_cache"]}
+        self._snapshot_at = now
+
+    def _fail(self, err: Exception) -> None:
+        self.error = f"{type(err).__name__}: {err}"
+        log.error("engine failed: %s; ending %d in-flight request(s)", self.error, len(self._live))
+        for live in self._live.values():
+            _post(live.loop, live.out, Piece(live.choice, error=self.error))
+        self._live.clear()
+
+
+def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, piece: Piece) -> None:
+    try:
+        loop.call_soon_threadsafe(out.put_nowait, piece)
+    except RuntimeError:  # the client's event loop is gone
+        pass
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, err: BaseException) -> None:
+    if not future.done():
+        future.set_exception(err)

@@ -1,0 +1,163 @@
+"""``LLM``: vLLM's offline API over a local HF model directory, text in and text out.
+
+::
+
+    from dcpgraph import LLM, SamplingParams
+    llm = LLM(model="/models/DeepSeek-V2-Lite", tensor_parallel_size=2, decode_context_parallel_size=2)
+    outputs = llm.generate(["The future of AI is"], SamplingParams(temperature=0.8, top_p=0.95))
+    print(outputs[0].outputs[0].text)
+
+Where the ranks run: ``tensor_parallel_size == 1`` in this process; inside a ``torch.distributed``
+world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script;
+otherwise one worker process per rank (:class:`~.workers.RemoteEngine`, real gloo collectives)
+driven from here over loopback sockets. ``distributed_executor_backend="emulated"`` runs every
+rank in this process instead (the SPMD emulator). Every check that can fail does so here, before
+any rank starts (:func:`~.checkpoint.inspect_checkpoint`).
+
+Unseeded sampled requests draw from a stream keyed by the engine's request id, so a fresh ``LLM``
+given the same calls reproduces the same tokens; ``seed`` is kept for vLLM's signature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, RequestError
+from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
+from .detokenizer import TextStream
+from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
+from .outputs import CompletionOutput, RequestOutput
+from .params import SamplingParams
+from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt
+from .workers import RemoteEngine
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
+                 decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
+                 block_size: int = 16, max_model_len: int | None = None, dtype: str = "auto",
+                 enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
+                 worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0, **engine_options: Any):
+        import torch.distributed as dist
+
+        require_model_dir(model)
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
+        info = inspect_checkpoint(model, dtype=dtype, tp=tp, dcp=dcp, block_size=block_size,
+                                  interleave=cp_kv_cache_interleave_size, tokenizer=self.tokenizer)
+        limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        if max_model_len is None:
+            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        elif not 0 < int(max_model_len) <= limit:
+            raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                              f"got {max_model_len}")
+        self.info = info
+        self.seed = seed
+        self.max_model_len = int(max_model_len)
+        self.eos_token_ids = info.eos_token_ids
+        self.config = EngineConfig(
+            model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+            cp_kv_cache_interleave_size=int(cp_kv_cache_interleave_size), block_size=int(block_size),
+            max_model_len=self.max_model_len, enable_prefix_caching=bool(enable_prefix_caching),
+            max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(max_num_batched_tokens),
+            engine_options=dict(engine_options),
+        )
+        in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
+        backends = (None, "mp", "emulated")
+        if distributed_executor_backend not in backends:
+            raise ConfigError(f"distributed_executor_backend must be one of {backends}, got {distributed_executor_backend!r}")
+        self._next_request = 0
+        if tp == 1 or in_world:
+            self.engine = build_engine(self.config, "auto")
+        elif distributed_executor_backend == "emulated":
+            self.engine = build_engine(self.config, "emulated")
+        else:
+            self.engine = RemoteEngine(self.config, host=worker_host, timeout_s=worker_timeout_s)
+
+    # -- generation --------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per prompt, in order (see :mod:`.prompts` for the forms)."""
+        items = [encode_prompt(self.tokenizer, p) for p in as_prompt_list(prompts)]
+        return self._run(items, self._params_for(sampling_params, len(items)))
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """``messages`` is one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        items = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
+                             chat_template=chat_template) for c in conversations]
+        return self._run(items, self._params_for(sampling_params, len(items)))
+
+    @staticmethod
+    def _params_for(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"{len(sampling_params)} sampling_params for {count} prompts")
+        return list(sampling_params)
+
+    def max_tokens_for(self, params: SamplingParams, prompt_len: int) -> int:
+        """vLLM's rule: ``max_tokens=None`` means up to ``max_model_len``."""
+        return params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - prompt_len)
+
+    def _run(self, items: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        streams: dict[int, tuple[int, int, TextStream]] = {}
+        for i, (prompt, sp) in enumerate(zip(items, params)):
+            try:
+                for j in range(sp.n):
+                    rid = self.engine.add_request(prompt.token_ids, self.max_tokens_for(sp, len(prompt.token_ids)),
+                                                  **sp.engine_params(j))
+                    streams[rid] = (i, j, TextStream(self.tokenizer, sp, self.eos_token_ids))
+            except RequestError as err:
+                for rid in streams:
+                    self.engine.abort(rid)
+                err.args = (f"prompt {i}: {err}",)
+                raise
+        pending = set(streams)
+        while pending:
+            for rid, token, engine_finished in self.engine.step():
+                if rid not in pending:
+                    continue
+                stream = streams[rid][2]
+                stream.add(token, engine_finished)
+                if stream.finished:
+                    pending.discard(rid)
+                    if not engine_finished:
+                        self.engine.abort(rid)
+        outputs = []
+        for i, prompt in enumerate(items):
+            out = RequestOutput(str(self._next_request), prompt.text, list(prompt.token_ids))
+            self._next_request += 1
+            for _, j, stream in sorted((v for v in streams.values() if v[0] == i), key=lambda v: v[1]):
+                out.outputs.append(CompletionOutput(j, stream.text, list(stream.token_ids), stream.finish_reason))
+            outputs.append(out)
+        return outputs
+
+    # -- state ---------------------------------------------------------------------------------------
+    def kv_usage_per_rank(self) -> list[float]:
+        """Fraction of KV blocks in use on each rank (0 when nothing runs)."""
+        if isinstance(self.engine, RemoteEngine):
+            return [used / total for used, total in self.engine.kv_usage_per_rank()]
+        used, total = kv_blocks_in_use(self.engine)
+        return [used / total] * self.config.tensor_parallel_size
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any). The LLM cannot generate afterwards."""
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

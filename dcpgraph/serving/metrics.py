@@ -1,0 +1,87 @@
+"""Prometheus text exposition of the server's counters, gauges and histograms (no client library).
+
+Names follow vLLM's with the ``dcpgraph:`` prefix. Gauges come from the engine loop's snapshot
+(:meth:`EngineLoop.snapshot`); "running" requests have produced a token, "waiting" ones are queued
+or still in prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.count}')
+        return out + [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.count}"]
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def request_done(self, prompt_tokens: int, generated: int, reason: str, ttft: float | None,
+                     tpot: float | None) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generated
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def render(self, snapshot: dict) -> str:
+        labels = f'model_name="{self.model_name}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
+            lines.extend([f"# HELP dcpgraph:{name} {help_text}", f"# TYPE dcpgraph:{name} {kind}", *values])
+
+        metric("num_requests_running", "gauge", "Requests that have produced a token and are not finished.",
+               [f"dcpgraph:num_requests_running{{{labels}}} {snapshot['running']}"])
+        metric("num_requests_waiting", "gauge", "Requests queued or in prefill (no token yet).",
+               [f"dcpgraph:num_requests_waiting{{{labels}}} {snapshot['waiting']}"])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use, per rank.",
+               [f'dcpgraph:kv_cache_usage_perc{{{labels},rank="{r}"}} {u}' for r, u in enumerate(snapshot["kv_usage"])])
+        cache = snapshot.get("prefix_cache", {})
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               [f"dcpgraph:prefix_cache_queries_total{{{labels}}} {cache.get('query_tokens', 0)}"])
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
+               [f"dcpgraph:prefix_cache_hits_total{{{labels}}} {cache.get('hit_tokens', 0)}"])
+        with self.lock:
+            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                   [f"dcpgraph:prompt_tokens_total{{{labels}}} {self.prompt_tokens}"])
+            metric("generation_tokens_total", "counter", "Tokens generated for finished requests.",
+                   [f"dcpgraph:generation_tokens_total{{{labels}}} {self.generation_tokens}"])
+            metric("request_success_total", "counter", "Finished requests by finish reason.",
+                   [f'dcpgraph:request_success_total{{{labels},finished_reason="{k}"}} {v}'
+                    for k, v in sorted(self.finished.items())])
+            metric("time_to_first_token_seconds", "histogram", "Time to first token.",
+                   self.ttft.lines("dcpgraph:time_to_first_token_seconds", labels))
+            metric("time_per_output_token_seconds", "histogram", "Mean time per output token after the first.",
+                   self.tpot.lines("dcpgraph:time_per_output_token_seconds", labels))
+        return "\n".join(lines) + "\n"

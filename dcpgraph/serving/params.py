@@ -1,0 +1,75 @@
+"""``SamplingParams`` with vLLM's names and defaults, converted to the engine's own parameters.
+
+Defaults follow vLLM: ``temperature=1.0`` (sampling; ``0`` is greedy), ``top_p=1.0``, ``top_k=0``
+(``-1`` is accepted as vLLM's older spelling of "off"), ``max_tokens=16``, ``n=1``. Every value is
+checked here, so a bad one raises ``ValueError`` naming the field before any request is queued.
+
+``stop`` strings end the output at their first occurrence in the *text* (never inside a character:
+see :mod:`.detokenizer`); the stop string itself is left out unless ``include_stop_str_in_output``.
+``stop_token_ids`` end it at that token (kept in ``token_ids``, left out of ``text``), as the
+model's EOS does. ``seed`` makes a sampled request reproducible; completion ``i`` of ``n`` uses
+``seed + i``. ``logprobs`` is accepted only as ``None``: the engine does not return log-probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..runtime.sampling import SamplingParams as EngineSamplingParams
+
+_GREEDY_BELOW = 1e-5  # vLLM treats temperatures this small as greedy
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive int, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 0 (or -1 for off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (
+                isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported: the engine returns sampled token ids only")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = tuple(stops)
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_BELOW
+
+    def engine_params(self, index: int = 0) -> dict:
+        """Keyword arguments of ``Engine.add_request`` for completion ``index`` of ``n``."""
+        if self.greedy:
+            return {}
+        seed = None if self.seed is None else self.seed + index
+        params = {"temperature": float(self.temperature), "top_k": max(self.top_k, 0),
+                  "top_p": float(self.top_p), "seed": seed}
+        EngineSamplingParams(**params)  # the engine's own checks, before anything is queued
+        return params

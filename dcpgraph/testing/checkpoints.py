@@ -1,0 +1,104 @@
+"""Tiny HF checkpoints on disk, for tests of everything that starts from a model directory.
+
+:func:`save_tiny_checkpoint` writes what ``transformers`` and :class:`dcpgraph.LLM` read from a
+real model directory: ``config.json``, safetensors weights (one file, or several with an index
+when ``max_shard_size`` is given), ``generation_config.json`` and a fast tokenizer with a ChatML
+chat template. Nothing is downloaded.
+
+The tokenizer (:func:`byte_level_tokenizer`) is built with the ``tokenizers`` library: a byte-level
+BPE with no merges, so token ``b`` (0–255) is byte ``b`` and every UTF-8 character of more than one
+byte spans several tokens (what incremental detokenisation must handle), then three special tokens
+and plain filler tokens up to the model's vocabulary, so every id a model can emit decodes.
+
+Weights are random (seeded) and redrawn at a scale where attention and every projection reach the
+logits (norm weights N(1, 0.3), biases N(0, 0.3), everything else N(0, 0.2)), so greedy outputs are
+varied rather than one repeated token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEFAULT_VOCAB = 320  # 256 bytes + 3 specials + 61 fillers; divisible by tp = 1, 2, 4, 8
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_level_tokenizer(vocab_size: int = DEFAULT_VOCAB):
+    """A ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens: ids 0–255 are the bytes,
+    256–258 are :data:`SPECIAL_TOKENS` (``<|im_end|>`` is EOS), the rest are fillers ``<|wN|>``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fillers = vocab_size - 256 - len(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(f"<|w{k}|>", special=False, normalized=False) for k in range(fillers)])
+    assert tok.get_vocab_size() == vocab_size
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
+    """A random-weight HF causal LM of :func:`dcpgraph.models.tiny_config`'s shapes, with the
+    tokenizer's special ids in its config and weights redrawn as the module docstring says."""
+    import transformers as tf
+
+    from ..models import tiny_config
+
+    config = tiny_config(arch, layers=layers, vocab=vocab_size)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 256, 258, 256
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            mean, std = (1.0, 0.3) if "norm" in name else (0.0, 0.3) if name.endswith("bias") else (0.0, 0.2)
+            p.copy_(mean + std * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    model.generation_config.eos_token_id = 258
+    model.generation_config.bos_token_id = 256
+    model.generation_config.pad_token_id = 256
+    return model.to(dtype)
+
+
+def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen3", *, vocab_size: int = DEFAULT_VOCAB,
+                         layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         max_shard_size: str | None = None, tokenizer_vocab_size: int | None = None) -> str:
+    """Write a model directory for ``arch`` (llama, qwen2, qwen3, deepseek_v2, deepseek_v3) to
+    ``path``; returns ``path``. ``max_shard_size`` (e.g. ``"40KB"``) writes a sharded checkpoint
+    with ``model.safetensors.index.json``; ``tokenizer_vocab_size`` (default: the model's) lets a
+    test write a tokenizer larger than the model."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed, dtype=dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    byte_level_tokenizer(tokenizer_vocab_size or vocab_size).save_pretrained(path)
+    return path

@@ -27,7 +27,7 @@ from ..program import ShardRule
 
 class SafetensorsFiles:
     """The tensors of a model directory's safetensors file(s): names and shapes from the headers;
-    each read opens the file, reads one slice and closes it, so no mapping outlives a read."""
+    each read opens the file, copies one slice out and closes it, so no mapping outlives a read."""
 
     def __init__(self, path: str, files: tuple[str, ...]):
         from safetensors import safe_open
@@ -55,8 +55,12 @@ class SafetensorsFiles:
 
         with safe_open(os.path.join(self.path, self._where[name]), framework="pt") as handle:
             if dim is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+                piece = handle.get_tensor(name)
+            else:
+                piece = handle.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+            # A private copy: a view would keep the file mapped, and every page a strided
+            # (column) read touched would stay resident for as long as the rank holds the slice.
+            return piece.clone()
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
-
-DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+from .checkpoint_files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
 
 
 @dataclass(frozen=True)
@@ -50,21 +46,6 @@ def resolve_dtype(name: str, config) -> str:
     if isinstance(configured, str):
         configured = getattr(torch, configured)
     return str(configured).removeprefix("torch.")
-
-
-def weight_files(path: str) -> tuple[str, ...]:
-    index = os.path.join(path, _INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
-        if missing:
-            raise ConfigError(f"{path}: {_INDEX} names weight files that are missing: {missing}")
-        return tuple(files)
-    if os.path.exists(os.path.join(path, _SINGLE)):
-        return (_SINGLE,)
-    present = sorted(os.listdir(path))
-    raise ConfigError(f"{path}: no safetensors weights ({_SINGLE} or {_INDEX}); the directory holds {present}")
 
 
 def _eos_ids(path: str, config) -> tuple[int, ...]:

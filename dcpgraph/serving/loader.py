@@ -171,7 +171,7 @@ class ShardedReader:
 def open_checkpoint(path: str, dtype: str):
     """``(meta model, sources)`` of the model directory ``path`` in ``dtype`` (a resolved
     :data:`~.checkpoint.DTYPES` key), checked as :func:`model_sources` says."""
-    from .checkpoint import DTYPES, weight_files
+    from .checkpoint_files import DTYPES, weight_files
 
     files = SafetensorsFiles(path, weight_files(path))
     model = meta_model(path, DTYPES[dtype])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,20 @@ class ShardRule:
 
 
 REPLICATE = ShardRule()
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """A state entry a pass derived from other entries: ``op`` applied to the full tensors of
+    ``inputs`` (state keys), with ``args``. Entries without one are the model's own tensors.
+
+    Ops: ``"mla_absorbed_uk"`` / ``"mla_absorbed_uv_t"`` with ``args = (nope, v_head_dim,
+    kv_lora_rank)``: :func:`dcpgraph.passes.absorb_mla.absorbed` of the up-projection weight.
+    """
+
+    op: str
+    inputs: tuple[str, ...]
+    args: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,11 @@ class Program:
     # (pass name, the Program right after that pass): graph *and* its input specs, caches, mesh…
     # Snapshots keep ``stages=()`` themselves, so the history is flat.
     stages: tuple[tuple[str, Program], ...] = ()
+    # How passes derived state entries from others (see StateSource), by state key.
+    sources: Mapping[str, StateSource] = field(default_factory=dict)
+    # When set, ``local_state`` reads rank ``r``'s tensors with ``state_reader(self, r)`` instead
+    # of slicing ``state`` (which may then hold meta tensors: shapes and dtypes only).
+    state_reader: Callable[[Program, int], list[torch.Tensor]] | None = None
 
     # -- construction helpers for passes -------------------------------------------------------
     def replace(self, **changes: Any) -> Program:
@@ -161,6 +180,8 @@ class Program:
 
     def local_state(self, rank: int) -> list[torch.Tensor]:
         """This rank's parameters/buffers/constants, in placeholder order."""
+        if self.state_reader is not None:
+            return self.state_reader(self, rank)
         tp = self.mesh.tp
         return [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
 

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
-from ..program import PARAM, InputSpec, Program, ShardRule
+from ..program import PARAM, InputSpec, Program, ShardRule, StateSource
 from .graph_edit import Emitter, nodes_calling
 from .insert_kv_cache import CANONICAL_ATTENTION
 from .manager import not_yet_run, program_pass
@@ -101,6 +101,7 @@ def absorb_mla(program: Program):
     e = Emitter(graph)
     specs = {s.name: s for s in program.inputs}
     state = dict(program.state)
+    sources = dict(program.sources)
     new_specs: list[InputSpec] = []
     plan = dict(facts.tp_plan)
     dropped: set[str] = set()
@@ -133,10 +134,11 @@ def absorb_mla(program: Program):
 
         # Absorbed projections, computed once from the full weight (functional state).
         target = specs[weight.name].target.removesuffix(".weight")
-        w = full.view(heads, nope + vdim, rank)
         uk_name, uv_name = f"{target}.absorbed_uk", f"{target}.absorbed_uv_t"
-        state[uk_name] = w[:, :nope, :].contiguous()  # [H, nope, R]
-        state[uv_name] = w[:, nope:, :].transpose(1, 2).contiguous()  # [H, R, v]
+        state[uk_name] = absorbed(full, "mla_absorbed_uk", nope, vdim, rank)  # [H, nope, R]
+        state[uv_name] = absorbed(full, "mla_absorbed_uv_t", nope, vdim, rank)  # [H, R, v]
+        for name, op in ((uk_name, "mla_absorbed_uk"), (uv_name, "mla_absorbed_uv_t")):
+            sources[name] = StateSource(op, (specs[weight.name].target,), (nope, vdim, rank))
         with graph.inserting_before(first_user):
             uk_node = graph.placeholder(_safe(uk_name))
             uv_node = graph.placeholder(_safe(uv_name))
@@ -174,11 +176,23 @@ def absorb_mla(program: Program):
     for t in dropped:
         state.pop(t, None)
     result = program.replace(
-        graph_module=gm, inputs=inputs, state=state,
+        graph_module=gm, inputs=inputs, state=state, sources=sources,
         facts=_replace(facts, tp_plan=plan, num_kv_heads=1, head_dim=rank + rope, v_head_dim=rank),
     )
     return result, (f"{len(new_specs) // 2} MLA layers absorbed: latent KV {rank}+{rope} per token, "
                     f"dropped {len(dropped)} up-projection weights")
+
+
+def absorbed(weight: torch.Tensor, op: str, nope: int, vdim: int, rank: int) -> torch.Tensor:
+    """``W_UK`` (``op="mla_absorbed_uk"``, ``[h, nope, R]``) or ``W_UV`` transposed
+    (``"mla_absorbed_uv_t"``, ``[h, R, v]``) of an up-projection ``weight`` of ``h`` whole heads
+    (``[h·(nope + v), R]``, head-major rows): any run of whole heads gives those heads' slices."""
+    w = weight.view(-1, nope + vdim, rank)
+    if op == "mla_absorbed_uk":
+        return w[:, :nope, :].contiguous()
+    if op == "mla_absorbed_uv_t":
+        return w[:, nope:, :].transpose(1, 2).contiguous()
+    raise ValueError(f"unknown absorbed op {op!r}; known: mla_absorbed_uk, mla_absorbed_uv_t")
 
 
 def _safe(name: str) -> str:

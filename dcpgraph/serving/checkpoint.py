@@ -4,11 +4,13 @@
 tokenizer) and raises before any rank starts for: a path that is not a model directory, a config
 naming an architecture transformers has no causal LM for, missing weight files (``.bin``-only
 checkpoints included), a tokenizer with more tokens than the model's vocabulary, an unknown
-``dtype``, and a ``(tp, dcp)`` mesh the model's heads cannot take (:meth:`Mesh.validate`).
+``dtype``, a ``(tp, dcp)`` mesh the model's heads cannot take (:meth:`Mesh.validate`), and
+checkpoint tensors that are missing, unexpected or of the wrong shape (safetensors headers against
+the model built on the meta device: :func:`~.loader.check_checkpoint`).
 
-:func:`load_model` loads the weights with ``from_pretrained`` and refuses a checkpoint whose tensors
-are missing, unexpected or of the wrong shape (transformers would otherwise initialise the missing
-ones randomly). Every process that loads reads the whole checkpoint.
+Engines load with :func:`~.loader.load_program` (each rank reads only its slices).
+:func:`load_model` loads the whole model with ``from_pretrained`` on one process (the HF reference
+tests compare against), refusing missing, unexpected or mismatched tensors as well.
 """
 
 from __future__ import annotations
@@ -21,11 +23,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
-
-DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+from .checkpoint_files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
 
 
 @dataclass(frozen=True)
@@ -48,21 +46,6 @@ def resolve_dtype(name: str, config) -> str:
     if isinstance(configured, str):
         configured = getattr(torch, configured)
     return str(configured).removeprefix("torch.")
-
-
-def weight_files(path: str) -> tuple[str, ...]:
-    index = os.path.join(path, _INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
-        if missing:
-            raise ConfigError(f"{path}: {_INDEX} names weight files that are missing: {missing}")
-        return tuple(files)
-    if os.path.exists(os.path.join(path, _SINGLE)):
-        return (_SINGLE,)
-    present = sorted(os.listdir(path))
-    raise ConfigError(f"{path}: no safetensors weights ({_SINGLE} or {_INDEX}); the directory holds {present}")
 
 
 def _eos_ids(path: str, config) -> tuple[int, ...]:
@@ -109,10 +92,15 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
     if tokenizer is not None and len(tokenizer) > text.vocab_size:
         raise ConfigError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{text.vocab_size}; ids past it would index outside the embedding")
+    from .loader import check_checkpoint
+
+    resolved = resolve_dtype(dtype, config)
+    files = weight_files(path)
+    check_checkpoint(path, resolved)
     return CheckpointInfo(
-        path=path, architecture=usable[0], dtype=resolve_dtype(dtype, config), vocab_size=text.vocab_size,
+        path=path, architecture=usable[0], dtype=resolved, vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
-        eos_token_ids=_eos_ids(path, config), weight_files=weight_files(path),
+        eos_token_ids=_eos_ids(path, config), weight_files=files,
     )
 
 

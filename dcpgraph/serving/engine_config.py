@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .checkpoint import load_model
+from .loader import load_program
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,15 @@ class EngineConfig:
 
 
 def build_engine(config: EngineConfig, executor: str = "auto"):
-    """Load the checkpoint and compile it: an :class:`~dcpgraph.Engine` on this process. Inside an
-    initialised world of size ``tp`` (a worker, or torchrun) "auto" picks the distributed executor."""
+    """Trace the checkpoint's model on the meta device and compile it: an :class:`~dcpgraph.Engine`
+    on this process whose executor reads only this process's ranks' weight slices
+    (:func:`~.loader.load_program`). Inside an initialised world of size ``tp`` (a worker, or
+    torchrun) "auto" picks the distributed executor."""
     from ..api import compile as compile_model
 
-    model = load_model(config.model, config.dtype)
+    program = load_program(config.model, config.dtype)
     return compile_model(
-        model, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
+        program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
         max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_num_batched_tokens,

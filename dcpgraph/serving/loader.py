@@ -1,0 +1,193 @@
+"""Load a checkpoint shard by shard: trace on the meta device, then each rank reads its slices.
+
+:func:`load_program` builds the HF model from its config on the meta device (no weights), traces
+it (:func:`~.meta_trace.trace_on_meta`) and returns a Program whose ``state`` holds meta tensors
+and whose ``state_reader`` is a :class:`ShardedReader`. After the pass pipeline,
+``program.local_state(rank)`` reads, for every state entry, the slice the entry's
+:class:`~dcpgraph.program.ShardRule` gives that rank, from the source :func:`model_sources`
+resolved for it (the checkpoint tensor of the same name, the tied tensor, per-expert tensors
+stacked into a fused expert parameter, a pass-derived entry of :attr:`Program.sources`, or a
+buffer computed from the config), cast to the entry's dtype. A rank therefore holds its own
+shard of the weights plus one slice being read.
+
+:func:`check_checkpoint` resolves every parameter and buffer of the meta model and compares shapes
+with the safetensors headers; missing, unexpected and mismatched tensors raise
+:class:`~dcpgraph.errors.ConfigError` naming them, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import ConfigError
+from ..program import STATE_KINDS, Program
+from .tensor_sources import (
+    AbsorbedMLA,
+    Concatenated,
+    InMemory,
+    SafetensorsFiles,
+    Stacked,
+    Stored,
+    read_local,
+)
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<param>gate_up_proj|down_proj)$")
+
+
+def meta_model(path: str, dtype: torch.dtype | None):
+    """The HF causal LM of ``path``'s config on the meta device in ``dtype``, eval mode."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _tied(model) -> dict[str, str]:
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    if not isinstance(tied, dict) or not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    return dict(tied)
+
+
+def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]:
+    """Buffers the checkpoint does not store (rotary frequencies), computed on the CPU the way
+    ``from_pretrained`` does: the owning module's storage made real, then ``_init_weights``."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        missing = [b for b, v in module.named_buffers(recurse=False)
+                   if v is not None and f"{module_name}.{b}".lstrip(".") not in files]
+        if not missing:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ConfigError(f"{files.path}: buffers {missing} of {module_name} are not in the checkpoint")
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)
+        for b in missing:
+            out[f"{module_name}.{b}".lstrip(".")] = getattr(module, b).detach().clone()
+    return out
+
+
+def _fused_expert_source(name: str, shape: tuple[int, ...], files: SafetensorsFiles):
+    match = _FUSED_EXPERTS.match(name)
+    if match is None:
+        return None
+    prefix, param = match["prefix"], match["param"]
+    experts = shape[0]
+    parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+    wanted = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(experts)]
+    if not all(n in files for names in wanted for n in names):
+        return None
+    stored = [[Stored(files, n) for n in names] for names in wanted]
+    return Stacked(tuple(Concatenated(tuple(s), 0) if len(s) > 1 else s[0] for s in stored))
+
+
+def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
+    """A source for every parameter and buffer of ``model`` (by its name); raises ConfigError for
+    missing, unexpected or mismatched checkpoint tensors, naming them all."""
+    tied = _tied(model)
+    computed = _computed_buffers(model, files)
+    sources: dict[str, object] = {}
+    missing: list[str] = []
+    expected = [(n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    expected += [(n, tuple(b.shape)) for n, b in model.named_buffers(remove_duplicate=False)]
+    for name, shape in expected:
+        if name in files:
+            sources[name] = Stored(files, name)
+        elif name in computed:
+            sources[name] = InMemory(computed[name], f"{name} (computed from the config)")
+        elif name in tied and tied[name] in files:
+            sources[name] = Stored(files, tied[name])
+        else:
+            fused = _fused_expert_source(name, shape, files)
+            if fused is None:
+                missing.append(name)
+            else:
+                sources[name] = fused
+    if missing:
+        raise ConfigError(f"{files.path}: the checkpoint has no tensor for {missing} (and no per-expert or tied "
+                          f"tensors they are built from); it holds {len(files.names())} tensors")
+    mismatched = [f"{name}: checkpoint {sources[name].describe()} {tuple(sources[name].shape)}, model {shape}"
+                  for name, shape in expected if tuple(sources[name].shape) != shape]
+    if mismatched:
+        raise ConfigError(f"{files.path}: checkpoint tensors do not fit the config: {mismatched}")
+    used = {n for s in sources.values() for n in _stored_names(s)}
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    unexpected = [n for n in files.names() if n not in used and not any(p.search(n) for p in ignore)]
+    if unexpected:
+        raise ConfigError(f"{files.path}: checkpoint tensors the model does not have: {unexpected}")
+    return sources
+
+
+def _stored_names(source) -> list[str]:
+    if isinstance(source, Stored):
+        return [source.name]
+    if isinstance(source, (Stacked, Concatenated)):
+        return [n for p in source.parts for n in _stored_names(p)]
+    if isinstance(source, AbsorbedMLA):
+        return _stored_names(source.up)
+    return []
+
+
+def state_source(program: Program, target: str, sources: dict[str, object]):
+    """The source of state entry ``target``: a pass-derived entry from its inputs' sources
+    (:attr:`Program.sources`), else the model's tensor of that name."""
+    derived = program.sources.get(target)
+    if derived is None:
+        if target not in sources:
+            raise ConfigError(f"state entry {target!r} has no checkpoint source (not a model parameter or buffer)")
+        return sources[target]
+    if derived.op in ("mla_absorbed_uk", "mla_absorbed_uv_t"):
+        (up,) = derived.inputs
+        return AbsorbedMLA(state_source(program, up, sources), derived.op, *derived.args)
+    raise ConfigError(f"state entry {target!r} is derived by {derived.op!r}, which the loader cannot read; "
+                      "known: mla_absorbed_uk, mla_absorbed_uv_t")
+
+
+class ShardedReader:
+    """``Program.state_reader``: rank ``r``'s state entries read from the checkpoint by slice."""
+
+    def __init__(self, sources: dict[str, object]):
+        self.sources = sources
+
+    def __call__(self, program: Program, rank: int) -> list[torch.Tensor]:
+        out = []
+        for spec in program.inputs:
+            if spec.kind not in STATE_KINDS:
+                continue
+            expected = program.state[spec.target]
+            source = state_source(program, spec.target, self.sources)
+            local = read_local(source, spec.shard, rank, program.mesh.tp).to(expected.dtype).contiguous()
+            want = spec.shard.local_shape(tuple(expected.shape), program.mesh.tp)
+            if tuple(local.shape) != want:
+                raise ConfigError(f"{spec.target}: read {tuple(local.shape)} for rank {rank}, expected {want}")
+            out.append(local)
+        return out
+
+
+def open_checkpoint(path: str, dtype: str):
+    """``(meta model, sources)`` of the model directory ``path`` in ``dtype`` (a resolved
+    :data:`~.checkpoint.DTYPES` key), checked as :func:`model_sources` says."""
+    from .checkpoint_files import DTYPES, weight_files
+
+    files = SafetensorsFiles(path, weight_files(path))
+    model = meta_model(path, DTYPES[dtype])
+    return model, model_sources(model, files)
+
+
+def check_checkpoint(path: str, dtype: str) -> None:
+    """Raise ConfigError for missing, unexpected or mismatched tensors; reads headers only."""
+    open_checkpoint(path, dtype)
+
+
+def load_program(path: str, dtype: str) -> Program:
+    """The traced Program of ``path`` with meta state and a :class:`ShardedReader`: compile it
+    (``dcpgraph.compile(program, tp=...)``) and each rank's executor reads only its slices."""
+    from .meta_trace import trace_on_meta
+
+    model, sources = open_checkpoint(path, dtype)
+    program = trace_on_meta(model)
+    return program.replace(state_reader=ShardedReader(sources))

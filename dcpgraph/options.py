@@ -18,6 +18,7 @@ from .errors import ConfigError
 COMMS = ("auto", "a2a", "ag_rs")
 EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model's dtype
 
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
@@ -30,7 +31,7 @@ _INTS = {
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False}
-_OTHER = ("comm", "backend", "executor", "plan")
+_OTHER = ("comm", "backend", "executor", "plan", "kv_cache_dtype")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -68,6 +69,9 @@ def compile_options(**given: Any) -> dict[str, Any]:
     executor = given.get("executor", "auto")
     if executor not in EXECUTORS:
         raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {executor!r}")
+    kv_cache_dtype = given.get("kv_cache_dtype", "auto")
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     plan = given.get("plan")
     if plan is not None and not (
         isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
@@ -77,4 +81,5 @@ def compile_options(**given: Any) -> dict[str, Any]:
     from .backends.registry import resolve_backend
 
     resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
-    return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend}
+    return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
+            "kv_cache_dtype": kv_cache_dtype}

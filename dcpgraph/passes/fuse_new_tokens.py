@@ -68,7 +68,7 @@ def fuse_new_tokens(program: Program):
                 counts = e(aten.sub.Tensor, e(aten.slice.Tensor, cu, 0, 1), e(aten.slice.Tensor, cu, 0, 0, -1))
                 seq_lens = e(aten.add.Tensor, ctx, counts)
                 bound = e(aten.add.Tensor, e(aten.view.default, positions, [-1]), 1)
-        paged.args = (*paged.args[:5], seq_lens, bound, paged.args[7])
+        paged.args = (*paged.args[:5], seq_lens, bound, *paged.args[7:])  # [7:]: scale, fp8 scales
         merged_out = [u for u in merge.users if u.target is operator.getitem and u.args[1] == 0]
         for u in merged_out:
             u.replace_all_uses_with(o_ctx)

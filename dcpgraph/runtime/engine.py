@@ -26,8 +26,9 @@ from .step_inputs import build_step_inputs
 
 def kv_bytes_per_block(program: Program) -> int:
     """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
-    block = int(program.options["block_size"])
-    return sum(block * c.heads * c.dim * torch.empty((), dtype=c.dtype).element_size() for c in program.caches)
+    from ..capacity import bytes_per_block, cache_shapes  # one formula, shared with the planner
+
+    return bytes_per_block(cache_shapes(program.caches), int(program.options["block_size"]))
 
 
 class Engine:

@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "decode_tokens_per_s": (["--quick"], "engine decode tok/s vs HF generate (tp=1)"),
     "decode_capacity": (["--steps", "16", "--rounds", "2"], "decode step time independent of cache size"),
     "plan_calibration": (["--quick"], "dcpgraph.plan's predicted decode attention time vs measured, dcp 1 and 2, 4K-128K"),
+    "kv_dtype": (["--quick"], "fp8 vs bf16 KV: bytes per token, teacher-forced next-token agreement"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -50,6 +51,7 @@ HEADLINE = {
     "decode_tokens_per_s": {"hf_decode_tokens_per_s"},
     "decode_capacity": set(),
     "plan_calibration": set(),
+    "kv_dtype": {"max_logit_error", "mean_logit_error"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

@@ -230,3 +230,27 @@ def test_npu_lowering_refuses_fp8_caches():
                               kv_cache_dtype="fp8_e4m3")
     with pytest.raises(NpuLoweringError, match="fp8 KV cache"):
         lower_npu(engine.program.graph_module)
+
+
+def test_fp8_kv_transfer_moves_values_and_scales():
+    """P/D with fp8 caches: a prefill engine at dcp=1 hands its fp8 KV (and scales) to a decode
+    engine at dcp=2; the tokens equal one fp8 engine's own run (fp64 weights: merge order cannot
+    flip an argmax, and the fp8 bytes and scales are copied, not requantised)."""
+    model = redraw(build_model("llama", dtype=torch.float64), 5)
+    prompt, new = [3, 9, 27, 81, 243, 1, 2, 5, 11], 8
+    options = dict(tp=2, block_size=4, num_blocks=16, kv_cache_dtype="fp8_e4m3")
+    want = dcpgraph.compile(model, dcp=1, **options).generate([prompt], new)[0]
+    transfer = dcpgraph.compile(model, dcp=1, **options).prefill(prompt)
+    names = {name for rank in transfer.caches for name in rank}
+    assert any(n.endswith("_scale") for n in names)
+    assert {t.dtype for rank in transfer.caches for n, t in rank.items() if not n.endswith("_scale")} == {
+        torch.float8_e4m3fn}
+    decode = dcpgraph.compile(model, dcp=2, **options)
+    rid = decode.continue_from(transfer, new)
+    outputs = {}
+    for _ in range(50):
+        if not decode.scheduler.has_work():
+            break
+        for r, token, _ in decode.step():
+            outputs.setdefault(r, []).append(token)
+    assert [transfer.tokens[len(prompt)]] + outputs[rid] == want

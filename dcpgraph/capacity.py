@@ -11,8 +11,12 @@ rank of the DCP group. Hence, per rank::
     capacity_tokens      = blocks · tokens_per_block
     bytes_per_token      = bytes_per_block / tokens_per_block
 
-``scale_bytes_per_head`` is zero for the caches dcpgraph compiles today (bf16/fp16/fp32/fp64);
-a quantised cache (the planner's ``fp8_e4m3``) carries its scales per (token, head) there.
+``scale_bytes_per_head`` is zero for floating-point caches (bf16/fp16/fp32/fp64); an
+``fp8_e4m3`` cache carries one fp32 scale per (token, head, group of ``FP8_SCALE_GROUP``
+elements), ``scale_groups(dim) · FP8_SCALE_BYTES`` bytes per head. The compiler keeps those scales
+in a companion cache (role ``"<role>_scale"``, ``dim = scale_groups(dim)``, fp32) that
+:func:`cache_shapes` folds into its data cache's ``scale_bytes_per_head``, so a compiled program
+and the planner's :class:`CacheShape` list give the same bytes (see :mod:`dcpgraph.ops.quant`).
 Nothing here depends on a traced program: :func:`cache_shapes` reads anything with ``heads``,
 ``dim`` and ``dtype`` attributes (the compiler's ``CacheSpec``), and the planner builds
 :class:`CacheShape` from a config.
@@ -26,6 +30,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+
+FP8_SCALE_GROUP = 128  # elements per fp32 scale of an fp8 cache (per token and head)
+FP8_SCALE_BYTES = 4
+SCALE_SUFFIX = "_scale"  # a scale cache's role: its data cache's role + this suffix
+
+
+def scale_groups(dim: int) -> int:
+    """fp32 scales per (token, head) of an fp8 cache row of ``dim`` elements."""
+    return math.ceil(dim / FP8_SCALE_GROUP)
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,19 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def cache_shapes(specs: Iterable) -> list[CacheShape]:
-    """``CacheShape`` of each compiler cache spec (``heads``, ``dim``, ``dtype``; no scales)."""
-    return [CacheShape(int(c.heads), int(c.dim), element_bytes(c.dtype)) for c in specs]
+    """``CacheShape`` of each compiler cache spec (``heads``, ``dim``, ``dtype``, ``role``): a
+    scale cache (role ending ``"_scale"``) becomes its data cache's ``scale_bytes_per_head``."""
+    specs = list(specs)
+    scales = {(c.layer, c.role[: -len(SCALE_SUFFIX)]): c for c in specs
+              if getattr(c, "role", "").endswith(SCALE_SUFFIX)}
+    out = []
+    for c in specs:
+        if getattr(c, "role", "").endswith(SCALE_SUFFIX):
+            continue
+        s = scales.get((getattr(c, "layer", None), getattr(c, "role", None)))
+        per_head = 0 if s is None else int(s.dim) * element_bytes(s.dtype)
+        out.append(CacheShape(int(c.heads), int(c.dim), element_bytes(c.dtype), per_head))
+    return out
 
 
 def bytes_per_block(caches: Iterable[CacheShape], block_size: int) -> int:

@@ -19,6 +19,7 @@ COMMS = ("auto", "a2a", "ag_rs")
 EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model's dtype
 
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
@@ -32,7 +33,7 @@ _INTS = {
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False}
-_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation")
+_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -73,6 +74,9 @@ def compile_options(**given: Any) -> dict[str, Any]:
     kv_allocation = given.get("kv_allocation", "on_demand")
     if kv_allocation not in KV_ALLOCATIONS:
         raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {kv_allocation!r}")
+    kv_cache_dtype = given.get("kv_cache_dtype", "auto")
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     plan = given.get("plan")
     if plan is not None and not (
         isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
@@ -83,4 +87,4 @@ def compile_options(**given: Any) -> dict[str, Any]:
 
     resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
-            "kv_allocation": kv_allocation}
+            "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype}

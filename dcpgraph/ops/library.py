@@ -13,10 +13,13 @@ window,softcap,sinks)``                ``[B, H, S, D]``; causal is top-left (``S
 scale,causal,window,softcap)``         causal is bottom-right per row
 ``paged_attention(q,kc,vc,table,cu_q,  attention over a paged KV cache → ``(out, lse)``,
 kv_lens,kv_bound,scale,kv_start,       ``kv_lens`` local per row, optional causal bound and
-softcap)``                             window start (local key index) per query
+softcap,k_scales?,v_scales?)``        window start (local key index) per query; with scales
+                                       the caches are fp8 (:mod:`dcpgraph.ops.quant`)
 ``merge_attention(outs,lses)``         exact N-way LSE merge (see :mod:`dcpgraph.ops.merge`)
 ``rescale_to_global(out,lse,lses)``    AG+RS merge's local step
 ``kv_cache_write_(cache,new,slots)``   in-place write of new K/V into their slots; slot −1 skips
+``kv_cache_write_fp8_(cache,new,       the same into an fp8 cache, quantised with one fp32 scale
+slots,scales)``                        per (token, head, 128 elements) written to ``scales``
 =====================================  =========================================================
 
 Score modifiers (defaults mean "off", and passes emit them only when on, so a graph without them
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, quant
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -53,11 +56,14 @@ _SCHEMAS = {
     "paged_attention": (
         "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor cu_seqlens_q, Tensor kv_lens, Tensor? kv_bound, float scale, Tensor? kv_start=None, "
-        "float softcap=0.0) -> (Tensor, Tensor)"
+        "float softcap=0.0, Tensor? k_scales=None, Tensor? v_scales=None) -> (Tensor, Tensor)"
     ),
     "merge_attention": "merge_attention(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
     "rescale_to_global": "rescale_to_global(Tensor out, Tensor lse, Tensor lses_all) -> (Tensor, Tensor)",
     "kv_cache_write_": "kv_cache_write_(Tensor(a!) cache, Tensor new, Tensor slot_mapping) -> ()",
+    "kv_cache_write_fp8_": (
+        "kv_cache_write_fp8_(Tensor(a!) cache, Tensor new, Tensor slot_mapping, Tensor(b!) scales) -> ()"
+    ),
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -104,7 +110,14 @@ def _partial_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, 
 
 
 def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None,
-                     softcap=0.0):
+                     softcap=0.0, k_scales=None, v_scales=None):
+    if k_scales is not None:  # fp8 caches: every path below reads the dequantised blocks
+        k_cache, v_cache, block_table = quant.dequantized_context(
+            k_cache, v_cache, k_scales, v_scales, block_table, kv_lens, q.dtype
+        )
+    elif quant.is_fp8(k_cache.dtype):
+        raise ValueError("paged_attention: an fp8 KV cache needs its scales (k_scales, and v_scales unless "
+                         "the values are a prefix of the keys)")
     out, lse = kernels.paged_partial_attention(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
     )
@@ -112,7 +125,7 @@ def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv
 
 
 def _paged_attention_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None,
-                          softcap=0.0):
+                          softcap=0.0, k_scales=None, v_scales=None):
     return (
         q.new_empty((*q.shape[:-1], v_cache.shape[-1])),
         q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype)),
@@ -149,12 +162,27 @@ def _kv_cache_write_fake(cache, new, slot_mapping):
     return None
 
 
+def _kv_cache_write_fp8_(cache, new, slot_mapping, scales):
+    """Quantise ``new [T, H, D]`` per (token, head, 128-group) and write values and scales into
+    the same slots (scheme and why: :mod:`dcpgraph.ops.quant`); slot −1 skips, as for
+    ``kv_cache_write_``. A slot's scale depends only on its own values, so writes commute."""
+    values, token_scales = quant.quantize_fp8(new)
+    # as bytes: aten's CPU index_copy_ has no fp8 kernel (the bits are copied unchanged)
+    _kv_cache_write_(cache.view(torch.uint8), values.view(torch.uint8), slot_mapping)
+    _kv_cache_write_(scales, token_scales, slot_mapping)
+
+
+def _kv_cache_write_fp8_fake(cache, new, slot_mapping, scales):
+    return None
+
+
 _register("attention", _attention, _attention_fake)
 _register("partial_attention", _partial_attention, _partial_attention_fake)
 _register("paged_attention", _paged_attention, _paged_attention_fake)
 _register("merge_attention", _merge_attention, _merge_attention_fake)
 _register("rescale_to_global", _rescale_to_global, _rescale_to_global_fake)
 _register("kv_cache_write_", _kv_cache_write_, _kv_cache_write_fake)
+_register("kv_cache_write_fp8_", _kv_cache_write_fp8_, _kv_cache_write_fp8_fake)
 
 ops = torch.ops.dcpgraph
 attention = ops.attention
@@ -163,3 +191,4 @@ paged_attention = ops.paged_attention
 merge_attention = ops.merge_attention
 rescale_to_global = ops.rescale_to_global
 kv_cache_write_ = ops.kv_cache_write_
+kv_cache_write_fp8_ = ops.kv_cache_write_fp8_

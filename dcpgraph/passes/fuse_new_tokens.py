@@ -70,7 +70,7 @@ def fuse_new_tokens(program: Program):
                 counts = e(aten.sub.Tensor, e(aten.slice.Tensor, cu, 0, 1), e(aten.slice.Tensor, cu, 0, 0, -1))
                 seq_lens = e(aten.add.Tensor, ctx, counts)
                 bound = e(aten.add.Tensor, e(aten.view.default, positions, [-1]), 1)
-        paged.args = (*paged.args[:5], seq_lens, bound, *paged.args[7:])
+        paged.args = (*paged.args[:5], seq_lens, bound, *paged.args[7:])  # [7:]: scale, window start, softcap, fp8 scales
         if sink:
             lse_ctx, _lse_new, lse_sink = lses.args[0]
             outs.args = ([o_ctx, *sink],)

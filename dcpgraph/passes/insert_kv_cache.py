@@ -23,13 +23,23 @@ final merge, which runs once per query after any DCP merge, so a sink is counted
 
 MLA in latent form (values = a prefix of the key, see ``absorb_mla``) gets one cache per layer
 (``latent_cache_i`` holding ``[c ‖ k_rope]``) and reads its values as a view of it.
+
+``kv_cache_dtype`` (vLLM's option): ``"auto"`` stores K/V in the model's dtype, ``"bf16"`` in
+bfloat16, ``"fp8_e4m3"`` in ``float8_e4m3fn`` with a companion fp32 scale cache per data cache
+(``<name>_scale``, role ``<role>_scale``, ``[blocks, block, heads, ceil(dim/128)]``): the writes
+become ``kv_cache_write_fp8_(cache, new, slot_mapping, scales)`` and the paged read passes the
+scales (``v_scales`` None for MLA, whose values are a prefix of the latent). The separate
+new-token attention reads this step's unquantised K/V; where ``fuse_new_tokens`` folds it into
+the paged read, the new tokens are read back from the fp8 cache like every context token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import VerificationError
+from ..capacity import SCALE_SUFFIX, scale_groups
+from ..errors import ConfigError, VerificationError
+from ..options import KV_CACHE_DTYPES
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
@@ -38,6 +48,14 @@ aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 
 META_ROLES = ("cu_seqlens_q", "context_lens", "block_table", "slot_mapping")
+FP8 = torch.float8_e4m3fn
+
+
+def cache_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the K/V caches for a ``kv_cache_dtype`` option value."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return {"auto": model_dtype, "bf16": torch.bfloat16, "fp8_e4m3": FP8}[kv_cache_dtype]
 
 
 def _latent_value_dim(node) -> int:
@@ -57,6 +75,24 @@ def attention_modifiers(node) -> tuple[int, float, object]:
     for i, (name, default) in enumerate(zip(names, defaults)):
         values.append(node.args[5 + i] if len(node.args) > 5 + i else node.kwargs.get(name, default))
     return int(values[0] or 0), float(values[1] or 0.0), values[2]
+
+
+def _add_cache(specs: list, scales: dict, by_name: dict, node, layer: int, role: str, value, dtype) -> None:
+    """Append the CacheSpec of ``node`` (heads and dim from the written ``value [1, H, T, D]``),
+    and for fp8 its scale cache's spec, recording that placeholder in ``scales``."""
+    heads, dim = int(value.shape[1]), int(value.shape[-1])
+    specs.append(CacheSpec(node.name, layer, role, heads, dim, dtype))
+    if dtype == FP8:
+        scales[node.name] = by_name[node.name + SCALE_SUFFIX]
+        specs.append(CacheSpec(node.name + SCALE_SUFFIX, layer, role + SCALE_SUFFIX, heads,
+                               scale_groups(dim), torch.float32))
+
+
+def _write(e: Emitter, cache, new, slot_mapping, scale_cache) -> None:
+    if scale_cache is None:
+        e(dcp_ops.kv_cache_write_.default, cache, new, slot_mapping)
+    else:
+        e(dcp_ops.kv_cache_write_fp8_.default, cache, new, slot_mapping, scale_cache)
 
 
 def _has_canonical_attention(program: Program) -> bool:
@@ -85,20 +121,24 @@ def _no_canonical_attention_left(program: Program) -> None:
 @program_pass(
     "insert_kv_cache", requires=[CANONICAL_ATTENTION, _MLA_ABSORBED], ensures=[_no_canonical_attention_left],
 )
-def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.dtype | None = None):
+def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str = "auto"):
     gm = program.copy_graph()
     graph = gm.graph
     attn_nodes = nodes_calling(graph, dcp_ops.attention.default)
     if not attn_nodes:
         raise VerificationError("insert_kv_cache found no canonical attention node")
+    fp8 = cache_dtype_of(kv_cache_dtype, program.facts.dtype) == FP8
     latent = [_latent_value_dim(n) for n in attn_nodes]
     cache_names = []
     for i, dv in enumerate(latent):
-        cache_names += [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
+        data = [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
+        for name in data:  # the order of cache_specs below: each data cache, then its scales
+            cache_names += [name, name + SCALE_SUFFIX] if fp8 else [name]
     meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     cache_nodes = [by_name[name] for name in cache_names]
     cache_specs = []
+    scales = {}  # data cache name -> its scale cache placeholder (fp8 only)
     e = Emitter(graph)
     window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
     _require_uniform_kv_heads(program, attn_nodes, latent)
@@ -108,31 +148,32 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
         if window:
             window_starts.setdefault(window, None)
         k_val, v_val = k.meta["val"], v.meta["val"]
-        dtype = cache_dtype or k_val.dtype
+        dtype = cache_dtype_of(kv_cache_dtype, k_val.dtype)
         with graph.inserting_before(node):
             # [1, H, T, D] -> [T, H, D]
             qt, kt, vt = (e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in (q, k, v))
             if latent[layer]:
                 # MLA: one cache of [c ‖ k_rope]; the values are its first R dims (a view).
                 k_cache = by_name[f"latent_cache_{layer}"]
-                cache_specs.append(CacheSpec(k_cache.name, layer, "latent", k_val.shape[1], k_val.shape[-1], dtype))
-                e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
+                _add_cache(cache_specs, scales, by_name, k_cache, layer, "latent", k_val, dtype)
+                _write(e, k_cache, kt, meta_nodes["slot_mapping"], scales.get(k_cache.name))
                 v_cache = e(aten.slice.Tensor, k_cache, -1, 0, latent[layer])
+                scale_args = (scales[k_cache.name], None) if fp8 else ()
             else:
                 k_cache, v_cache = by_name[f"k_cache_{layer}"], by_name[f"v_cache_{layer}"]
-                cache_specs += [
-                    CacheSpec(k_cache.name, layer, "k", k_val.shape[1], k_val.shape[-1], dtype),
-                    CacheSpec(v_cache.name, layer, "v", v_val.shape[1], v_val.shape[-1], dtype),
-                ]
-                e(dcp_ops.kv_cache_write_.default, k_cache, kt, meta_nodes["slot_mapping"])
-                e(dcp_ops.kv_cache_write_.default, v_cache, vt, meta_nodes["slot_mapping"])
+                _add_cache(cache_specs, scales, by_name, k_cache, layer, "k", k_val, dtype)
+                _add_cache(cache_specs, scales, by_name, v_cache, layer, "v", v_val, dtype)
+                _write(e, k_cache, kt, meta_nodes["slot_mapping"], scales.get(k_cache.name))
+                _write(e, v_cache, vt, meta_nodes["slot_mapping"], scales.get(v_cache.name))
+                scale_args = (scales[k_cache.name], scales[v_cache.name]) if fp8 else ()
             paged_extra, partial_extra = (), ()
-            if window or softcap:
+            if window or softcap or fp8:
                 paged_extra = (_window_start(graph, e, window_starts, window) if window else None, softcap)
+            if window or softcap:
                 partial_extra = (window, softcap)
             o_ctx, lse_ctx = e.pair(
                 dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta_nodes["block_table"],
-                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale, *paged_extra,
+                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale, *paged_extra, *scale_args,
             )
             o_new, lse_new = e.pair(
                 dcp_ops.partial_attention.default, qt, kt, vt,
@@ -164,10 +205,11 @@ def insert_kv_cache(program: Program, block_size: int = 16, cache_dtype: torch.d
         graph_module=gm,
         inputs=tuple(specs),
         caches=tuple(cache_specs),
-        options={**program.options, "block_size": block_size},
+        options={**program.options, "block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
     )
     modified = f"; sliding windows {sorted(window_starts)}" if window_starts else ""
-    return result, f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}){modified}"
+    return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "
+                    f"{kv_cache_dtype}: {cache_specs[0].dtype}){modified}")
 
 
 def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:

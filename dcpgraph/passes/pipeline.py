@@ -33,10 +33,11 @@ PIPELINE: tuple[ProgramPass, ...] = (
 )
 
 
-def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None) -> list[ProgramPass]:
+def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
+                   kv_cache_dtype: str = "auto") -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them."""
     options = {
-        insert_kv_cache.name: {"block_size": block_size},
+        insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
         shard_dcp.name: {"comm": comm},
     }
@@ -45,7 +46,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None) -> list
 
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
-    comm: str = "auto", plan=None, verify: bool = True,
+    comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto",
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
     if not isinstance(program, Program):
@@ -53,4 +54,4 @@ def compile_program(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
     program = program.replace(options={**program.options, "interleave": interleave})
-    return run_passes(program, default_passes(mesh, block_size=block_size, comm=comm, plan=plan), verify=verify)
+    return run_passes(program, default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype), verify=verify)

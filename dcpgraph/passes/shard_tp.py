@@ -86,7 +86,9 @@ def nearest_linears(start: torch.fx.Node) -> set[torch.fx.Node]:
 def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The linears that produce the K/V written to the caches."""
     found: set[torch.fx.Node] = set()
-    for write in nodes_calling(graph, dcp_ops.kv_cache_write_.default):
+    writes = [*nodes_calling(graph, dcp_ops.kv_cache_write_.default),
+              *nodes_calling(graph, dcp_ops.kv_cache_write_fp8_.default)]
+    for write in writes:  # both take (cache, new, slot_mapping, ...)
         found |= nearest_linears(write.args[1])
     return found
 

@@ -28,20 +28,16 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..capacity import CacheShape
+from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
 from .architectures import named_config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2,
                 "fp32": 4, "fp64": 8, "fp8": 1, "fp8_e4m3": 1}
-FP8_SCALE_GROUP = 128  # elements per fp32 scale in the modelled fp8 cache (per token and head)
-FP8_SCALE_BYTES = 4
-
-
 def fp8_scale_bytes(dim: int) -> int:
-    """Scale bytes per (token, head) of the modelled fp8_e4m3 cache: one fp32 scale per group of
-    ``FP8_SCALE_GROUP`` elements (tile-wise, like DeepSeek-V3.2's fp8 MLA cache)."""
-    return math.ceil(dim / FP8_SCALE_GROUP) * FP8_SCALE_BYTES
+    """Scale bytes per (token, head) of an fp8_e4m3 cache: one fp32 scale per group of
+    ``capacity.FP8_SCALE_GROUP`` elements, what the compiler's fp8 cache stores (:mod:`dcpgraph.ops.quant`)."""
+    return scale_groups(dim) * FP8_SCALE_BYTES
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from .scheduler import Request, Scheduler, StepEvent
 
 def kv_bytes_per_block(program: Program) -> int:
     """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
-    block = int(program.options["block_size"])
-    return sum(block * c.heads * c.dim * torch.empty((), dtype=c.dtype).element_size() for c in program.caches)
+    from ..capacity import bytes_per_block, cache_shapes  # one formula, shared with the planner
+
+    return bytes_per_block(cache_shapes(program.caches), int(program.options["block_size"]))
 
 
 class Engine:

@@ -60,6 +60,11 @@ def _slots(engine, positions: torch.Tensor, table: list[int], rank: int) -> torc
     return layout.slot_mapping(positions, rows, mesh.dcp_rank(rank), mesh.dcp, engine.block_size, engine.interleave)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes (aten's CPU index ops have no fp8 kernels); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def export_kv(engine, request) -> KVTransfer:
     """The KV of ``request``'s first ``computed`` tokens, per TP rank, in global token order."""
     caches = _emulated_caches(engine)
@@ -72,13 +77,13 @@ def export_kv(engine, request) -> KVTransfer:
         group = mesh.dcp_group(rank)
         full = {}
         for spec in engine.program.caches:
-            out = torch.empty(request.computed, spec.heads, spec.dim, dtype=spec.dtype)
+            out = _bits(torch.empty(request.computed, spec.heads, spec.dim, dtype=spec.dtype))
             for d, member in enumerate(group):
                 mine = owners == d
                 slots = _slots(engine, positions, table, member)[mine]
-                flat = caches[member][spec.name].view(-1, spec.heads, spec.dim)
+                flat = _bits(caches[member][spec.name]).view(-1, spec.heads, spec.dim)
                 out[mine] = flat.index_select(0, slots)
-            full[spec.name] = out
+            full[spec.name] = out.view(spec.dtype)
         exported.append(full)
     return KVTransfer(tuple(request.tokens), request.computed, len(request.prompt), mesh.tp,
                       tuple(exported), _layout_key(engine))
@@ -116,5 +121,5 @@ def import_kv(engine, transfer: KVTransfer, request) -> None:
         slots = _slots(engine, positions, table, rank)
         owned = slots >= 0
         for spec in engine.program.caches:
-            flat = caches[rank][spec.name].view(-1, spec.heads, spec.dim)
-            flat.index_copy_(0, slots[owned], transfer.caches[rank][spec.name][owned])
+            flat = _bits(caches[rank][spec.name]).view(-1, spec.heads, spec.dim)
+            flat.index_copy_(0, slots[owned], _bits(transfer.caches[rank][spec.name])[owned])

@@ -26,3 +26,39 @@ def drain(engine, outputs: dict[int, list[int]] | None = None, max_steps: int = 
         for rid, token, _ in engine.step():
             outputs.setdefault(rid, []).append(token)
     raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def record_logits(engine) -> list[torch.Tensor]:
+    """Every step's logits rows ``[R, V]`` of ``engine``, appended as it runs (wraps its executor)."""
+    rows: list[torch.Tensor] = []
+    run = engine.executor.run
+
+    def recording(*args, **kwargs):
+        out = run(*args, **kwargs)
+        rows.append(out.detach().clone())
+        return out
+
+    engine.executor.run = recording
+    return rows
+
+
+def teacher_forced_logits(engine, tokens: Sequence[int]) -> torch.Tensor:
+    """``[len(tokens), V]``: row ``i`` is the engine's logits after reading ``tokens[: i + 1]``
+    (next-token prediction at every position). The engine must be compiled with
+    ``max_batched_tokens=1``, so that each prompt token is its own chunk and step, and be idle."""
+    if engine.scheduler.has_work():
+        raise ValueError("teacher_forced_logits needs an idle engine")
+    shadowed = "run" in vars(engine.executor)
+    original = engine.executor.run
+    steps = record_logits(engine)
+    try:
+        engine.add_request(list(tokens), max_new_tokens=1)
+        drain(engine, max_steps=len(tokens) + 1)
+    finally:
+        if shadowed:
+            engine.executor.run = original
+        else:
+            del engine.executor.run
+    if len(steps) != len(tokens):
+        raise ValueError(f"{len(steps)} steps for {len(tokens)} tokens: compile with max_batched_tokens=1")
+    return torch.stack([s[0] for s in steps])

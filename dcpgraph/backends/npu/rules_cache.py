@@ -12,7 +12,15 @@ def _row_shape(site: Site) -> dict:
     return {"row_shape": tuple(int(d) for d in cache.shape[2:])}
 
 
-@register(torch.ops.dcpgraph.kv_cache_write_.default, "kv_cache_write_->scatter_", params=_row_shape)
+def _not_fp8(site: Site) -> str | None:
+    if site.args[0].dtype == torch.float8_e4m3fn:
+        return "an fp8 cache is written by kv_cache_write_fp8_ (quantise + scales), which has no Ascend lowering"
+    return None
+
+
+# kv_cache_write_fp8_ deliberately has no rule: lower_npu then refuses the graph, naming the op.
+@register(torch.ops.dcpgraph.kv_cache_write_.default, "kv_cache_write_->scatter_", checker=_not_fp8,
+          params=_row_shape)
 def kv_cache_write_as_scatter(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, *,
                               row_shape: tuple[int, ...]) -> None:
     """Write ``new[t]`` into slot ``slot_mapping[t]`` of the cache ``[NB, B, *row_shape]``.

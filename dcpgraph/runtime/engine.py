@@ -123,7 +123,9 @@ class Engine:
             # not on how many requests this engine served before (so the same seed reproduces the
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
-        return Request(rid, tokens, max_new_tokens, params, gen)
+        request = Request(rid, tokens, max_new_tokens, params, gen)
+        request.speculative = not params.penalized  # drafts are verified against the raw argmax
+        return request
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its KV blocks are free on return and it emits no further events.

@@ -241,11 +241,14 @@ class Engine:
         }
 
     def prefix_cache_report(self) -> dict:
-        """Prefix-cache counters: ``queries`` (admitted requests looked up) and ``query_tokens``
-        (their prompt tokens), ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens
-        served from the cache), ``evictions``, ``cached_blocks`` (virtual blocks holding a hash,
-        in use or free) and ``prompt_tokens_computed`` (prompt tokens the ranks actually ran).
-        A hit is one virtual block on every DCP rank at once."""
+        """Prefix-cache counters (vLLM's meaning, counted at every admission while caching is on):
+        ``queries`` (new requests looked up) and ``query_tokens`` (their prompt tokens),
+        ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens served from the cache);
+        the same for re-admissions after a preemption, apart: ``preempted_queries``,
+        ``preempted_query_tokens`` (prompt + output so far) and ``preempted_hit_tokens``;
+        ``evictions``, ``cached_blocks`` (virtual blocks holding a hash, in use or free) and
+        ``prompt_tokens_computed`` (prompt tokens the ranks actually ran). A hit is one virtual
+        block on every DCP rank at once."""
         return {
             "enabled": self.blocks.enable_prefix_caching,
             **self.blocks.stats,

@@ -242,8 +242,8 @@ class Scheduler:
             return False
         self.waiting.popleft()
         self.blocks.allocate(request.id, need, prefix)
-        if self.blocks.enable_prefix_caching and not request.preemptions:
-            self.blocks.record_query(len(request.prompt), len(prefix))
+        if self.blocks.enable_prefix_caching:  # every admission looks up, re-admissions included
+            self.blocks.record_query(len(tokens), len(prefix), preempted=request.preemptions > 0)
         request.computed = start  # a fresh request starts at 0; a hit skips its cached blocks
         assert request.computed < len(tokens)
         self._run(request)

@@ -162,6 +162,13 @@ def test_a_cache_smaller_than_the_requests_serves_them_all_unchanged(setup, feat
     report = engine.report()["scheduler"]
     assert report["preemptions"] > 0 and report["preempted_tokens"] > 0 and report["peak_running"] >= 2
     assert engine.blocks.free_blocks == engine.blocks.num_blocks and report["kv_blocks_used"] == 0
+    cache = engine.report()["prefix_cache"]
+    if features.get("enable_prefix_caching"):  # every re-admission is looked up, counted apart
+        assert cache["queries"] == len(LONG) and cache["query_tokens"] == sum(len(p) for p in LONG)
+        assert cache["preempted_queries"] == report["preemptions"]
+        assert cache["preempted_query_tokens"] > cache["preempted_hit_tokens"] > 0
+    else:
+        assert cache["queries"] == cache["preempted_queries"] == 0
 
 
 def test_preempted_seeded_sampling_equals_running_alone(setup):

@@ -211,3 +211,28 @@ def test_a_rank_at_tp2_peaks_at_about_half_the_weights():
     assert tp1["peak_growth_over_weights"] >= 0.9  # the measurement sees a whole load
     assert tp2["peak_growth_over_weights"] < 0.7, result  # half the weights plus what one read maps
     assert tp2["peak_growth_bytes"] < 0.65 * tp1["peak_growth_bytes"], result
+
+
+def test_the_hf_export_helpers_are_public_and_keep_the_models_settings():
+    """``LogitsForward`` is the exported signature (HF's logits for explicit positions),
+    ``traceable_experts`` switches an eager MoE to ``batched_mm`` only while tracing, and
+    ``export_program`` strips ``WRAPPER_PREFIX`` so state names are the checkpoint's."""
+    from dcpgraph.frontends import hf
+    from dcpgraph.testing.checkpoints import tiny_model
+
+    model = tiny_model("qwen3", dtype=torch.float64)
+    ids, positions = hf.default_example_inputs(hf.model_facts(model))
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions).logits
+        assert torch.equal(hf.LogitsForward(model)(ids, positions), want)
+    model.train()
+    program = hf.export_program(model, (ids, positions))
+    assert model.training  # restored
+    assert not any(name.startswith(hf.WRAPPER_PREFIX + hf.WRAPPER_PREFIX) for name in program.state)
+    assert set(dict(model.named_parameters())) <= set(program.state)
+
+    moe = tiny_model("deepseek_v2", dtype=torch.float64)
+    moe.set_experts_implementation("eager")
+    with hf.traceable_experts(moe):
+        assert moe.config._experts_implementation == "batched_mm"
+    assert moe.config._experts_implementation == "eager"

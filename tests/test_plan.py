@@ -194,3 +194,50 @@ def test_overrides_of_a_named_architecture():
     assert shape.num_layers == 4 and shape.head_dim == 256 + 64
     with pytest.raises(ValueError, match="key=value"):
         load_model_shape("deepseek-v3:oops")
+
+
+# -- the per-call overhead and cache terms, and the measured links ---------------------------------
+def test_attention_cost_adds_the_overhead_and_reads_resident_working_sets_at_cache_bandwidth():
+    from dataclasses import replace
+
+    from dcpgraph.plan import PRESETS, Hardware
+    from dcpgraph.plan.cost import attention_seconds
+
+    hw = Hardware("cpu", 0, 10e9, 100e9, 1e9, 1e-4, compute_overlaps_memory=False, attention_overhead_s=2e-5,
+                  cache_bytes=1 << 20, cache_bandwidth=40e9)
+    small, large = 256 << 10, 4 << 20  # half the cache is 512 KiB
+    assert attention_seconds(small, 1e6, hw) == pytest.approx(2e-5 + small / 40e9 + 1e6 / 100e9)
+    assert attention_seconds(large, 1e6, hw) == pytest.approx(2e-5 + large / 10e9 + 1e6 / 100e9)
+    # the working set decides residency: a small read in a step that touches more is a memory read
+    assert attention_seconds(small, 0, hw, working_set_bytes=large) == pytest.approx(2e-5 + small / 10e9)
+    off = replace(hw, attention_overhead_s=0.0, cache_bytes=0)
+    assert attention_seconds(small, 0, off) == pytest.approx(small / 10e9)
+    assert all(p.attention_overhead_s == 0 and p.cache_bytes == 0 for p in PRESETS.values())  # datasheets only
+
+
+def test_private_cache_size_comes_from_the_machine():
+    import os
+
+    from dcpgraph.plan.calibration import private_cache_bytes
+
+    size = private_cache_bytes()
+    if os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        assert size >= 16 << 10  # every x86/arm core has at least a 16 KiB private data cache
+    else:
+        assert size == 0
+
+
+def _links(rank, world):
+    from dcpgraph.plan import measure_links
+
+    return measure_links(reps=5)
+
+
+@pytest.mark.gloo
+def test_measure_links_times_both_collectives_between_two_gloo_ranks():
+    from dcpgraph.runtime.distributed import spawn
+
+    for links in spawn(_links, 2, timeout_s=120):
+        assert set(links) == {"all_gather", "all_to_all"}
+        for latency, bandwidth in links.values():
+            assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e12

@@ -239,3 +239,36 @@ def test_adopt_obeys_max_num_seqs_and_free_blocks():
     assert s.live == 1 and s.blocks.free_blocks == 2
     plan = s.schedule()
     assert shape(plan) == [(0, 4, 1, True)]  # it continues from its cached tokens
+
+
+def test_prefix_cache_counts_every_admission_and_re_admissions_apart():
+    """vLLM's meaning: queries and hits in tokens, at every admission. The scene of the
+    preemption test with prefix caching on: young's 2 full blocks are registered when it is
+    preempted; old's growth evicts the deeper one (released tail first), so young's re-admission
+    (4 prompt + 5 output tokens) hits its first block only, and is counted as a preempted query."""
+    s = make(num_blocks=4, tokens_per_block=4, budget=64, seqs=4, prefix=True)
+    old, young = request(0, 4, new=8), request(1, 4, new=8, first=50)
+    s.add(old)
+    s.add(young)
+    for step in range(5):
+        plan = s.schedule()
+        s.postprocess(plan, [RowOutput([10 + step], []), RowOutput([20 + step], [])])
+    while s.get(0) is not None:
+        plan = s.schedule()
+        s.postprocess(plan, [RowOutput([16], []) if i.request is old else RowOutput([], []) for i in plan])
+    assert s.stats["preemptions"] == 1
+    plan = s.schedule()
+    assert shape(plan) == [(1, 4, 5, True)]  # its first block came from the cache
+    stats = s.blocks.stats
+    assert (stats["queries"], stats["query_tokens"], stats["hit_tokens"]) == (2, 8, 0)
+    assert (stats["preempted_queries"], stats["preempted_query_tokens"], stats["preempted_hit_tokens"]) == (1, 9, 4)
+
+
+def test_metrics_expose_the_prefix_cache_counters_in_tokens():
+    from dcpgraph.serving.metrics import Metrics
+
+    cache = {"query_tokens": 30, "hit_tokens": 16, "preempted_query_tokens": 9, "preempted_hit_tokens": 4}
+    text = Metrics("m").render({"running": 0, "waiting": 0, "kv_usage": [0.0], "prefix_cache": cache})
+    for name, value in [("prefix_cache_queries_total", 30), ("prefix_cache_hits_total", 16),
+                        ("prefix_cache_preempted_queries_total", 9), ("prefix_cache_preempted_hits_total", 4)]:
+        assert f'dcpgraph:{name}{{model_name="m"}} {value}\n' in text

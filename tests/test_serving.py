@@ -134,7 +134,8 @@ def test_bad_requests_get_openai_shaped_400s(servers):
         "bad n": dict(json={"prompt": "x", "n": 0}),
         "token outside the vocabulary": dict(json={"prompt": [1, 2, 99999]}),
         "not an object": dict(json=[1, 2]),
-        "penalty": dict(json={"prompt": "x", "presence_penalty": 1.0}),
+        "penalty out of range": dict(json={"prompt": "x", "presence_penalty": 2.5}),
+        "logprobs past 20": dict(json={"prompt": "x", "logprobs": 21}),
     }
     for name, kwargs in cases.items():
         r = httpx.post(url, headers=auth(), timeout=30, **kwargs)

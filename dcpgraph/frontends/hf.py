@@ -19,11 +19,16 @@ from ..program import ModelFacts, Program
 from .export import finish, program_from_export, run_export
 from .hf_attention import using_dcpgraph_attention
 
-_WRAPPER_PREFIX = "model."
+WRAPPER_PREFIX = "model."
+"""The prefix :class:`LogitsForward` adds to every parameter and buffer name of the wrapped model
+in the exported graph; :func:`~.export.program_from_export` strips it, so ``Program.state`` is
+keyed by the HF model's own names (the checkpoint's)."""
 
 
-class _Forward(torch.nn.Module):
-    """``(input_ids, position_ids) -> logits`` around an HF causal LM."""
+class LogitsForward(torch.nn.Module):
+    """``(input_ids [1, T], position_ids [1, T]) -> logits [1, T, V]`` around an HF causal LM (no
+    KV cache of HF's own): the signature every front end exports. The model is the submodule
+    ``model``, hence :data:`WRAPPER_PREFIX`."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -107,7 +112,7 @@ def default_example_inputs(facts: ModelFacts, tokens: int = 8) -> tuple[torch.Te
 
 
 @contextlib.contextmanager
-def _traceable_experts(model: torch.nn.Module):
+def traceable_experts(model: torch.nn.Module):
     """MoE experts: HF's ``eager`` loop is data-dependent (untraceable) and ``grouped_mm`` has no
     fp64 kernel, so those trace with ``batched_mm`` (same math, gathers expert weights per token);
     the model's own setting is restored afterwards."""
@@ -123,20 +128,28 @@ def _traceable_experts(model: torch.nn.Module):
             model.set_experts_implementation(current)
 
 
-def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 << 16) -> Program:
+def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor],
+                   max_tokens: int = 1 << 16) -> Program:
+    """``torch.export`` of :class:`LogitsForward` around ``model`` (eval mode, dcpgraph's attention,
+    :func:`traceable_experts`; the model's training flag is restored), with a dynamic token count
+    in ``[2, max_tokens]``, as a :class:`~dcpgraph.program.Program` before :func:`~.export.finish`
+    (callers that rewrite the graph first, like the meta-device loader, finish it themselves)."""
     facts = model_facts(model)
-    if example_inputs is None:
-        example_inputs = default_example_inputs(facts)
     tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
-    wrapper = _Forward(model).eval()
     was_training = model.training
     model.eval()
     try:
-        with using_dcpgraph_attention(model), _traceable_experts(model), torch.no_grad():
+        with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad():
             exported, seconds = run_export(
-                wrapper, tuple(example_inputs), {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
+                LogitsForward(model).eval(), tuple(example_inputs),
+                {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
             )
     finally:
         model.train(was_training)
-    program = program_from_export(exported, facts, prefix=_WRAPPER_PREFIX, seconds=seconds)
-    return finish(program)
+    return program_from_export(exported, facts, prefix=WRAPPER_PREFIX, seconds=seconds)
+
+
+def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 << 16) -> Program:
+    if example_inputs is None:
+        example_inputs = default_example_inputs(model_facts(model))
+    return finish(export_program(model, example_inputs, max_tokens))

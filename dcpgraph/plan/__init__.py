@@ -11,21 +11,20 @@ Capacity uses :mod:`dcpgraph.capacity` (the per-block byte formula of the compil
 """
 
 from .architectures import ARCHITECTURES
-from .cost import Collective, StepCost, dcp_collectives, decode_step
-from .hardware import (
-    HARDWARE_NAMES,
-    PRESETS,
-    Hardware,
+from .calibration import (
+    AttentionCalibration,
     calibrate_attention,
-    get_hardware,
+    measure_links,
     measure_this_machine,
 )
+from .cost import Collective, StepCost, dcp_collectives, decode_step
+from .hardware import HARDWARE_NAMES, PRESETS, Hardware, get_hardware
 from .model_shape import KV_CACHE_DTYPES, ModelShape, load_model_shape
 from .planner import Plan, PlanRow, plan
 from .render import plan_dict, render_json, render_table
 
 __all__ = [
-    "ARCHITECTURES", "HARDWARE_NAMES", "KV_CACHE_DTYPES", "PRESETS", "Collective", "Hardware", "ModelShape",
+    "ARCHITECTURES", "AttentionCalibration", "HARDWARE_NAMES", "KV_CACHE_DTYPES", "PRESETS", "Collective", "Hardware", "ModelShape",
     "Plan", "PlanRow", "StepCost", "calibrate_attention", "dcp_collectives", "decode_step", "get_hardware",
-    "load_model_shape", "measure_this_machine", "plan", "plan_dict", "render_json", "render_table",
+    "load_model_shape", "measure_links", "measure_this_machine", "plan", "plan_dict", "render_json", "render_table",
 ]

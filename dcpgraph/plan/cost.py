@@ -8,8 +8,10 @@ each, on a mesh (tp, dcp), per layer and per rank:
   kv_bytes_per_token_per_layer`` bytes (the capacity module's per-token bytes), and does
   ``2 · (Dq + Dv)`` FLOPs per (token, query head) for ``H · dcp`` query heads (DCP all-gathers the
   query heads of its group). DSA models read only ``min(context, index_topk)`` latent tokens plus
-  the whole indexer cache. Time ``max(bytes/bw, flops/rate)`` (or the sum where compute does not
-  overlap memory; see :class:`~.hardware.Hardware`).
+  the whole indexer cache. Time ``overhead + max(bytes/bw, flops/rate)`` (or the sum where
+  compute does not overlap memory; see :class:`~.hardware.Hardware`), ``overhead`` a fixed cost
+  per call and ``bw`` the cache bandwidth when the step's whole working set (every layer's KV
+  read plus the weights) fits in half the cache, the memory bandwidth otherwise.
 * **DCP collectives** (the ``shard_dcp`` rewrite), with ``T = batch``, ``H`` query heads per rank,
   ``N = dcp``, activations of ``b`` bytes and fp32 partials (the merge accumulates in fp32):
   query all-gather ``(N−1)·T·H·Dq·b`` bytes out of each rank; then ``comm="a2a"``: one all-to-all
@@ -77,9 +79,13 @@ def attention_read(shape: ModelShape, tp: int, dcp: int, context: int, batch: in
     return read, flops
 
 
-def attention_seconds(read_bytes: float, flops: float, hw: Hardware) -> float:
-    memory, compute = read_bytes / hw.memory_bandwidth, flops / hw.compute_flops
-    return max(memory, compute) if hw.compute_overlaps_memory else memory + compute
+def attention_seconds(read_bytes: float, flops: float, hw: Hardware, working_set_bytes: float | None = None) -> float:
+    """One attention call reading ``read_bytes`` with ``flops``; ``working_set_bytes`` (default:
+    ``read_bytes``) is everything the step touches, which decides whether it stays in cache."""
+    bandwidth = hw.read_bandwidth(read_bytes if working_set_bytes is None else working_set_bytes)
+    memory, compute = read_bytes / bandwidth, flops / hw.compute_flops
+    core = max(memory, compute) if hw.compute_overlaps_memory else memory + compute
+    return hw.attention_overhead_s + core
 
 
 def tp_allreduce_seconds(shape: ModelShape, tp: int, batch: int, hw: Hardware, activation_bytes: int = 2) -> float:
@@ -111,7 +117,7 @@ def decode_step(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, comm: str
     read, flops = attention_read(shape, tp, dcp, context, batch, kv_bytes_per_token_layer)
     colls = dcp_collectives(shape, tp, dcp, comm, batch, shape.dtype_bytes)
     return StepCost(
-        attention_s=layers * attention_seconds(read, flops, hw),
+        attention_s=layers * attention_seconds(read, flops, hw, layers * read + weight_bytes),
         collective_s=layers * sum(c.seconds(hw) for c in colls),
         collective_bytes_per_layer=sum(c.bytes_per_rank for c in colls),
         tp_allreduce_s=layers * tp_allreduce_seconds(shape, tp, batch, hw, shape.dtype_bytes),

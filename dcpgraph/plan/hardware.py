@@ -7,14 +7,19 @@ an assumption the planner states.
 
 ``compute_overlaps_memory``: GPU/NPU attention kernels stream KV while computing, so their
 decode attention time is the roofline ``max(bytes / bandwidth, flops / compute)``; the CPU
-kernel here computes each block after loading it, so a measured CPU uses the sum. ``this-machine``
-is measured by :func:`measure_this_machine` (a short calibration of the paged attention op).
+kernel here computes each block after loading it, so a measured CPU uses the sum.
+
+``attention_overhead_s`` (a fixed cost per attention call: one layer, one step) and the cache
+term (a step whose working set fits in ``cache_bytes / 2`` reads it at ``cache_bandwidth``) are
+measured for ``this-machine`` only; the presets leave them off (0), since a decode step's KV on
+those devices is far larger than their caches and their launch cost is not a datasheet figure.
+``this-machine`` is measured by :func:`~.calibration.measure_this_machine` (a short calibration
+of the paged attention op and of the gloo links between two processes).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, replace
 
 GB = 10**9
@@ -30,6 +35,15 @@ class Hardware:
     link_latency_s: float  # per collective
     compute_overlaps_memory: bool = True
     source: str = ""
+    attention_overhead_s: float = 0.0  # per attention call (one layer, one step)
+    cache_bytes: int = 0  # working sets up to half of this read at cache_bandwidth (0: no cache term)
+    cache_bandwidth: float = 0.0  # bytes/s
+
+    def read_bandwidth(self, working_set_bytes: float) -> float:
+        """Bandwidth of a step that touches ``working_set_bytes`` (the cache's if it stays resident)."""
+        if self.cache_bytes and self.cache_bandwidth and working_set_bytes <= self.cache_bytes / 2:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
 
 
 PRESETS: dict[str, Hardware] = {
@@ -56,72 +70,19 @@ MEASURED = "this-machine"
 HARDWARE_NAMES = (*PRESETS, MEASURED)
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * GB
 
 
-def _time_op(args, reps: int) -> float:
-    import torch
-
-    op = torch.ops.dcpgraph.paged_attention
-    op(*args)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.thread_time()
-        op(*args)
-        best = min(best, time.thread_time() - start)
-    return best
-
-
-def _attention_args(tokens: int, q_heads: int, dim: int, block: int = 16):
-    import torch
-
-    import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
-
-    blocks = -(-tokens // block)
-    g = torch.Generator().manual_seed(0)
-    k = torch.randn(blocks, block, 1, dim, generator=g)
-    v = torch.randn(blocks, block, 1, dim, generator=g)
-    q = torch.randn(1, q_heads, dim, generator=g)
-    table = torch.arange(blocks, dtype=torch.int32).view(1, -1)
-    return (q, k, v, table, torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([tokens], dtype=torch.int32), None, dim ** -0.5)
-
-
-def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int, int] = (1, 16),
-                        reps: int = 5) -> tuple[float, float, dict]:
-    """Effective read bandwidth and compute rate of ``paged_attention`` on this CPU (fp32, one
-    KV head, one thread of CPU time, best of ``reps``).
-
-    Two runs over the same ``tokens`` of KV (``tokens·2·dim·4`` bytes), one with ``heads[0]``
-    query heads and one with ``heads[1]``: same bytes, FLOPs ``4·tokens·dim`` per head. With
-    ``t = bytes / bw + flops / rate`` for both, the two equations give ``bw`` and ``rate``.
-    """
-    kv_bytes = tokens * 2 * dim * 4
-    times = {h: _time_op(_attention_args(tokens, h, dim), reps) for h in heads}
-    (h1, t1), (h2, t2) = times.items()
-    flop_per_head = 4 * tokens * dim
-    rate = (h2 - h1) * flop_per_head / max(t2 - t1, 1e-9)
-    memory_s = max(t1 - h1 * flop_per_head / rate, 1e-9)
-    return kv_bytes / memory_s, rate, {"kv_bytes": kv_bytes, "seconds_by_heads": times}
-
-
-def measure_this_machine(**calibration) -> Hardware:
-    """This machine as one rank: physical memory, and the attention bandwidth / compute rate from
-    :func:`calibrate_attention` (about a second). Ranks are gloo processes on localhost; the link
-    figures are loopback assumptions (not measured): 5 GB/s, 200 µs per collective."""
-    bw, rate, _ = calibrate_attention(**calibration)
-    return Hardware(MEASURED, _physical_memory(), bw, rate, 5e9, 200e-6, compute_overlaps_memory=False,
-                    source="measured: paged_attention calibration on this CPU")
-
-
 def get_hardware(name: str, **overrides) -> Hardware:
     """A preset by name, or ``this-machine`` (measured); ``overrides`` replace fields."""
     key = name.strip().lower()
     if key == MEASURED:
+        from .calibration import measure_this_machine
+
         hw = measure_this_machine()
     elif key in PRESETS:
         hw = PRESETS[key]

@@ -90,7 +90,8 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}  # hash -> block id
         self._chain: dict[int, tuple[int, bytes | None]] = {}  # request -> (blocks hashed, last hash)
         self._shared: dict[int, int] = {}  # request -> leading blocks it got from the cache
-        self.stats = {"queries": 0, "query_tokens": 0, "hit_requests": 0, "hit_tokens": 0, "evictions": 0}
+        self.stats = {"queries": 0, "query_tokens": 0, "hit_requests": 0, "hit_tokens": 0, "evictions": 0,
+                      "preempted_queries": 0, "preempted_query_tokens": 0, "preempted_hit_tokens": 0}
 
     @property
     def capacity_tokens(self) -> int:
@@ -219,11 +220,21 @@ class BlockManager:
         """Blocks referenced by at least one table."""
         return self.num_blocks - self.free_blocks
 
-    def record_query(self, prompt_tokens: int, hit_blocks: int) -> None:
+    def record_query(self, tokens: int, hit_blocks: int, preempted: bool = False) -> None:
+        """Count one admission's lookup (vLLM's ``PrefixCacheStats``): ``tokens`` looked up (the
+        request's tokens so far) and the ``hit_blocks`` found. A request re-admitted after a
+        preemption is counted apart (``preempted_*``), so ``queries``/``query_tokens``/``hit_*``
+        keep meaning "new requests' prompts" while recomputation's hits stay visible."""
+        hit_tokens = hit_blocks * self.tokens_per_block
+        if preempted:
+            self.stats["preempted_queries"] += 1
+            self.stats["preempted_query_tokens"] += tokens
+            self.stats["preempted_hit_tokens"] += hit_tokens
+            return
         self.stats["queries"] += 1
-        self.stats["query_tokens"] += prompt_tokens
+        self.stats["query_tokens"] += tokens
         self.stats["hit_requests"] += bool(hit_blocks)
-        self.stats["hit_tokens"] += hit_blocks * self.tokens_per_block
+        self.stats["hit_tokens"] += hit_tokens
 
     def _allocate(self) -> int:
         if self._free:

@@ -123,7 +123,9 @@ class Engine:
             # not on how many requests this engine served before (so the same seed reproduces the
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
-        return Request(rid, tokens, max_new_tokens, params, gen)
+        request = Request(rid, tokens, max_new_tokens, params, gen)
+        request.speculative = not params.penalized  # drafts are verified against the raw argmax
+        return request
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its KV blocks are free on return and it emits no further events.
@@ -239,11 +241,14 @@ class Engine:
         }
 
     def prefix_cache_report(self) -> dict:
-        """Prefix-cache counters: ``queries`` (admitted requests looked up) and ``query_tokens``
-        (their prompt tokens), ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens
-        served from the cache), ``evictions``, ``cached_blocks`` (virtual blocks holding a hash,
-        in use or free) and ``prompt_tokens_computed`` (prompt tokens the ranks actually ran).
-        A hit is one virtual block on every DCP rank at once."""
+        """Prefix-cache counters (vLLM's meaning, counted at every admission while caching is on):
+        ``queries`` (new requests looked up) and ``query_tokens`` (their prompt tokens),
+        ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens served from the cache);
+        the same for re-admissions after a preemption, apart: ``preempted_queries``,
+        ``preempted_query_tokens`` (prompt + output so far) and ``preempted_hit_tokens``;
+        ``evictions``, ``cached_blocks`` (virtual blocks holding a hash, in use or free) and
+        ``prompt_tokens_computed`` (prompt tokens the ranks actually ran). A hit is one virtual
+        block on every DCP rank at once."""
         return {
             "enabled": self.blocks.enable_prefix_caching,
             **self.blocks.stats,

@@ -16,7 +16,7 @@ import torch
 
 from ..program import Program
 from .graph_mode import DecodeBuckets
-from .sampling import sample
+from .sampling import sample, token_logprobs
 from .scheduler import RowOutput, ScheduledChunk
 from .speculative import propose
 from .step_inputs import Chunk, build_step_inputs
@@ -45,10 +45,11 @@ class ModelRunner:
             if draft:  # verification: the target's greedy token after every query row
                 tokens = [int(r.argmax()) for r in rows]
             elif item.samples:
-                tokens = [sample(rows[-1], item.request.params, item.request.generator)]
+                request = item.request
+                tokens = [sample(rows[-1], request.params, request.generator, request.prompt, request.output)]
             else:
                 tokens = []
-            outputs.append(RowOutput(tokens, draft))
+            outputs.append(RowOutput(tokens, draft, _logprobs(item, rows, tokens)))
         return outputs
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -66,6 +67,15 @@ class ModelRunner:
         logits = self.executor.run(shared, per_rank, key)
         self.steps += 1
         return logits
+
+
+def _logprobs(item: ScheduledChunk, rows: torch.Tensor, tokens: list[int]) -> list[dict] | None:
+    """Per token of ``tokens``, its log-probabilities from the row it was chosen from (the last
+    ``len(tokens)`` rows), if the request asked for them."""
+    top = item.request.params.logprobs
+    if top is None or not tokens:
+        return None
+    return [token_logprobs(row, token, top) for row, token in zip(rows[len(rows) - len(tokens):], tokens)]
 
 
 def _with_drafts(chunk: Chunk, drafts: list[int]) -> Chunk:

@@ -1,10 +1,27 @@
-"""Token sampling: greedy by default; temperature, top-k, top-p with a per-request seed."""
+"""Token sampling (vLLM's order): penalties, then greedy or temperature / top-k / top-p with a
+per-request seed; and the log-probabilities of what was sampled.
+
+Penalties (vLLM's semantics, applied to the raw logits in this order, before temperature, for
+greedy and sampled requests alike):
+
+* ``repetition_penalty`` ``r`` (1 = off): every token that occurs in the prompt *or* the output
+  has its logit ``l`` replaced by ``l / r`` if ``l > 0`` else ``l · r`` (HF's
+  ``RepetitionPenaltyLogitsProcessor``);
+* ``frequency_penalty`` ``f``: ``l −= f · count(token in the output)``;
+* ``presence_penalty`` ``p``: ``l −= p`` for every token that occurs in the output.
+
+Log-probabilities (:func:`token_logprobs`) are vLLM's default ``raw_logprobs``: ``log_softmax``
+of the model's logits row the token was sampled from, before penalties, temperature or top-k/p.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top log-probabilities one token returns
 
 
 @dataclass(frozen=True)
@@ -13,6 +30,10 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None  # top-N log-probabilities per sampled token (None: none at all)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -21,14 +42,48 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (a greedy token is then not the raw argmax)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from a ``[V]`` row of logits."""
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
+                    output: Sequence[int]) -> torch.Tensor:
+    """A penalized copy of a ``[V]`` logits row (the module docstring's formulas); ``logits``
+    itself when no penalty is set."""
+    if not params.penalized:
+        return logits
+    scores = logits.double().clone()
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        if seen.numel():
+            picked = scores[seen]
+            r = params.repetition_penalty
+            scores[seen] = torch.where(picked > 0, picked / r, picked * r)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=scores.numel()).double()
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).double()
+    return scores
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           prompt: Sequence[int] = (), output: Sequence[int] = ()) -> int:
+    """One token id from a ``[V]`` row of logits; ``prompt`` and ``output`` (the request's tokens
+    so far) feed the penalties."""
+    logits = apply_penalties(logits, params, prompt, output)
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.double() / params.temperature
@@ -42,3 +97,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, -1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> dict:
+    """Log-probabilities of one sampled ``token`` from its raw ``[V]`` logits row, as JSON-able
+    values: ``{"logprob": log p(token), "rank": 1 + #(tokens more likely), "top": [[id, log p],
+    ...]}`` with the ``top`` most likely tokens, most likely first (computed in float64)."""
+    logp = torch.log_softmax(logits.double(), -1)
+    chosen = logp[token]
+    values, ids = torch.topk(logp, min(top, logp.numel())) if top else (logp[:0], logp[:0].long())
+    return {"logprob": float(chosen), "rank": int((logp > chosen).sum()) + 1,
+            "top": [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]}

@@ -92,21 +92,32 @@ class QueueFullError(RequestError):
     """The waiting queue holds ``max_waiting`` requests: try again later (a server's 429/503)."""
 
 
-class StepEvent(NamedTuple):
-    """One emitted token. ``finished``: the request ended with it (it is then no longer held)."""
-
+class _StepEventFields(NamedTuple):
     request_id: int
     token: int
     finished: bool
 
 
+class StepEvent(_StepEventFields):
+    """One emitted token. ``finished``: the request ended with it (it is then no longer held).
+    ``logprobs``: the token's :func:`~.sampling.token_logprobs` when the request asked for them,
+    else ``None``; an attribute, not a tuple field, so ``rid, token, finished = event`` holds."""
+
+    def __new__(cls, request_id: int, token: int, finished: bool, logprobs: dict | None = None):
+        event = super().__new__(cls, request_id, token, finished)
+        event.logprobs = logprobs
+        return event
+
+
 class RowOutput(NamedTuple):
     """What the model runner produced for one :class:`ScheduledChunk`: ``tokens`` sampled (none
     for a prefill chunk that does not reach the last token; with drafts, the target's greedy token
-    after each of the ``1 + len(drafts)`` query rows) and the ``drafts`` it verified."""
+    after each of the ``1 + len(drafts)`` query rows), the ``drafts`` it verified and, per token, its
+    log-probabilities if requested."""
 
     tokens: list[int]
     drafts: list[int]
+    logprobs: list[dict] | None = None  # per token, when the request asked for log-probabilities
 
 
 class Scheduler:
@@ -231,8 +242,8 @@ class Scheduler:
             return False
         self.waiting.popleft()
         self.blocks.allocate(request.id, need, prefix)
-        if self.blocks.enable_prefix_caching and not request.preemptions:
-            self.blocks.record_query(len(request.prompt), len(prefix))
+        if self.blocks.enable_prefix_caching:  # every admission looks up, re-admissions included
+            self.blocks.record_query(len(tokens), len(prefix), preempted=request.preemptions > 0)
         request.computed = start  # a fresh request starts at 0; a hit skips its cached blocks
         assert request.computed < len(tokens)
         self._run(request)
@@ -290,7 +301,7 @@ class Scheduler:
             for n, token in enumerate(emitted):
                 request.output.append(token)
                 done = len(request.output) >= request.max_new_tokens or token in self.eos_token_ids
-                events.append(StepEvent(request.id, token, done))
+                events.append(StepEvent(request.id, token, done, out.logprobs[n] if out.logprobs else None))
                 if done:  # tokens past the stop (confirmed drafts) are not kept
                     advance = min(advance, len(item.chunk.tokens) + n)
                     break

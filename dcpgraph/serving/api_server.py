@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from ..errors import RequestError
 from .engine_loop import EngineDeadError, EngineLoop, Piece
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .prompts import Prompt, chat_prompt, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -178,19 +179,33 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         headers = {"X-Request-Id": log_id}
+        wants_logprobs = body.requested_logprobs() is not None
+        offsets = {c: 0 for _, c in submitted}  # completions' text_offset, per choice
+
+        def logprobs_of(choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
+            if not wants_logprobs:
+                return None
+            if chat:
+                return chat_logprobs(llm.tokenizer, token_ids, entries)
+            value, offsets[choice] = completion_logprobs(llm.tokenizer, token_ids, entries, offsets[choice])
+            return value
+
         if not body.stream:
             texts = {c: "" for _, c in submitted}
+            tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
             reasons: dict[int, str | None] = {}
             generated = 0
             async for piece in pieces(out, submitted, log_id):
                 texts[piece.choice] += piece.text
+                tokens[piece.choice][0].extend(piece.token_ids)
+                tokens[piece.choice][1].extend(piece.logprobs)
                 generated += len(piece.token_ids)
                 if piece.finished:
                     reasons[piece.choice] = piece.finish_reason
             choices = [
-                {"index": c, "message": {"role": "assistant", "content": texts[c]}, "logprobs": None,
-                 "finish_reason": reasons[c]} if chat else
-                {"index": c, "text": texts[c], "logprobs": None, "finish_reason": reasons[c]}
+                {"index": c, "message": {"role": "assistant", "content": texts[c]},
+                 "logprobs": logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if chat else
+                {"index": c, "text": texts[c], "logprobs": logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
                 for c in sorted(texts)
             ]
             return JSONResponse({"id": log_id, "object": kind, "created": created, "model": served_model_name,
@@ -211,12 +226,13 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
                                        "finish_reason": None} for _, c in submitted]))
                 async for piece in pieces(out, submitted, log_id):
                     generated += len(piece.token_ids)
+                    logprobs = logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
                     if chat:
                         delta = {"content": piece.text} if piece.text or not piece.finished else {}
-                        choice = {"index": piece.choice, "delta": delta, "logprobs": None,
+                        choice = {"index": piece.choice, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": piece.finish_reason}
                     else:
-                        choice = {"index": piece.choice, "text": piece.text, "logprobs": None,
+                        choice = {"index": piece.choice, "text": piece.text, "logprobs": logprobs,
                                   "finish_reason": piece.finish_reason}
                     yield _sse(chunk([choice]))
                 if include_usage:

@@ -42,6 +42,7 @@ class Piece:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[dict] = field(default_factory=list)  # per token of token_ids, when requested
 
 
 @dataclass
@@ -143,7 +144,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         pieces: dict[int, tuple[_Live, Piece]] = {}
-        for rid, token, engine_finished in self.engine.step():
+        for event in self.engine.step():
+            rid, token, engine_finished = event
             live = self._live.get(rid)
             if live is None:  # aborted, or already ended by a stop string earlier in this step
                 continue
@@ -153,6 +155,8 @@ class EngineLoop:
             _, piece = pieces.setdefault(rid, (live, Piece(live.choice)))
             piece.text += live.stream.add(token, engine_finished)
             piece.token_ids.append(token)
+            if event.logprobs is not None:
+                piece.logprobs.append(event.logprobs)
             if live.stream.finished:
                 piece.finished, piece.finish_reason = True, live.stream.finish_reason
                 del self._live[rid]

@@ -26,6 +26,7 @@ from ..errors import ConfigError, RequestError
 from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
+from .logprobs import vllm_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt
@@ -124,12 +125,15 @@ class LLM:
                 err.args = (f"prompt {i}: {err}",)
                 raise
         pending = set(streams)
+        logprobs: dict[int, list[dict]] = {rid: [] for rid in streams}
         while pending:
-            for rid, token, engine_finished in self.engine.step():
+            for event in self.engine.step():
+                rid, token, engine_finished = event
                 if rid not in pending:
                     continue
                 stream = streams[rid][2]
                 stream.add(token, engine_finished)
+                logprobs[rid].append(event.logprobs)
                 if stream.finished:
                     pending.discard(rid)
                     if not engine_finished:
@@ -138,8 +142,13 @@ class LLM:
         for i, prompt in enumerate(items):
             out = RequestOutput(str(self._next_request), prompt.text, list(prompt.token_ids))
             self._next_request += 1
-            for _, j, stream in sorted((v for v in streams.values() if v[0] == i), key=lambda v: v[1]):
-                out.outputs.append(CompletionOutput(j, stream.text, list(stream.token_ids), stream.finish_reason))
+            for rid, (_, j, stream) in sorted(((k, v) for k, v in streams.items() if v[0] == i), key=lambda kv: kv[1][1]):
+                completion = CompletionOutput(j, stream.text, list(stream.token_ids), stream.finish_reason)
+                if params[i].logprobs is not None:
+                    completion.logprobs = [vllm_logprobs(self.tokenizer, t, e)
+                                           for t, e in zip(stream.token_ids, logprobs[rid], strict=True)]
+                    completion.cumulative_logprob = sum(e["logprob"] for e in logprobs[rid])
+                out.outputs.append(completion)
             outputs.append(out)
         return outputs
 

@@ -13,8 +13,7 @@ import torch
 import torch.fx
 
 from ..frontends import hf
-from ..frontends.export import finish, program_from_export, run_export
-from ..frontends.hf_attention import using_dcpgraph_attention
+from ..frontends.export import finish
 from ..program import Program
 
 META = torch.device("meta")
@@ -43,19 +42,12 @@ def _on_device(graph: torch.fx.Graph, device: torch.device) -> int:
 def trace_on_meta(model: torch.nn.Module, device: torch.device | str = "cpu") -> Program:
     """:func:`dcpgraph.trace` for an HF model whose parameters are on the meta device; the
     graph runs on ``device``. The state stays meta (shapes and dtypes only)."""
-    facts = hf.model_facts(model)
-    ids, positions = hf.default_example_inputs(facts)
-    tokens = torch.export.Dim("tokens", min=2, max=1 << 16)
+    ids, positions = hf.default_example_inputs(hf.model_facts(model))
     model.eval()
     if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
         # grouped_mm picks device-specific kernels while tracing (meta is not the target device)
         model.set_experts_implementation("batched_mm")
-    with using_dcpgraph_attention(model), hf._traceable_experts(model), torch.no_grad():
-        exported, seconds = run_export(
-            hf._Forward(model).eval(), (ids.to(META), positions.to(META)),
-            {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
-        )
-    program = program_from_export(exported, facts, prefix=hf._WRAPPER_PREFIX, seconds=seconds)
+    program = hf.export_program(model, (ids.to(META), positions.to(META)))
     _on_device(program.graph_module.graph, torch.device(device))
     program.graph_module.recompile()
     return finish(program)

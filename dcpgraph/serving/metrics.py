@@ -72,6 +72,12 @@ class Metrics:
                [f"dcpgraph:prefix_cache_queries_total{{{labels}}} {cache.get('query_tokens', 0)}"])
         metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
                [f"dcpgraph:prefix_cache_hits_total{{{labels}}} {cache.get('hit_tokens', 0)}"])
+        metric("prefix_cache_preempted_queries_total", "counter",
+               "Tokens looked up in the prefix cache by requests re-admitted after a preemption.",
+               [f"dcpgraph:prefix_cache_preempted_queries_total{{{labels}}} {cache.get('preempted_query_tokens', 0)}"])
+        metric("prefix_cache_preempted_hits_total", "counter",
+               "Tokens served from the prefix cache to requests re-admitted after a preemption.",
+               [f"dcpgraph:prefix_cache_preempted_hits_total{{{labels}}} {cache.get('preempted_hit_tokens', 0)}"])
         with self.lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [f"dcpgraph:prompt_tokens_total{{{labels}}} {self.prompt_tokens}"])

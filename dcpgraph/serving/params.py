@@ -8,13 +8,22 @@ checked here, so a bad one raises ``ValueError`` naming the field before any req
 see :mod:`.detokenizer`); the stop string itself is left out unless ``include_stop_str_in_output``.
 ``stop_token_ids`` end it at that token (kept in ``token_ids``, left out of ``text``), as the
 model's EOS does. ``seed`` makes a sampled request reproducible; completion ``i`` of ``n`` uses
-``seed + i``. ``logprobs`` is accepted only as ``None``: the engine does not return log-probabilities.
+``seed + i``.
+
+``logprobs=N`` (0 to 20, vLLM's default ``max_logprobs``) returns, per generated token, the
+log-probability of the sampled token and of the ``N`` most likely ones, from the logits it was
+sampled from, before penalties and temperature (vLLM's ``raw_logprobs``; see
+:mod:`dcpgraph.runtime.sampling`). ``prompt_logprobs`` is refused: the compiled program returns
+logits for a request's last position only. ``presence_penalty``, ``frequency_penalty`` (in
+[-2, 2]) and ``repetition_penalty`` (> 0, 1 = off) have vLLM's meaning and apply to greedy
+requests too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..runtime.sampling import MAX_LOGPROBS
 from ..runtime.sampling import SamplingParams as EngineSamplingParams
 
 _GREEDY_BELOW = 1e-5  # vLLM treats temperatures this small as greedy
@@ -31,6 +40,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -49,8 +62,19 @@ class SamplingParams:
         if self.max_tokens is not None and (
                 isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported: the engine returns sampled token ids only")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported: the compiled program returns logits for the last "
+                             "prompt position only; use None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
+                or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -65,11 +89,17 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW
 
     def engine_params(self, index: int = 0) -> dict:
-        """Keyword arguments of ``Engine.add_request`` for completion ``index`` of ``n``."""
-        if self.greedy:
-            return {}
-        seed = None if self.seed is None else self.seed + index
-        params = {"temperature": float(self.temperature), "top_k": max(self.top_k, 0),
-                  "top_p": float(self.top_p), "seed": seed}
+        """Keyword arguments of ``Engine.add_request`` for completion ``index`` of ``n`` (only the
+        ones that differ from the engine's defaults, so a plain greedy request sends none)."""
+        params: dict = {}
+        if not self.greedy:
+            seed = None if self.seed is None else self.seed + index
+            params = {"temperature": float(self.temperature), "top_k": max(self.top_k, 0),
+                      "top_p": float(self.top_p), "seed": seed}
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
+        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+            if getattr(self, name) != off:
+                params[name] = float(getattr(self, name))
         EngineSamplingParams(**params)  # the engine's own checks, before anything is queued
         return params

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import errors
+from ..runtime.scheduler import StepEvent
 from .channel import ChannelClosedError, recv_frame, send_frame
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
 
@@ -55,7 +56,9 @@ def _handle(engine, message: dict) -> dict:
         rid = engine.add_request(message["prompt"], message["max_new_tokens"], **message["sampling"])
         return {"rid": rid}
     if op == "step":
-        return {"events": [[int(r), int(t), bool(f)] for r, t, f in engine.step()]}
+        events = engine.step()
+        return {"events": [[int(r), int(t), bool(f)] for r, t, f in events],
+                "logprobs": [e.logprobs for e in events]}
     if op == "abort":
         return {"aborted": bool(engine.abort(message["rid"]))}
     if op == "memory_report":
@@ -184,10 +187,11 @@ class RemoteEngine:
         return replies
 
     def _agreed(self, message: dict, key: str) -> Any:
-        replies = self._call(message)
-        values = [r[key] for r in replies]
+        return self._check_agree(message["op"], [r[key] for r in self._call(message)])
+
+    def _check_agree(self, op: str, values: list) -> Any:
         if any(v != values[0] for v in values[1:]):
-            self.dead = f"ranks disagree on {message['op']!r}: {values}"
+            self.dead = f"ranks disagree on {op!r}: {values}"
             self.close()
             raise WorkerDiedError(self.dead)
         return values[0]
@@ -197,8 +201,12 @@ class RemoteEngine:
         return self._agreed({"op": "add", "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
                              "sampling": sampling}, "rid")
 
-    def step(self) -> list[tuple[int, int, bool]]:
-        return [(r, t, f) for r, t, f in self._agreed({"op": "step"}, "events")]
+    def step(self) -> list[StepEvent]:
+        """Every rank's events (checked equal); log-probabilities are rank 0's: every rank samples
+        the same token from the same gathered logits, and rank 0's computed them."""
+        replies = self._call({"op": "step"})
+        events = self._check_agree("step", [r["events"] for r in replies])
+        return [StepEvent(r, t, f, lp) for (r, t, f), lp in zip(events, replies[0]["logprobs"], strict=True)]
 
     def abort(self, request_id: int) -> bool:
         return self._agreed({"op": "abort", "rid": int(request_id)}, "aborted")

@@ -1,0 +1,186 @@
+"""Measuring ``this-machine``: the attention op's cost terms and the gloo links between ranks.
+
+Attention (:func:`calibrate_attention`, ``paged_attention`` on one thread, fp32, one KV head,
+best of ``reps`` thread-CPU times; calls under a millisecond take the best of at least
+:data:`SMALL_REPS`, since on a shared virtual machine a call that the hypervisor pauses is charged
+milliseconds of "thread" time, which no statistic of a few small calls survives) is modelled as
+
+    t = overhead + bytes / bw(working set) + flops / rate,
+
+where ``bw`` is the cache bandwidth when the working set fits in half the core's private cache
+(the rest holds queries, outputs and everything else the step touches) and the memory bandwidth
+otherwise. Four timings give the four figures:
+
+1. ``tokens`` (128K) of KV with ``heads[0]`` and ``heads[1]`` query heads: same bytes, FLOPs
+   ``4·tokens·dim`` per head, so the two equations give ``bw`` (memory) and ``rate``;
+2. one block (16 tokens), one head: what is left after bytes and FLOPs is the per-call overhead;
+3. a KV of half the cache, one head, called repeatedly (so it is resident): the cache
+   bandwidth, after the overhead and FLOPs are taken out (never less than the memory's).
+
+The cache size is the machine's own (sysfs: the largest cache private to cpu0, its L2 here), not a
+constant. Links (:func:`measure_links`, inside a gloo world): per collective, the best wall time
+of a one-element call is the latency, and the best of a 1 MiB-per-peer call, less that latency,
+gives the bandwidth from the bytes each rank sends, ``(N−1)·chunk``, as :mod:`.cost` counts them.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from .hardware import MEASURED, Hardware, physical_memory
+
+LINK_CHUNK_BYTES = 1 << 20
+SMALL_REPS = 50
+
+
+@dataclass(frozen=True)
+class AttentionCalibration:
+    bandwidth: float  # bytes/s from memory
+    compute_flops: float
+    overhead_s: float  # per call
+    cache_bytes: int
+    cache_bandwidth: float  # bytes/s of a cache-resident KV
+    seconds: dict  # the raw timings, by what was timed
+
+
+def private_cache_bytes(cpu: int = 0) -> int:
+    """The largest data/unified cache that ``cpu`` does not share with another CPU (sysfs); 0 when
+    the platform does not say."""
+    root = f"/sys/devices/system/cpu/cpu{cpu}/cache"
+    best = 0
+    try:
+        entries = sorted(e for e in os.listdir(root) if e.startswith("index"))
+    except OSError:
+        return 0
+    for entry in entries:
+        def read(name: str, entry=entry) -> str:
+            with open(os.path.join(root, entry, name)) as f:
+                return f.read().strip()
+        try:
+            kind, size, shared = read("type"), read("size"), read("shared_cpu_list")
+        except OSError:
+            continue
+        if kind == "Instruction" or shared != str(cpu):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
+        best = max(best, int(size.rstrip("KM")) * scale)
+    return best
+
+
+def _time_op(args, reps: int) -> float:
+    import torch
+
+    op = torch.ops.dcpgraph.paged_attention
+    op(*args)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.thread_time()
+        op(*args)
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def attention_args(tokens: int, q_heads: int, dim: int, block: int = 16):
+    """``paged_attention`` arguments over ``tokens`` of one fp32 KV head (one request)."""
+    import torch
+
+    import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
+
+    blocks = -(-tokens // block)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(blocks, block, 1, dim, generator=g)
+    v = torch.randn(blocks, block, 1, dim, generator=g)
+    q = torch.randn(1, q_heads, dim, generator=g)
+    table = torch.arange(blocks, dtype=torch.int32).view(1, -1)
+    return (q, k, v, table, torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([tokens], dtype=torch.int32), None, dim ** -0.5)
+
+
+def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int, int] = (1, 16),
+                        reps: int = 5, cache_bytes: int | None = None) -> AttentionCalibration:
+    """The module docstring's four figures for this CPU (a second or two)."""
+    per_token = 2 * dim * 4
+
+    def flops(n: int, h: int) -> float:
+        return 4.0 * n * dim * h
+
+    seconds = {f"{tokens} tokens, {h} heads": _time_op(attention_args(tokens, h, dim), reps) for h in heads}
+    (h1, t1), (h2, t2) = zip(heads, seconds.values())
+    rate = (h2 - h1) * flops(tokens, 1) / max(t2 - t1, 1e-9)
+    bandwidth = tokens * per_token / max(t1 - flops(tokens, h1) / rate, 1e-9)
+    small = 16
+    small_reps = max(reps, SMALL_REPS)
+    seconds[f"{small} tokens, 1 head"] = t_small = _time_op(attention_args(small, 1, dim), small_reps)
+    overhead = max(0.0, t_small - small * per_token / bandwidth - flops(small, 1) / rate)
+    cache = private_cache_bytes() if cache_bytes is None else cache_bytes
+    cache_bandwidth = bandwidth
+    if cache:
+        resident = max(16, cache // 2 // per_token)
+        seconds[f"{resident} tokens, 1 head"] = t = _time_op(attention_args(resident, 1, dim), small_reps)
+        # never below the memory's: a slower figure is a call the machine's load slowed down
+        cache_bandwidth = max(bandwidth, resident * per_token / max(t - overhead - flops(resident, 1) / rate, 1e-9))
+    return AttentionCalibration(bandwidth, rate, overhead, cache, cache_bandwidth, seconds)
+
+
+def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
+    """``{collective: (latency_s, bandwidth bytes/s)}`` for ``all_gather`` and ``all_to_all`` in
+    the current gloo world (call on every rank at once; the figures are this rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    elements = LINK_CHUNK_BYTES // 4
+
+    def run(name: str, n: int) -> float:
+        send = torch.ones(n)
+        if name == "all_gather":
+            out = [torch.empty(n) for _ in range(world)]
+            call = lambda: dist.all_gather(out, send)  # noqa: E731
+        else:
+            send, out = torch.ones(n * world), torch.empty(n * world)
+            call = lambda: dist.all_to_all_single(out, send)  # noqa: E731
+        call()
+        best = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    out = {}
+    for name in ("all_gather", "all_to_all"):
+        latency = run(name, 1)
+        big = run(name, elements)
+        # a latency sample slower than the big call was slowed by the machine's load: then the whole
+        # big call counts as transfer (a lower bound on the bandwidth)
+        transfer = big - latency if big > latency else big
+        out[name] = (latency, (world - 1) * LINK_CHUNK_BYTES / transfer)
+    return out
+
+
+def _links_worker(rank: int, world: int, reps: int) -> dict:
+    return measure_links(reps)
+
+
+def measure_this_machine(links: bool = True, **calibration) -> Hardware:
+    """This machine as one rank: physical memory, :func:`calibrate_attention`'s figures and, with
+    ``links``, :func:`measure_links` between two gloo processes on it (a few seconds more; the
+    latency and bandwidth are the two collectives' means). Without ``links`` the link figures are
+    loopback assumptions, not measurements: 5 GB/s, 200 µs per collective."""
+    cal = calibrate_attention(**calibration)
+    link_bw, link_latency, how = 5e9, 200e-6, "links assumed"
+    if links:
+        from ..runtime.distributed import spawn
+
+        measured = spawn(_links_worker, 2, 10, timeout_s=120)[0]
+        link_latency = statistics.mean(lat for lat, _ in measured.values())
+        link_bw = statistics.mean(bw for _, bw in measured.values())
+        how = "gloo links measured (all_gather, all_to_all)"
+    return Hardware(MEASURED, physical_memory(), cal.bandwidth, cal.compute_flops, link_bw, link_latency,
+                    compute_overlaps_memory=False, attention_overhead_s=cal.overhead_s,
+                    cache_bytes=cal.cache_bytes, cache_bandwidth=cal.cache_bandwidth,
+                    source=f"measured: paged_attention calibration on this CPU; {how}")

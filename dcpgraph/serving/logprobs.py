@@ -1,0 +1,59 @@
+"""Per-token log-probabilities from the engine, in vLLM's and OpenAI's shapes.
+
+The engine gives one entry per generated token (:func:`dcpgraph.runtime.sampling.token_logprobs`):
+``{"logprob", "rank", "top": [[id, logprob], ...]}``, the sampled token's figures and the top-N,
+most likely first. Token texts are ``tokenizer.decode([id])`` (special tokens included), one token
+alone, as vLLM and OpenAI show them; two ids can share a text, and then OpenAI's completions
+``top_logprobs`` (a text-keyed map) keeps the more likely one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .outputs import Logprob
+
+
+def token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([int(token)], skip_special_tokens=False)
+
+
+def vllm_logprobs(tokenizer, token: int, entry: dict) -> dict[int, Logprob]:
+    """vLLM's per-token map: the sampled token first, then the top-N (by rank)."""
+    out = {int(token): Logprob(entry["logprob"], entry["rank"], token_text(tokenizer, token))}
+    for rank, (tid, logprob) in enumerate(entry["top"], start=1):
+        out.setdefault(int(tid), Logprob(logprob, rank, token_text(tokenizer, tid)))
+    return out
+
+
+def completion_logprobs(tokenizer, tokens: Sequence[int], entries: Sequence[dict], offset: int) -> tuple[dict, int]:
+    """OpenAI completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``) for consecutive tokens whose first starts at character ``offset`` of the
+    completion; returns it and the offset after the last token."""
+    texts, offsets, tops = [], [], []
+    for token, entry in zip(tokens, entries, strict=True):
+        text = token_text(tokenizer, token)
+        texts.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        top: dict[str, float] = {}
+        for tid, logprob in entry["top"]:
+            top.setdefault(token_text(tokenizer, tid), logprob)
+        tops.append(top)
+    return {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, tokens: Sequence[int], entries: Sequence[dict]) -> dict:
+    """OpenAI chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
+    [{"token", "logprob", "bytes"}, ...]}, ...]}``."""
+    content = []
+    for token, entry in zip(tokens, entries, strict=True):
+        item = _chat_token(token_text(tokenizer, token), entry["logprob"])
+        item["top_logprobs"] = [_chat_token(token_text(tokenizer, tid), lp) for tid, lp in entry["top"]]
+        content.append(item)
+    return {"content": content}

@@ -154,7 +154,9 @@ def fuse_mla_preprocess(program: Program, enabled: bool = True):
         if kv is None:
             unfused.append(f"{where}: the written value is not a latent row [1, 1, T, D] viewed token-major")
             continue
-        match, why = _match_layer(program, kv, queries)
+        order = {n: i for i, n in enumerate(graph.nodes)}  # this layer's query is usually the nearest
+        nearest = sorted((q for q in queries if q[0] in order), key=lambda q: abs(order[q[0]] - order[kv]))
+        match, why = _match_layer(program, kv, nearest)
         if match is None:
             unfused.append(f"{where}: {why}")
             continue

@@ -164,7 +164,11 @@ def fuse_mla_preprocess(program: Program, enabled: bool = True):
         if escaping:
             unfused.append(f"{where}: intermediate {[n.name for n in escaping]} also read outside the preprocess")
             continue
-        _replace(graph, match, write)
+        first, late = _placement(graph, match, write)
+        if late:
+            unfused.append(f"{where}: {late}")
+            continue
+        _replace(graph, match, write, first)
         fused.append(where)
         variants.add(("q_lora" if match.argument("q_a_weight") is not None else "q_proj", match.pattern.rotary_kind))
     gm.recompile()
@@ -177,24 +181,31 @@ def fuse_mla_preprocess(program: Program, enabled: bool = True):
     return result, summary
 
 
-def _replace(graph: torch.fx.Graph, match: Match, write: torch.fx.Node) -> None:
-    """Emit the fused op before the first reader of its outputs or of the cache, rewire, erase."""
-    outputs = {name: match.host(name) for name in ("q_lat", "kv", "q_c")}
+def _placement(graph: torch.fx.Graph, match: Match, write: torch.fx.Node) -> tuple[torch.fx.Node, str]:
+    """``(node, "")``: the fused op goes before ``node``, the first reader of its outputs or of the
+    write; or ``(node, why)`` when an input of the op is only defined after that point."""
     matched = {h for p, h in match.binding.items() if p.op == "call_function"}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for name, h in outputs.items() if h is not None for u in h.users if u not in matched]
+    outputs = [match.host(name) for name in ("q_lat", "kv", "q_c")]
+    readers = [u for h in outputs if h is not None for u in h.users if u not in matched]
     first = min([*readers, write], key=order.__getitem__)
+    inputs = [match.argument(name) for name in _ARGS] + [write.args[0], write.args[2]]
+    late = [a.name for a in inputs if isinstance(a, torch.fx.Node) and order[a] >= order[first]]
+    return first, (f"inputs {late} are defined after {first.name} reads the preprocess" if late else "")
+
+
+def _replace(graph: torch.fx.Graph, match: Match, write: torch.fx.Node, first: torch.fx.Node) -> None:
+    """Emit the fused op before ``first``, route the outputs' outside readers to it, erase the
+    write and the matched nodes."""
+    matched = {h for p, h in match.binding.items() if p.op == "call_function"}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     args = [match.argument(name) for name in _ARGS]
-    inputs = [a for a in (*args, write.args[0], write.args[2]) if isinstance(a, torch.fx.Node)]
-    late = [a.name for a in inputs if order[a] >= order[first]]
-    if late:
-        raise VerificationError(f"mla_preprocess inputs {late} are defined after {first.name} reads its outputs")
     e = Emitter(graph)
     with graph.inserting_before(first):
         node = e(dcp_ops.mla_preprocess.default, *args, write.args[0], write.args[2],
                  match.captured.get("q_eps", 0.0), match.captured["kv_eps"], match.pattern.rotary_kind)
         for index, name in enumerate(("q_lat", "kv", "q_c")):
-            host = outputs[name]
+            host = match.host(name)
             if host is not None and any(u not in matched for u in host.users):
                 item = graph.call_function(operator.getitem, (node, index))
                 host.replace_all_uses_with(item, delete_user_cb=lambda user: user not in matched)

@@ -86,7 +86,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
     :mod:`dcpgraph.passes.tp_modules`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
     model's dtype, default; ``"bf16"``; ``"fp8_e4m3"``, fp8 with one fp32 scale per token, head and
-    128 elements, see :mod:`dcpgraph.ops.quant`).
+    128 elements, see :mod:`dcpgraph.ops.quant`), ``mlapo`` (default True: an MLA model's query/KV
+    projections, norms, rotary and latent cache write become one ``mla_preprocess`` op per layer,
+    bit-identical on CPU, a fused kernel on Ascend; False keeps them unfused; see
+    :mod:`dcpgraph.passes.fuse_mla_preprocess`).
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -117,7 +120,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         program = with_expert_parallel(program)
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
-        plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"],
+        plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
     )
     sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
     num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"])

@@ -231,7 +231,7 @@ def test_explain_final_program(compiled):
     lines = text.splitlines()
     assert lines[0].startswith("# LM: gqa attention, 2 layers, 4 q heads / 2 kv heads, head dim 16")
     assert "# mesh: Mesh(tp=4, dcp=2; dcp groups {0,1} {2,3})" in lines
-    assert f"# stage: {compiled.stages[-1][0]}" in lines and compiled.stages[-1][0] == "fuse_new_tokens"
+    assert f"# stage: {compiled.stages[-1][0]}" in lines and compiled.stages[-1][0] == "fuse_mla_preprocess"
     assert "  caches (4):" in lines and any(line.strip().startswith("%k_cache_0: layer 0 k, [blocks, 8, 1, 16]") for line in lines)
     assert any("rank 0 holds" in line for line in lines if "params:" in line)
     assert "  rank: %tp_rank, %dcp_rank" in lines
@@ -288,4 +288,5 @@ def test_fuse_new_tokens_only_without_dcp():
     assert ops_of(fused).count(torch.ops.dcpgraph.paged_attention.default) == 2
     split = compile_program(program, dcpgraph.Mesh(2, 2), block_size=4)
     assert ops_of(split).count(torch.ops.dcpgraph.partial_attention.default) == 2
-    assert "context/new split is the DCP form" in split.provenance[-1].summary
+    assert "context/new split is the DCP form" in next(p.summary for p in split.provenance
+                                                       if p.name == "fuse_new_tokens")

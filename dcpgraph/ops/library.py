@@ -20,6 +20,9 @@ softcap,k_scales?,v_scales?)``        window start (local key index) per query; 
 ``kv_cache_write_(cache,new,slots)``   in-place write of new K/V into their slots; slot −1 skips
 ``kv_cache_write_fp8_(cache,new,       the same into an fp8 cache, quantised with one fp32 scale
 slots,scales)``                        per (token, head, 128 elements) written to ``scales``
+``mla_preprocess(x, weights…, w_uk,    MLA's query/KV projections, norms, rotary and latent cache
+rotary, rotary_sin, cache, slots,      write in one op → ``(q_lat, kv, q_c)``
+q_eps, kv_eps, rotary_kind)``          (:mod:`dcpgraph.ops.mla_preprocess`)
 =====================================  =========================================================
 
 Score modifiers (defaults mean "off", and passes emit them only when on, so a graph without them
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, quant
+from . import kernels, mla_preprocess, quant
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -63,6 +66,12 @@ _SCHEMAS = {
     "kv_cache_write_": "kv_cache_write_(Tensor(a!) cache, Tensor new, Tensor slot_mapping) -> ()",
     "kv_cache_write_fp8_": (
         "kv_cache_write_fp8_(Tensor(a!) cache, Tensor new, Tensor slot_mapping, Tensor(b!) scales) -> ()"
+    ),
+    "mla_preprocess": (
+        "mla_preprocess(Tensor x, Tensor? q_a_weight, Tensor? q_a_norm_weight, Tensor q_b_weight, "
+        "Tensor kv_a_weight, Tensor kv_norm_weight, Tensor w_uk, Tensor rotary, Tensor? rotary_sin, "
+        "Tensor(a!) cache, Tensor slot_mapping, float q_eps, float kv_eps, str rotary_kind) "
+        "-> (Tensor, Tensor, Tensor)"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -183,6 +192,7 @@ _register("merge_attention", _merge_attention, _merge_attention_fake)
 _register("rescale_to_global", _rescale_to_global, _rescale_to_global_fake)
 _register("kv_cache_write_", _kv_cache_write_, _kv_cache_write_fake)
 _register("kv_cache_write_fp8_", _kv_cache_write_fp8_, _kv_cache_write_fp8_fake)
+_register("mla_preprocess", mla_preprocess.mla_preprocess_reference, mla_preprocess.mla_preprocess_fake)
 
 ops = torch.ops.dcpgraph
 attention = ops.attention
@@ -192,3 +202,4 @@ merge_attention = ops.merge_attention
 rescale_to_global = ops.rescale_to_global
 kv_cache_write_ = ops.kv_cache_write_
 kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
+mla_preprocess_op = ops.mla_preprocess

@@ -8,7 +8,8 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 3. ``select_logits``    the LM head computes only the rows that will be sampled;
 4. ``shard_tp``         tensor parallelism from the TP plan (collectives, sharded state);
 5. ``shard_dcp``        context attention sharded over DCP groups (LSE merge across ranks);
-6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens.
+6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens;
+7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
+from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
 from .manager import ProgramPass, run_passes
@@ -30,23 +32,25 @@ PIPELINE: tuple[ProgramPass, ...] = (
     shard_tp,
     shard_dcp,
     fuse_new_tokens,
+    fuse_mla_preprocess,
 )
 
 
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
-                   kv_cache_dtype: str = "auto") -> list[ProgramPass]:
+                   kv_cache_dtype: str = "auto", mlapo: bool = True) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
         shard_dcp.name: {"comm": comm},
+        fuse_mla_preprocess.name: {"enabled": mlapo},
     }
     return [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
 
 
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
-    comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto",
+    comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
     if not isinstance(program, Program):
@@ -54,4 +58,6 @@ def compile_program(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
     program = program.replace(options={**program.options, "interleave": interleave})
-    return run_passes(program, default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype), verify=verify)
+    passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
+                            mlapo=mlapo)
+    return run_passes(program, passes, verify=verify)

@@ -73,7 +73,7 @@ CACHE_DIR = REPO_ROOT / ".torchair_cache"
 EXTRACT_DIR = CACHE_DIR / f"torch_npu-{TORCH_NPU_VERSION}"
 PYDEPS_DIR = CACHE_DIR / "pydeps"
 SCHEMA_FILE = EXTRACT_DIR / "npu_schemas.txt"
-NPU_OPS = ("npu_fused_infer_attention_score", "npu_attention_update")
+NPU_OPS = ("npu_fused_infer_attention_score", "npu_attention_update", "npu_kv_rmsnorm_rope_cache")
 _YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 _PREFIX = "torch_npu/dynamo/torchair/"
 
@@ -108,20 +108,39 @@ def _wheel() -> Path:
     return found[0]
 
 
+def _schema_lines(z: zipfile.ZipFile) -> list[str]:
+    schemas = []
+    for line in z.read(_YAML).decode().splitlines():
+        m = re.match(r"\s*-\s*func:\s*((\w+)\(.*)$", line)
+        if m and m.group(2) in NPU_OPS and m.group(1) not in schemas:
+            schemas.append(m.group(1))
+    return schemas
+
+
+def _refresh_schemas(wheel: Path) -> None:
+    """Rewrite ``npu_schemas.txt`` when an earlier extraction predates an op of :data:`NPU_OPS`."""
+    have = {s.split("(", 1)[0] for s in SCHEMA_FILE.read_text().split("\n") if s}
+    if set(NPU_OPS) <= have:
+        return
+    with zipfile.ZipFile(wheel) as z:
+        text = "\n".join(_schema_lines(z)) + "\n"
+    tmp = SCHEMA_FILE.with_name(f"{SCHEMA_FILE.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(SCHEMA_FILE)
+
+
 def _extract(wheel: Path) -> None:
-    """Unpack ``torch_npu/dynamo/torchair`` (no ``.so``) and the two schema lines, atomically."""
+    """Unpack ``torch_npu/dynamo/torchair`` (no ``.so``) and the schema lines of
+    :data:`NPU_OPS`, atomically."""
     if (EXTRACT_DIR / ".complete").exists():
+        _refresh_schemas(wheel)
         return
     tmp = EXTRACT_DIR.with_name(f"{EXTRACT_DIR.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.startswith(_PREFIX) and not n.endswith(".so")]
         z.extractall(tmp, names)
-        schemas = []
-        for line in z.read(_YAML).decode().splitlines():
-            m = re.match(r"\s*-\s*func:\s*((\w+)\(.*)$", line)
-            if m and m.group(2) in NPU_OPS and m.group(1) not in schemas:
-                schemas.append(m.group(1))
+        schemas = _schema_lines(z)
     (tmp / "npu_schemas.txt").write_text("\n".join(schemas) + "\n")
     (tmp / ".complete").write_text(wheel.name + "\n")
     if EXTRACT_DIR.exists() and not (EXTRACT_DIR / ".complete").exists():
@@ -272,8 +291,15 @@ def _declare_npu_ops(schema_file: Path) -> None:
     def update_fake(lse, local_out, update_type):
         return torch.empty_like(local_out[0]), torch.empty_like(lse[0])
 
+    def kv_rmsnorm_rope_cache_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, v=None, **_):
+        # the caches as updated, then k_pe [B, 1, S, rope] and c_kv [B, 1, S, rms] (torch_npu's meta)
+        rows = tuple(kv.shape[:-1])
+        return (torch.empty_like(k_cache), torch.empty_like(ckv_cache),
+                kv.new_empty((*rows, cos.shape[-1])), kv.new_empty((*rows, gamma.shape[0])))
+
     torch.library.register_fake("npu::npu_fused_infer_attention_score", fias_fake, lib=lib)
     torch.library.register_fake("npu::npu_attention_update", update_fake, lib=lib)
+    torch.library.register_fake("npu::npu_kv_rmsnorm_rope_cache", kv_rmsnorm_rope_cache_fake, lib=lib)
 
 
 _LIBS: list = []

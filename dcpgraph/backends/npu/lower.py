@@ -8,7 +8,7 @@ no CPU kernels), so it never becomes a Program.
 
 GE ("max-autotune") needs a converter for every FX node and dcpgraph's ops have none, so each is
 replaced by the first rule of :data:`~.rules.TABLE` whose checker accepts it (rules and their op
-contracts: :mod:`.rules_attention`, :mod:`.rules_merge`, :mod:`.rules_cache`). Collectives stay
+contracts: :mod:`.rules_attention`, :mod:`.rules_merge`, :mod:`.rules_cache`, :mod:`.rules_mlapo`). Collectives stay
 ``_c10d_functional`` ops: torchair converts them to ``HcomAllGather``, ``HcomAllToAll(V)``,
 ``HcomReduceScatter``, ``HcomAllReduce``. Nodes a rule emitted that end up unused (an lse nobody
 reads) are dropped.
@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import rules_attention, rules_cache, rules_merge  # noqa: F401 - they register their rules
+from . import rules_attention, rules_cache, rules_merge, rules_mlapo  # noqa: F401 - they register their rules
 from .ascend import GE_DECOMPOSITIONS
 from .rules import TABLE, NpuLoweringError, Rule, Site
 from .trace import LoweringTracer, splice

@@ -412,3 +412,14 @@ def _paged_partial_attention_torch(
         out[q0:q1] = o
         lse[q0:q1] = l_
     return out, lse
+
+
+def write_slots(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache.view(-1, …)[slot_mapping[t]] = new[t]`` in place for every token ``t`` whose slot is
+    ``>= 0``; slot −1 (a DCP rank that does not own the token) writes nothing."""
+    flat = cache.view(-1, *cache.shape[2:])
+    owned = slot_mapping >= 0
+    if bool(owned.all()):
+        flat.index_copy_(0, slot_mapping.to(torch.int64), new.to(cache.dtype))
+    else:
+        flat.index_copy_(0, slot_mapping[owned].to(torch.int64), new[owned].to(cache.dtype))

@@ -159,12 +159,7 @@ def _rescale_to_global_fake(out, lse, lses_all):
 
 
 def _kv_cache_write_(cache, new, slot_mapping):
-    flat = cache.view(-1, *cache.shape[2:])
-    owned = slot_mapping >= 0
-    if bool(owned.all()):
-        flat.index_copy_(0, slot_mapping.to(torch.int64), new.to(cache.dtype))
-    else:
-        flat.index_copy_(0, slot_mapping[owned].to(torch.int64), new[owned].to(cache.dtype))
+    kernels.write_slots(cache, new, slot_mapping)
 
 
 def _kv_cache_write_fake(cache, new, slot_mapping):

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels import write_slots
+
 ROTARY_KINDS = ("interleave", "rotate_half", "complex")
 
 
@@ -113,11 +115,9 @@ def mla_preprocess_math(
 def mla_preprocess_reference(x, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_norm_weight, w_uk,
                              rotary, rotary_sin, cache, slot_mapping, q_eps, kv_eps, rotary_kind):
     """The op's CPU kernel: :func:`mla_preprocess_math`, then the latent cache write."""
-    from .library import _kv_cache_write_
-
     q_lat, kv, q_c = mla_preprocess_math(x, q_a_weight, q_a_norm_weight, q_b_weight, kv_a_weight, kv_norm_weight,
                                          w_uk, rotary, rotary_sin, q_eps, kv_eps, rotary_kind)
-    _kv_cache_write_(cache, kv.select(0, 0).transpose(0, 1), slot_mapping)
+    write_slots(cache, kv.select(0, 0).transpose(0, 1), slot_mapping)
     q_c = x.new_empty((0,)) if q_c is None else q_c
     return q_lat.contiguous(), kv.contiguous(), q_c.contiguous()
 

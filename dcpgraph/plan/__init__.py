@@ -14,11 +14,12 @@ from .architectures import ARCHITECTURES
 from .calibration import (
     AttentionCalibration,
     calibrate_attention,
+    get_hardware,
     measure_links,
     measure_this_machine,
 )
 from .cost import Collective, StepCost, dcp_collectives, decode_step
-from .hardware import HARDWARE_NAMES, PRESETS, Hardware, get_hardware
+from .hardware import HARDWARE_NAMES, PRESETS, Hardware
 from .model_shape import KV_CACHE_DTYPES, ModelShape, load_model_shape
 from .planner import Plan, PlanRow, plan
 from .render import plan_dict, render_json, render_table

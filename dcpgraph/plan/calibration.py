@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .hardware import MEASURED, Hardware, physical_memory
+from .hardware import HARDWARE_NAMES, MEASURED, PRESETS, Hardware, physical_memory
 
 LINK_CHUNK_BYTES = 1 << 20
 SMALL_REPS = 50
@@ -184,3 +184,15 @@ def measure_this_machine(links: bool = True, **calibration) -> Hardware:
                     compute_overlaps_memory=False, attention_overhead_s=cal.overhead_s,
                     cache_bytes=cal.cache_bytes, cache_bandwidth=cal.cache_bandwidth,
                     source=f"measured: paged_attention calibration on this CPU; {how}")
+
+
+def get_hardware(name: str, **overrides) -> Hardware:
+    """A preset by name, or ``this-machine`` (measured); ``overrides`` replace fields."""
+    key = name.strip().lower()
+    if key == MEASURED:
+        hw = measure_this_machine()
+    elif key in PRESETS:
+        hw = PRESETS[key]
+    else:
+        raise ValueError(f"unknown hardware {name!r}; choose from {list(HARDWARE_NAMES)}")
+    return replace(hw, **overrides) if overrides else hw

@@ -20,7 +20,7 @@ of the paged attention op and of the gloo links between two processes).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 GB = 10**9
 
@@ -75,17 +75,3 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * GB
-
-
-def get_hardware(name: str, **overrides) -> Hardware:
-    """A preset by name, or ``this-machine`` (measured); ``overrides`` replace fields."""
-    key = name.strip().lower()
-    if key == MEASURED:
-        from .calibration import measure_this_machine
-
-        hw = measure_this_machine()
-    elif key in PRESETS:
-        hw = PRESETS[key]
-    else:
-        raise ValueError(f"unknown hardware {name!r}; choose from {list(HARDWARE_NAMES)}")
-    return replace(hw, **overrides) if overrides else hw

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from .. import capacity
 from ..errors import ConfigError
 from ..mesh import Mesh
+from .calibration import get_hardware
 from .cost import StepCost, decode_step
-from .hardware import Hardware, get_hardware
+from .hardware import Hardware
 from .model_shape import ModelShape, load_model_shape
 
 TIE = 0.02  # throughputs within 2 % count as equal: the smaller dcp (fewer collectives) wins

@@ -34,13 +34,31 @@ from .workers import RemoteEngine
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
+def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
+    """``config`` checked (:func:`dcpgraph.speculative.config.speculative_config`) before any rank
+    starts; a draft model directory is inspected like the target (mesh, tensors, tokenizer) and
+    must have the target's vocabulary. Returned as given: it travels to the ranks as JSON."""
+    from ..speculative.config import speculative_config
+
+    spec = speculative_config(config)
+    if spec.method == "draft_model":
+        if not isinstance(spec.model, str):
+            raise ConfigError("LLM's speculative_config['model'] must be a model directory (it is loaded on every rank)")
+        draft = inspect_checkpoint(spec.model, tokenizer=tokenizer, **mesh)
+        if draft.vocab_size != info.vocab_size:
+            raise ConfigError(f"draft model {spec.model}: vocabulary {draft.vocab_size} differs from the target's "
+                              f"{info.vocab_size}; a draft must share the target's tokenizer")
+    return dict(config)
+
+
 class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
                  block_size: int = 16, max_model_len: int | None = None, dtype: str = "auto",
                  enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
-                 worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0, **engine_options: Any):
+                 worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0,
+                 speculative_config: dict | None = None, **engine_options: Any):
         import torch.distributed as dist
 
         require_model_dir(model)
@@ -54,6 +72,10 @@ class LLM:
         elif not 0 < int(max_model_len) <= limit:
             raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                               f"got {max_model_len}")
+        if speculative_config is not None:
+            engine_options["speculative_config"] = check_speculative_config(
+                speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=block_size,
+                interleave=cp_kv_cache_interleave_size, tokenizer=self.tokenizer)
         self.info = info
         self.seed = seed
         self.max_model_len = int(max_model_len)

@@ -1,0 +1,83 @@
+"""Speculation through the offline API and the server's metrics, on checkpoints written here.
+
+Reference: HF ``generate`` greedy on the target directory (fp64). The draft is a second
+directory of the same tokenizer (a 1-layer model of another seed, or the target itself, which
+must then have every draft accepted). The gloo run starts two worker ranks (tp=2, dcp=2), each
+loading its shard of the target and of the draft.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpgraph import LLM, ConfigError, SamplingParams
+from dcpgraph.serving.checkpoint import load_model
+from dcpgraph.serving.metrics import Metrics
+from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+from dcpgraph.testing.generation import hf_greedy
+
+PROMPTS = ["héllo wörld", "The future of AI is", "x"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {"target": save_tiny_checkpoint(root / "target", "qwen3"),
+            "draft": save_tiny_checkpoint(root / "draft", "qwen3", layers=1, seed=1),
+            "wide": save_tiny_checkpoint(root / "wide", "qwen3", layers=1, vocab_size=384)}
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    model = load_model(dirs["target"], "float64")
+    return lambda ids: hf_greedy(model, ids, MAX_TOKENS)
+
+
+def check_greedy(llm, reference):
+    for out in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)):
+        assert out.outputs[0].token_ids == reference(out.prompt_token_ids), out.prompt
+
+
+@pytest.mark.parametrize("draft", ["draft", "target"])
+def test_llm_with_a_draft_directory_equals_hf(dirs, reference, draft):
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "model": dirs[draft]}
+    with LLM(model=dirs["target"], dtype="float64", block_size=4, speculative_config=config) as llm:
+        check_greedy(llm, reference)
+        stats = llm.engine.report()["speculative"]
+    assert stats["method"] == "draft_model" and stats["drafted"] > 0
+    if draft == "target":
+        assert stats["accepted"] == stats["drafted"]
+
+
+def test_llm_refuses_a_draft_of_another_vocabulary(dirs):
+    config = {"method": "draft_model", "num_speculative_tokens": 2, "model": dirs["wide"]}
+    with pytest.raises(ConfigError, match=r"vocabulary 384 differs from the target's 320"):
+        LLM(model=dirs["target"], dtype="float64", speculative_config=config)
+    with pytest.raises(ConfigError, match="unknown keys"):
+        LLM(model=dirs["target"], speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 1})
+
+
+def test_metrics_render_vllms_spec_decode_counters():
+    snapshot = {"running": 0, "waiting": 0, "kv_usage": [0.0], "prefix_cache": {},
+                "speculative": {"method": "ngram", "verified_rows": 4, "drafted": 10, "accepted": 6,
+                                "accepted_per_position": [3, 2, 1]}}
+    text = Metrics("m").render(snapshot)
+    assert 'dcpgraph:spec_decode_num_drafts_total{model_name="m"} 4' in text
+    assert 'dcpgraph:spec_decode_num_draft_tokens_total{model_name="m"} 10' in text
+    assert 'dcpgraph:spec_decode_num_accepted_tokens_total{model_name="m"} 6' in text
+    assert 'dcpgraph:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1' in text
+    assert "spec_decode" not in Metrics("m").render({**snapshot, "speculative": {}})
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_gloo_workers_tp2_dcp2_with_a_draft_model(dirs, reference):
+    config = {"method": "draft_model", "num_speculative_tokens": 2, "model": dirs["target"]}
+    with LLM(model=dirs["target"], dtype="float64", block_size=4, tensor_parallel_size=2,
+             decode_context_parallel_size=2, worker_timeout_s=300, speculative_config=config) as llm:
+        check_greedy(llm, reference)
+        stats = llm.engine.report()["speculative"]
+        assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+        procs = llm.engine.procs
+    assert [p.exitcode for p in procs] == [0, 0]

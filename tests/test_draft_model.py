@@ -58,6 +58,16 @@ def test_draft_equal_to_target_accepts_every_draft(setup, tp, dcp, interleave):
     assert engine.steps < NEW  # 1 + k tokens per verification step
 
 
+def test_the_draft_has_its_own_smaller_kv_cache(setup):
+    _, _, program, other, _ = setup
+    engine = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, speculative_config=spec(other))
+    memory = engine.memory_report()
+    assert len(memory["draft_kv_bytes_per_rank"]) == 2
+    assert 0 < memory["draft_kv_bytes_per_rank"][0] < memory["kv_bytes_per_rank"][0]  # 1 layer against 2
+    draft_caches = engine.runner.proposer.runner.executor.rank_caches(0)
+    assert all(c.shape[0] == engine.blocks.num_blocks for c in draft_caches.values())
+
+
 @pytest.mark.parametrize("tp, dcp, interleave", MESHES)
 def test_a_different_draft_keeps_greedy_tokens(setup, tp, dcp, interleave):
     _, _, program, other, refs = setup

@@ -251,7 +251,17 @@ class Engine:
             "dcp": self.mesh.dcp,
             "prefix_cache": self.prefix_cache_report(),
             "weight_bytes_per_rank": _weight_bytes_per_rank(self.program),
+            **self._draft_memory(),
         }
+
+    def _draft_memory(self) -> dict:
+        """A draft model's own KV cache (same blocks, its own per-block bytes) and weights."""
+        runner = getattr(self.runner.proposer, "runner", None)
+        if runner is None:
+            return {}
+        per_rank = kv_bytes_per_block(runner.program) * self.blocks.num_blocks
+        return {"draft_kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
+                "draft_weight_bytes_per_rank": _weight_bytes_per_rank(runner.program)}
 
     def prefix_cache_report(self) -> dict:
         """Prefix-cache counters: ``queries`` (admitted requests looked up) and ``query_tokens``

@@ -81,3 +81,36 @@ def test_gloo_workers_tp2_dcp2_with_a_draft_model(dirs, reference):
         assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
         procs = llm.engine.procs
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.slow
+def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_path):
+    """``dcpgraph serve --speculative-config`` (a draft directory) answers like HF and its
+    /metrics counts drafts once the engine loop refreshed its snapshot."""
+    import json
+    import re
+    import time
+
+    import httpx
+
+    from dcpgraph.testing.server import running_server
+
+    config = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": dirs["target"]})
+    args = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "128", "--speculative-config", config)
+    with running_server(dirs["target"], *args, log_path=str(tmp_path / "serve.log")) as server:
+        prompt = [72, 105, 33]
+        body = {"model": dirs["target"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        tokenizer_text = reply["choices"][0]["text"]
+        from dcpgraph.serving.checkpoint import load_tokenizer
+
+        assert tokenizer_text == load_tokenizer(dirs["target"]).decode(reference(prompt), skip_special_tokens=True)
+        deadline, drafted = time.monotonic() + 30, []
+        while time.monotonic() < deadline:
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            drafted = re.findall(r"^dcpgraph:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+            if drafted and float(drafted[0]) > 0:
+                break
+            time.sleep(0.5)
+        accepted = re.findall(r"^dcpgraph:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        assert drafted and float(drafted[0]) > 0 and accepted == drafted  # the target as draft: all accepted

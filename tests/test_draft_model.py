@@ -86,8 +86,12 @@ def test_mixed_with_prefill_chunks_prefix_hits_and_preemption(setup):
     refs = [hf_greedy(target, p, NEW) for p in long]
     cached = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_batched_tokens=10, max_model_len=48,
                               enable_prefix_caching=True, speculative_config=spec(program))
+    draft_runner, sizes = cached.runner.proposer.runner, []
+    execute = draft_runner.execute
+    draft_runner.execute = lambda chunks: sizes.append(sum(len(c.tokens) for c in chunks)) or execute(chunks)
     assert cached.generate(long, NEW) == refs
     assert cached.generate(long, NEW) == refs  # the second round hits the prefix cache
+    assert max(sizes) <= 10  # the draft's catch-up (its prefill) is chunked by the same budget
     report = cached.report()
     assert report["prefix_cache"]["hit_tokens"] > 0
     assert report["graph_steps"].get("mixed", 0) > 2  # steps mixing prefill chunks and verification

@@ -84,7 +84,7 @@ class Engine:
         proposer = None
         if self.speculative is not None:
             proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=num_blocks,
-                                     buckets=buckets)
+                                     buckets=buckets, max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(program, executor_cls(program, num_blocks, graphs), buckets, proposer,
                                   verify_buckets)
         self.executor = self.runner.executor

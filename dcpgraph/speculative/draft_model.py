@@ -15,7 +15,8 @@ time the request drafts), then ``k − 1`` one-token steps on its own drafts. It
 positions ``< s + k``; after verification the target has ``computed = s + 1 + a`` correct tokens
 (``a`` accepted drafts, which equal the tokens the draft wrote), so the draft's valid prefix is
 ``min(s + k, computed)`` — KV at rejected positions is simply overwritten next time, exactly like
-the target's. ``valid`` is clamped to ``computed`` on every call, so this needs no callback from
+the target's. A catch-up longer than the target's token budget (a long prompt) is first run in
+forwards of at most ``max_batched_tokens`` tokens, like the target's chunked prefill. ``valid`` is clamped to ``computed`` on every call, so this needs no callback from
 the scheduler. A request the proposer has not seen (new, or preempted since: the key includes
 its preemption count) starts at ``valid = 0``: the draft recomputes its whole history, also the
 part a prefix-cache hit spared the target (rewriting a shared block's draft KV with the values it
@@ -41,8 +42,9 @@ from .rejection import probabilities
 class DraftModelProposer:
     method = "draft_model"
 
-    def __init__(self, runner):
+    def __init__(self, runner, max_batched_tokens: int | None = None):
         self.runner = runner  # a ModelRunner over the draft program (no proposer of its own)
+        self.max_batched_tokens = max_batched_tokens  # bound of one catch-up forward (None: none)
         self.valid: dict[tuple[int, int], int] = {}  # (request id, preemptions) -> draft KV prefix
 
     def propose(self, plan: Sequence) -> list[Drafts]:
@@ -50,12 +52,10 @@ class DraftModelProposer:
         tokens: dict[int, list[int]] = {i: [] for i in rows}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
         self._forget_finished(plan)
-        chunks = []
-        for i in rows:
-            item = plan[i]
-            request, start = item.request, item.chunk.start
-            valid = min(self.valid.get(self._key(request), 0), start)
-            chunks.append(Chunk(request.id, tuple(request.tokens[valid : start + 1]), valid, item.chunk.block_table))
+        valid = {i: min(self.valid.get(self._key(plan[i].request), 0), plan[i].chunk.start) for i in rows}
+        self._catch_up(plan, valid)
+        chunks = [Chunk(plan[i].request.id, tuple(plan[i].request.tokens[valid[i] : plan[i].chunk.start + 1]),
+                        valid[i], plan[i].chunk.block_table) for i in rows]
         live = list(rows)
         step = 0
         while live:
@@ -76,6 +76,33 @@ class DraftModelProposer:
             p = torch.stack(probs[i]) if probs[i] else None
             out.append(Drafts(tokens[i], p))
         return out
+
+    def _catch_up(self, plan: Sequence, valid: dict[int, int]) -> None:
+        """Run the draft over history it has not cached, in forwards of at most
+        ``max_batched_tokens`` tokens (the target's chunked-prefill budget), until every drafting
+        row's remaining catch-up chunk fits one; ``valid`` moves on in place."""
+        budget = self.max_batched_tokens
+        if budget is None:
+            return
+        while True:
+            behind = {i: plan[i].chunk.start + 1 - v for i, v in valid.items()}
+            if sum(behind.values()) <= budget:
+                return
+            chunks, left = [], budget
+            for i, n in behind.items():
+                take = min(n - 1, left)  # keep the last token for the drafting forward
+                if take <= 0:
+                    continue
+                item = plan[i]
+                chunks.append(Chunk(item.request.id, tuple(item.request.tokens[valid[i] : valid[i] + take]),
+                                    valid[i], item.chunk.block_table))
+                valid[i] += take
+                left -= take
+                if left == 0:
+                    break
+            if not chunks:
+                return
+            self.runner.execute(chunks)
 
     @staticmethod
     def _key(request) -> tuple[int, int]:

@@ -113,6 +113,35 @@ def test_verification_buckets_change_no_token(setup):
     assert "decode[4]" in on.report()["speculative"]["draft_graph_steps"]  # the draft's own decode buckets
 
 
+def test_one_captured_verification_graph_serves_every_step(setup):
+    """A user backend compiles each graph once; the verification graph is then replayed for steps
+    of different lengths, tables and slots (all inputs, none baked in) with HF's tokens, and
+    every call has the same static shapes."""
+    _, _, program, other, refs = setup
+    compiled, shapes = {}, {}
+
+    def recording(gm, example_inputs):
+        key = len(compiled)
+        compiled[key] = tuple(tuple(t.shape) for t in example_inputs)
+
+        def run(*args):
+            shapes.setdefault(key, set()).add(tuple(tuple(t.shape) for t in args))
+            return gm(*args)
+
+        return run
+
+    engine = dcpgraph.compile(program, backend=recording, block_size=4, capture_limit=4,
+                              speculative_config=spec(other, 2))
+    assert engine.generate(PROMPTS, NEW) == refs
+    steps = engine.report()["graph_steps"]
+    assert steps.get("verify[4x3]", 0) > 1
+    inputs = engine.program.inputs  # the compiled target's (the draft's graphs have other inputs)
+    ids_at = [s.target for s in inputs].index("input_ids")
+    verify = [k for k, example in compiled.items() if len(example) == len(inputs) and example[ids_at] == (1, 4 * 3)]
+    assert len(verify) == 1  # one graph for the (4, 1 + 2) bucket, compiled once
+    assert len(shapes[verify[0]]) == 1  # every call had the same static shapes
+
+
 # -- sampling: the distribution of the first tokens ------------------------------------------------
 PROMPT, TOP_K, SAMPLES = [5, 6, 7], 3, 1200
 PARAMS = dict(temperature=1.0, top_k=TOP_K)

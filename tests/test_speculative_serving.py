@@ -79,6 +79,11 @@ def test_gloo_workers_tp2_dcp2_with_a_draft_model(dirs, reference):
         check_greedy(llm, reference)
         stats = llm.engine.report()["speculative"]
         assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+        # sampled: every rank draws the same drafts and acceptances from its own copy of the seeded
+        # generator (the driver checks that the ranks' answers agree), so no step count diverges
+        sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS)
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled)]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled)] == first
         procs = llm.engine.procs
     assert [p.exitcode for p in procs] == [0, 0]
 

@@ -4,8 +4,9 @@ It owns everything between the scheduler's plan and the sampled tokens: drafts f
 proposer (:mod:`dcpgraph.speculative`) for the rows the scheduler gave room to, the flattened
 per-rank step inputs (:mod:`.step_inputs`), the static-shape decode and verification buckets
 (:mod:`.graph_mode`, :mod:`.verify_buckets`), the executor that runs the compiled program,
-sampling, and verification of drafts (:func:`dcpgraph.speculative.rejection.verify`). It never changes a request: what the tokens mean
-(acceptance, stop conditions, ``computed``) is :meth:`Scheduler.postprocess`'s business.
+sampling, and verification of drafts (:func:`dcpgraph.speculative.rejection.verify`). It never
+changes a request: what the tokens mean (acceptance, stop conditions, ``computed``) is
+:meth:`Scheduler.postprocess`'s business.
 """
 
 from __future__ import annotations

@@ -72,13 +72,18 @@ def test_metrics_render_vllms_spec_decode_counters():
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_gloo_workers_tp2_dcp2_with_a_draft_model(dirs, reference):
-    config = {"method": "draft_model", "num_speculative_tokens": 2, "model": dirs["target"]}
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_gloo_workers_tp2_dcp2_speculate(dirs, reference, method):
+    config = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        config["model"] = dirs["target"]
     with LLM(model=dirs["target"], dtype="float64", block_size=4, tensor_parallel_size=2,
              decode_context_parallel_size=2, worker_timeout_s=300, speculative_config=config) as llm:
         check_greedy(llm, reference)
         stats = llm.engine.report()["speculative"]
-        assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+        assert stats["method"] == method and stats["drafted"] > 0  # verification ran on both ranks
+        if method == "draft_model":  # the target as its own draft
+            assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
         # sampled: every rank draws the same drafts and acceptances from its own copy of the seeded
         # generator (the driver checks that the ranks' answers agree), so no step count diverges
         sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS)

@@ -9,6 +9,7 @@ loading its shard of the target and of the draft.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dcpgraph import LLM, ConfigError, SamplingParams
 from dcpgraph.serving.checkpoint import load_model
@@ -124,3 +125,23 @@ def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_p
             time.sleep(0.5)
         accepted = re.findall(r"^dcpgraph:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M)
         assert drafted and float(drafted[0]) > 0 and accepted == drafted  # the target as draft: all accepted
+
+
+def test_mtp_is_refused_with_the_reason(tmp_path):
+    """A config without MTP layers, a DeepSeek-V3 checkpoint whose files lack the MTP weights, and
+    one that has them (MTP drafting is not built yet): each refused, naming why, before any work."""
+    from safetensors.torch import load_file, save_file
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    qwen = save_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    with pytest.raises(ConfigError, match=r"needs a checkpoint with multi-token-prediction layers"):
+        LLM(model=qwen, speculative_config=mtp)
+    v3 = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3")
+    with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=1 but holds MTP weights for 0 layer"):
+        LLM(model=v3, speculative_config=mtp)
+    weights = load_file(f"{v3}/model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    weights["model.layers.2.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    save_file(weights, f"{v3}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"has 1 MTP layer\(s\), but MTP drafting is not implemented"):
+        LLM(model=v3, speculative_config=mtp)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, RequestError
+from ..speculative.config import speculative_config as speculative_config_of
 from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
@@ -51,6 +52,19 @@ def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
     return dict(config)
 
 
+def check_mtp_checkpoint(path: str) -> None:
+    """``method="mtp"`` against the directory's config and safetensors names (before the
+    checkpoint's own inspection, which would call MTP tensors of a small model unexpected)."""
+    from ..api import facts_of
+    from ..speculative.mtp import check_mtp
+    from .checkpoint_files import weight_files
+    from .loader import meta_model
+    from .tensor_sources import SafetensorsFiles
+
+    model = meta_model(path, None)
+    check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)
+
+
 class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
@@ -62,6 +76,8 @@ class LLM:
         import torch.distributed as dist
 
         require_model_dir(model)
+        if speculative_config is not None and speculative_config_of(speculative_config).method == "mtp":
+            check_mtp_checkpoint(model)
         self.tokenizer = load_tokenizer(tokenizer or model)
         tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
         info = inspect_checkpoint(model, dtype=dtype, tp=tp, dcp=dcp, block_size=block_size,

@@ -74,7 +74,11 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
-    graph mode), ``speculative_tokens`` (draft tokens per decode step, default 0), ``max_waiting`` (bound of
+    graph mode), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
+    "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
+    see :mod:`dcpgraph.speculative`; a draft model is compiled here on the same mesh, with its own
+    KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
+    ``{"method": "ngram", "num_speculative_tokens": k}``, default 0), ``max_waiting`` (bound of
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
     request when the cache is full; "whole_request": prompt + max new tokens reserved at admission),
@@ -105,12 +109,24 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         backend=backend, **options,
     )
     executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
+    spec = opts["speculative_config"]
     facts = facts_of(model)
     mesh.validate(
         attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
         block_size=block_size, interleave=interleave,
     )
     max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    if spec is not None and spec.method == "mtp":
+        from .speculative.mtp import check_mtp
+
+        check_mtp(facts)
+    draft_program = None
+    if spec is not None and spec.method == "draft_model":
+        from .speculative.draft_model import check_draft
+
+        draft_program = _draft_program(spec.model, facts.dtype)
+        check_draft(facts, draft_program.facts, mesh, block_size=block_size, interleave=interleave,
+                    max_model_len=max_model_len)
     from .passes.pipeline import compile_program
 
     program = model if isinstance(model, Program) else trace(model)
@@ -127,13 +143,34 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     from .backends import compile_backend
 
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
+    draft = None
+    if draft_program is not None:
+        draft_program = compile_program(
+            draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,
+            verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"],
+        )
+        draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
         max_batched_tokens=opts["max_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
         capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
-        speculative_tokens=opts["speculative_tokens"], max_waiting=opts["max_waiting"],
+        speculative_config=spec, draft=draft, max_waiting=opts["max_waiting"],
         kv_allocation=opts["kv_allocation"],
     )
+
+
+def _draft_program(model, dtype: torch.dtype) -> Program:
+    """The draft as a traced Program: a directory is loaded shard by shard (each rank reads its
+    slices, :func:`~dcpgraph.serving.loader.load_program`), an ``nn.Module`` is traced, a Program
+    is used as is."""
+    if isinstance(model, Program):
+        return model
+    if isinstance(model, str):
+        from .serving.checkpoint_files import DTYPES
+        from .serving.loader import load_program
+
+        return load_program(model, next((k for k, v in DTYPES.items() if v == dtype), "auto"))
+    return trace(model)
 
 
 def _executor_for(choice: str, mesh: Mesh, emulated, distributed):

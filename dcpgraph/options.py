@@ -33,7 +33,7 @@ _INTS = {
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False, "mlapo": True}
-_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype")
+_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -86,5 +86,8 @@ def compile_options(**given: Any) -> dict[str, Any]:
     from .backends.registry import resolve_backend
 
     resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
+    from .speculative.config import speculative_config
+
+    spec = speculative_config(given.get("speculative_config"), out["speculative_tokens"])
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
-            "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype}
+            "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec}

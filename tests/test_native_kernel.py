@@ -107,6 +107,30 @@ def test_several_query_rows_per_request():
     torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
 
 
+def test_dispatch_runs_bounded_multi_token_rows_natively(monkeypatch):
+    """Speculative verification: rows of 1 + k queries with a causal kv_bound run the native kernel
+    as one single-query row per token, equal to the torch path; prefill-sized rows do not."""
+    q, k, v, table = _case(9, 64, 8, 2, 24, 24, 4, 3, 8)
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    lens = torch.tensor([40, 7, 63], dtype=torch.int32)
+    bound = torch.tensor([37, 38, 39, 40, 7, 60, 61, 62, 63], dtype=torch.int32)
+    qs = torch.randn(9, 4, 24, generator=torch.Generator().manual_seed(10))
+    assert kernels.native_enabled()  # its one-off self-check runs before the spy goes in
+    calls = []
+    real = native.native_paged_decode
+    monkeypatch.setattr(native, "native_paged_decode", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
+    got = kernels.paged_partial_attention(qs, k, v, table, cu, lens, bound, 0.3)
+    ref = _torch_path(qs, k, v, table, cu, lens, bound, 0.3)
+    assert calls == [9]  # one row per query token
+    torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
+    long_q = torch.randn(kernels.MAX_BOUNDED_QUERIES_PER_ROW + 1, 4, 24)
+    long_cu = torch.tensor([0, long_q.shape[0]], dtype=torch.int32)
+    calls.clear()
+    kernels.paged_partial_attention(long_q, k, v, table[:1], long_cu, lens[:1], torch.arange(long_q.shape[0]) + 20, 0.3)
+    assert not calls
+
+
 def test_short_table_falls_back_and_raises():
     q, k, v, table = _case(7, 16, 4, 1, 16, 16, 2, 2, 3)
     cu = torch.arange(3, dtype=torch.int32)

@@ -7,7 +7,8 @@ import torch
 
 import dcpgraph
 from dcpgraph.models import build_model
-from dcpgraph.runtime.speculative import accept, propose
+from dcpgraph.speculative.ngram import propose
+from dcpgraph.speculative.rejection import accept
 from dcpgraph.testing.generation import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41]]
@@ -17,6 +18,9 @@ NEW = 20
 def test_propose_follows_the_latest_ngram_match():
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest match of [1, 2, 3]
     assert propose([4, 5, 6, 4], 3) == [5, 6, 4]  # falls back to the 1-gram [4]
+    assert propose([4, 5, 6, 4], 3, min_ngram=2) == []  # prompt_lookup_min=2: no 1-gram fallback
+    assert propose([5, 3, 8, 1, 3, 9, 5, 3], 2) == [8, 1]  # the 2-gram [5, 3] first
+    assert propose([5, 3, 8, 1, 3, 9, 5, 3], 2, max_ngram=1) == [9, 5]  # prompt_lookup_max=1: latest [3]
     assert propose([1, 2, 3], 4) == []
     assert propose([1, 1, 1], 0) == []
 
@@ -52,5 +56,22 @@ def test_speculation_with_prefix_caching_and_sampling(setup):
     assert engine.generate(PROMPTS, NEW) == refs
     assert engine.generate(PROMPTS, NEW) == refs  # second round hits the cache
     before = engine.report()["speculative"]["drafted"]
-    engine.generate(PROMPTS, 6, temperature=0.8, seed=1)
-    assert engine.report()["speculative"]["drafted"] == before  # only greedy requests draft
+    sampled = engine.generate(PROMPTS, NEW, temperature=0.3, seed=1)
+    assert engine.report()["speculative"]["drafted"] > before  # sampled requests draft (rejection sampling)
+    assert engine.generate(PROMPTS, NEW, temperature=0.3, seed=1) == sampled  # and their seeds reproduce
+
+
+def test_speculative_config_ngram_equals_speculative_tokens(setup):
+    """The vLLM-shaped config with the old defaults is the old option; with decode buckets on
+    (the default) verification steps run in their static-shape (R_b, 1 + k) graph."""
+    _, program, refs = setup
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    engine = dcpgraph.compile(program, block_size=4, speculative_config=config)
+    assert engine.generate(PROMPTS, NEW) == refs
+    report = engine.report()
+    assert report["speculative"]["method"] == "ngram" and report["speculative"]["prompt_lookup_min"] == 1
+    assert report["graph_steps"].get("verify[4x4]", 0) > 0
+    lookup = dcpgraph.compile(program, block_size=4, capture_limit=0,
+                              speculative_config={**config, "prompt_lookup_min": 2})
+    assert lookup.generate(PROMPTS, NEW) == refs
+    assert set(lookup.report()["graph_steps"]) == {"mixed"}

@@ -64,6 +64,7 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         extra = {}
     extra["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
     extra["ep_plan"] = ep_plan(model)
+    extra["num_nextn_predict_layers"] = int(getattr(text, "num_nextn_predict_layers", 0) or 0)  # MTP layers
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(text, "eos_token_id", None)

@@ -358,26 +358,41 @@ def paged_partial_attention(
     ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``, with ``kv_start`` only keys
     ``j >= kv_start[t]`` (a sliding window), and ``softcap`` caps every score.
 
-    fp32 without ``kv_bound`` (or decode, one query per row, with it), ``kv_start`` and
-    ``softcap`` runs the native kernel when it is enabled (:func:`native_enabled`), which knows
-    neither a window nor a cap; a block table that does not cover a row falls back here, to the
+    fp32 without ``kv_start`` and ``softcap``, and without ``kv_bound`` or with it on rows of at most
+    :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries (decode, speculative verification), runs the
+    native kernel when it is enabled (:func:`native_enabled`), which knows neither a window nor a
+    cap; a block table that does not cover a row falls back here, to the
     checked torch path.
     """
-    plain = kv_start is None and not softcap and (kv_bound is None or (  # a bound on a one-query-per-row decode is a length cap
-        q.shape[0] == kv_lens.shape[0]
-        and torch.equal(cu_seqlens_q.to(torch.int64), torch.arange(q.shape[0] + 1))
-    ))
-    if plain and q.dtype == torch.float32:
+    if kv_start is None and not softcap and q.dtype == torch.float32:
         from . import native
 
-        if native.supports(q, k_cache, v_cache) and native_enabled():
-            lens = kv_lens if kv_bound is None else torch.minimum(kv_lens.to(torch.int64), kv_bound.to(torch.int64))
-            res = native.native_paged_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, lens, scale)
+        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None else _bound_as_lengths(
+            block_table, cu_seqlens_q, kv_lens, kv_bound)
+        if args is not None and native.supports(q, k_cache, v_cache) and native_enabled():
+            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale)
             if res is not None:
                 return res
     return _paged_partial_attention_torch(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
     )
+
+
+MAX_BOUNDED_QUERIES_PER_ROW = 16  # speculative verification sizes; longer rows keep the torch path
+
+
+def _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound):
+    """A ``kv_bound`` as per-row lengths: every query token becomes its own one-query row that
+    shares its request's table row, with length ``min(kv_lens[row], kv_bound[t])`` — the same keys,
+    so the same result. ``None`` for rows of more than :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries
+    (prefill chunks), where re-reading the context per token would cost more than the torch path."""
+    cu = cu_seqlens_q.to(torch.int64)
+    counts = cu[1:] - cu[:-1]
+    if counts.numel() and int(counts.max()) > MAX_BOUNDED_QUERIES_PER_ROW:
+        return None
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    lens = torch.minimum(kv_lens.to(torch.int64)[owner], kv_bound.to(torch.int64))
+    return block_table[owner], torch.arange(owner.numel() + 1, dtype=cu_seqlens_q.dtype), lens
 
 
 def _paged_partial_attention_torch(

@@ -16,11 +16,14 @@ import torch
 
 from ..errors import RequestError
 from ..program import Program
+from ..speculative.build import make_proposer
+from ..speculative.config import speculative_config as speculative_config_of
 from .blocks import BlockManager
 from .graph_mode import DecodeBuckets, default_buckets
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, StepEvent
+from .verify_buckets import VerifyBuckets
 
 
 def kv_bytes_per_block(program: Program) -> int:
@@ -54,6 +57,8 @@ class Engine:
         graphs=None,
         capture_limit: int = 32,
         speculative_tokens: int = 0,
+        speculative_config=None,
+        draft=None,
         enable_prefix_caching: bool = False,
         max_waiting: int | None = 1024,
         kv_allocation: str = "on_demand",
@@ -64,17 +69,27 @@ class Engine:
         self.interleave = int(program.options.get("interleave", 1))
         self.max_model_len = max_model_len
         self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp, enable_prefix_caching)
+        self.speculative = speculative_config_of(speculative_config, speculative_tokens)
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
-                                   eos_token_ids=program.facts.eos_token_id, speculative_tokens=speculative_tokens,
+                                   eos_token_ids=program.facts.eos_token_id, speculative_tokens=k,
                                    max_waiting=max_waiting, kv_allocation=kv_allocation)
-        buckets = None
+        buckets = verify_buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
-            buckets = DecodeBuckets(default_buckets(min(capture_limit, max_num_seqs)), width)
-        self.runner = ModelRunner(program, executor_cls(program, num_blocks, graphs), buckets)
+            sizes = default_buckets(min(capture_limit, max_num_seqs))
+            buckets = DecodeBuckets(sizes, width)
+            if k:
+                verify_buckets = VerifyBuckets(sizes, width, 1 + k)
+        proposer = None
+        if self.speculative is not None:
+            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=num_blocks,
+                                     buckets=buckets, max_batched_tokens=max_batched_tokens)
+        self.runner = ModelRunner(program, executor_cls(program, num_blocks, graphs), buckets, proposer,
+                                  verify_buckets)
         self.executor = self.runner.executor
         self.graphs = graphs
-        self.speculative_tokens = speculative_tokens
+        self.speculative_tokens = k
         self._next_id = 0
 
     @property
@@ -238,7 +253,17 @@ class Engine:
             "dcp": self.mesh.dcp,
             "prefix_cache": self.prefix_cache_report(),
             "weight_bytes_per_rank": _weight_bytes_per_rank(self.program),
+            **self._draft_memory(),
         }
+
+    def _draft_memory(self) -> dict:
+        """A draft model's own KV cache (same blocks, its own per-block bytes) and weights."""
+        runner = getattr(self.runner.proposer, "runner", None)
+        if runner is None:
+            return {}
+        per_rank = kv_bytes_per_block(runner.program) * self.blocks.num_blocks
+        return {"draft_kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
+                "draft_weight_bytes_per_rank": _weight_bytes_per_rank(runner.program)}
 
     def prefix_cache_report(self) -> dict:
         """Prefix-cache counters (vLLM's meaning, counted at every admission while caching is on):
@@ -270,6 +295,17 @@ class Engine:
             **scheduler.stats,
         }
 
+    def speculative_report(self) -> dict:
+        """The configuration (``method``, ``tokens`` = k; ``None``/0 when off), the acceptance
+        statistics (:class:`~dcpgraph.speculative.stats.AcceptanceStats`) and, with a draft
+        model, the draft's steps per graph."""
+        out = {"method": self.speculative.method if self.speculative else None, "tokens": self.speculative_tokens,
+               **(self.speculative.describe() if self.speculative else {}), **self.scheduler.acceptance.report()}
+        draft_runner = getattr(self.runner.proposer, "runner", None)
+        if draft_runner is not None:
+            out["draft_graph_steps"] = dict(draft_runner.graph_steps)
+        return out
+
     def report(self) -> dict:
         """What ran where: per graph, the backend used and any fallback with its reason, the
         decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
@@ -282,7 +318,7 @@ class Engine:
             "steps": self.steps,
             "graph_steps": dict(self.runner.graph_steps),
             "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],
-            "speculative": {"tokens": self.speculative_tokens, **self.scheduler.spec_stats},
+            "speculative": self.speculative_report(),
             "scheduler": self.scheduler_report(),
             "prefix_cache": self.prefix_cache_report(),
             **backend,

@@ -1,10 +1,12 @@
 """``ModelRunner``: turns a scheduled step into logits on every rank and tokens from them.
 
-It owns everything between the scheduler's plan and the sampled tokens: prompt-lookup drafts
-for the rows the scheduler gave room to (:mod:`.speculative`), the flattened per-rank step
-inputs (:mod:`.step_inputs`), the static-shape decode buckets (:mod:`.graph_mode`), the executor
-that runs the compiled program, and sampling. It never changes a request: what the tokens mean
-(acceptance, stop conditions, ``computed``) is :meth:`Scheduler.postprocess`'s business.
+It owns everything between the scheduler's plan and the sampled tokens: drafts from the
+proposer (:mod:`dcpgraph.speculative`) for the rows the scheduler gave room to, the flattened
+per-rank step inputs (:mod:`.step_inputs`), the static-shape decode and verification buckets
+(:mod:`.graph_mode`, :mod:`.verify_buckets`), the executor that runs the compiled program,
+sampling, and verification of drafts (:func:`dcpgraph.speculative.rejection.verify`). It never
+changes a request: what the tokens mean (acceptance, stop conditions, ``computed``) is
+:meth:`Scheduler.postprocess`'s business.
 """
 
 from __future__ import annotations
@@ -15,67 +17,85 @@ from dataclasses import replace
 import torch
 
 from ..program import Program
+from ..speculative.proposer import NO_DRAFTS
+from ..speculative.rejection import verify
 from .graph_mode import DecodeBuckets
 from .sampling import sample, token_logprobs
 from .scheduler import RowOutput, ScheduledChunk
-from .speculative import propose
 from .step_inputs import Chunk, build_step_inputs
+from .verify_buckets import VerifyBuckets
 
 
 class ModelRunner:
-    def __init__(self, program: Program, executor, buckets: DecodeBuckets | None):
+    def __init__(self, program: Program, executor, buckets: DecodeBuckets | None, proposer=None,
+                 verify_buckets: VerifyBuckets | None = None):
         self.program = program
         self.mesh = program.mesh
         self.block_size = int(program.options["block_size"])
         self.interleave = int(program.options.get("interleave", 1))
         self.executor = executor
         self.buckets = buckets
+        self.proposer = proposer
+        self.verify_buckets = verify_buckets
         self.steps = 0
         self.graph_steps: dict[str, int] = {}
 
     def run(self, plan: Sequence[ScheduledChunk]) -> list[RowOutput]:
         """One step of ``plan`` on every rank: per scheduled chunk, the sampled tokens."""
-        drafts = [propose(item.request.tokens, item.draft_room) for item in plan]
-        chunks = [_with_drafts(item.chunk, d) for item, d in zip(plan, drafts)]
+        drafts = [NO_DRAFTS] * len(plan)
+        if self.proposer is not None and any(item.draft_room for item in plan):
+            drafts = self.proposer.propose(plan)
+        chunks = [_with_drafts(item.chunk, d.tokens) for item, d in zip(plan, drafts)]
         logits = self.execute(chunks)
         outputs, row = [], 0
         for item, chunk, draft in zip(plan, chunks, drafts):
             rows = logits[row : row + chunk.logits_rows]
             row += chunk.logits_rows
-            if draft:  # verification: the target's greedy token after every query row
-                tokens = [int(r.argmax()) for r in rows]
+            request = item.request
+            if draft.tokens:  # verification: greedy agreement or rejection sampling
+                tokens = verify(rows, draft, request.params, request.generator)
             elif item.samples:
                 request = item.request
                 tokens = [sample(rows[-1], request.params, request.generator, request.prompt, request.output)]
             else:
                 tokens = []
-            outputs.append(RowOutput(tokens, draft, _logprobs(item, rows, tokens)))
+            outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens)))
         return outputs
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits ``[sum of logits_rows, V]`` of ``chunks``; a decode-only step runs in the
-        smallest decode bucket that holds it (padded), anything else in the dynamic graph."""
+        smallest decode bucket that holds it (padded), a step of decode rows with drafts (every
+        token a query row) in its verification bucket, anything else in the dynamic graph."""
         shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave)
-        bucket = None
-        if self.buckets is not None and all(len(c.tokens) == 1 for c in chunks):
+        counts = [len(c.tokens) for c in chunks]
+        key, name, pick = "mixed", "mixed", None
+        if self.buckets is not None and all(n == 1 for n in counts):
             bucket = self.buckets.bucket_for(len(chunks))
-        key, name = "mixed", "mixed"
-        if bucket is not None:
-            shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
-            key, name = ("decode", bucket), f"decode[{bucket}]"
+            if bucket is not None:
+                shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
+                key, name = ("decode", bucket), f"decode[{bucket}]"
+        elif self.verify_buckets is not None and all(c.logits_rows == n for c, n in zip(chunks, counts)):
+            bucket = self.verify_buckets.bucket_for(counts)
+            if bucket is not None:
+                pick = self.verify_buckets.real_rows(shared, [c.logits_rows for c in chunks])
+                shared, per_rank = self.verify_buckets.pad(shared, per_rank, bucket)
+                q = self.verify_buckets.query_len
+                key, name = ("verify", f"{bucket}x{q}"), f"verify[{bucket}x{q}]"
         self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
         logits = self.executor.run(shared, per_rank, key)
         self.steps += 1
-        return logits
+        return logits if pick is None else logits[pick]
 
 
 def _logprobs(item: ScheduledChunk, rows: torch.Tensor, tokens: list[int]) -> list[dict] | None:
-    """Per token of ``tokens``, its log-probabilities from the row it was chosen from (the last
-    ``len(tokens)`` rows), if the request asked for them."""
+    """Per token of ``tokens``, its log-probabilities from the row it was chosen from, if the
+    request asked for them: a verified chunk's tokens come from its first ``len(tokens)`` rows
+    (accepted drafts, then the target's token), a sampled chunk's one token from its last row."""
     top = item.request.params.logprobs
     if top is None or not tokens:
         return None
-    return [token_logprobs(row, token, top) for row, token in zip(rows[len(rows) - len(tokens):], tokens)]
+    chosen_from = rows[: len(tokens)] if len(tokens) > 1 or len(rows) == 1 else rows[-1:]
+    return [token_logprobs(row, token, top) for row, token in zip(chosen_from, tokens)]
 
 
 def _with_drafts(chunk: Chunk, drafts: list[int]) -> Chunk:

@@ -48,9 +48,10 @@ from typing import NamedTuple
 import torch
 
 from ..errors import RequestError
+from ..speculative.rejection import accept
+from ..speculative.stats import AcceptanceStats
 from .blocks import BlockManager
 from .sampling import SamplingParams
-from .speculative import accept
 from .step_inputs import Chunk
 
 
@@ -64,7 +65,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     computed: int = 0
     finished: bool = False
-    speculative: bool = True  # whether its greedy decode rows may carry prompt-lookup drafts
+    speculative: bool = True  # whether its decode rows may carry drafts
     preemptions: int = 0
 
     @property
@@ -80,7 +81,7 @@ class Request:
 class ScheduledChunk:
     """One request's share of a step. ``draft_room``: how many draft tokens may follow the chunk
     (its blocks hold them and the request has that many tokens left to emit); 0 unless the chunk
-    is one token that is sampled greedily and speculation is on."""
+    is one token that is sampled and speculation is on."""
 
     request: Request
     chunk: Chunk
@@ -111,9 +112,11 @@ class StepEvent(_StepEventFields):
 
 class RowOutput(NamedTuple):
     """What the model runner produced for one :class:`ScheduledChunk`: ``tokens`` sampled (none
-    for a prefill chunk that does not reach the last token; with drafts, the target's greedy token
-    after each of the ``1 + len(drafts)`` query rows), the ``drafts`` it verified and, per token, its
-    log-probabilities if requested."""
+    for a prefill chunk that does not reach the last token; with drafts, tokens whose common prefix
+    with the drafts is the accepted drafts, followed by the target's token there: for a greedy
+    request the target's argmax after each of the ``1 + len(drafts)`` query rows, for a sampled
+    one rejection sampling's emitted tokens), the ``drafts`` it verified and,
+    per token, its log-probabilities if requested."""
 
     tokens: list[int]
     drafts: list[int]
@@ -141,7 +144,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._live: dict[int, Request] = {}
         self.prompt_tokens_computed = 0  # prompt tokens the engine actually ran (prefix hits excluded)
-        self.spec_stats = {"drafted": 0, "accepted": 0}
+        self.acceptance = AcceptanceStats(speculative_tokens)
         # preempted_tokens: cached tokens discarded by preemption (recomputed on re-admission)
         self.stats = {"preemptions": 0, "preempted_tokens": 0, "peak_running": 0}
 
@@ -286,7 +289,7 @@ class Scheduler:
 
     def _draft_room(self, request: Request, n: int, samples: bool) -> int:
         """Drafts a chunk may carry: never past ``max_new_tokens`` (nor, in :meth:`_chunk`, the table)."""
-        if not (self.speculative_tokens and samples and n == 1 and request.speculative and request.params.greedy):
+        if not (self.speculative_tokens and samples and n == 1 and request.speculative):
             return 0
         return max(0, min(self.speculative_tokens, request.max_new_tokens - len(request.output) - 1))
 
@@ -310,13 +313,17 @@ class Scheduler:
                 self._finish(request)
         return events
 
+    @property
+    def spec_stats(self) -> dict:
+        """``{"drafted", "accepted"}`` so far (the full record: :attr:`acceptance`)."""
+        return {"drafted": self.acceptance.drafted, "accepted": self.acceptance.accepted}
+
     def _accepted(self, item: ScheduledChunk, out: RowOutput) -> tuple[list[int], int]:
         """Tokens to emit, and how many of the step's tokens are now validly cached."""
         if not out.drafts:
             return list(out.tokens), len(item.chunk.tokens)
         accepted = accept(out.drafts, out.tokens)
-        self.spec_stats["drafted"] += len(out.drafts)
-        self.spec_stats["accepted"] += accepted
+        self.acceptance.record(len(out.drafts), accepted)
         return list(out.tokens[: accepted + 1]), 1 + accepted  # the last token + confirmed drafts
 
     def _advance(self, request: Request, n: int) -> None:

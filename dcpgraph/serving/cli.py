@@ -7,6 +7,7 @@ loaded and compiled (and the worker processes started) before the server listens
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
+                        '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}')
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -41,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def llm_options(args: argparse.Namespace) -> dict:
     options = dict(
         tensor_parallel_size=args.tensor_parallel_size, decode_context_parallel_size=args.decode_context_parallel_size,
@@ -49,6 +63,8 @@ def llm_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         worker_host=args.worker_host,
     )
+    if args.speculative_config is not None:
+        options["speculative_config"] = args.speculative_config
     if args.num_gpu_blocks_override is not None:
         options["num_blocks"] = args.num_gpu_blocks_override
     return options

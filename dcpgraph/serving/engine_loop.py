@@ -182,8 +182,15 @@ class EngineLoop:
         running = sum(1 for v in self._live.values() if v.first is not None)
         self._snapshot = {"running": running, "waiting": len(self._live) - running,
                           "kv_usage": self.llm.kv_usage_per_rank(),
-                          "prefix_cache": self.engine.memory_report()["prefix_cache"]}
+                          "prefix_cache": self.engine.memory_report()["prefix_cache"],
+                          "speculative": self._speculative()}
         self._snapshot_at = now
+
+    def _speculative(self) -> dict:
+        """The engine's acceptance statistics, or ``{}`` without speculation."""
+        if "speculative_config" not in self.llm.config.engine_options:
+            return {}
+        return self.engine.report()["speculative"]
 
     def _fail(self, err: Exception) -> None:
         self.error = f"{type(err).__name__}: {err}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, RequestError
+from ..speculative.config import speculative_config as speculative_config_of
 from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
@@ -35,16 +36,49 @@ from .workers import RemoteEngine
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
+def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
+    """``config`` checked (:func:`dcpgraph.speculative.config.speculative_config`) before any rank
+    starts; a draft model directory is inspected like the target (mesh, tensors, tokenizer) and
+    must have the target's vocabulary. Returned as given: it travels to the ranks as JSON."""
+    from ..speculative.config import speculative_config
+
+    spec = speculative_config(config)
+    if spec.method == "draft_model":
+        if not isinstance(spec.model, str):
+            raise ConfigError("LLM's speculative_config['model'] must be a model directory (it is loaded on every rank)")
+        draft = inspect_checkpoint(spec.model, tokenizer=tokenizer, **mesh)
+        if draft.vocab_size != info.vocab_size:
+            raise ConfigError(f"draft model {spec.model}: vocabulary {draft.vocab_size} differs from the target's "
+                              f"{info.vocab_size}; a draft must share the target's tokenizer")
+    return dict(config)
+
+
+def check_mtp_checkpoint(path: str) -> None:
+    """``method="mtp"`` against the directory's config and safetensors names (before the
+    checkpoint's own inspection, which would call MTP tensors of a small model unexpected)."""
+    from ..api import facts_of
+    from ..speculative.mtp import check_mtp
+    from .checkpoint_files import weight_files
+    from .loader import meta_model
+    from .tensor_sources import SafetensorsFiles
+
+    model = meta_model(path, None)
+    check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)
+
+
 class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
                  block_size: int = 16, max_model_len: int | None = None, dtype: str = "auto",
                  enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
-                 worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0, **engine_options: Any):
+                 worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0,
+                 speculative_config: dict | None = None, **engine_options: Any):
         import torch.distributed as dist
 
         require_model_dir(model)
+        if speculative_config is not None and speculative_config_of(speculative_config).method == "mtp":
+            check_mtp_checkpoint(model)
         self.tokenizer = load_tokenizer(tokenizer or model)
         tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
         info = inspect_checkpoint(model, dtype=dtype, tp=tp, dcp=dcp, block_size=block_size,
@@ -55,6 +89,10 @@ class LLM:
         elif not 0 < int(max_model_len) <= limit:
             raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                               f"got {max_model_len}")
+        if speculative_config is not None:
+            engine_options["speculative_config"] = check_speculative_config(
+                speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=block_size,
+                interleave=cp_kv_cache_interleave_size, tokenizer=self.tokenizer)
         self.info = info
         self.seed = seed
         self.max_model_len = int(max_model_len)

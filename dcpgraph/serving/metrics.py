@@ -54,6 +54,23 @@ class Metrics:
             if tpot is not None:
                 self.tpot.observe(tpot)
 
+    @staticmethod
+    def _speculative(metric, labels: str, spec: dict) -> None:
+        """vLLM's ``spec_decode_*`` counters from ``Engine.report()["speculative"]`` (absent
+        without speculation): verified rows ("drafts"), draft tokens, accepted tokens, accepted
+        tokens per draft position."""
+        if not spec.get("method"):
+            return
+        metric("spec_decode_num_drafts_total", "counter", "Verified rows that carried drafts.",
+               [f"dcpgraph:spec_decode_num_drafts_total{{{labels}}} {spec['verified_rows']}"])
+        metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
+               [f"dcpgraph:spec_decode_num_draft_tokens_total{{{labels}}} {spec['drafted']}"])
+        metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+               [f"dcpgraph:spec_decode_num_accepted_tokens_total{{{labels}}} {spec['accepted']}"])
+        metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted draft tokens by position.",
+               [f'dcpgraph:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{j}"}} {n}'
+                for j, n in enumerate(spec["accepted_per_position"])])
+
     def render(self, snapshot: dict) -> str:
         labels = f'model_name="{self.model_name}"'
         lines: list[str] = []
@@ -78,6 +95,7 @@ class Metrics:
         metric("prefix_cache_preempted_hits_total", "counter",
                "Tokens served from the prefix cache to requests re-admitted after a preemption.",
                [f"dcpgraph:prefix_cache_preempted_hits_total{{{labels}}} {cache.get('preempted_hit_tokens', 0)}"])
+        self._speculative(metric, labels, snapshot.get("speculative") or {})
         with self.lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [f"dcpgraph:prompt_tokens_total{{{labels}}} {self.prompt_tokens}"])

@@ -29,6 +29,7 @@ import torch
 PROMPT = (5, 9, 4, 77, 10, 11, 3)
 NEW_TOKENS = 6
 DCP_MESHES = ((4, 4), (4, 2), (2, 2))
+TP_MESHES = ((4, 1), (2, 1))  # tested when no DCP mesh is valid (multi-head attention, say)
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
     num_key_value_heads=1, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
@@ -43,10 +44,12 @@ TINY_WINDOW = 4
 OVERRIDES: dict[str, dict] = {
     "deepseek_v2": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
                         topk_method="greedy", n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=8),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=TINY_WINDOW),
     "deepseek_v3": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=24,
                         n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                         num_key_value_heads=8),
 }
+_TEXT_SUB_CONFIGS = frozenset({"text_config", "attn_config", "ffn_config"})
 FAST_SUBSET = ("llama", "qwen2", "qwen3_moe", "gemma2", "phi3")
 
 
@@ -86,14 +89,59 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _known(config_class, values: dict) -> dict:
+    """The entries of ``values`` that ``config_class`` defines (directly or via its
+    ``attribute_map``): an unknown key would become a stray attribute that the model ignores but
+    dcpgraph's facts would read (e.g. ``num_key_value_heads`` on a multi-head-only config)."""
+    default = config_class()
+    out = {}
+    for key, value in values.items():
+        prop = getattr(config_class, key, None)
+        if isinstance(prop, property) and prop.fset is None:
+            continue  # derived from other fields (e.g. falcon's head_dim)
+        try:
+            getattr(default, key)
+        except Exception:  # noqa: BLE001 - absent, or per-layer (no single value to override)
+            continue
+        out[key] = value
+    return out
+
+
+def tiny_config(model_type: str):
+    """The tiny random config of ``model_type``, or a string saying why it is not a decoder-only
+    text causal LM (then nothing is built)."""
+    import transformers as tf
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.frontends.layer_kinds import check_layer_types
+
+    config_class = type(tf.AutoConfig.for_model(model_type))
+    default = config_class()
+    if getattr(default, "is_encoder_decoder", False):
+        return "encoder-decoder, not a decoder-only causal LM"
+    subs = {k for k in (getattr(config_class, "sub_configs", None) or {}) if k not in _TEXT_SUB_CONFIGS}
+    if subs:
+        return (f"composite model ({', '.join(sorted(subs))}), not a single text decoder; its text "
+                "model is walked under its own model type where transformers registers one")
+    try:  # the model kind itself, before tiny values that its validators may reject
+        check_layer_types(default.get_text_config() if hasattr(default, "get_text_config") else default)
+    except UnsupportedModelError as exc:
+        return str(exc)
+    values = {**TINY, **OVERRIDES.get(model_type, {})}
+    config = tf.AutoConfig.for_model(model_type, **_known(config_class, values))
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = TINY_WINDOW
+    if hasattr(config, "is_decoder"):
+        config.is_decoder = True  # encoder families' LM heads are causal only as decoders
+    return config
+
+
 def tiny_model(model_type: str):
     import transformers as tf
 
-    config = tf.AutoConfig.for_model(model_type, **{**TINY, **OVERRIDES.get(model_type, {})})
-    if getattr(config, "sliding_window", None) is not None:
-        config.sliding_window = TINY_WINDOW
-    if getattr(config, "is_encoder_decoder", False):
-        return None
+    config = tiny_config(model_type)
+    if isinstance(config, str):
+        return config
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
     if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
@@ -114,7 +162,6 @@ def check(model_type: str, timeout: int = 300) -> Row:
     """One architecture's row (never raises)."""
     import dcpgraph
     from dcpgraph.errors import DcpGraphError
-    from dcpgraph.mesh import Mesh
     from dcpgraph.testing.generation import hf_greedy
 
     row = Row(model_type)
@@ -122,26 +169,22 @@ def check(model_type: str, timeout: int = 300) -> Row:
         with _deadline(timeout):
             try:
                 model = tiny_model(model_type)
-                if model is None:
-                    row.result = "refused: encoder-decoder, not a decoder-only causal LM"
-                    return row
-                want = hf_greedy(model, PROMPT, NEW_TOKENS)
             except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
-                row.result = f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                row.result = f"not built: {_first_line(exc)}"
+                return row
+            if isinstance(model, str):
+                row.result = f"refused: {model}"
                 return row
             try:
-                program = dcpgraph.trace(model)
+                program = dcpgraph.trace(model)  # dcpgraph's verdict first: a refusal needs no HF run
                 facts = program.facts
                 row.attention = facts.attention
-                meshes = [(1, 1)]
-                for tp, dcp in DCP_MESHES:
-                    try:
-                        Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
-                                               num_kv_heads=facts.num_kv_heads, block_size=4)
-                    except DcpGraphError:
-                        continue
-                    meshes.append((tp, dcp))
-                    break
+                try:
+                    want = hf_greedy(model, PROMPT, NEW_TOKENS)
+                except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
+                    row.result = f"not built: HF generate failed: {_first_line(exc)}"
+                    return row
+                meshes = [(1, 1), *_largest_valid_mesh(facts)]
                 tested = []
                 for tp, dcp in meshes:
                     got = _tokens(program, tp, dcp)
@@ -151,19 +194,46 @@ def check(model_type: str, timeout: int = 300) -> Row:
                         return row
                     tested.append(f"tp{tp}·dcp{dcp}")
                     row.mesh = ", ".join(tested)
-                row.result = "exact" if len(meshes) > 1 else "exact at tp1 only (no valid DCP mesh)"
+                if meshes[-1][1] > 1:
+                    row.result = "exact"
+                else:
+                    row.result = (f"exact without DCP: no DCP mesh of at most 4 ranks is valid for "
+                                  f"{facts.num_q_heads} query / {facts.num_kv_heads} KV heads")
             except DcpGraphError as exc:
                 done = f"exact at {row.mesh}; " if row.mesh else ""
                 row.result = f"{done}refused: {str(exc).splitlines()[0][:160]}"
     except _Timeout as exc:
         row.result = f"error: timeout {exc}"
     except Exception as exc:  # noqa: BLE001 - a crash is a result here
-        row.result = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        row.result = f"error: {_first_line(exc)}"
     return row
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def _largest_valid_mesh(facts) -> list[tuple[int, int]]:
+    """The first valid mesh of :data:`DCP_MESHES`, else of :data:`TP_MESHES` (``[]`` if none)."""
+    from dcpgraph.errors import DcpGraphError
+    from dcpgraph.mesh import Mesh
+
+    for tp, dcp in (*DCP_MESHES, *TP_MESHES):
+        try:
+            Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
+                                   num_kv_heads=facts.num_kv_heads, block_size=4)
+        except DcpGraphError:
+            continue
+        return [(tp, dcp)]
+    return []
 
 
 def to_markdown(rows: list[Row], command: str = "python -m dcpgraph.coverage") -> str:
     exact = sum(r.result == "exact" for r in rows)
+    exact_tp = sum(r.result.startswith("exact without DCP") for r in rows)
+    refused = sum("refused:" in r.result for r in rows)
+    not_built = sum(r.result.startswith("not built") for r in rows)
     bad = [r for r in rows if not r.ok]
     lines = [
         "# Coverage matrix",
@@ -171,8 +241,10 @@ def to_markdown(rows: list[Row], command: str = "python -m dcpgraph.coverage") -
         f"Generated by `{command}` (tiny random fp64 configs, greedy tokens vs HF "
         "`generate`; tp=1 and the largest valid DCP mesh of at most 4 ranks).",
         "",
-        f"{len(rows)} architectures: {exact} exact at tp=1 and under DCP, "
-        f"{len(bad)} crashes or mismatches.",
+        f"{len(rows)} architectures: {exact} exact at tp=1 and under DCP; {exact_tp} exact at tp=1 "
+        f"and under TP (no valid DCP mesh); {refused} refused with a named reason (some after an "
+        f"exact tp=1 run); {not_built} not built by transformers itself; {len(bad)} crashes or "
+        "mismatches.",
         "",
         "| architecture | attention kind | mesh tested | result |",
         "|---|---|---|---|",

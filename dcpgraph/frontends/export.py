@@ -25,13 +25,30 @@ USER_ROLES = ("input_ids", "position_ids")
 TRACE_STAGE = "trace"
 
 
+class TokenShapeRefusal(UnsupportedModelError):
+    """torch.export could keep the token count dynamic only by constraining it: the model's code
+    specialises on it (fixed-size blocks, a scan over tokens…), so no one graph serves every step."""
+
+
+def _token_shape_refusal(err: Exception) -> TokenShapeRefusal | None:
+    text = str(err)
+    if "Constraints violated" not in text:
+        return None
+    guard = next((line.strip(" -") for line in text.splitlines() if "Not all values" in line or "specialized" in line), "")
+    return TokenShapeRefusal(
+        "data-dependent token shapes in export: the model's code constrains the token count "
+        f"({guard[:200]}), so one graph cannot serve every step's token count"
+    )
+
+
 def run_export(
     module: torch.nn.Module, example_inputs: tuple, dynamic_shapes: Mapping[str, Any] | tuple,
 ) -> tuple[torch.export.ExportedProgram, float]:
     """``torch.export.export`` non-strict; returns ``(exported, seconds)``.
 
     An :class:`UnsupportedModelError` raised anywhere inside the traced code (and wrapped by
-    export) is re-raised as itself, so callers see which layer and feature was refused.
+    export) is re-raised as itself, so callers see which layer and feature was refused; export's
+    "Constraints violated" on the token dim becomes a :class:`TokenShapeRefusal`.
     """
     start = time.perf_counter()
     try:
@@ -47,6 +64,9 @@ def run_export(
             if isinstance(nxt, UnsupportedModelError):
                 raise nxt from err
             cause = nxt
+        refusal = _token_shape_refusal(err)
+        if refusal is not None:
+            raise refusal from err
         raise
     return exported, time.perf_counter() - start
 

@@ -73,8 +73,9 @@ def require_attention_in_every_layer(num_layers: int, attention_layers: Iterable
     missing = sorted(set(range(num_layers)) - indexed) if len(indexed) == len(seen) else []
     raise UnsupportedModelError(
         f"{model_name}: {num_layers - count} of {num_layers} decoder layers have no attention "
-        f"dcpgraph recognises{_shown(missing)}; a layer without one (recurrent, state-space or "
-        "linear attention) keeps a state dcpgraph does not cache"
+        f"dcpgraph recognises{_shown(missing)}: its attention is in a form dcpgraph cannot match "
+        "(an additive bias such as ALiBi, hand-written masking) or it keeps a recurrent state "
+        "(SSM, linear attention); neither would be cached correctly"
     )
 
 

@@ -86,7 +86,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
     :mod:`dcpgraph.passes.tp_modules`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
     model's dtype, default; ``"bf16"``; ``"fp8_e4m3"``, fp8 with one fp32 scale per token, head and
-    128 elements, see :mod:`dcpgraph.ops.quant`).
+    128 elements, see :mod:`dcpgraph.ops.quant`), ``hybrid_kv_cache`` (default False: every layer
+    keeps a block per virtual block; True: sliding-window layers get their own block table and a
+    pool sized for their window, see :mod:`dcpgraph.runtime.layer_groups`; not with prefix
+    caching or ``kv_allocation="whole_request"``).
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -111,6 +114,13 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     from .passes.pipeline import compile_program
 
     program = model if isinstance(model, Program) else trace(model)
+    windows = ()
+    if opts["hybrid_kv_cache"]:
+        from .passes.layer_group_tables import model_windows
+        from .runtime.layer_groups import check_hybrid_options
+
+        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"])
+        windows = model_windows(program)
     if opts["enable_expert_parallel"]:
         from .passes.tp_styles import with_expert_parallel
 
@@ -119,8 +129,15 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"],
     )
+    if opts["hybrid_kv_cache"]:
+        from .passes.layer_group_tables import layer_group_tables
+        from .passes.manager import run_passes
+
+        program = run_passes(program, [layer_group_tables.with_options(windows=windows)], verify=opts["verify"])
     sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
-    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"])
+    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"],
+                                   decode_tokens=1 + opts["speculative_tokens"],
+                                   step_tokens=min(opts["max_batched_tokens"], max_model_len))
     from .backends import compile_backend
 
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)

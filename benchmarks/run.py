@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "plan_calibration": (["--quick"], "dcpgraph.plan's predicted decode attention time vs measured, dcp 1 and 2, 4K-128K"),
     "kv_preemption": (["--quick"], "concurrency of on-demand KV allocation vs whole-request reservation"),
     "kv_dtype": (["--quick"], "fp8 vs bf16 KV: bytes per token, teacher-forced next-token agreement"),
+    "kv_capacity_hybrid": (["--quick"], "sliding/full hybrid models: KV capacity with per-layer-group sizing vs uniform"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -54,6 +55,7 @@ HEADLINE = {
     "plan_calibration": set(),
     "kv_preemption": {"peak_running", "mean_running", "steps"},
     "kv_dtype": {"max_logit_error", "mean_logit_error"},
+    "kv_capacity_hybrid": {"kv_bytes_per_token"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

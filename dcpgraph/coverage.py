@@ -133,7 +133,14 @@ def tiny_config(model_type: str):
         return str(exc)
     mla = TINY_MLA if getattr(default, "kv_lora_rank", None) is not None else {}
     values = {**TINY, **mla, **OVERRIDES.get(model_type, {})}
-    config = tf.AutoConfig.for_model(model_type, **_known(config_class, values))
+    known = _known(config_class, values)
+    text = getattr(default, "text_config", None)
+    if text is not None and text is not default:  # a wrapper around a text config: shrink that one
+        known["text_config"] = _tiny_text(type(text)(**_known(type(text), values)))
+    return _tiny_text(tf.AutoConfig.for_model(model_type, **known))
+
+
+def _tiny_text(config):
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = TINY_WINDOW
     if hasattr(config, "is_decoder"):
@@ -175,6 +182,8 @@ def check(model_type: str, timeout: int = 300) -> Row:
         with _deadline(timeout):
             try:
                 model = tiny_model(model_type)
+            except _Timeout:
+                raise
             except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
                 row.result = f"not built: {_first_line(exc)}"
                 return row
@@ -187,6 +196,8 @@ def check(model_type: str, timeout: int = 300) -> Row:
                 row.attention = facts.attention
                 try:
                     want = hf_greedy(model, PROMPT, NEW_TOKENS)
+                except _Timeout:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
                     row.result = f"not built: HF generate failed: {_first_line(exc)}"
                     return row

@@ -89,3 +89,22 @@ def test_export_constraint_on_the_token_count_is_a_named_refusal():
     example = (torch.zeros(1, 8, dtype=torch.int64), torch.arange(8).unsqueeze(0))
     with pytest.raises(TokenShapeRefusal, match="data-dependent token shapes in export"):
         run_export(FixedBlocks(), example, {"input_ids": {1: tokens}, "position_ids": {1: tokens}})
+
+
+def test_update_reruns_rows_in_place(tmp_path, monkeypatch):
+    out = tmp_path / "coverage.md"
+    rows = [coverage.Row("llama", "gqa", "tp1·dcp1, tp4·dcp4", "exact"),
+            coverage.Row("gpt2", "gqa", "tp1·dcp1", "error: RuntimeError: index_copy_(): a | b"),
+            coverage.Row("bart", "?", "", "refused: encoder-decoder, not a decoder-only causal LM")]
+    out.write_text(coverage.to_markdown(rows, "python -m dcpgraph.coverage --timeout 9"))
+    command, updates, parsed = coverage.from_markdown(out.read_text())
+    assert command == "python -m dcpgraph.coverage --timeout 9" and updates == ()
+    assert [(r.architecture, r.attention, r.mesh, r.result) for r in parsed] == \
+        [(r.architecture, r.attention, r.mesh, r.result) for r in rows]
+    rerun = []
+    monkeypatch.setattr(coverage, "check", lambda arch, timeout: rerun.append(arch) or coverage.Row(arch, "gqa", "tp1·dcp1", "refused: x"))
+    assert coverage.main(["--update", "--out", str(out)]) == 0
+    assert rerun == ["gpt2"]  # only the crash
+    command, updates, parsed = coverage.from_markdown(out.read_text())
+    assert command == "python -m dcpgraph.coverage --timeout 9" and len(updates) == 1
+    assert [r.result for r in parsed] == ["exact", "refused: x", rows[2].result]

@@ -9,7 +9,8 @@ then trace and compile with dcpgraph at tp=1 and at the largest valid DCP mesh o
 
 * ``exact``: identical tokens at every mesh tested;
 * ``refused: <reason>``: dcpgraph raised :class:`~dcpgraph.errors.DcpGraphError` (an
-  unsupported feature or an invalid mesh) before generating a token;
+  unsupported feature or an invalid mesh) before generating a token; a
+  :class:`~dcpgraph.errors.VerificationError` (a pass broke an invariant) is a crash instead;
 * ``MISMATCH``: tokens differ (a silent mismatch: a bug);
 * ``error: <type: message>``: anything else (a crash: a bug);
 * ``not built: <reason>``: transformers itself could not build or run the tiny model (not a
@@ -174,7 +175,7 @@ def _tokens(program, tp: int, dcp: int) -> list[int]:
 def check(model_type: str, timeout: int = 300) -> Row:
     """One architecture's row (never raises)."""
     import dcpgraph
-    from dcpgraph.errors import DcpGraphError
+    from dcpgraph.errors import DcpGraphError, VerificationError
     from dcpgraph.testing.generation import hf_greedy
 
     row = Row(model_type)
@@ -218,6 +219,8 @@ def check(model_type: str, timeout: int = 300) -> Row:
                     row.result = (f"exact without DCP: no DCP mesh of at most 4 ranks is valid for "
                                   f"{facts.num_q_heads} query / {facts.num_kv_heads} KV heads")
             except DcpGraphError as exc:
+                if isinstance(exc, VerificationError):  # an invariant broke: a bug, not a refusal
+                    raise
                 done = f"exact at {row.mesh}; " if row.mesh else ""
                 row.result = f"{done}refused: {str(exc).splitlines()[0][:160]}"
     except _Timeout as exc:

@@ -108,3 +108,20 @@ def test_update_reruns_rows_in_place(tmp_path, monkeypatch):
     command, updates, parsed = coverage.from_markdown(out.read_text())
     assert command == "python -m dcpgraph.coverage --timeout 9" and len(updates) == 1
     assert [r.result for r in parsed] == ["exact", "refused: x", rows[2].result]
+
+
+def test_a_value_read_back_from_a_tensor_is_refused_by_name():
+    import torch
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.frontends.export import _refuse_tensor_readback, run_export
+
+    class ReadBack(torch.nn.Module):
+        def forward(self, input_ids, position_ids):
+            return input_ids * input_ids.max().item() + position_ids
+
+    tokens = torch.export.Dim("tokens", min=2, max=64)
+    example = (torch.ones(1, 8, dtype=torch.int64), torch.arange(8).unsqueeze(0))
+    exported, _ = run_export(ReadBack(), example, {"input_ids": {1: tokens}, "position_ids": {1: tokens}})
+    with pytest.raises(UnsupportedModelError, match=r"data-dependent values \(a tensor read back"):
+        _refuse_tensor_readback(exported.graph_module.graph)

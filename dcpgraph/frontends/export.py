@@ -117,6 +117,7 @@ def program_from_export(
             f"the model mutates buffers {list(exported.graph_signature.buffers_to_mutate.values())}"
         )
     gm = exported.graph_module
+    _refuse_tensor_readback(gm.graph)
     # Drop export's runtime assertion ops: the shape contracts they check are ours to keep.
     graph = gm.graph
     for node in list(graph.nodes):
@@ -133,6 +134,23 @@ def program_from_export(
         calls = sum(1 for n in graph.nodes if n.op == "call_function")
         summary = f"torch.export (non-strict, dynamic tokens): {calls} ops, {len(specs)} inputs"
     return program.with_stage(TRACE_STAGE, plain, Provenance(TRACE_STAGE, seconds, summary))
+
+
+_READBACK = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+def _refuse_tensor_readback(graph: torch.fx.Graph) -> None:
+    """A value read back from a tensor into Python (``.item()``, ``.tolist()``: export's
+    ``item`` / ``_local_scalar_dense``) makes later shapes or control flow depend on data; one graph cannot
+    serve every step, and the passes cannot propagate shapes through it."""
+    from .canonicalize.nodes import describe_location
+
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _READBACK:
+            raise UnsupportedModelError(
+                f"{describe_location(node)}: data-dependent values (a tensor read back with .item() / "
+                ".tolist(), e.g. token counts per expert) are not supported"
+            )
 
 
 def finish(program: Program, *, verify: bool = True) -> Program:

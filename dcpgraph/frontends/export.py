@@ -67,6 +67,13 @@ def run_export(
         refusal = _token_shape_refusal(err)
         if refusal is not None:
             raise refusal from err
+        if type(err).__name__ == "GuardOnDataDependentSymNode":
+            code = [line.split("code:", 1)[1].strip() for line in str(err).splitlines() if "code:" in line]
+            where = code[-1] if code else ""  # the last source line traced: where it stopped
+            raise UnsupportedModelError(
+                "data-dependent control flow in export: the forward branches or loops on tensor values "
+                f"(e.g. a loop over the MoE experts that were hit), which one graph cannot hold ({where[-160:]})"
+            ) from err
         raise
     return exported, time.perf_counter() - start
 

@@ -50,6 +50,12 @@ TINY_WINDOW = 4
 OVERRIDES: dict[str, dict] = {
     "deepseek_v2": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
                         topk_method="greedy", n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=8),
+    "diffllama": dict(num_key_value_heads=2),  # its differential attention needs an even count
+    "dots1": dict(n_shared_experts=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # the default leaves it None
+    "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"]),
+    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16]),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=TINY_WINDOW),
     "deepseek_v3": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=24,
                         n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,

@@ -144,3 +144,25 @@ def test_refusals_name_the_conflict():
     engine = dcpgraph.compile(model("gemma2"), tp=1, block_size=BLOCK, hybrid_kv_cache=True)
     with pytest.raises(RequestError, match="hybrid_kv_cache"):
         engine.prefill([5, 9, 4])
+
+
+def _gloo_rank(rank: int, world: int):
+    engine = dcpgraph.compile(build("gemma2"), tp=world, dcp=2, interleave=2, block_size=BLOCK, max_batched_tokens=8,
+                              max_num_seqs=4, hybrid_kv_cache=True, **compile_options("gemma2", world))
+    tokens = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
+    groups = engine.memory_report()["kv_layer_groups"]
+    return {"tokens": tokens, "executor": engine.report()["executor"], "dropped": groups["sliding"]["dropped_blocks"],
+            "sliding_rows": {n: int(t.shape[0]) for n, t in engine.executor.rank_caches(rank).items()
+                             if n in engine.program.options["sliding_caches"]}, "pool": groups["sliding"]["num_blocks"]}
+
+
+@pytest.mark.gloo
+def test_gloo_window_sized_sliding_caches_generate_hf_tokens():
+    from dcpgraph.runtime.distributed import spawn
+
+    results = spawn(_gloo_rank, 2, timeout_s=180)
+    reference = [hf_greedy(model("gemma2"), p, MAX_NEW) for p in PROMPTS]
+    for rank, result in enumerate(results):
+        assert result["executor"] == "distributed" and result["tokens"] == reference, rank
+        assert result["dropped"] > 0
+        assert result["sliding_rows"] and set(result["sliding_rows"].values()) == {result["pool"]}

@@ -166,3 +166,12 @@ def test_gloo_window_sized_sliding_caches_generate_hf_tokens():
         assert result["executor"] == "distributed" and result["tokens"] == reference, rank
         assert result["dropped"] > 0
         assert result["sliding_rows"] and set(result["sliding_rows"].values()) == {result["pool"]}
+
+
+def test_speculative_drafts_with_window_sized_sliding_caches():
+    # Drafts are written past `computed` into the sliding table's tail; rejected ones are
+    # overwritten later, and trimming only ever follows accepted tokens.
+    engine, got = run("gemma2", 2, 2, 2, speculative_tokens=3)
+    for prompt, g in zip(PROMPTS, got):
+        assert g == hf_greedy(model("gemma2"), prompt, MAX_NEW)
+    assert engine.report()["speculative"]["drafted"] > 0

@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "kv_preemption": (["--quick"], "concurrency of on-demand KV allocation vs whole-request reservation"),
     "kv_dtype": (["--quick"], "fp8 vs bf16 KV: bytes per token, teacher-forced next-token agreement"),
     "speculative": (["--quick"], "speculative decoding: tokens per step and decode tok/s vs k, per method"),
+    "kv_capacity_hybrid": (["--quick"], "sliding/full hybrid models: KV capacity with per-layer-group sizing vs uniform"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -56,6 +57,7 @@ HEADLINE = {
     "kv_preemption": {"peak_running", "mean_running", "steps"},
     "kv_dtype": {"max_logit_error", "mean_logit_error"},
     "speculative": {"tokens_per_step", "decode_tokens_per_s"},
+    "kv_capacity_hybrid": {"kv_bytes_per_token"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

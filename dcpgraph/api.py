@@ -93,7 +93,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     128 elements, see :mod:`dcpgraph.ops.quant`), ``mlapo`` (default True: an MLA model's query/KV
     projections, norms, rotary and latent cache write become one ``mla_preprocess`` op per layer,
     bit-identical on CPU, a fused kernel on Ascend; False keeps them unfused; see
-    :mod:`dcpgraph.passes.fuse_mla_preprocess`).
+    :mod:`dcpgraph.passes.fuse_mla_preprocess`), ``hybrid_kv_cache`` (default False: every layer
+    keeps a block per virtual block; True: sliding-window layers get their own block table and a
+    pool sized for their window, see :mod:`dcpgraph.runtime.layer_groups`; not with prefix
+    caching or ``kv_allocation="whole_request"``).
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -130,6 +133,14 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     from .passes.pipeline import compile_program
 
     program = model if isinstance(model, Program) else trace(model)
+    windows = ()
+    if opts["hybrid_kv_cache"]:
+        from .passes.layer_group_tables import model_windows
+        from .runtime.layer_groups import check_hybrid_options
+
+        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
+                             draft_model=spec is not None and spec.method == "draft_model")
+        windows = model_windows(program)
     if opts["enable_expert_parallel"]:
         from .passes.tp_styles import with_expert_parallel
 
@@ -138,8 +149,15 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
     )
+    if opts["hybrid_kv_cache"]:
+        from .passes.layer_group_tables import layer_group_tables
+        from .passes.manager import run_passes
+
+        program = run_passes(program, [layer_group_tables.with_options(windows=windows)], verify=opts["verify"])
     sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
-    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"])
+    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"],
+                                   decode_tokens=1 + (spec.num_speculative_tokens if spec else 0),
+                                   step_tokens=min(opts["max_batched_tokens"], max_model_len))
     from .backends import compile_backend
 
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)

@@ -9,7 +9,8 @@ then trace and compile with dcpgraph at tp=1 and at the largest valid DCP mesh o
 
 * ``exact``: identical tokens at every mesh tested;
 * ``refused: <reason>``: dcpgraph raised :class:`~dcpgraph.errors.DcpGraphError` (an
-  unsupported feature or an invalid mesh) before generating a token;
+  unsupported feature or an invalid mesh) before generating a token; a
+  :class:`~dcpgraph.errors.VerificationError` (a pass broke an invariant) is a crash instead;
 * ``MISMATCH``: tokens differ (a silent mismatch: a bug);
 * ``error: <type: message>``: anything else (a crash: a bug);
 * ``not built: <reason>``: transformers itself could not build or run the tiny model (not a
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -29,12 +31,17 @@ import torch
 PROMPT = (5, 9, 4, 77, 10, 11, 3)
 NEW_TOKENS = 6
 DCP_MESHES = ((4, 4), (4, 2), (2, 2))
+TP_MESHES = ((4, 1), (2, 1))  # tested when no DCP mesh is valid (multi-head attention, say)
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
     num_key_value_heads=1, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    moe_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2,
+    rotary_dim=8, moe_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2,
 )
+# Latent-attention (MLA) dims, for every config that has ``kv_lora_rank``.
+TINY_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, qk_head_dim=24, v_head_dim=16,
+                q_lora_rank=24, num_key_value_heads=8, n_group=1, topk_group=1, n_shared_experts=1,
+                first_k_dense_replace=1)
 # A window shorter than PROMPT for every architecture whose config has one, so sliding layers
 # really slide (set only where the config defines it: HF's cache reads ``config.sliding_window``
 # even for models whose attention ignores it).
@@ -43,10 +50,18 @@ TINY_WINDOW = 4
 OVERRIDES: dict[str, dict] = {
     "deepseek_v2": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
                         topk_method="greedy", n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=8),
+    "diffllama": dict(num_key_value_heads=2),  # its differential attention needs an even count
+    "dots1": dict(n_shared_experts=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # the default leaves it None
+    "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"]),
+    "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16]),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=TINY_WINDOW),
     "deepseek_v3": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=24,
                         n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                         num_key_value_heads=8),
 }
+_TEXT_SUB_CONFIGS = frozenset({"text_config", "attn_config", "ffn_config"})
 FAST_SUBSET = ("llama", "qwen2", "qwen3_moe", "gemma2", "phi3")
 
 
@@ -86,14 +101,67 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _known(config_class, values: dict) -> dict:
+    """The entries of ``values`` that ``config_class`` defines (directly or via its
+    ``attribute_map``): an unknown key would become a stray attribute that the model ignores but
+    dcpgraph's facts would read (e.g. ``num_key_value_heads`` on a multi-head-only config)."""
+    default = config_class()
+    out = {}
+    for key, value in values.items():
+        prop = getattr(config_class, key, None)
+        if isinstance(prop, property) and prop.fset is None:
+            continue  # derived from other fields (e.g. falcon's head_dim)
+        try:
+            getattr(default, key)
+        except Exception:  # noqa: BLE001 - absent, or per-layer (no single value to override)
+            continue
+        out[key] = value
+    return out
+
+
+def tiny_config(model_type: str):
+    """The tiny random config of ``model_type``, or a string saying why it is not a decoder-only
+    text causal LM (then nothing is built)."""
+    import transformers as tf
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.frontends.layer_kinds import check_layer_types
+
+    config_class = type(tf.AutoConfig.for_model(model_type))
+    default = config_class()
+    if getattr(default, "is_encoder_decoder", False):
+        return "encoder-decoder, not a decoder-only causal LM"
+    subs = {k for k in (getattr(config_class, "sub_configs", None) or {}) if k not in _TEXT_SUB_CONFIGS}
+    if subs:
+        return (f"composite model ({', '.join(sorted(subs))}), not a single text decoder; its text "
+                "model is walked under its own model type where transformers registers one")
+    try:  # the model kind itself, before tiny values that its validators may reject
+        check_layer_types(default.get_text_config() if hasattr(default, "get_text_config") else default)
+    except UnsupportedModelError as exc:
+        return str(exc)
+    mla = TINY_MLA if getattr(default, "kv_lora_rank", None) is not None else {}
+    values = {**TINY, **mla, **OVERRIDES.get(model_type, {})}
+    known = _known(config_class, values)
+    text = getattr(default, "text_config", None)
+    if text is not None and text is not default:  # a wrapper around a text config: shrink that one
+        known["text_config"] = _tiny_text(type(text)(**_known(type(text), values)))
+    return _tiny_text(tf.AutoConfig.for_model(model_type, **known))
+
+
+def _tiny_text(config):
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = TINY_WINDOW
+    if hasattr(config, "is_decoder"):
+        config.is_decoder = True  # encoder families' LM heads are causal only as decoders
+    return config
+
+
 def tiny_model(model_type: str):
     import transformers as tf
 
-    config = tf.AutoConfig.for_model(model_type, **{**TINY, **OVERRIDES.get(model_type, {})})
-    if getattr(config, "sliding_window", None) is not None:
-        config.sliding_window = TINY_WINDOW
-    if getattr(config, "is_encoder_decoder", False):
-        return None
+    config = tiny_config(model_type)
+    if isinstance(config, str):
+        return config
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
     if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
@@ -113,35 +181,35 @@ def _tokens(program, tp: int, dcp: int) -> list[int]:
 def check(model_type: str, timeout: int = 300) -> Row:
     """One architecture's row (never raises)."""
     import dcpgraph
-    from dcpgraph.errors import DcpGraphError
-    from dcpgraph.mesh import Mesh
+    from dcpgraph.errors import DcpGraphError, VerificationError
     from dcpgraph.testing.generation import hf_greedy
 
     row = Row(model_type)
+    model = None
     try:
         with _deadline(timeout):
             try:
                 model = tiny_model(model_type)
-                if model is None:
-                    row.result = "refused: encoder-decoder, not a decoder-only causal LM"
-                    return row
-                want = hf_greedy(model, PROMPT, NEW_TOKENS)
+            except _Timeout:
+                raise
             except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
-                row.result = f"not built: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                row.result = f"not built: {_first_line(exc)}"
+                return row
+            if isinstance(model, str):
+                row.result = f"refused: {model}"
                 return row
             try:
-                program = dcpgraph.trace(model)
+                program = dcpgraph.trace(model)  # dcpgraph's verdict first: a refusal needs no HF run
                 facts = program.facts
                 row.attention = facts.attention
-                meshes = [(1, 1)]
-                for tp, dcp in DCP_MESHES:
-                    try:
-                        Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
-                                               num_kv_heads=facts.num_kv_heads, block_size=4)
-                    except DcpGraphError:
-                        continue
-                    meshes.append((tp, dcp))
-                    break
+                try:
+                    want = hf_greedy(model, PROMPT, NEW_TOKENS)
+                except _Timeout:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - transformers' own failure, reported as such
+                    row.result = f"not built: HF generate failed: {_first_line(exc)}"
+                    return row
+                meshes = [(1, 1), *_largest_valid_mesh(facts)]
                 tested = []
                 for tp, dcp in meshes:
                     got = _tokens(program, tp, dcp)
@@ -151,28 +219,74 @@ def check(model_type: str, timeout: int = 300) -> Row:
                         return row
                     tested.append(f"tp{tp}·dcp{dcp}")
                     row.mesh = ", ".join(tested)
-                row.result = "exact" if len(meshes) > 1 else "exact at tp1 only (no valid DCP mesh)"
+                if meshes[-1][1] > 1:
+                    row.result = "exact"
+                else:
+                    row.result = (f"exact without DCP: no DCP mesh of at most 4 ranks is valid for "
+                                  f"{facts.num_q_heads} query / {facts.num_kv_heads} KV heads")
             except DcpGraphError as exc:
+                if isinstance(exc, VerificationError):  # an invariant broke: a bug, not a refusal
+                    raise
                 done = f"exact at {row.mesh}; " if row.mesh else ""
                 row.result = f"{done}refused: {str(exc).splitlines()[0][:160]}"
     except _Timeout as exc:
         row.result = f"error: timeout {exc}"
     except Exception as exc:  # noqa: BLE001 - a crash is a result here
-        row.result = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        row.result = f"error: {_first_line(exc)}"
+        if not row.mesh and _hf_fails(model):  # transformers cannot run its own tiny model either
+            row.result = f"not built: HF generate failed too; dcpgraph: {_first_line(exc)}"
     return row
 
 
-def to_markdown(rows: list[Row], command: str = "python -m dcpgraph.coverage") -> str:
+def _hf_fails(model) -> bool:
+    from dcpgraph.testing.generation import hf_greedy
+
+    try:
+        with _deadline(120):
+            hf_greedy(model, PROMPT, NEW_TOKENS)
+    except Exception:  # noqa: BLE001 - any failure of transformers' own generate
+        return True
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def _largest_valid_mesh(facts) -> list[tuple[int, int]]:
+    """The first valid mesh of :data:`DCP_MESHES`, else of :data:`TP_MESHES` (``[]`` if none)."""
+    from dcpgraph.errors import DcpGraphError
+    from dcpgraph.mesh import Mesh
+
+    for tp, dcp in (*DCP_MESHES, *TP_MESHES):
+        try:
+            Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
+                                   num_kv_heads=facts.num_kv_heads, block_size=4)
+        except DcpGraphError:
+            continue
+        return [(tp, dcp)]
+    return []
+
+
+def to_markdown(rows: list[Row], command: str = "python -m dcpgraph.coverage", updates: tuple[str, ...] = ()) -> str:
+    """The table; ``updates``: commands that re-ran some rows in place (``--update``), shown."""
     exact = sum(r.result == "exact" for r in rows)
+    exact_tp = sum(r.result.startswith("exact without DCP") for r in rows)
+    refused = sum("refused:" in r.result for r in rows)
+    not_built = sum(r.result.startswith("not built") for r in rows)
     bad = [r for r in rows if not r.ok]
     lines = [
         "# Coverage matrix",
         "",
         f"Generated by `{command}` (tiny random fp64 configs, greedy tokens vs HF "
         "`generate`; tp=1 and the largest valid DCP mesh of at most 4 ranks).",
+        *(f"Rows re-run in place by `{u}`." for u in updates),
         "",
-        f"{len(rows)} architectures: {exact} exact at tp=1 and under DCP, "
-        f"{len(bad)} crashes or mismatches.",
+        f"{len(rows)} architectures: {exact} exact at tp=1 and under DCP; {exact_tp} exact at tp=1 "
+        f"and under TP (no valid DCP mesh); {refused} refused with a named reason (some after an "
+        f"exact tp=1 run); {not_built} not built by transformers itself; {len(bad)} crashes or "
+        "mismatches.",
         "",
         "| architecture | attention kind | mesh tested | result |",
         "|---|---|---|---|",
@@ -183,22 +297,51 @@ def to_markdown(rows: list[Row], command: str = "python -m dcpgraph.coverage") -
     return "\n".join(lines) + "\n"
 
 
+_ROW = re.compile(r"^\| (\S+) \| (\S+) \| (.+?) \| (.*) \|$")
+
+
+def from_markdown(text: str) -> tuple[str, tuple[str, ...], list[Row]]:
+    """``(command, updates, rows)`` of a table written by :func:`to_markdown`."""
+    command = re.search(r"Generated by `([^`]*)`", text).group(1)
+    updates = tuple(re.findall(r"Rows re-run in place by `([^`]*)`", text))
+    rows = []
+    for line in text.splitlines():
+        m = _ROW.match(line)
+        if m and m.group(1) not in ("architecture", "---"):
+            arch, attention, mesh, result = m.groups()
+            rows.append(Row(arch, attention, "" if mesh == "-" else mesh, result.replace("\\|", "|")))
+    return command, updates, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dcpgraph.coverage", description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: every causal LM)")
     parser.add_argument("--out", default="docs/coverage.md")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per architecture")
+    parser.add_argument("--update", action="store_true",
+                        help="re-run only the --only rows (default: every crash, mismatch or timeout) of the "
+                             "existing --out table and replace them in place")
     args = parser.parse_args(argv)
-    types = args.only.split(",") if args.only else causal_lm_types()
-    rows = []
+    shown = " ".join(["python -m dcpgraph.coverage", *(argv if argv is not None else sys.argv[1:])])
+    command, updates, old = shown, (), []
+    if args.update:
+        with open(args.out) as f:
+            command, updates, old = from_markdown(f.read())
+        updates = (*updates, shown)
+    if args.only:
+        types = args.only.split(",")
+    elif args.update:
+        types = [r.architecture for r in old if not r.ok or "_Timeout" in r.result]
+    else:
+        types = causal_lm_types()
+    rows = {r.architecture: r for r in old}
     for model_type in types:
         row = check(model_type, args.timeout)
         print(f"{row.architecture:32s} {row.attention:4s} {row.mesh:22s} {row.result}", flush=True)
-        rows.append(row)
+        rows[model_type] = row
     with open(args.out, "w") as f:
-        shown = " ".join(["python -m dcpgraph.coverage", *(argv if argv is not None else sys.argv[1:])])
-        f.write(to_markdown(rows, shown))
-    return 0 if all(r.ok for r in rows) else 1
+        f.write(to_markdown(list(rows.values()), command, updates))
+    return 0 if all(r.ok for r in rows.values()) else 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ _INTS = {
     "max_waiting": (1024, 1),
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
-_BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False, "mlapo": True}
+_BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False, "mlapo": True,
+          "hybrid_kv_cache": False}
 _OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 

@@ -217,6 +217,8 @@ _ROLE_SHAPES = {
     "local_context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
     "block_table": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),
     "slot_mapping": ((EXAMPLE_TOKENS,), torch.int64),
+    "block_table_sliding": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),  # hybrid_kv_cache
+    "slot_mapping_sliding": ((EXAMPLE_TOKENS,), torch.int64),
     "logits_indices": ((EXAMPLE_REQUESTS,), torch.int64),
     "tp_rank": ((), torch.int64),
     "dcp_rank": ((), torch.int64),

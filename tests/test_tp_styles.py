@@ -10,6 +10,9 @@ Styles and where they are exercised:
   down), and Llama with plans overridden to ``colwise_rep`` + ``rowwise_rep``,
   ``embedding_colwise``, and the replicated styles (``replicate``,
   ``sequence_parallel``, ``replicated_with_grad_allreduce``, ``local_params``) on norms;
+* every style above and ``packed_rowwise`` (Aria's grouped experts) and ``all_reduce`` (a module
+  style, on Qwen3-MoE's experts) at every valid (tp, dcp) in {1, 2, 4}²
+  (:func:`test_every_style_matches_hf_at_every_valid_mesh`, slow);
 * refused by name: ``moe_identity_expert``, unknown styles, plans leaving K/V unsharded (Phi-3's
   own ``colwise_gather_output`` qkv).
 """
@@ -108,3 +111,52 @@ def test_refused_styles_are_named(style, message):
     with pytest.raises(UnsupportedModelError, match=f"{style}.*{message}"):
         _tokens(program, 2, plan=plan)
     assert "moe_identity_expert" in ALL_STYLES
+
+
+# -- every implemented style, through a model, at every valid (tp, dcp) in {1, 2, 4}² ------------
+# One KV head, so every mesh of {1, 2, 4}² with dcp <= tp is valid (DCP needs tp > KV heads).
+# Styles not listed run in every case: colwise / rowwise (attention), embedding_rowwise (vocab
+# parallel input embeddings) and colwise_gather_output (the LM head).
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+STYLE_CASES = {
+    # case: (architecture, extra config, plan overrides, styles the resulting plan must contain)
+    "colwise_rep+rowwise_rep": ("llama", {}, LLAMA_VARIANTS["colwise_rep+rowwise_rep"], {"colwise_rep", "rowwise_rep"}),
+    "embedding_colwise": ("llama", {}, LLAMA_VARIANTS["embedding_colwise"], {"embedding_colwise"}),
+    "replicated styles": ("llama", {}, LLAMA_VARIANTS["replicated styles"],
+                          {"replicate", "sequence_parallel", "replicated_with_grad_allreduce", "local_params"}),
+    "glm4 gather_output+split_input": ("glm4", {}, {}, {"colwise_gather_output", "rowwise_split_input"}),
+    # Aria's experts store gate_up as [E, in, 2·out]: packed_rowwise splits its packed last dim.
+    "aria packed_rowwise experts": ("aria_text", MOE, {}, {"packed_rowwise", "moe_tp_experts"}),
+    "qwen3_moe experts all_reduce": ("qwen3_moe", MOE, {"model.layers.*.mlp.experts": "all_reduce"},
+                                     {"packed_colwise", "all_reduce"}),
+}
+MESHES_1KV = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(STYLE_CASES))
+def test_every_style_matches_hf_at_every_valid_mesh(case):
+    arch, extra, overrides, styles = STYLE_CASES[case]
+    config = transformers.AutoConfig.for_model(arch, **{**COMMON, "num_key_value_heads": 1, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    program, plan = _plan(model, **overrides)
+    assert styles <= set(plan.values()), plan
+    want = hf_greedy(model, PROMPT, NEW)
+    from dcpgraph.mesh import Mesh
+
+    facts = program.facts
+    valid = []
+    for tp, dcp in ((t, d) for t in (1, 2, 4) for d in (1, 2, 4)):
+        try:
+            Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
+                                   num_kv_heads=facts.num_kv_heads, block_size=4)
+        except dcpgraph.errors.ConfigError:
+            continue
+        valid.append((tp, dcp))
+    assert valid == MESHES_1KV
+    for tp, dcp in valid:
+        got, _ = _tokens(program, tp, dcp, plan=plan)
+        assert got == want, (case, tp, dcp)

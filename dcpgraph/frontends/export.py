@@ -25,13 +25,30 @@ USER_ROLES = ("input_ids", "position_ids")
 TRACE_STAGE = "trace"
 
 
+class TokenShapeRefusal(UnsupportedModelError):
+    """torch.export could keep the token count dynamic only by constraining it: the model's code
+    specialises on it (fixed-size blocks, a scan over tokens…), so no one graph serves every step."""
+
+
+def _token_shape_refusal(err: Exception) -> TokenShapeRefusal | None:
+    text = str(err)
+    if "Constraints violated" not in text:
+        return None
+    guard = next((line.strip(" -") for line in text.splitlines() if "Not all values" in line or "specialized" in line), "")
+    return TokenShapeRefusal(
+        "data-dependent token shapes in export: the model's code constrains the token count "
+        f"({guard[:200]}), so one graph cannot serve every step's token count"
+    )
+
+
 def run_export(
     module: torch.nn.Module, example_inputs: tuple, dynamic_shapes: Mapping[str, Any] | tuple,
 ) -> tuple[torch.export.ExportedProgram, float]:
     """``torch.export.export`` non-strict; returns ``(exported, seconds)``.
 
     An :class:`UnsupportedModelError` raised anywhere inside the traced code (and wrapped by
-    export) is re-raised as itself, so callers see which layer and feature was refused.
+    export) is re-raised as itself, so callers see which layer and feature was refused; export's
+    "Constraints violated" on the token dim becomes a :class:`TokenShapeRefusal`.
     """
     start = time.perf_counter()
     try:
@@ -47,6 +64,16 @@ def run_export(
             if isinstance(nxt, UnsupportedModelError):
                 raise nxt from err
             cause = nxt
+        refusal = _token_shape_refusal(err)
+        if refusal is not None:
+            raise refusal from err
+        if type(err).__name__ == "GuardOnDataDependentSymNode":
+            code = [line.split("code:", 1)[1].strip() for line in str(err).splitlines() if "code:" in line]
+            where = code[-1] if code else ""  # the last source line traced: where it stopped
+            raise UnsupportedModelError(
+                "data-dependent control flow in export: the forward branches or loops on tensor values "
+                f"(e.g. a loop over the MoE experts that were hit), which one graph cannot hold ({where[-160:]})"
+            ) from err
         raise
     return exported, time.perf_counter() - start
 
@@ -97,6 +124,7 @@ def program_from_export(
             f"the model mutates buffers {list(exported.graph_signature.buffers_to_mutate.values())}"
         )
     gm = exported.graph_module
+    _refuse_tensor_readback(gm.graph)
     # Drop export's runtime assertion ops: the shape contracts they check are ours to keep.
     graph = gm.graph
     for node in list(graph.nodes):
@@ -113,6 +141,23 @@ def program_from_export(
         calls = sum(1 for n in graph.nodes if n.op == "call_function")
         summary = f"torch.export (non-strict, dynamic tokens): {calls} ops, {len(specs)} inputs"
     return program.with_stage(TRACE_STAGE, plain, Provenance(TRACE_STAGE, seconds, summary))
+
+
+_READBACK = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+def _refuse_tensor_readback(graph: torch.fx.Graph) -> None:
+    """A value read back from a tensor into Python (``.item()``, ``.tolist()``: export's
+    ``item`` / ``_local_scalar_dense``) makes later shapes or control flow depend on data; one graph cannot
+    serve every step, and the passes cannot propagate shapes through it."""
+    from .canonicalize.nodes import describe_location
+
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _READBACK:
+            raise UnsupportedModelError(
+                f"{describe_location(node)}: data-dependent values (a tensor read back with .item() / "
+                ".tolist(), e.g. token counts per expert) are not supported"
+            )
 
 
 def finish(program: Program, *, verify: bool = True) -> Program:

@@ -15,9 +15,11 @@ import contextlib
 import torch
 import torch.fx
 
+from ..errors import UnsupportedModelError
 from ..program import ModelFacts, Program
-from .export import finish, program_from_export, run_export
-from .hf_attention import using_dcpgraph_attention
+from .export import TokenShapeRefusal, finish, program_from_export, run_export
+from .hf_attention import recording_attention_callers, using_dcpgraph_attention
+from .layer_kinds import check_layer_types, require_attention_in_every_layer
 
 WRAPPER_PREFIX = "model."
 """The prefix :class:`LogitsForward` adds to every parameter and buffer name of the wrapped model
@@ -45,7 +47,12 @@ def is_hf_model(model: object) -> bool:
 
 def model_facts(model: torch.nn.Module) -> ModelFacts:
     cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = _GlobalAttributes(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    if getattr(text, "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the config has no num_attention_heads: not an attention model "
+            "(recurrent architectures such as RWKV or xLSTM are not supported)"
+        )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     mla = getattr(text, "kv_lora_rank", None) is not None
@@ -86,6 +93,28 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         tp_plan=plan,
         extra=extra,
     )
+
+
+class _GlobalAttributes:
+    """Read-through view of a config that refuses by name an attribute transformers declares
+    per-layer (one value per decoder layer, e.g. gemma4's ``head_dim``): dcpgraph's facts and
+    caches need one value for the whole model."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name: str):
+        try:
+            return getattr(self._config, name)
+        except AttributeError:
+            raise
+        except Exception as exc:
+            if "per-layer" not in str(exc):
+                raise
+            raise UnsupportedModelError(
+                f"per-layer {name} (it varies across decoder layers) is not supported: dcpgraph "
+                "needs one value for the whole model"
+            ) from exc
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -134,23 +163,39 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     """``torch.export`` of :class:`LogitsForward` around ``model`` (eval mode, dcpgraph's attention,
     :func:`traceable_experts`; the model's training flag is restored), with a dynamic token count
     in ``[2, max_tokens]``, as a :class:`~dcpgraph.program.Program` before :func:`~.export.finish`
-    (callers that rewrite the graph first, like the meta-device loader, finish it themselves)."""
+    (callers that rewrite the graph first, like the meta-device loader, finish it themselves).
+    Layer kinds other than causal full/sliding attention are refused by name before anything runs."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    check_layer_types(config)
     facts = model_facts(model)
     tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
     was_training = model.training
     model.eval()
     try:
-        with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad():
-            exported, seconds = run_export(
-                LogitsForward(model).eval(), tuple(example_inputs),
-                {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
-            )
+        with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad(), \
+                recording_attention_callers() as callers:
+            try:
+                exported, seconds = run_export(
+                    LogitsForward(model).eval(), tuple(example_inputs),
+                    {"input_ids": {1: tokens}, "position_ids": {1: tokens}},
+                )
+            except TokenShapeRefusal:  # the forward ran to its end: a layer without attention says why
+                if callers:
+                    require_attention_in_every_layer(facts.num_layers, callers.values(), facts.architecture)
+                raise
     finally:
         model.train(was_training)
     return program_from_export(exported, facts, prefix=WRAPPER_PREFIX, seconds=seconds)
 
 
 def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 << 16) -> Program:
+    """:func:`export_program` then :func:`~.export.finish`; refuses, after export, any decoder
+    layer that called no attention."""
     if example_inputs is None:
         example_inputs = default_example_inputs(model_facts(model))
-    return finish(export_program(model, example_inputs, max_tokens))
+    program = finish(export_program(model, example_inputs, max_tokens))
+    facts = program.facts
+    attention = [n for n in program.graph_module.graph.nodes
+                 if n.op == "call_function" and n.target == torch.ops.dcpgraph.attention.default]
+    require_attention_in_every_layer(facts.num_layers, [None] * len(attention), facts.architecture)
+    return program

@@ -101,6 +101,8 @@ def dcpgraph_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF layout in (``[B, H, S, D]``), ``[B, S, H, Dv]`` out, as every HF attention function."""
+    if _callers is not None:
+        _callers[id(module)] = getattr(module, "layer_idx", None)
     where = _where(module)
     if attention_mask is not None:
         raise UnsupportedModelError(f"{where}: an explicit attention mask tensor is not supported")
@@ -154,6 +156,19 @@ def no_mask(*args, **kwargs) -> None:
 
 
 _registered = False
+_callers: dict[int, int | None] | None = None
+
+
+@contextlib.contextmanager
+def recording_attention_callers() -> Iterator[dict[int, int | None]]:
+    """While active, ``id(module) -> layer_idx`` of every module that calls the dcpgraph
+    attention (how the front end checks that every decoder layer has one)."""
+    global _callers
+    previous, _callers = _callers, {}
+    try:
+        yield _callers
+    finally:
+        _callers = previous
 
 
 def register() -> None:

@@ -84,12 +84,20 @@ def nearest_linears(start: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The linears that produce the K/V written to the caches."""
+    """The linears that produce the K/V written to the caches. Raises
+    :class:`UnsupportedModelError` for a cache whose K/V no linear produces (a ``Conv1D``
+    projection, as GPT-2's ``addmm``): no plan style could head-shard it."""
     found: set[torch.fx.Node] = set()
     writes = [*nodes_calling(graph, dcp_ops.kv_cache_write_.default),
               *nodes_calling(graph, dcp_ops.kv_cache_write_fp8_.default)]
     for write in writes:  # both take (cache, new, slot_mapping, ...)
-        found |= nearest_linears(write.args[1])
+        linears = nearest_linears(write.args[1])
+        if not linears:
+            raise UnsupportedModelError(
+                f"the K/V written to {write.args[0].name} come from no linear layer (a Conv1D / addmm "
+                "projection, as in GPT-2): TP cannot head-shard them for the KV cache layout; use tp=1"
+            )
+        found |= linears
     return found
 
 

@@ -250,6 +250,14 @@ class BlockManager:
     def table(self, request_id: int) -> list[int]:
         return self._tables[request_id]
 
+    def group_table(self, request_id: int) -> list[int] | None:
+        """The sliding layers' own table (:mod:`.layer_groups`); ``None``: every layer uses
+        :meth:`table`."""
+        return None
+
+    def trim(self, request_id: int, computed: int) -> None:
+        """Drop blocks no future query reads (only :mod:`.layer_groups`' sliding group has any)."""
+
     def shared_blocks(self, request_id: int) -> int:
         """How many leading blocks of ``request_id`` came from the prefix cache."""
         return self._shared.get(request_id, 0)

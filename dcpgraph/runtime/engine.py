@@ -18,8 +18,8 @@ from ..errors import RequestError
 from ..program import Program
 from ..speculative.build import make_proposer
 from ..speculative.config import speculative_config as speculative_config_of
-from .blocks import BlockManager
 from .graph_mode import DecodeBuckets, default_buckets
+from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, StepEvent
@@ -68,9 +68,13 @@ class Engine:
         self.block_size = int(program.options["block_size"])
         self.interleave = int(program.options.get("interleave", 1))
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(num_blocks, self.block_size * self.mesh.dcp, enable_prefix_caching)
         self.speculative = speculative_config_of(speculative_config, speculative_tokens)
         k = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.blocks, cache_blocks = make_block_manager(
+            program, num_blocks, enable_prefix_caching=enable_prefix_caching, kv_allocation=kv_allocation,
+            max_num_seqs=max_num_seqs, decode_tokens=1 + k,
+            step_tokens=min(max_batched_tokens, max_model_len),
+        )
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
                                    eos_token_ids=program.facts.eos_token_id, speculative_tokens=k,
                                    max_waiting=max_waiting, kv_allocation=kv_allocation)
@@ -85,7 +89,7 @@ class Engine:
         if self.speculative is not None:
             proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=num_blocks,
                                      buckets=buckets, max_batched_tokens=max_batched_tokens)
-        self.runner = ModelRunner(program, executor_cls(program, num_blocks, graphs), buckets, proposer,
+        self.runner = ModelRunner(program, executor_cls(program, cache_blocks, graphs), buckets, proposer,
                                   verify_buckets)
         self.executor = self.runner.executor
         self.graphs = graphs
@@ -242,7 +246,12 @@ class Engine:
         per_block = kv_bytes_per_block(self.program)
         per_rank = per_block * self.blocks.num_blocks
         capacity = self.blocks.capacity_tokens
+        groups = {}
+        if isinstance(self.blocks, HybridBlockManager):  # hybrid_kv_cache: sliding layers hold their window
+            groups = {"kv_layer_groups": layer_group_report(self.program, self.blocks)}
+            per_rank = groups["kv_layer_groups"]["full"]["bytes_per_rank"] + groups["kv_layer_groups"]["sliding"]["bytes_per_rank"]
         return {
+            **groups,
             "kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
             "kv_bytes_per_token": per_rank / capacity,
             "kv_capacity_tokens": capacity,
@@ -326,9 +335,11 @@ class Engine:
 
 
 def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None, kv_cache_bytes_per_rank=None,
-                      max_model_len: int, max_num_seqs: int) -> int:
+                      max_model_len: int, max_num_seqs: int, decode_tokens: int = 1, step_tokens: int = 1) -> int:
     """Cache size in blocks from whichever budget the user gave (default: every sequence slot
-    at ``max_model_len``)."""
+    at ``max_model_len``). For a ``hybrid_kv_cache`` program these are the full group's blocks;
+    a byte budget is split with the sliding pool (``decode_tokens``: 1 + draft tokens,
+    ``step_tokens``: one step's token budget; see :func:`~.layer_groups.split_byte_budget`)."""
     per_block = kv_bytes_per_block(program)
     tokens_per_block = int(program.options["block_size"]) * program.mesh.dcp
     given = [x is not None for x in (num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank)]
@@ -336,6 +347,13 @@ def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None
         raise ValueError("give at most one of num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank")
     if num_blocks is not None:
         return int(num_blocks)
+    if kv_cache_bytes_per_rank is not None and program.options.get("sliding_caches"):
+        from .layer_groups import group_bytes_per_block, split_byte_budget
+
+        full_bpb, sliding_bpb = group_bytes_per_block(program)
+        return split_byte_budget(int(kv_cache_bytes_per_rank), full_bpb, sliding_bpb, int(program.options["sliding_window"]),
+                                 decode_tokens=decode_tokens, step_tokens=step_tokens,
+                                 tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
     if kv_cache_bytes_per_rank is not None:
         return max(1, int(kv_cache_bytes_per_rank) // per_block)
     tokens = kv_cache_tokens if kv_cache_tokens is not None else max_model_len * max_num_seqs

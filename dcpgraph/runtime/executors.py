@@ -14,15 +14,23 @@ whose caches this process holds and ``rank_caches(rank)`` returns one of them (c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
 
 
-def allocate_caches(program: Program, num_blocks: int) -> dict[str, torch.Tensor]:
+def allocate_caches(program: Program, num_blocks: int | Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Zeroed caches ``[blocks, block_size, heads, dim]``. ``num_blocks``: one count for every
+    cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the caches named
+    in ``options["sliding_caches"]`` get ``m``)."""
     block = int(program.options["block_size"])
+    sliding = set(program.options.get("sliding_caches", ()))
+    counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
     return {
-        c.name: torch.zeros(num_blocks, block, c.heads, c.dim, dtype=c.dtype) for c in program.caches
+        c.name: torch.zeros(counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim, dtype=c.dtype)
+        for c in program.caches
     }
 
 

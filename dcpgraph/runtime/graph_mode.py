@@ -53,11 +53,16 @@ class DecodeBuckets:
             "block_table": table,
             "logits_indices": torch.arange(bucket, dtype=torch.int64),
         }
+        if "block_table_sliding" in shared:  # hybrid_kv_cache: the sliding layers' table, padded alike
+            sliding = torch.zeros(bucket, self.table_width, dtype=torch.int32)
+            sliding[:real, : shared["block_table_sliding"].shape[1]] = shared["block_table_sliding"]
+            padded["block_table_sliding"] = sliding
+        no_slot = torch.full((extra,), -1, dtype=torch.int64)
         ranks = []
         for own in per_rank:
             ranks.append({
                 **own,
-                "slot_mapping": torch.cat([own["slot_mapping"], torch.full((extra,), -1, dtype=torch.int64)]),
+                **{k: torch.cat([own[k], no_slot]) for k in ("slot_mapping", "slot_mapping_sliding") if k in own},
                 "local_context_lens": torch.cat([own["local_context_lens"], zeros_i32]),
             })
         return padded, ranks

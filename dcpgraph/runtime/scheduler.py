@@ -282,7 +282,9 @@ class Scheduler:
         tokens, start = request.tokens, request.computed
         self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
         table = self.blocks.table(request.id)
-        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(table))
+        sliding = self.blocks.group_table(request.id)
+        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(table),
+                      sliding_table=None if sliding is None else tuple(sliding))
         samples = start + n == len(tokens)
         room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)
         plan.append(ScheduledChunk(request, chunk, samples, room))
@@ -332,6 +334,7 @@ class Scheduler:
         start, prompt = request.computed, len(request.prompt)
         self.prompt_tokens_computed += max(0, min(start + n, prompt) - start)
         request.computed += n
+        self.blocks.trim(request.id, request.computed)
         if self.blocks.enable_prefix_caching:
             self.blocks.register(request.id, request.tokens, request.computed)
 

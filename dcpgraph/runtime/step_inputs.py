@@ -11,7 +11,9 @@ Every scheduled token of every request is flattened into one sequence. For reque
 - ``slot_mapping`` ``[T]``: where this rank writes each new token, −1 where it does not own it;
 - ``logits_indices``: the last ``logits_rows`` new tokens of each request (one, or ``1 + k`` when
   ``k`` draft tokens are verified);
-- ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow).
+- ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow);
+- with ``hybrid_kv_cache``: ``block_table_sliding`` and ``slot_mapping_sliding``, the same for
+  the sliding layers' own table (see :mod:`.layer_groups`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Chunk:
     start: int
     block_table: tuple[int, ...]
     logits_rows: int = 1
+    sliding_table: tuple[int, ...] | None = None  # the sliding layers' table (hybrid_kv_cache)
 
 
 def build_step_inputs(
@@ -46,10 +49,8 @@ def build_step_inputs(
     ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
     positions = starts[owner] + torch.arange(len(ids)) - cu[:-1].to(torch.int64)[owner]
-    width = max(len(c.block_table) for c in chunks)
-    table = torch.zeros(len(chunks), width, dtype=torch.int32)
-    for i, c in enumerate(chunks):
-        table[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+    table = _table([c.block_table for c in chunks])
+    sliding = None if chunks[0].sliding_table is None else _table([c.sliding_table for c in chunks])
     shared = {
         "input_ids": ids.unsqueeze(0),
         "position_ids": positions.unsqueeze(0),
@@ -60,14 +61,28 @@ def build_step_inputs(
             torch.arange(int(end) - c.logits_rows, int(end), dtype=torch.int64) for c, end in zip(chunks, cu[1:])
         ]),
     }
+    if sliding is not None:
+        shared["block_table_sliding"] = sliding
     rows = table[owner]
     per_rank = []
     for rank in mesh.ranks:
         d = mesh.dcp_rank(rank)
-        per_rank.append({
+        own = {
             "slot_mapping": layout.slot_mapping(positions, rows, d, mesh.dcp, block_size, interleave),
             "local_context_lens": layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32),
             "tp_rank": torch.tensor(mesh.tp_rank(rank), dtype=torch.int64),
             "dcp_rank": torch.tensor(d, dtype=torch.int64),
-        })
+        }
+        if sliding is not None:
+            own["slot_mapping_sliding"] = layout.slot_mapping(positions, sliding[owner], d, mesh.dcp,
+                                                              block_size, interleave)
+        per_rank.append(own)
     return shared, per_rank
+
+
+def _table(rows: list[tuple[int, ...]]) -> torch.Tensor:
+    """``[R, W]`` int32 block table, rows zero-padded to the widest (padding is never read)."""
+    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table

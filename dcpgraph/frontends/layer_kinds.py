@@ -1,0 +1,85 @@
+"""Which decoder layers dcpgraph can compile, decided from the config before anything is traced.
+
+dcpgraph keeps one paged KV cache per attention layer and computes every other layer statelessly
+from the current tokens. A layer that carries any other state across tokens (a Mamba/SSM scan, a
+short convolution, linear attention) or whose attention pattern is not causal full/sliding
+attention over that cache (chunked, indexer-selected, compressed) cannot be compiled by rewriting
+attention alone: its decode steps would silently compute something else. Such models are refused
+by name, from ``config.layer_types`` (transformers' ``ALLOWED_LAYER_TYPES`` vocabulary) and
+``attention_chunk_size``, and, whatever the config says, by counting the attention ops of the
+canonical graph, or when export itself fails the layers that called the attention
+implementation (:func:`require_attention_in_every_layer`): fewer than one per decoder layer means
+layers whose state dcpgraph would not cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import UnsupportedModelError
+
+# Layer types compiled as they are: causal attention over the paged cache, or an MLP kind.
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "sparse", "dense"})
+
+# Every other layer type transformers names, with the feature that makes it unsupported.
+REFUSED_LAYER_TYPES: dict[str, str] = {
+    "chunked_attention": "chunked (block-local) attention",
+    "window_attention": "non-overlapping window attention",
+    "indexed_attention": "indexer-selected sparse attention",
+    "deepseek_sparse_attention": "indexer-selected sparse attention",
+    "qwen_sparse_attention": "indexer-selected sparse attention",
+    "compressed_sparse_attention": "compressed sparse attention",
+    "heavily_compressed_attention": "compressed sparse attention",
+    "minimax_m3_sparse": "lightning-index sparse attention",
+    "reference_sliding_attention": "ring-buffered reference sliding attention",
+    "conv": "short-convolution layers (a recurrent state)",
+    "linear_attention": "recurrent layers (Mamba/SSM, linear attention or gated delta net)",
+    "mamba": "recurrent layers (Mamba/SSM, linear attention or gated delta net)",
+    "hybrid": "hybrid Mamba/SSM + attention layers",
+    "hybrid_sliding": "hybrid Mamba/SSM + attention layers",
+    "moe": "attention-free MoE layers",
+}
+
+
+def check_layer_types(text_config) -> None:
+    """Raise :class:`UnsupportedModelError` naming the first unsupported feature in
+    ``layer_types`` (or a chunked-attention size), before any tracing."""
+    types = list(getattr(text_config, "layer_types", None) or ())
+    bad = [t for t in dict.fromkeys(types) if t not in SUPPORTED_LAYER_TYPES]
+    if bad:
+        kind = bad[0]
+        what = REFUSED_LAYER_TYPES.get(kind, f"layer type {kind!r}")
+        layers = [i for i, t in enumerate(types) if t == kind]
+        raise UnsupportedModelError(
+            f"{what}: not supported (layer_types {kind!r} at layers {layers[:8]}"
+            f"{'…' if len(layers) > 8 else ''}); dcpgraph compiles layer types {sorted(SUPPORTED_LAYER_TYPES)}"
+        )
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    if chunk:
+        raise UnsupportedModelError(
+            f"chunked (block-local) attention: not supported (attention_chunk_size={chunk})"
+        )
+
+
+def require_attention_in_every_layer(num_layers: int, attention_layers: Iterable[int | None], model_name: str) -> None:
+    """Raise unless there is an attention for each of the ``num_layers`` decoder layers
+    (``attention_layers``: the ``layer_idx`` of each attention, ``None`` where unknown; with any
+    ``None`` only their number is compared)."""
+    seen = list(attention_layers)
+    indexed = {i for i in seen if i is not None}
+    count = len(indexed) if len(indexed) == len(seen) else len(seen)
+    if count >= num_layers:
+        return
+    missing = sorted(set(range(num_layers)) - indexed) if len(indexed) == len(seen) else []
+    raise UnsupportedModelError(
+        f"{model_name}: {num_layers - count} of {num_layers} decoder layers have no attention "
+        f"dcpgraph recognises{_shown(missing)}: its attention is in a form dcpgraph cannot match "
+        "(an additive bias such as ALiBi, hand-written masking) or it keeps a recurrent state "
+        "(SSM, linear attention); neither would be cached correctly"
+    )
+
+
+def _shown(layers: list[int]) -> str:
+    if not layers:
+        return ""
+    return f" (layers {layers[:8]}{'…' if len(layers) > 8 else ''})"

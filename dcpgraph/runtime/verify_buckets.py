@@ -48,23 +48,27 @@ class VerifyBuckets:
         positions[0, dest] = shared["position_ids"][0]
         ids = torch.zeros(1, bucket * q, dtype=torch.int64)
         ids[0, dest] = shared["input_ids"][0]
-        table = torch.zeros(bucket, self.table_width, dtype=torch.int32)
-        table[:real, : shared["block_table"].shape[1]] = shared["block_table"]
         zeros_i32 = torch.zeros(bucket - real, dtype=torch.int32)
         padded = {
             "input_ids": ids,
             "position_ids": positions,
             "cu_seqlens_q": torch.arange(bucket + 1, dtype=torch.int32) * q,
             "context_lens": torch.cat([shared["context_lens"], zeros_i32]),
-            "block_table": table,
             "logits_indices": torch.arange(bucket * q, dtype=torch.int64),
         }
+        for name in ("block_table", "block_table_sliding"):  # the sliding one with hybrid_kv_cache
+            if name in shared:
+                table = torch.zeros(bucket, self.table_width, dtype=torch.int32)
+                table[:real, : shared[name].shape[1]] = shared[name]
+                padded[name] = table
         ranks = []
         for own in per_rank:
-            slots = torch.full((bucket * q,), -1, dtype=torch.int64)
-            slots[dest] = own["slot_mapping"]
-            ranks.append({**own, "slot_mapping": slots,
-                          "local_context_lens": torch.cat([own["local_context_lens"], zeros_i32])})
+            slots = {}
+            for name in ("slot_mapping", "slot_mapping_sliding"):
+                if name in own:
+                    slots[name] = torch.full((bucket * q,), -1, dtype=torch.int64)
+                    slots[name][dest] = own[name]
+            ranks.append({**own, **slots, "local_context_lens": torch.cat([own["local_context_lens"], zeros_i32])})
         return padded, ranks
 
     def real_rows(self, shared: dict[str, torch.Tensor], logits_rows: list[int]) -> torch.Tensor:

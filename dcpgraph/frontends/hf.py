@@ -123,11 +123,21 @@ def _traceable_experts(model: torch.nn.Module):
             model.set_experts_implementation(current)
 
 
+def min_trace_tokens(model: torch.nn.Module) -> int:
+    """The fewest tokens the export's dynamic dim allows: 2, or a sparse-attention indexer's
+    ``index_topk`` (HF's indexer takes ``topk(min(index_topk, T))``, a guard export cannot prove for
+    every ``T``; from ``index_topk`` tokens on it is the constant ``index_topk``). The traced graph
+    still runs at any token count: canonicalize replaces that top-k by ``dcpgraph.indexer_topk``."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return max(2, int(getattr(text, "index_topk", 0) or 0))
+
+
 def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 << 16) -> Program:
     facts = model_facts(model)
+    low = min_trace_tokens(model)
     if example_inputs is None:
-        example_inputs = default_example_inputs(facts)
-    tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
+        example_inputs = default_example_inputs(facts, tokens=max(8, low + 1))
+    tokens = torch.export.Dim("tokens", min=low, max=max(max_tokens, low + 1))
     wrapper = _Forward(model).eval()
     was_training = model.training
     model.eval()

@@ -192,3 +192,4 @@ merge_attention = ops.merge_attention
 rescale_to_global = ops.rescale_to_global
 kv_cache_write_ = ops.kv_cache_write_
 kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
+from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

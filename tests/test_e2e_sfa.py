@@ -115,7 +115,7 @@ def test_each_rank_writes_only_its_share_of_both_caches(setup):
     prompt = list(sfa_models.PROMPTS[3])
     got = engine.generate([prompt], MAX_NEW)[0]
     assert got == setup.ref(prompt)
-    total = len(prompt) + MAX_NEW - 1  # the last sampled token is never fed back
+    total = len(prompt) + len(got) - 1  # the last sampled token is never fed back
     for rank in engine.mesh.ranks:
         caches = engine.executor.caches[rank]
         for i in range(sfa_models.LAYERS):
@@ -156,3 +156,27 @@ def test_the_program_shows_the_sharded_indexer(setup):
     assert targets.count(ops.paged_indexer_topk.default) == targets.count(ops.merge_topk.default) == sfa_models.LAYERS
     assert targets.count(ops.paged_sparse_attention.default) == sfa_models.LAYERS
     assert ops.paged_attention.default not in targets and ops.indexer_topk.default not in targets
+
+
+@pytest.mark.parametrize(
+    "prefill, decode",
+    [
+        (dict(dcp=1, interleave=1), dict(dcp=2, interleave=BLOCK)),
+        (dict(dcp=2, interleave=1), dict(dcp=1, interleave=1)),
+    ],
+    ids=["dcp1-to-dcp2", "dcp2-to-dcp1"],
+)
+def test_pd_transfer_moves_both_caches(setup, prefill, decode):
+    """Prefill on one layout, export the KV (latent and indexer-key caches), decode on another."""
+    from dcpgraph.testing.generation import drain
+
+    prompts = [list(sfa_models.PROMPTS[3]), list(sfa_models.PROMPTS[1])]
+    p_engine = setup.engine(2, **prefill)
+    d_engine = setup.engine(2, **decode)
+    transfers = [p_engine.prefill(p) for p in prompts]
+    for t in transfers:
+        assert {name for name in t.caches[0]} == {c.name for c in p_engine.program.caches}
+    ids = [d_engine.continue_from(t, MAX_NEW) for t in transfers]
+    outputs = drain(d_engine)
+    got = [list(t.tokens[t.prompt_len:]) + outputs[rid] for t, rid in zip(transfers, ids)]
+    assert got == [setup.ref(p) for p in prompts]

@@ -8,9 +8,11 @@ so the selection decides what every later query attends to. fp64 weights redrawn
 (norms N(1, 0.3)), as in ``test_e2e_mla``, so attention and the indexer are far from uniform.
 
 Ties: the indexer's score of a key is exactly 0 when every head's ReLU is 0; torch's ``topk``
-orders such ties arbitrarily, dcpgraph by position. With ``INDEX_HEADS`` = 8 an all-zero key has
-probability 2⁻⁸ per (query, key), and the tests compare against HF only where that does not decide
-the selection (the seeds below were not chosen to pass: the checks would show a tie flip).
+orders such ties arbitrarily, dcpgraph by position, so HF and dcpgraph could select differently
+when such a tie straddles the k-th place. With ``INDEX_HEADS`` = 8 an all-zero key has probability
+about 2⁻⁸ per (query, key); the comparisons with HF are exact on these seeds (a flip would fail them,
+it would not be hidden), and the tie rule itself is tested against a dense reference in
+``test_sparse_ops``.
 """
 
 from __future__ import annotations

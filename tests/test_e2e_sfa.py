@@ -88,6 +88,8 @@ def test_greedy_tokens_equal_hf(setup, case):
     got = engine.generate([list(p) for p in sfa_models.PROMPTS], MAX_NEW)
     for prompt, tokens in zip(sfa_models.PROMPTS, got):
         assert tokens == setup.ref(prompt), f"prompt of length {len(prompt)}"
+    report = engine.report()
+    assert report["decode_buckets"] and sum(report["graph_steps"].values()) > 0  # padded decode buckets ran
 
 
 def test_both_caches_are_sharded_exactly_by_dcp(setup):
@@ -108,6 +110,21 @@ def test_both_caches_are_sharded_exactly_by_dcp(setup):
         assert Fraction(sharded.memory_report()["kv_bytes_per_token"]) == Fraction(per_token, dcp)
         assert capacity.bytes_per_token(capacity.cache_shapes(sharded.program.caches), BLOCK, dcp) == Fraction(
             per_token, dcp)
+
+
+def test_planner_shape_of_deepseek_v32_counts_both_caches_and_divides_by_dcp():
+    """The planner's DeepSeek-V3.2 shape (61 layers; latent 512+64, indexer key 128): per-rank KV
+    bytes per token with DCP are exactly 1/dcp of tp-only, index cache included."""
+    from dcpgraph.plan.architectures import ARCHITECTURES
+    from dcpgraph.plan.model_shape import from_config
+
+    shape = from_config(ARCHITECTURES["deepseek-v3.2"])
+    shapes = shape.cache_shapes(8)
+    assert len(shapes) == 2 * 61 and {s.dim for s in shapes} == {576, 128}
+    tp_only = capacity.bytes_per_token(shapes, 128, 1)
+    assert tp_only == 61 * (576 * 2 + 128 + 4)  # bf16 latent + fp8 index key with its fp32 scale
+    for dcp in (2, 4, 8):
+        assert capacity.bytes_per_token(shapes, 128, dcp) == tp_only / dcp
 
 
 def test_each_rank_writes_only_its_share_of_both_caches(setup):

@@ -160,6 +160,18 @@ def test_speculative_decoding_equals_hf(setup):
     assert stats["drafted"] > 0 and stats["accepted"] > 0  # drafts verified through the sparse path
 
 
+@pytest.mark.parametrize(("tp", "dcp", "interleave", "comm"), [(2, 2, 1, "a2a"), (4, 2, BLOCK, "ag_rs")])
+def test_glm5_with_a_shared_indexer_layer_equals_hf(tp, dcp, interleave, comm):
+    """GLM-5 (``glm_moe_dsa``): layer 1 reuses layer 0's top-k, so it has a latent cache only and
+    reads layer 0's (sharded, merged) selection."""
+    model = sfa_models.build("glm_moe_dsa", indexer_types=["full", "shared"])
+    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, interleave=interleave, comm=comm, block_size=BLOCK,
+                              max_batched_tokens=8, num_blocks=40)
+    assert sorted(c.name for c in engine.program.caches) == ["index_cache_0", "latent_cache_0", "latent_cache_1"]
+    got = engine.generate([list(p) for p in sfa_models.PROMPTS], MAX_NEW)
+    assert got == [hf_greedy(model, p, MAX_NEW) for p in sfa_models.PROMPTS]
+
+
 def test_an_fp8_cache_is_refused_by_name(setup):
     with pytest.raises(dcpgraph.ConfigError, match="fp8_e4m3.*sparse"):
         setup.engine(1, 1, kv_cache_dtype="fp8_e4m3")

@@ -1,7 +1,8 @@
 """Front end for DeepSeek sparse attention: HF's traced lightning indexer is recognised structurally
 and becomes ``dcpgraph.indexer_topk`` + ``dcpgraph.sparse_attention``; the canonical program equals
 HF's own forward (fp64 logits, bit for bit on these seeds) at token counts above ``index_topk``;
-variants are refused by name (another score function, cross-layer top-k sharing)."""
+variants are refused by name (another score function); GLM-5's shared-indexer layers reuse the
+earlier layer's selection."""
 
 from __future__ import annotations
 
@@ -112,10 +113,19 @@ def test_glm5_all_full_indexers_equal_hf_forward():
     torch.testing.assert_close(_forward(program, ids), want, rtol=0, atol=1e-12)
 
 
-def test_glm5_cross_layer_topk_sharing_is_refused_by_name():
+def test_glm5_shared_layers_read_the_earlier_layers_indexer_and_equal_hf_forward():
+    """GLM-5's ``"shared"`` layers reuse the previous full layer's top-k: one ``indexer_topk``
+    feeds both sparse attentions."""
     model = sfa_models.build("glm_moe_dsa", indexer_types=["full", "shared"])
-    with pytest.raises(UnsupportedModelError, match="cross-layer index sharing"):
-        dcpgraph.trace(model)
+    program = dcpgraph.trace(model)
+    targets = _targets(program)
+    assert targets.count(ops.indexer_topk.default) == 1 and targets.count(ops.sparse_attention.default) == 2
+    (indexer,) = [n for n in program.graph_module.graph.nodes if n.target is ops.indexer_topk.default]
+    assert len([u for u in indexer.users if u.target is ops.sparse_attention.default]) == 2
+    ids = torch.tensor([[(7 * i + 2) % sfa_models.VOCAB for i in range(15)]])
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(_forward(program, ids), want, rtol=0, atol=1e-12)
 
 
 def test_only_dsa_models_get_a_mask_and_only_their_own_mask_passes():

@@ -148,8 +148,17 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     latent = [_latent_value_dim(n) for n in attn_nodes]
     cache_names = []
     sparse_memo: dict = {}
+    shares: dict[int, bool] = {}  # sparse layer -> it reuses an earlier layer's selection
+    seen_indexers: set = set()
+    for i, node in enumerate(attn_nodes):
+        if is_sparse(node):
+            shares[i] = node.args[3] in seen_indexers
+            seen_indexers.add(node.args[3])
     for i, (node, dv) in enumerate(zip(attn_nodes, latent)):
-        data = sparse_cache_names(i) if is_sparse(node) else [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
+        if is_sparse(node):
+            data = sparse_cache_names(i, shares[i])
+        else:
+            data = [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
         for name in data:  # the order of cache_specs below: each data cache, then its scales
             cache_names += [name, name + SCALE_SUFFIX] if fp8 else [name]
     meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
@@ -162,12 +171,14 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     _require_uniform_kv_heads(program, attn_nodes, latent)
     for layer, node in enumerate(attn_nodes):
         if is_sparse(node):
-            latent_cache, index_cache = (by_name[name] for name in sparse_cache_names(layer))
+            latent_cache = by_name[f"latent_cache_{layer}"]
+            index_cache = None if shares[layer] else by_name[f"index_cache_{layer}"]
             dtype = cache_dtype_of(kv_cache_dtype, node.args[1].meta["val"].dtype)
             _add_cache(cache_specs, scales, by_name, latent_cache, layer, "latent", node.args[1].meta["val"], dtype)
-            index_key = node.args[3].args[1].meta["val"]  # [1, T, Di]
-            _add_cache(cache_specs, scales, by_name, index_cache, layer, INDEX_ROLE, index_key.unsqueeze(1),
-                       cache_dtype_of(kv_cache_dtype, index_key.dtype))
+            if index_cache is not None:
+                index_key = node.args[3].args[1].meta["val"]  # [1, T, Di]
+                _add_cache(cache_specs, scales, by_name, index_cache, layer, INDEX_ROLE, index_key.unsqueeze(1),
+                           cache_dtype_of(kv_cache_dtype, index_key.dtype))
             with graph.inserting_before(node):
                 out = emit_sparse_layer(graph, e, node, latent_cache, index_cache, latent[layer], meta_nodes,
                                         sparse_memo)

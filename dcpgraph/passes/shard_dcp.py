@@ -80,7 +80,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     rewritten = 0
     interleave = int(program.options.get("interleave", 1))
     local_starts: dict = {}  # global kv_start node -> this rank's local index
-    for indexer in nodes_calling(graph, dcp_ops.paged_indexer_topk.default):
+    indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
+    for indexer in indexers:
         shard_indexer(graph, e, indexer, dcp_rank, n, interleave, _emit_local_len)
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
     # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
@@ -127,7 +128,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     options = {**program.options, "comm": comm}
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
-        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded",
+        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
+        + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )
 
 

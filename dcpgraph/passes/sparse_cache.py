@@ -42,8 +42,9 @@ def indexer_of(node: torch.fx.Node) -> torch.fx.Node:
     return indexer
 
 
-def cache_names(layer: int) -> list[str]:
-    return [f"latent_cache_{layer}", f"index_cache_{layer}"]
+def cache_names(layer: int, shares_selection: bool = False) -> list[str]:
+    """A sparse layer's caches; a layer reusing an earlier layer's selection has no index cache."""
+    return [f"latent_cache_{layer}"] if shares_selection else [f"latent_cache_{layer}", f"index_cache_{layer}"]
 
 
 def position_bound(graph: torch.fx.Graph, e: Emitter, memo: dict):
@@ -61,21 +62,28 @@ def position_bound(graph: torch.fx.Graph, e: Emitter, memo: dict):
 def emit_sparse_layer(graph: torch.fx.Graph, e: Emitter, node: torch.fx.Node, latent_cache, index_cache,
                       value_dim: int, meta: dict, memo: dict):
     """Emit the cached form of one canonical sparse ``node`` (insertion point: before ``node``);
-    returns the node replacing its output ``[1, H, T, Dv]``."""
+    returns the node replacing its output ``[1, H, T, Dv]``. A layer whose ``indexer_topk`` an
+    earlier layer already emitted (``index_cache`` None) reads that layer's selection."""
     if not value_dim:
         raise UnsupportedModelError(f"{node.name}: sparse attention is supported on MLA latents only "
                                     "(values a prefix of the key); run absorb_mla first")
     q, k, _v, _indexer, scale = node.args
-    iq, ik, w, iscale, topk = indexer_of(node).args
-    bound = position_bound(graph, e, memo)
+    indexer = indexer_of(node)
     qt, kt = (e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in (q, k))  # [T, H, D]
-    iqt = e(aten.select.int, iq, 0, 0)  # [T, Hi, Di]
-    ikt = e(aten.unsqueeze.default, e(aten.select.int, ik, 0, 0), 1)  # [T, 1, Di]
-    wt = e(aten.select.int, w, 0, 0)  # [T, Hi]
     e(dcp_ops.kv_cache_write_.default, latent_cache, kt, meta["slot_mapping"])
-    e(dcp_ops.kv_cache_write_.default, index_cache, ikt, meta["slot_mapping"])
-    _vals, idx = e.pair(dcp_ops.paged_indexer_topk.default, iqt, wt, index_cache, meta["block_table"],
-                        meta["cu_seqlens_q"], bound, iscale, topk)
+    selections = memo.setdefault("selections", {})
+    if index_cache is None:
+        idx = selections[indexer]
+    else:
+        iq, ik, w, iscale, topk = indexer.args
+        bound = position_bound(graph, e, memo)
+        iqt = e(aten.select.int, iq, 0, 0)  # [T, Hi, Di]
+        ikt = e(aten.unsqueeze.default, e(aten.select.int, ik, 0, 0), 1)  # [T, 1, Di]
+        wt = e(aten.select.int, w, 0, 0)  # [T, Hi]
+        e(dcp_ops.kv_cache_write_.default, index_cache, ikt, meta["slot_mapping"])
+        _vals, idx = e.pair(dcp_ops.paged_indexer_topk.default, iqt, wt, index_cache, meta["block_table"],
+                            meta["cu_seqlens_q"], bound, iscale, topk)
+        selections[indexer] = idx
     v_cache = e(aten.slice.Tensor, latent_cache, -1, 0, value_dim)
     out, _lse = e.pair(dcp_ops.paged_sparse_attention.default, qt, latent_cache, v_cache, meta["block_table"],
                        meta["cu_seqlens_q"], idx, scale)

@@ -12,9 +12,9 @@ from the indices (HF layout, ``B = 1``)::
     idx    = topk(scores, min(K, T)).indices (.to(int32))
 
 and replaces it by ``dcpgraph.indexer_topk(q, k, w, scale, K)`` (its tie rule:
-:mod:`dcpgraph.ops.sparse_kernels`). Anything else (another score function, a mask that is not
-the front end's causal mask, top-k shared between layers, a transposed key the walk cannot
-undo…) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming the node and what differs.
+:mod:`dcpgraph.ops.sparse_kernels`). Layers that reuse an earlier layer's top-k (GLM-5's
+``"shared"`` indexer layers) read that layer's ``indexer_topk`` node. Anything else (another score function, a mask that is not
+the front end's causal mask, a transposed key the walk cannot undo…) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming the node and what differs.
 """
 
 from __future__ import annotations
@@ -122,33 +122,35 @@ def _weighted_relu_scores(x: torch.fx.Node, at: torch.fx.Node):
 def recognise_indexers(graph: torch.fx.Graph) -> int:
     """Replace every sparse attention's traced indexer by ``dcpgraph.indexer_topk`` (in place on a
     graph the caller owns); returns how many. All are checked before any is replaced."""
-    plans = []
+    plans: dict[torch.fx.Node, tuple] = {}  # top-k node -> (first reader, q, k, w, scale, K)
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in nodes_calling(graph, dcp_ops.sparse_attention.default):
         indices = _strip_casts(node.args[3])
         if not (_is(indices, operator.getitem) and indices.args[1] == 1 and _is(indices.args[0], aten.topk.default)):
             raise refuse(node, f"sparse attention indices do not come from a top-k (found {_name(indices)})")
         topk = indices.args[0]
+        readers.setdefault(topk, []).append(node)
+        if topk in plans:  # a later layer reusing an earlier layer's selection (GLM-5's shared layers)
+            continue
         k_arg = topk.args[1] if len(topk.args) > 1 else topk.kwargs.get("k")
         dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
         largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
         if dim not in (-1, 2) or not largest:
             raise refuse(node, f"indexer top-k over dim {dim} (largest={largest}), not the keys' largest")
-        readers = [u for u in nodes_calling(graph, dcp_ops.sparse_attention.default)
-                   if _strip_casts(u.args[3]) is indices]
-        if len(readers) > 1:
-            raise refuse(node, "indexer top-k shared between layers (cross-layer index sharing) is not supported")
         q, k, weights, scale = _weighted_relu_scores(_unmask(topk.args[0], node), node)
-        plans.append((node, q, k, weights, scale, _topk_constant(k_arg, node)))
-    for node, q, k, weights, scale, count in plans:
-        with graph.inserting_before(node):
+        plans[topk] = (node, q, k, weights, scale, _topk_constant(k_arg, node))
+    for topk, (first, q, k, weights, scale, count) in plans.items():
+        with graph.inserting_before(first):
             selected = graph.call_function(dcp_ops.indexer_topk.default, (q, k, weights, scale, count))
-        node.args = (*node.args[:3], selected, *node.args[4:])
+        for node in readers[topk]:
+            node.args = (*node.args[:3], selected, *node.args[4:])
     return len(plans)
 
 
 def check_sparse_canonical(graph: torch.fx.Graph) -> str | None:
-    """Why ``graph``'s sparse attention is not canonical (None when it is): each one reads its own
-    ``dcpgraph.indexer_topk``, and no ``dcpgraph.causal_mask`` is left."""
+    """Why ``graph``'s sparse attention is not canonical (None when it is): each one reads a
+    ``dcpgraph.indexer_topk`` (its own, or an earlier layer's), and no ``dcpgraph.causal_mask``
+    is left."""
     for node in nodes_calling(graph, dcp_ops.sparse_attention.default):
         if not _is(node.args[3], dcp_ops.indexer_topk.default):
             return f"{node.name}: sparse attention indices do not come from dcpgraph.indexer_topk"

@@ -29,7 +29,8 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
         program = fx.trace_module(model, example_inputs)
     count = sum(
         1 for n in program.graph_module.graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.dcpgraph.attention.default
+        if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
+                                                    torch.ops.dcpgraph.sparse_attention.default)
     )
     if count == 0:
         raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")

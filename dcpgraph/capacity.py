@@ -1,6 +1,7 @@
 """KV-cache capacity arithmetic: the one place the per-block byte formula lives.
 
-A rank holds, for every cache of the program (per layer: K and V for GQA, one latent for MLA),
+A rank holds, for every cache of the program (per layer: K and V for GQA, one latent for MLA, and
+for sparse attention (DSA) also the indexer's key cache, sharded by the same layout),
 a paged tensor ``[num_blocks, block_size, heads, dim]``. With DCP over ``dcp`` ranks the block
 manager hands out *virtual* blocks of ``block_size · dcp`` tokens: one physical block on each
 rank of the DCP group. Hence, per rank::

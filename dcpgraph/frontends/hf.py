@@ -158,17 +158,27 @@ def traceable_experts(model: torch.nn.Module):
             model.set_experts_implementation(current)
 
 
+def min_trace_tokens(model: torch.nn.Module) -> int:
+    """The fewest tokens the export's dynamic dim allows: 2, or a sparse-attention indexer's
+    ``index_topk`` (HF's indexer takes ``topk(min(index_topk, T))``, a guard export cannot prove for
+    every ``T``; from ``index_topk`` tokens on it is the constant ``index_topk``). The traced graph
+    still runs at any token count: canonicalize replaces that top-k by ``dcpgraph.indexer_topk``."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return max(2, int(getattr(text, "index_topk", 0) or 0))
+
+
 def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor],
                    max_tokens: int = 1 << 16) -> Program:
     """``torch.export`` of :class:`LogitsForward` around ``model`` (eval mode, dcpgraph's attention,
     :func:`traceable_experts`; the model's training flag is restored), with a dynamic token count
-    in ``[2, max_tokens]``, as a :class:`~dcpgraph.program.Program` before :func:`~.export.finish`
+    in ``[min_trace_tokens(model), max_tokens]``, as a :class:`~dcpgraph.program.Program` before :func:`~.export.finish`
     (callers that rewrite the graph first, like the meta-device loader, finish it themselves).
     Layer kinds other than causal full/sliding attention are refused by name before anything runs."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_layer_types(config)
     facts = model_facts(model)
-    tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
+    low = min_trace_tokens(model)
+    tokens = torch.export.Dim("tokens", min=low, max=max(max_tokens, low + 1))
     was_training = model.training
     model.eval()
     try:
@@ -192,10 +202,10 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
     """:func:`export_program` then :func:`~.export.finish`; refuses, after export, any decoder
     layer that called no attention."""
     if example_inputs is None:
-        example_inputs = default_example_inputs(model_facts(model))
+        example_inputs = default_example_inputs(model_facts(model), tokens=max(8, min_trace_tokens(model) + 1))
     program = finish(export_program(model, example_inputs, max_tokens))
     facts = program.facts
-    attention = [n for n in program.graph_module.graph.nodes
-                 if n.op == "call_function" and n.target == torch.ops.dcpgraph.attention.default]
+    kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default)
+    attention = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
     require_attention_in_every_layer(facts.num_layers, [None] * len(attention), facts.architecture)
     return program

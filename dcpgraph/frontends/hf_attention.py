@@ -8,11 +8,17 @@ become arguments of the op; a feature the pipeline does not implement (a mask te
 biases such as ALiBi, non-causal attention, dropout…) raises
 :class:`~dcpgraph.errors.UnsupportedModelError` naming the layer, instead of being dropped.
 The matching ``AttentionMaskInterface`` entry builds no mask: causality is the op's own flag.
+The one exception is a model with a DeepSeek sparse-attention indexer (``config.index_topk``),
+which reads the mask itself: it gets ``dcpgraph.causal_mask`` (remembered by identity, so the
+attention call accepts exactly that tensor as "causal"), and its ``indices`` keyword (the
+indexer's top-k) turns the call into ``dcpgraph.sparse_attention``; canonicalize then recognises
+the indexer that computed them (:mod:`.canonicalize.sparse`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -50,7 +56,8 @@ SEMANTICS_FREE: dict[str, str] = {
 IMPLEMENTED: dict[str, str] = {
     "scaling": "the op's softmax scale",
     "dropout": "accepted at 0.0 (inference); any other value is refused",
-    "attention_mask": "accepted when None (causality is the op's flag); a tensor is refused",
+    "attention_mask": "accepted when None or the front end's own causal mask; another tensor is refused",
+    "indices": "the DSA indexer's top-k token indices: the call becomes dcpgraph.sparse_attention",
     "sliding_window": "the op's window: query at p sees keys at p − W < j <= p",
     "softcap": "the op's logit soft-cap: scores become c·tanh(s/c)",
     "s_aux": "the op's attention sinks: one learned logit per query head in the denominator",
@@ -65,7 +72,6 @@ REFUSED: dict[str, str] = {
     "cu_seq_lens_q": "packed varlen sequences",
     "cu_seq_lens_k": "packed varlen sequences",
     "seq_idx": "packed varlen sequences",
-    "indices": "sparse (top-k selected) attention",
     "block_indices": "block-sparse attention",
 }
 # Anything else is unknown and refused by name: dcpgraph does not guess what it changes.
@@ -104,7 +110,7 @@ def dcpgraph_attention(
     if _callers is not None:
         _callers[id(module)] = getattr(module, "layer_idx", None)
     where = _where(module)
-    if attention_mask is not None:
+    if attention_mask is not None and not _is_own_mask(attention_mask):
         raise UnsupportedModelError(f"{where}: an explicit attention mask tensor is not supported")
     if dropout:
         raise UnsupportedModelError(f"{where}: attention dropout ({dropout}) is not supported")
@@ -127,6 +133,13 @@ def dcpgraph_attention(
             f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads"
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    indices = kwargs.get("indices")
+    if indices is not None:
+        if window or softcap or sinks is not None:
+            raise UnsupportedModelError(f"{where}: sparse (indexed) attention with a sliding window, "
+                                        "soft-cap or sinks is not supported")
+        out = torch.ops.dcpgraph.sparse_attention(query, key, value, indices, scale)
+        return out.transpose(1, 2).contiguous(), None
     extra = (window, softcap, sinks) if (window or softcap or sinks is not None) else ()
     out = torch.ops.dcpgraph.attention(query, key, value, scale, True, *extra)
     return out.transpose(1, 2).contiguous(), None
@@ -150,9 +163,31 @@ def _modifiers(where: str, q_heads: int, kwargs: dict) -> tuple[int, float, torc
     return window, float(softcap), sinks
 
 
-def no_mask(*args, **kwargs) -> None:
-    """Mask builder for ``AttentionMaskInterface``: causality is carried by the attention op."""
-    return None
+_OWN_MASKS: dict[int, weakref.ref] = {}  # causal masks this module built, by identity
+
+
+def _is_own_mask(mask: torch.Tensor) -> bool:
+    ref = _OWN_MASKS.get(id(mask))
+    return ref is not None and ref() is mask
+
+
+def no_mask(*args, **kwargs) -> torch.Tensor | None:
+    """Mask builder for ``AttentionMaskInterface``: causality is carried by the attention op, so
+    no mask, except for a model whose sparse-attention indexer reads the mask and insists on one
+    (``allow_is_causal_skip=False`` with a config declaring ``index_topk``): it gets a plain
+    top-left causal ``dcpgraph.causal_mask``. The mask function is not consulted, as for every
+    other model: the traced forward is one causal sequence with explicit positions (requests are
+    separated by the compiled program's ``cu_seqlens_q``), so HF's packed-sequence term is moot."""
+    config = kwargs.get("config")
+    wants_tensor = kwargs.get("allow_is_causal_skip", True) is False and getattr(config, "index_topk", None)
+    plain = kwargs.get("attention_mask") is None and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+    if not (wants_tensor and plain):
+        return None
+    mask = torch.ops.dcpgraph.causal_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"],
+                                          device=kwargs.get("device"))
+    key = id(mask)
+    _OWN_MASKS[key] = weakref.ref(mask, lambda _ref: _OWN_MASKS.pop(key, None))
+    return mask
 
 
 _registered = False

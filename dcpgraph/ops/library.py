@@ -198,3 +198,4 @@ rescale_to_global = ops.rescale_to_global
 kv_cache_write_ = ops.kv_cache_write_
 kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
 mla_preprocess_op = ops.mla_preprocess
+from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

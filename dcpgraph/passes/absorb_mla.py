@@ -27,8 +27,8 @@ import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
 from ..program import PARAM, InputSpec, Program, ShardRule, StateSource
-from .graph_edit import Emitter, nodes_calling
-from .insert_kv_cache import CANONICAL_ATTENTION
+from .graph_edit import Emitter
+from .insert_kv_cache import CANONICAL_ATTENTION, attention_nodes
 from .manager import not_yet_run, program_pass
 from .shard_tp import nearest_linears
 
@@ -70,7 +70,7 @@ def _val(node: torch.fx.Node):
 def _ensure_latent(program: Program) -> None:
     if program.facts.attention != "mla":
         return
-    for node in nodes_calling(program.graph_module.graph, dcp_ops.attention.default):
+    for node in attention_nodes(program.graph_module.graph):
         k, v = node.args[1], node.args[2]
         if not (v.op == "call_function" and v.target is aten.slice.Tensor and v.args[0] is k):
             raise VerificationError(f"{node.name}: MLA attention must read values as a prefix of the latent key")
@@ -106,8 +106,8 @@ def absorb_mla(program: Program):
     plan = dict(facts.tp_plan)
     dropped: set[str] = set()
     first_user = next(n for n in graph.nodes if n.op == "placeholder" and specs[n.name].kind != PARAM)
-    for layer, node in enumerate(nodes_calling(graph, dcp_ops.attention.default)):
-        q, k, v, scale, causal = node.args[:5]
+    for layer, node in enumerate(attention_nodes(graph)):
+        q, k, v = node.args[:3]
         where = f"layer {layer} ({node.name})"
         up = nearest_linears(v)
         if len(up) != 1:
@@ -152,7 +152,7 @@ def absorb_mla(program: Program):
             k_latent = e(aten.cat.default, [c, e(aten.view.default, k_rope, [1, 1, -1, rope])], -1)
             v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
             q_latent = e(aten.cat.default, [e(aten.matmul.default, q_nope, uk_node), q_rope], -1)
-            o_latent = e(dcp_ops.attention.default, q_latent, k_latent, v_latent, scale, causal, *node.args[5:])
+            o_latent = e(node.target, q_latent, k_latent, v_latent, *node.args[3:])  # same op, latent q/k/v
             out = e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
         node.replace_all_uses_with(out)
         graph.erase_node(node)

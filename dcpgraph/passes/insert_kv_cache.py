@@ -22,7 +22,9 @@ into each rank's local index). Attention sinks enter as a third partial ``(0, si
 final merge, which runs once per query after any DCP merge, so a sink is counted exactly once.
 
 MLA in latent form (values = a prefix of the key, see ``absorb_mla``) gets one cache per layer
-(``latent_cache_i`` holding ``[c ‖ k_rope]``) and reads its values as a view of it.
+(``latent_cache_i`` holding ``[c ‖ k_rope]``) and reads its values as a view of it. A sparse
+(DSA) layer adds its indexer's key cache (``index_cache_i``, role ``index_k``) and reads both
+through its selection (:mod:`dcpgraph.passes.sparse_cache`).
 
 ``kv_cache_dtype`` (vLLM's option): ``"auto"`` stores K/V in the model's dtype, ``"bf16"`` in
 bfloat16, ``"fp8_e4m3"`` in ``float8_e4m3fn`` with a companion fp32 scale cache per data cache
@@ -43,6 +45,8 @@ from ..options import KV_CACHE_DTYPES
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
+from .sparse_cache import INDEX_ROLE, emit_sparse_layer, is_sparse
+from .sparse_cache import cache_names as sparse_cache_names
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -95,8 +99,15 @@ def _write(e: Emitter, cache, new, slot_mapping, scale_cache) -> None:
         e(dcp_ops.kv_cache_write_fp8_.default, cache, new, slot_mapping, scale_cache)
 
 
+def attention_nodes(graph) -> list:
+    """Canonical attention nodes in graph order: ``attention(q, k, v, scale, causal, …)`` and
+    DSA's ``sparse_attention(q, k, v, indices, scale)``."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and n.target in (dcp_ops.attention.default, dcp_ops.sparse_attention.default)]
+
+
 def _has_canonical_attention(program: Program) -> bool:
-    return bool(nodes_calling(program.graph_module.graph, dcp_ops.attention.default))
+    return bool(attention_nodes(program.graph_module.graph))
 
 
 CANONICAL_ATTENTION = holds(
@@ -111,10 +122,13 @@ _MLA_ABSORBED = holds(
 
 
 def _no_canonical_attention_left(program: Program) -> None:
-    left = nodes_calling(program.graph_module.graph, dcp_ops.attention.default)
+    left = attention_nodes(program.graph_module.graph)
     if left:
         raise VerificationError(f"canonical attention left after insert_kv_cache: {[n.name for n in left]}")
-    if len(nodes_calling(program.graph_module.graph, dcp_ops.paged_attention.default)) != program.facts.num_layers:
+    graph = program.graph_module.graph
+    reads = nodes_calling(graph, dcp_ops.paged_attention.default) + nodes_calling(
+        graph, dcp_ops.paged_sparse_attention.default)
+    if len(reads) != program.facts.num_layers:
         raise VerificationError("expected one paged attention per layer")
 
 
@@ -124,14 +138,27 @@ def _no_canonical_attention_left(program: Program) -> None:
 def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str = "auto"):
     gm = program.copy_graph()
     graph = gm.graph
-    attn_nodes = nodes_calling(graph, dcp_ops.attention.default)
+    attn_nodes = attention_nodes(graph)
     if not attn_nodes:
         raise VerificationError("insert_kv_cache found no canonical attention node")
     fp8 = cache_dtype_of(kv_cache_dtype, program.facts.dtype) == FP8
+    if fp8 and any(is_sparse(n) for n in attn_nodes):
+        raise ConfigError("kv_cache_dtype='fp8_e4m3' is not supported with sparse (DSA) attention; "
+                          "use 'auto' or 'bf16'")
     latent = [_latent_value_dim(n) for n in attn_nodes]
     cache_names = []
-    for i, dv in enumerate(latent):
-        data = [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
+    sparse_memo: dict = {}
+    shares: dict[int, bool] = {}  # sparse layer -> it reuses an earlier layer's selection
+    seen_indexers: set = set()
+    for i, node in enumerate(attn_nodes):
+        if is_sparse(node):
+            shares[i] = node.args[3] in seen_indexers
+            seen_indexers.add(node.args[3])
+    for i, (node, dv) in enumerate(zip(attn_nodes, latent)):
+        if is_sparse(node):
+            data = sparse_cache_names(i, shares[i])
+        else:
+            data = [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
         for name in data:  # the order of cache_specs below: each data cache, then its scales
             cache_names += [name, name + SCALE_SUFFIX] if fp8 else [name]
     meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
@@ -143,6 +170,21 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
     _require_uniform_kv_heads(program, attn_nodes, latent)
     for layer, node in enumerate(attn_nodes):
+        if is_sparse(node):
+            latent_cache = by_name[f"latent_cache_{layer}"]
+            index_cache = None if shares[layer] else by_name[f"index_cache_{layer}"]
+            dtype = cache_dtype_of(kv_cache_dtype, node.args[1].meta["val"].dtype)
+            _add_cache(cache_specs, scales, by_name, latent_cache, layer, "latent", node.args[1].meta["val"], dtype)
+            if index_cache is not None:
+                index_key = node.args[3].args[1].meta["val"]  # [1, T, Di]
+                _add_cache(cache_specs, scales, by_name, index_cache, layer, INDEX_ROLE, index_key.unsqueeze(1),
+                           cache_dtype_of(kv_cache_dtype, index_key.dtype))
+            with graph.inserting_before(node):
+                out = emit_sparse_layer(graph, e, node, latent_cache, index_cache, latent[layer], meta_nodes,
+                                        sparse_memo)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            continue
         q, k, v, scale, _causal = node.args[:5]
         window, softcap, sinks = attention_modifiers(node)
         if window:
@@ -192,6 +234,9 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
             out = e(aten.unsqueeze.default, e(aten.transpose.int, merged, 0, 1), 0)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+    for indexer in nodes_calling(graph, dcp_ops.indexer_topk.default):
+        if not indexer.users:
+            graph.erase_node(indexer)
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

@@ -13,6 +13,9 @@ becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitte
 from the ``dcp_rank`` input: a rank's local tokens are in increasing global order, so the keys at
 global positions ``>= s`` are exactly its local suffix from ``local_len(s, r)``.
 
+Sparse (DSA) layers shard their indexer and merge the top-k exactly across the group before the
+sparse read, which is then gathered and merged like a context read (:mod:`.shard_dcp_sparse`).
+
 The new-token part and the final two-way merge that ``insert_kv_cache`` emitted are unchanged,
 and the KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a
 rank does not own. The context length input becomes ``local_context_lens`` (per rank,
@@ -36,6 +39,7 @@ from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
 from .manager import program_pass
+from .shard_dcp_sparse import shard_indexer
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -76,18 +80,26 @@ def shard_dcp(program: Program, comm: str = "auto"):
     rewritten = 0
     interleave = int(program.options.get("interleave", 1))
     local_starts: dict = {}  # global kv_start node -> this rank's local index
+    indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
+    for indexer in indexers:
+        shard_indexer(graph, e, indexer, dcp_rank, n, interleave, _emit_local_len)
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
     # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
     position = {n: i for i, n in enumerate(graph.nodes)}
-    for node in nodes_calling(graph, dcp_ops.paged_attention.default):
+    reads = [x for x in graph.nodes if x.op == "call_function"
+             and x.target in (dcp_ops.paged_attention.default, dcp_ops.paged_sparse_attention.default)]
+    for node in reads:
         q = node.args[0]
         heads = q.meta["val"].shape[1]
         dv = node.meta["val"][0].shape[-1]
         with graph.inserting_before(node):
             q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
             q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
-        node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
-        if len(node.args) > 8 and node.args[8] is not None:
+        if node.target is dcp_ops.paged_sparse_attention.default:  # reads its own selection, no lengths
+            node.args = (q_all, *node.args[1:])
+        else:
+            node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
+        if node.target is dcp_ops.paged_attention.default and len(node.args) > 8 and node.args[8] is not None:
             start = node.args[8]
             if start not in local_starts:
                 with graph.inserting_before(node):
@@ -116,7 +128,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     options = {**program.options, "comm": comm}
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
-        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded",
+        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
+        + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )
 
 

@@ -42,7 +42,7 @@ def _on_device(graph: torch.fx.Graph, device: torch.device) -> int:
 def trace_on_meta(model: torch.nn.Module, device: torch.device | str = "cpu") -> Program:
     """:func:`dcpgraph.trace` for an HF model whose parameters are on the meta device; the
     graph runs on ``device``. The state stays meta (shapes and dtypes only)."""
-    ids, positions = hf.default_example_inputs(hf.model_facts(model))
+    ids, positions = hf.default_example_inputs(hf.model_facts(model), tokens=max(8, hf.min_trace_tokens(model) + 1))
     model.eval()
     if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
         # grouped_mm picks device-specific kernels while tracing (meta is not the target device)

@@ -3,7 +3,8 @@
 :func:`lower_npu` (the pass, :mod:`.lower`) · :mod:`.rules` (the table, checkers) ·
 :mod:`.trace` (a function traced in place of a node) · :mod:`.ascend` (Ascend ops, GE gaps) ·
 the rules with their op contracts: :mod:`.rules_attention` (FusedInferAttentionScore),
-:mod:`.rules_merge` (AttentionUpdate / aten merge), :mod:`.rules_cache` (KV write → scatter).
+:mod:`.rules_merge` (AttentionUpdate / aten merge), :mod:`.rules_cache` (KV write → scatter),
+:mod:`.rules_sparse` (DSA: LightningIndexer, SparseFlashAttention, an aten top-k merge).
 
 Checked on CPU by ``tests/torchair_tier``: conversion of DCP decode programs (GQA and MLA, a2a and
 ag_rs) to GE with every node converted, which GE ops come out, and that the lowered graph run with

@@ -53,6 +53,25 @@ def attention_update_op():
     return torch.ops.npu.npu_attention_update.default
 
 
+def _npu_op(name: str):
+    if not _has_op("npu", name):
+        raise NpuLoweringError(
+            f"torch.ops.npu.{name} is not registered: it comes from torch_npu (libtorch_npu.so, "
+            "torch-npu 2.13.0 declares it); import torch_npu on an Ascend machine"
+        )
+    return getattr(torch.ops.npu, name).default
+
+
+def lightning_indexer_op():
+    """``torch.ops.npu.npu_lightning_indexer.default`` (DSA indexer, GE ``LightningIndexer``)."""
+    return _npu_op("npu_lightning_indexer")
+
+
+def sparse_flash_attention_op():
+    """``torch.ops.npu.npu_sparse_flash_attention.default`` (GE ``SparseFlashAttention``)."""
+    return _npu_op("npu_sparse_flash_attention")
+
+
 # -- ops torchair 2.13 registers converters for that raise NotImplementedError --------------------
 def _amax_as_max(x: torch.Tensor, dim=(), keepdim: bool = False) -> torch.Tensor:
     """``amax`` as repeated ``max.dim`` (GE ``ReduceMax``)."""

@@ -90,6 +90,13 @@ def splice(graph: torch.fx.Graph, node: torch.fx.Node, traced: torch.fx.GraphMod
     for new in inserted:
         new.meta = {"lowered_from": node.name}
     results = result if isinstance(result, (tuple, list)) else (result,)
+    if isinstance(node.meta.get("val"), torch.Tensor):  # a single-tensor op: its users read it directly
+        (target,) = results
+        _check_same(label, node, traced_vals.get(target), node.meta["val"])
+        target.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(target)
+        graph.erase_node(node)
+        return inserted
     try:
         users = getitem_users(node)
     except ValueError as err:

@@ -35,6 +35,7 @@ from .patterns import (
     raw_attention,
     value_matmul,
 )
+from .sparse import check_sparse_canonical, recognise_indexers
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -203,6 +204,9 @@ def canonical_only(program: Program) -> None:
     left = raw_attention(graph)
     if left:
         raise VerificationError(f"raw attention left after canonicalization: {[n.name for n in left]}")
+    problem = check_sparse_canonical(graph)
+    if problem:
+        raise VerificationError(problem)
     for node in nodes_calling(graph, dcp_ops.attention.default):
         q, k, v, _scale, causal = node.args[:5]
         if causal is not True:
@@ -227,8 +231,9 @@ def canonicalize_attention(program: Program):
     rewrites = plan_all(graph, masks)
     for rewrite in rewrites:
         apply_rewrite(graph, rewrite)
+    indexers = recognise_indexers(graph)
     inputs = program.inputs
-    if rewrites:
+    if rewrites or indexers:
         graph.eliminate_dead_code()
         # Buffers/constants only the masks read (a ``tril`` buffer, say) are no longer inputs.
         unused = {
@@ -245,6 +250,8 @@ def canonicalize_attention(program: Program):
     for rewrite in rewrites:
         counts[rewrite.kind] = counts.get(rewrite.kind, 0) + 1
     total = len(nodes_calling(graph, dcp_ops.attention.default))
+    if indexers:
+        counts["sparse-indexer"] = indexers
     done = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to rewrite"
     state = {s.target: program.state[s.target] for s in inputs if s.target in program.state}
     return (

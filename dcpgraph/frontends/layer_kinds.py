@@ -3,7 +3,8 @@
 dcpgraph keeps one paged KV cache per attention layer and computes every other layer statelessly
 from the current tokens. A layer that carries any other state across tokens (a Mamba/SSM scan, a
 short convolution, linear attention) or whose attention pattern is not causal full/sliding
-attention over that cache (chunked, indexer-selected, compressed) cannot be compiled by rewriting
+attention over that cache (chunked, compressed, or indexer-selected other than the
+lightning indexer the sparse front end recognises) cannot be compiled by rewriting
 attention alone: its decode steps would silently compute something else. Such models are refused
 by name, from ``config.layer_types`` (transformers' ``ALLOWED_LAYER_TYPES`` vocabulary) and
 ``attention_chunk_size``, and, whatever the config says, by counting the attention ops of the
@@ -19,13 +20,15 @@ from collections.abc import Iterable
 from ..errors import UnsupportedModelError
 
 # Layer types compiled as they are: causal attention over the paged cache, or an MLP kind.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "sparse", "dense"})
+# ``indexed_attention`` (DeepSeek-V3.2, GLM-5) is compiled by the sparse-attention front end,
+# which recognises the lightning indexer structurally and refuses other variants by name.
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "indexed_attention",
+                                   "sparse", "dense"})
 
 # Every other layer type transformers names, with the feature that makes it unsupported.
 REFUSED_LAYER_TYPES: dict[str, str] = {
     "chunked_attention": "chunked (block-local) attention",
     "window_attention": "non-overlapping window attention",
-    "indexed_attention": "indexer-selected sparse attention",
     "deepseek_sparse_attention": "indexer-selected sparse attention",
     "qwen_sparse_attention": "indexer-selected sparse attention",
     "compressed_sparse_attention": "compressed sparse attention",

@@ -36,6 +36,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

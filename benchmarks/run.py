@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "plan_calibration": (["--quick"], "dcpgraph.plan's predicted decode attention time vs measured, dcp 1 and 2, 4K-128K"),
     "kv_preemption": (["--quick"], "concurrency of on-demand KV allocation vs whole-request reservation"),
     "kv_dtype": (["--quick"], "fp8 vs bf16 KV: bytes per token, teacher-forced next-token agreement"),
+    "pd_transfer": (["--quick"], "P/D KV transfer bytes and time vs prompt length, TTFT via proxy vs mixed"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -54,6 +55,7 @@ HEADLINE = {
     "plan_calibration": set(),
     "kv_preemption": {"peak_running", "mean_running", "steps"},
     "kv_dtype": {"max_logit_error", "mean_logit_error"},
+    "pd_transfer": {"transfer_time", "ttft_via_proxy"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

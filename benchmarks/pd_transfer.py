@@ -1,8 +1,8 @@
 """P/D transfer: bytes and time per prompt length, TTFT through the proxy against one mixed
 instance, and the bytes of whole-block transfers against row re-sharding.
 
-    python benchmarks/pd_transfer.py            # tiny Qwen3 checkpoint, prompts of 16..1024 tokens
-    python benchmarks/pd_transfer.py --quick    # prompts of 8, 32, 128 tokens, 2 reps
+    python benchmarks/pd_transfer.py            # tiny Qwen3 checkpoint, prompts of 17..1025 tokens
+    python benchmarks/pd_transfer.py --quick    # prompts of 9, 33, 130 tokens, 2 reps
 
 Three ``dcpgraph serve`` instances of one checkpoint (fp64, block size 4): a producer at tp=2/dcp=1,
 a consumer at tp=2/dcp=2 with ``interleave == block_size`` (whole blocks move), both behind
@@ -51,28 +51,27 @@ def first_token_s(url: str, prompt: str) -> float:
     import httpx
 
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
-    began = time.perf_counter()
+    began, ttft = time.perf_counter(), None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
+        for line in r.iter_lines():  # read to the end, timing the first token
+            if ttft is None and line.startswith("data: {"):
                 ttft = time.perf_counter() - began
-                for _ in r.iter_lines():  # drain the rest of the response
-                    pass
-                return ttft
-    raise RuntimeError("no token streamed")
+    if ttft is None:
+        raise RuntimeError("no token streamed")
+    return ttft
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="prompts of 8, 32, 128 tokens, 2 reps")
+    parser.add_argument("--quick", action="store_true", help="prompts of 9, 33, 130 tokens, 2 reps")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
     from dcpgraph.testing.checkpoints import save_tiny_checkpoint
     from dcpgraph.testing.pd import kv_config, kv_stats
     from dcpgraph.testing.server import free_port, running_dcpgraph, running_server
 
-    lengths = [8, 32, 128] if args.quick else [16, 64, 256, 1024]
+    lengths = [9, 33, 130] if args.quick else [17, 65, 257, 1025]  # not block multiples: see the tail
     reps = args.reps or (2 if args.quick else 4)
     max_len = str(max(lengths) + 16)
     common_args = ("--dtype", "float64", "--block-size", str(BLOCK), "--max-model-len", max_len,

@@ -107,8 +107,9 @@ class EngineLoop:
         while not self._stopping.is_set():
             try:
                 if not self._live:  # idle: wait briefly for work instead of spinning
-                    try:
-                        self._handle(self._commands.get(timeout=0.1))
+                    try:  # (a producer holding KV checks for consumers' asks more often)
+                        wait = 0.01 if self.kv_agent is not None and self.kv_agent.held else 0.1
+                        self._handle(self._commands.get(timeout=wait))
                     except queue.Empty:
                         pass
                 while True:

@@ -86,8 +86,8 @@ def recv(engine, rid: int, transfer_id: str, producer: dict, start: int, end: in
     mine_plans = [p for p in plans if p.dst == rank]
     sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
     connector = parse_kv_transfer_config(config).connector()
-    if _fault("consumer_exit_mid_transfer"):
-        connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, {})
+    if _fault("consumer_exit_mid_transfer"):  # the group is up, the producer is sending: die
+        connector.join_group(transfer_id, peer.tp + rank, mine.tp + peer.tp)
         os._exit(17)
     received = connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, sizes)
     table, caches = engine.blocks.table(rid), _caches(engine, rank)

@@ -6,7 +6,8 @@ Rendezvous is its own: a ``TCPStore`` on ``kv_ip:kv_port``, hosted by the instan
 Signalling keys live under ``kv/<transfer id>/``. Each transfer builds a fresh gloo group of
 ``producer tp + consumer tp`` ranks on a ``PrefixStore`` of that id and drops it afterwards, so a
 peer that died fails only the transfer it was in: the next transfer rendezvouses anew. Every wait
-(the store, the group's connect, each send and receive) is bounded by ``timeout_s``.
+(the store, the group's connect, each send and receive, the closing barrier) is bounded by
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class TorchDistributedConnector(KVConnector):
         return self._store_call(lambda s: s.get(key).decode() if s.check([key]) else None)
 
     # -- data ------------------------------------------------------------------------------------------
-    def _group(self, transfer_id: str, rank: int, size: int) -> ProcessGroupGloo:
+    def join_group(self, transfer_id: str, rank: int, size: int) -> ProcessGroupGloo:
+        """The gloo group of ``transfer_id`` (returns once all ``size`` members joined)."""
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self._timeout)
         options = ProcessGroupGloo._Options()
         loopback = self.host.startswith("127.") or self.host == "localhost"
@@ -91,13 +93,18 @@ class TorchDistributedConnector(KVConnector):
                  recv_bytes: dict[int, int]) -> dict[int, torch.Tensor]:
         stage = "joining the transfer group"
         try:
-            group = self._group(transfer_id, rank, size)
+            group = self.join_group(transfer_id, rank, size)
             stage = "moving KV"
             received = {src: torch.empty(n, dtype=torch.uint8) for src, n in recv_bytes.items()}
             works = [group.send([buf.contiguous()], dst, 0) for dst, buf in sends.items()]
             works += [group.recv([buf], src, 0) for src, buf in received.items()]
             for work in works:
                 work.wait(self._timeout)
+            # A sender's send completes once its bytes are in the socket; closing the group then
+            # can reset the connection before a slower receiver read them. Nobody leaves until
+            # every member has everything.
+            stage = "waiting for every rank to finish"
+            group.barrier().wait(self._timeout)
         except Exception as err:
             raise KVTransferError(f"KV transfer {transfer_id}: rank {rank} of {size} failed while {stage} "
                                   f"(timeout {self.timeout_s:g} s): {type(err).__name__}: {err}") from None

@@ -104,3 +104,36 @@ def test_shared_prefix_hits_the_consumer_cache(deployment, reference):
     assert after["tokens_from_prefix_cache"] - before["tokens_from_prefix_cache"] >= 32  # the shared blocks
     assert after["prompt_tokens_computed"] == 0
     wait_kv_free(servers["p_tp2"], servers["p_tp1"], servers["d"])
+
+
+def test_concurrent_streams_through_the_proxy(deployment, reference):
+    """Eight streams at once (both producers, one consumer taking them in turn): HF's text each."""
+    import asyncio
+    import json
+
+    import httpx
+
+    arch, servers = deployment
+    tok = reference.tokenizer(arch)
+    prompts = [f"{i} {MEDIUM}" * (1 + i % 3) for i in range(8)]
+    want = [reference(arch, tok.encode(p), 6) for p in prompts]
+
+    async def one(http, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    text += data["choices"][0]["text"]
+        return text
+
+    async def run():
+        async with httpx.AsyncClient(base_url=servers["proxy"].url, timeout=120) as http:
+            return await asyncio.gather(*(one(http, p) for p in prompts))
+
+    assert asyncio.run(asyncio.wait_for(run(), 300)) == want
+    wait_kv_free(servers["p_tp2"], servers["p_tp1"], servers["d"])
+    assert stats(servers["d"])["prompt_tokens_computed"] == 0

@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "kv_dtype": (["--quick"], "fp8 vs bf16 KV: bytes per token, teacher-forced next-token agreement"),
     "speculative": (["--quick"], "speculative decoding: tokens per step and decode tok/s vs k, per method"),
     "kv_capacity_hybrid": (["--quick"], "sliding/full hybrid models: KV capacity with per-layer-group sizing vs uniform"),
+    "pd_transfer": (["--quick"], "P/D KV transfer bytes and time vs prompt length, TTFT via proxy vs mixed"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -58,6 +59,7 @@ HEADLINE = {
     "kv_dtype": {"max_logit_error", "mean_logit_error"},
     "speculative": {"tokens_per_step", "decode_tokens_per_s"},
     "kv_capacity_hybrid": {"kv_bytes_per_token"},
+    "pd_transfer": {"transfer_time", "ttft_via_proxy"},
 }
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x

@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from .serving.cli import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["proxy"]:  # `dcpgraph proxy --prefill URL --decode URL`: the P/D front door
+        from .serving.proxy import main as proxy_main
+
+        return proxy_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dcpgraph", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3",

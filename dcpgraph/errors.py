@@ -45,3 +45,10 @@ class RequestError(DcpGraphError, ValueError):
 
 class CollectiveMismatchError(DcpGraphError, RuntimeError):
     """Ranks of one group reached different collectives: on real hardware this would hang."""
+
+
+class KVTransferError(DcpGraphError, RuntimeError):
+    """A prefill/decode KV transfer failed or timed out (the peer instance died, never joined,
+    or the transfer exceeded its timeout); the request's blocks were freed on this side."""
+
+    http_status = 503

@@ -241,6 +241,37 @@ class Engine:
         import_kv(self, transfer, request)
         return request.id
 
+    def hold_for_transfer(self, request_id: int) -> tuple[list[int], int, int]:
+        """Take running request ``request_id`` out of scheduling, keeping its KV blocks for a
+        cross-process transfer; returns ``(tokens, computed, prompt_len)``. Its blocks stay
+        allocated until :meth:`release_held`."""
+        request = self.scheduler.detach(request_id)
+        return list(request.tokens), request.computed, len(request.prompt)
+
+    def release_held(self, request_id: int) -> bool:
+        """Free the blocks of a request :meth:`hold_for_transfer` kept; ``False`` if none are held."""
+        if not self.blocks.holds(request_id) or self.scheduler.get(request_id) is not None:
+            return False
+        self.blocks.release(request_id)
+        return True
+
+    def adopt_transferred(self, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int,
+                          **sampling: Any) -> tuple[int, int]:
+        """Start a request whose prompt KV another engine computed and whose first ``output``
+        tokens it sampled: returns ``(request id, start)``. Positions ``[start, len(prompt))`` must
+        be written into its blocks before the next :meth:`step`; ``[0, start)`` are this engine's own
+        prefix-cache hit. Raises ``RequestError`` (nothing held) if it cannot run now."""
+        tokens = self.check_request(prompt, max_new_tokens)
+        if max_new_tokens <= len(output):
+            raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
+                               f"give at least {len(output) + 1} to generate anything")
+        request = self._new_request(tokens, max_new_tokens, SamplingParams(**sampling))
+        request.output = [int(t) for t in output]
+        request.computed = len(tokens)
+        prefix = self.blocks.match_prefix(tokens)
+        self.scheduler.adopt(request, prefix)
+        return request.id, len(prefix) * self.blocks.tokens_per_block
+
     # -- reports ------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         per_block = kv_bytes_per_block(self.program)

@@ -9,8 +9,9 @@ block size re-shards it with its own slot mapping and continues the request. Wit
 which is what lets a real transport move whole blocks; this in-process version gathers and
 scatters token rows, so it works for any layout.
 
-Limitation: both engines must hold all their ranks in this process (the emulated executor); a
-multi-process transfer needs a transport between ranks.
+Both engines must hold all their ranks in this process (the emulated executor). Between
+processes (serving instances with any tp and dcp), :mod:`dcpgraph.serving.kv_connector` moves each
+consumer rank's rows straight from the producer rank that holds them.
 """
 
 from __future__ import annotations

@@ -162,19 +162,32 @@ class Scheduler:
         self._hold(request)
         self.waiting.append(request)
 
-    def adopt(self, request: Request) -> None:
+    def adopt(self, request: Request, prefix: Sequence[int] = ()) -> None:
         """Run ``request`` from its current ``computed``/``output`` (its KV is written by the caller
         into :meth:`BlockManager.table` before the next step), bypassing the waiting queue but not
-        the limits: raises ``RequestError`` if no sequence slot or not enough blocks are free now."""
+        the limits: raises ``RequestError`` if no sequence slot or not enough blocks are free now.
+        ``prefix``: cached blocks (:meth:`BlockManager.match_prefix`) its table starts with."""
         if len(self.running) >= self.max_num_seqs:
             raise RequestError(f"no free sequence slot: max_num_seqs={self.max_num_seqs} requests are running")
         tokens = request.reserve_tokens if self.whole_request else len(request.tokens)
-        if not self.blocks.can_allocate(tokens):
+        if not self.blocks.can_allocate(tokens, prefix):
             raise RequestError(f"not enough free KV blocks to take over a request of {tokens} tokens now "
                                f"({self.blocks.free_blocks} of {self.blocks.num_blocks} blocks free)")
         self._hold(request)
-        self.blocks.allocate(request.id, tokens)
+        self.blocks.allocate(request.id, tokens, prefix)
+        if self.blocks.enable_prefix_caching:
+            self.blocks.record_query(len(request.prompt), len(prefix))
         self._run(request)
+
+    def detach(self, request_id: int) -> Request:
+        """Stop scheduling running request ``request_id`` but keep its KV blocks (under its id,
+        until the caller's ``blocks.release``): a prefilled request handed to another engine."""
+        request = self._live.get(request_id)
+        if request is None or request not in self.running:
+            raise RequestError(f"request {request_id} is not running")
+        self.running.remove(request)
+        self._drop(request)
+        return request
 
     def get(self, request_id: int) -> Request | None:
         """The live (waiting or running) request with this id; ``None`` once it ended."""

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import RequestError
+from ..errors import KVTransferError, RequestError
 from .engine_loop import EngineDeadError, EngineLoop, Piece
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
@@ -59,13 +59,35 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error", p
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def check_kv_transfer(kv_agent, kv: dict, prompts: list, params, stream: bool) -> None:
+    """Refuse (400) ``kv_transfer_params`` this instance or request cannot honour."""
+    if kv_agent is None:
+        raise ApiError(400, "kv_transfer_params given, but this server was started without --kv-transfer-config",
+                       param="kv_transfer_params")
+    if len(prompts) != 1 or params.n != 1:
+        raise ApiError(400, "kv_transfer_params take one prompt and n=1", param="kv_transfer_params")
+    if kv.get("do_remote_decode"):
+        if not kv_agent.config.is_producer or stream:
+            raise ApiError(400, f"do_remote_decode needs a kv_producer or kv_both instance (this one is "
+                                f"{kv_agent.config.kv_role}) and stream=false", param="kv_transfer_params")
+    elif "transfer_id" in kv:
+        if not kv_agent.config.is_consumer:
+            raise ApiError(400, f"a transfer needs a kv_consumer or kv_both instance; this one is "
+                                f"{kv_agent.config.kv_role}", param="kv_transfer_params")
+    else:
+        raise ApiError(400, "kv_transfer_params must hold do_remote_decode=true (for a producer) or a producer's "
+                            "returned parameters (for a consumer)", param="kv_transfer_params")
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+              kv_agent=None) -> FastAPI:
+    """``kv_agent``: this instance's P/D side (:class:`~.kv_connector.agent.KVAgent`), if any."""
     metrics = Metrics(served_model_name)
-    engine_loop = EngineLoop(llm, metrics)
+    engine_loop = EngineLoop(llm, metrics, kv_agent)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -133,6 +155,9 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
             if limit is not None and len(p.token_ids) + limit > llm.max_model_len:
                 raise ApiError(400, f"prompt ({len(p.token_ids)} tokens) + max_tokens ({limit}) exceeds "
                                     f"max_model_len={llm.max_model_len}", param="max_tokens")
+        kv = body.kv_transfer_params
+        if kv is not None:
+            check_kv_transfer(kv_agent, kv, prompts, params, body.stream)
         out: asyncio.Queue = asyncio.Queue()
         submitted = []
         try:
@@ -140,9 +165,9 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
                 max_tokens = llm.max_tokens_for(params, len(p.token_ids))
                 for j in range(params.n):
                     choice = i * params.n + j
-                    rid = await engine_loop.submit(p.token_ids, params, max_tokens, j, choice, out, log_id)
+                    rid = await engine_loop.submit(p.token_ids, params, max_tokens, j, choice, out, log_id, kv)
                     submitted.append((rid, choice))
-        except (RequestError, ValueError, EngineDeadError) as err:
+        except (RequestError, ValueError, EngineDeadError, KVTransferError) as err:
             for rid, _ in submitted:
                 engine_loop.abort(rid)
             raise ApiError(status_for(err), str(err), "service_unavailable" if status_for(err) >= 500 else
@@ -195,11 +220,13 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
             tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
             reasons: dict[int, str | None] = {}
             generated = 0
+            handover = None
             async for piece in pieces(out, submitted, log_id):
                 texts[piece.choice] += piece.text
                 tokens[piece.choice][0].extend(piece.token_ids)
                 tokens[piece.choice][1].extend(piece.logprobs)
                 generated += len(piece.token_ids)
+                handover = piece.kv_transfer_params or handover
                 if piece.finished:
                     reasons[piece.choice] = piece.finish_reason
             choices = [
@@ -209,7 +236,8 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
                 for c in sorted(texts)
             ]
             return JSONResponse({"id": log_id, "object": kind, "created": created, "model": served_model_name,
-                                 "choices": choices, "usage": usage(prompts, body.n, generated)}, headers=headers)
+                                 "choices": choices, "usage": usage(prompts, body.n, generated),
+                                 **({"kv_transfer_params": handover} if handover else {})}, headers=headers)
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -276,6 +304,12 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
             return Response(status_code=200)
         reason = engine_loop.error or "a worker process is not running"
         return JSONResponse(error_body(503, reason, "service_unavailable"), status_code=503)
+
+    @app.get("/kv_transfer/stats")
+    async def kv_transfer_stats():
+        """P/D counters; ``prompt_tokens_computed``: prompt tokens this instance's ranks ran."""
+        computed = engine_loop.snapshot()["prefix_cache"].get("prompt_tokens_computed")
+        return {**(kv_agent.stats if kv_agent else {"role": None}), "prompt_tokens_computed": computed}
 
     @app.get("/metrics")
     async def prometheus():

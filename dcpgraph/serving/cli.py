@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-host", default="127.0.0.1",
                    help="interface the driver-to-worker channels and the gloo world bind to")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--kv-transfer-config", default=None,
+                   help="P/D disaggregation, vLLM's keys as JSON, e.g. '{\"kv_role\": \"kv_producer\", \"kv_rank\": 0, "
+                        "\"kv_parallel_size\": 2, \"kv_port\": 14579}' (see dcpgraph/serving/kv_connector/config.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -77,18 +80,29 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .api_server import build_app
+    from .kv_connector import parse_kv_transfer_config
+    from .kv_connector.agent import KVAgent
     from .llm import LLM
 
     try:
+        kv_config = parse_kv_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else None
         llm = LLM(model=args.model, **llm_options(args))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)
         return 2
+    try:
+        kv_agent = KVAgent(kv_config, llm.engine) if kv_config else None
+    except DcpGraphError as err:
+        llm.shutdown()
+        print(f"dcpgraph serve: {err}", file=sys.stderr)
+        return 2
+    if kv_agent:
+        log.info("KV transfer: %s", kv_config.to_json())
     pids = getattr(llm.engine, "pids", None)
     if pids:
         log.info("worker processes (rank order): pids %s", pids)
     app = build_app(llm, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                    max_body_bytes=args.max_request_bytes)
+                    max_body_bytes=args.max_request_bytes, kv_agent=kv_agent)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     try:

@@ -43,6 +43,7 @@ class Piece:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # per token of token_ids, when requested
+    kv_transfer_params: dict | None = None  # a producer's hand-over (P/D), on its final piece
 
 
 @dataclass
@@ -56,11 +57,13 @@ class _Live:
     arrived: float
     first: float | None = None
     last: float | None = None
+    produce: bool = False  # P/D producer: hold the KV after the first token instead of finishing
 
 
 class EngineLoop:
-    def __init__(self, llm, metrics: Metrics):
+    def __init__(self, llm, metrics: Metrics, kv_agent=None):
         self.llm = llm
+        self.kv_agent = kv_agent
         self.engine = llm.engine
         self.metrics = metrics
         self.error: str | None = None
@@ -75,11 +78,12 @@ class EngineLoop:
 
     # -- called from the event loop ------------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, index: int, choice: int,
-                     out: asyncio.Queue, log_id: str) -> int:
-        """Queue one completion; returns the engine's request id or raises its ``RequestError``."""
+                     out: asyncio.Queue, log_id: str, kv_transfer: dict | None = None) -> int:
+        """Queue one completion; returns the engine's request id or raises its ``RequestError``
+        (``kv_transfer``: P/D parameters, see :mod:`.kv_connector.agent`)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(("add", prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done))
+        self._commands.put(("add", prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done, kv_transfer))
         return await done
 
     def abort(self, request_id: int) -> None:
@@ -104,8 +108,9 @@ class EngineLoop:
         while not self._stopping.is_set():
             try:
                 if not self._live:  # idle: wait briefly for work instead of spinning
-                    try:
-                        self._handle(self._commands.get(timeout=0.1))
+                    try:  # (a producer holding KV checks for consumers' asks more often)
+                        wait = 0.01 if self.kv_agent is not None and self.kv_agent.held else 0.1
+                        self._handle(self._commands.get(timeout=wait))
                     except queue.Empty:
                         pass
                 while True:
@@ -113,6 +118,8 @@ class EngineLoop:
                         self._handle(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                if self.kv_agent is not None and self.error is None:
+                    self.kv_agent.tick()
                 if self._live and self.error is None:
                     self._step()
                 self._refresh_snapshot()
@@ -126,21 +133,34 @@ class EngineLoop:
                 self.engine.abort(command[1])
                 log.info("request %s: aborted (client went away)", live.log_id)
             return
-        _, prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done = command
+        _, prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done, kv = command
         if self.error is not None:
             loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(self.error))
             return
+        produce, received = bool(kv and kv.get("do_remote_decode")), ()
         try:
-            rid = self.engine.add_request(prompt_ids, max_tokens, **params.engine_params(index))
+            if kv and "transfer_id" in kv:
+                rid, received = self.kv_agent.receive(prompt_ids, max_tokens, params.engine_params(index), kv)
+            else:  # a producer's request keeps room for one more token, so it is held, not finished
+                rid = self.engine.add_request(prompt_ids, 2 if produce else max_tokens, **params.engine_params(index))
         except (DcpGraphError, ValueError) as err:
             loop.call_soon_threadsafe(_set_exception, done, err)
             return
         except Exception as err:
             loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(str(err)))
             raise
-        self._live[rid] = _Live(choice, TextStream(self.llm.tokenizer, params, self.llm.eos_token_ids), loop, out,
-                                len(prompt_ids), log_id, time.monotonic())
+        live = _Live(choice, TextStream(self.llm.tokenizer, params, self.llm.eos_token_ids), loop, out,
+                     len(prompt_ids), log_id, time.monotonic(), produce=produce)
+        self._live[rid] = live
         loop.call_soon_threadsafe(_set_result, done, rid)
+        if received:  # the producer's tokens are this response's first ones
+            live.first = live.last = time.monotonic()
+            piece = Piece(choice, "".join(live.stream.add(t, False) for t in received), list(received))
+            if live.stream.finished:  # only a stop condition the producer did not apply ends it here
+                piece.finished, piece.finish_reason = True, live.stream.finish_reason
+                del self._live[rid]
+                self.engine.abort(rid)
+            _post(loop, out, piece)
 
     def _step(self) -> None:
         pieces: dict[int, tuple[_Live, Piece]] = {}
@@ -153,14 +173,16 @@ class EngineLoop:
             live.first = live.first or now
             live.last = now
             _, piece = pieces.setdefault(rid, (live, Piece(live.choice)))
-            piece.text += live.stream.add(token, engine_finished)
+            piece.text += live.stream.add(token, engine_finished or live.produce)
             piece.token_ids.append(token)
             if event.logprobs is not None:
                 piece.logprobs.append(event.logprobs)
             if live.stream.finished:
                 piece.finished, piece.finish_reason = True, live.stream.finish_reason
                 del self._live[rid]
-                if not engine_finished:
+                if live.produce and not engine_finished and piece.finish_reason == "length":
+                    piece.kv_transfer_params = self.kv_agent.hold(rid)
+                elif not engine_finished:
                     self.engine.abort(rid)
                 self._record(live)
         for live, piece in pieces.values():

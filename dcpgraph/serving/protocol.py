@@ -41,6 +41,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
 
     def requested_logprobs(self) -> int | None:
         """Top-N log-probabilities per generated token (``None``: none)."""

@@ -65,6 +65,10 @@ def _handle(engine, message: dict) -> dict:
         return {"value": engine.memory_report()}
     if op == "report":
         return {"value": engine.report()}
+    if op == "kv":  # prefill/decode transfer steps (serving/kv_connector/rank_ops.py)
+        from .kv_connector.rank_ops import dispatch
+
+        return {"value": dispatch(engine, message["fn"], message["args"])}
     if op == "kv_usage":
         used, total = kv_blocks_in_use(engine)
         return {"used": used, "total": total}
@@ -227,6 +231,10 @@ class RemoteEngine:
 
     def report(self) -> dict:
         return self._call({"op": "report"})[0]["value"]
+
+    def kv_call(self, fn: str, args: dict) -> list:
+        """A KV transfer step (:mod:`.kv_connector.rank_ops`) on every rank at once; one value per rank."""
+        return [r["value"] for r in self._call({"op": "kv", "fn": fn, "args": args})]
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         return [(r["used"], r["total"]) for r in self._call({"op": "kv_usage"})]

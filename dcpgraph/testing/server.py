@@ -41,10 +41,20 @@ def running_server(model_dir: str, *args: str, log_path: str, start_timeout_s: f
     """``dcpgraph serve model_dir *args`` until the block exits; waits for ``/health`` (bounded),
     raising with the server's log if it exits or times out first. Stops it with SIGTERM (then
     SIGKILL after 30 s)."""
+    with running_dcpgraph("serve", model_dir, *args, log_path=log_path, start_timeout_s=start_timeout_s,
+                          env=env) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_dcpgraph(subcommand: str, *args: str, log_path: str, start_timeout_s: float = 600.0,
+                     env: dict | None = None):
+    """``dcpgraph <subcommand> *args --host 127.0.0.1 --port <free>`` (``serve``, ``proxy``) as
+    :func:`running_server` describes."""
     import httpx
 
     port = free_port()
-    command = [sys.executable, "-m", "dcpgraph", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [sys.executable, "-m", "dcpgraph", subcommand, *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)

@@ -1,0 +1,213 @@
+"""Which producer rank sends which KV rows to which consumer rank, and how they are packed.
+
+A side (:class:`KVSide`) is one instance's cache layout: ``tp``, ``dcp``, interleave, block size,
+and its caches. KV head ``h`` of a cache lives on the *replica set* ``g = rank // replicas``
+(``replicas`` = ``tp`` for MLA's one latent head, ``tp // num_kv_heads`` for GQA when ``tp >
+num_kv_heads``, else 1), which holds the contiguous global heads ``[g·H, (g+1)·H)`` (``H`` =
+the cache's heads per rank); inside a replica set each DCP group holds every token, token ``t`` on
+member ``owner(t) = (t // I) % dcp``. So consumer rank ``c`` needs, for positions ``[start, end)``
+it owns and for its heads, rows that live on exactly one rank of the *first* DCP group of each
+producer replica set its heads overlap: that rank sends them (:func:`transfer_plan`). This covers
+different ``dcp`` and different ``tp`` (heads re-split) on the two sides.
+
+Packing: every pair moves one flat byte buffer, each cache's rows in cache order
+(fp8 caches as their bytes, scale caches like any other cache). In *block* mode (both sides
+``block_size`` equal and each side ``dcp == 1`` or ``interleave == block_size``) run ``k`` of
+``block_size`` consecutive tokens is one whole physical block on both sides (producer rank
+``k % dcp_p``, virtual block ``k // dcp_p``; same for the consumer), so whole blocks move as they
+are, the last one with its unwritten tail. Otherwise *row* mode moves token rows addressed by
+:func:`dcpgraph.layout.slot_mapping` on each side (the general re-shard).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ... import layout
+
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
+
+
+@dataclass(frozen=True)
+class KVSide:
+    """One instance's KV cache layout (JSON-able through :meth:`to_json`)."""
+
+    tp: int
+    dcp: int
+    interleave: int
+    block_size: int
+    attention: str  # "mla" or "gqa"
+    num_kv_heads: int
+    caches: tuple[tuple[str, str, int, int, str], ...]  # (name, role, heads per rank, dim, dtype)
+
+    @classmethod
+    def of_engine(cls, engine) -> KVSide:
+        program = engine.program
+        facts = program.facts
+        return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
+                   int(facts.num_kv_heads),
+                   tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches))
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "dcp": self.dcp, "interleave": self.interleave, "block_size": self.block_size,
+                "attention": self.attention, "num_kv_heads": self.num_kv_heads,
+                "caches": [list(c) for c in self.caches]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> KVSide:
+        return cls(int(data["tp"]), int(data["dcp"]), int(data["interleave"]), int(data["block_size"]),
+                   str(data["attention"]), int(data["num_kv_heads"]),
+                   tuple((str(n), str(r), int(h), int(d), str(t)) for n, r, h, d, t in data["caches"]))
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same KV heads (a multiple of ``dcp``)."""
+        if self.attention == "mla":
+            return self.tp
+        return self.tp // self.num_kv_heads if self.tp > self.num_kv_heads else 1
+
+    @property
+    def head_groups(self) -> int:
+        return self.tp // self.replicas
+
+    def head_range(self, rank: int, cache: int) -> tuple[int, int]:
+        """Global heads ``[lo, hi)`` of cache number ``cache`` on ``rank``."""
+        heads = self.caches[cache][2]
+        g = rank // self.replicas
+        return g * heads, (g + 1) * heads
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Whether every physical block holds one contiguous run of ``block_size`` tokens."""
+        return self.dcp == 1 or self.interleave == self.block_size
+
+
+def check_compatible(producer: KVSide, consumer: KVSide) -> None:
+    """Raise ``ValueError`` naming the difference if ``consumer`` cannot take ``producer``'s KV."""
+    if producer.attention != consumer.attention or producer.num_kv_heads != consumer.num_kv_heads:
+        raise ValueError(f"the two sides serve different models: producer {producer.attention} with "
+                         f"{producer.num_kv_heads} KV heads, consumer {consumer.attention} with {consumer.num_kv_heads}")
+    if len(producer.caches) != len(consumer.caches):
+        raise ValueError(f"producer has {len(producer.caches)} caches, consumer {len(consumer.caches)}")
+    for i, (p, c) in enumerate(zip(producer.caches, consumer.caches)):
+        p_total, c_total = p[2] * producer.head_groups, c[2] * consumer.head_groups
+        if (p[1], p[3], p[4], p_total) != (c[1], c[3], c[4], c_total):
+            raise ValueError(f"cache {i} differs: producer (role, dim, dtype, heads) = {(p[1], p[3], p[4], p_total)}, "
+                             f"consumer {(c[1], c[3], c[4], c_total)}")
+
+
+def block_mode(producer: KVSide, consumer: KVSide) -> bool:
+    return producer.block_size == consumer.block_size and producer.whole_blocks and consumer.whole_blocks
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """Producer rank ``src`` sends consumer rank ``dst`` the ``units``: global token positions
+    (row mode) or run indices ``k`` of tokens ``[k·B, (k+1)·B)`` (block mode)."""
+
+    src: int
+    dst: int
+    units: torch.Tensor
+
+
+def _heads_overlap(producer: KVSide, src: int, consumer: KVSide, dst: int) -> bool:
+    """Whether the replica sets of ``src`` and ``dst`` share a head (as fractions of all heads)."""
+    gp, gc = src // producer.replicas, dst // consumer.replicas
+    np_, nc = producer.head_groups, consumer.head_groups
+    return gp * nc < (gc + 1) * np_ and gc * np_ < (gp + 1) * nc
+
+
+def transfer_plan(producer: KVSide, consumer: KVSide, start: int, end: int) -> list[PairPlan]:
+    """Every non-empty (producer rank, consumer rank) message for positions ``[start, end)``;
+    each consumer row of each head is covered exactly once."""
+    blocks = block_mode(producer, consumer)
+    if blocks:
+        if start % producer.block_size:
+            raise ValueError(f"block mode needs a block-aligned start, got {start}")
+        units = torch.arange(start // producer.block_size, -(-end // producer.block_size))
+        p_owner, c_owner = units % producer.dcp, units % consumer.dcp
+    else:
+        units = torch.arange(start, end)
+        p_owner = layout.owner(units, producer.dcp, producer.interleave)
+        c_owner = layout.owner(units, consumer.dcp, consumer.interleave)
+    plans = []
+    for dst in range(consumer.tp):
+        mine = c_owner == dst % consumer.dcp
+        for group in range(producer.head_groups):
+            first = group * producer.replicas  # the first DCP group of this replica set sends
+            if not _heads_overlap(producer, first, consumer, dst):
+                continue
+            for d in range(producer.dcp):
+                sel = units[mine & (p_owner == d)]
+                if len(sel):
+                    plans.append(PairPlan(first + d, dst, sel))
+    return plans
+
+
+def _cache_view(cache: torch.Tensor, unit_rows: int) -> torch.Tensor:
+    flat = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    return flat.view(-1, unit_rows, *cache.shape[2:])
+
+
+def unit_indices(side: KVSide, rank: int, units: torch.Tensor, table: list[int], blocks: bool) -> torch.Tensor:
+    """Physical block ids (block mode) or cache slots (row mode) of ``units`` on ``rank``."""
+    row = torch.tensor(table, dtype=torch.int64)
+    if blocks:
+        return row[units // side.dcp]
+    rows = row.expand(len(units), -1)
+    slots = layout.slot_mapping(units, rows, rank % side.dcp, side.dcp, side.block_size, side.interleave)
+    assert bool((slots >= 0).all()), "a planned row is not owned by this rank"
+    return slots
+
+
+def _local_heads(side: KVSide, rank: int, cache: int, other: KVSide, other_rank: int) -> slice:
+    """``side``'s local heads of cache ``cache`` that ``other_rank`` of ``other`` also holds
+    (both ranges count the same global heads, see :func:`check_compatible`)."""
+    lo, hi = side.head_range(rank, cache)
+    olo, ohi = other.head_range(other_rank, cache)
+    a, b = max(lo, olo), min(hi, ohi)
+    return slice(a - lo, b - lo)
+
+
+def buffer_bytes(side: KVSide, rank: int, pair: PairPlan, peer: KVSide, peer_rank: int, blocks: bool) -> int:
+    """Bytes of ``pair``'s buffer, computed from ``side``'s caches (either end gets the same)."""
+    unit_rows = side.block_size if blocks else 1
+    total = 0
+    for i, (_, _, _, dim, dtype) in enumerate(side.caches):
+        heads = _local_heads(side, rank, i, peer, peer_rank)
+        size = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        total += len(pair.units) * unit_rows * (heads.stop - heads.start) * dim * size
+    return total
+
+
+def gather(side: KVSide, rank: int, caches: list[torch.Tensor], table: list[int], pair: PairPlan,
+           consumer: KVSide, blocks: bool) -> torch.Tensor:
+    """The producer's flat byte buffer for ``pair`` from ``rank``'s caches (in cache order)."""
+    unit_rows = side.block_size if blocks else 1
+    index = unit_indices(side, rank, pair.units, table, blocks)
+    parts = []
+    for i, cache in enumerate(caches):
+        heads = _local_heads(side, rank, i, consumer, pair.dst)
+        rows = _cache_view(cache, unit_rows).index_select(0, index)[:, :, heads]
+        parts.append(rows.contiguous().view(-1).view(torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def scatter(side: KVSide, rank: int, caches: list[torch.Tensor], table: list[int], pair: PairPlan,
+            producer: KVSide, blocks: bool, buffer: torch.Tensor) -> None:
+    """Write ``buffer`` (from :func:`gather` on ``pair.src``) into ``rank``'s caches."""
+    unit_rows = side.block_size if blocks else 1
+    index = unit_indices(side, rank, pair.units, table, blocks)
+    offset = 0
+    for i, cache in enumerate(caches):
+        heads = _local_heads(side, rank, i, producer, pair.src)
+        view = _cache_view(cache, unit_rows)[:, :, heads]
+        shape = (len(index), unit_rows, heads.stop - heads.start, *view.shape[3:])
+        nbytes = view.element_size() * math.prod(shape)
+        data = buffer[offset : offset + nbytes].view(view.dtype).view(shape)
+        view.index_copy_(0, index, data)
+        offset += nbytes
+    assert offset == len(buffer), f"buffer of {len(buffer)} bytes, {offset} written"

@@ -1,0 +1,105 @@
+"""What one rank does in a transfer, next to its engine: hold or release a prefilled request's
+blocks, adopt a transferred request, gather and send (producer) or receive and scatter (consumer).
+
+Each function takes the rank's :class:`~dcpgraph.Engine` and JSON-able arguments, and returns a
+JSON-able value, so the same call runs in-process (``tp == 1``) or on every worker of a
+:class:`~dcpgraph.serving.workers.RemoteEngine` (``op: "kv"``, :func:`dispatch`). Ranks of one
+instance run the same deterministic engine, so ``hold``/``adopt`` agree on every rank.
+
+``DCPGRAPH_KV_FAULT`` (tests only) makes a rank exit at a chosen point: ``producer_exit_before_send``
+(the producer dies after accepting the request) or ``consumer_exit_mid_transfer`` (the consumer
+dies once the transfer group is up, before any KV arrived).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...errors import KVTransferError
+from .config import parse_kv_transfer_config
+from .plan import KVSide, block_mode, buffer_bytes, check_compatible, gather, scatter, transfer_plan
+
+FAULT_ENV = "DCPGRAPH_KV_FAULT"
+
+
+def _fault(name: str) -> bool:
+    return os.environ.get(FAULT_ENV) == name
+
+
+def _local_rank(engine) -> int:
+    ranks = tuple(engine.executor.local_ranks)
+    if len(ranks) != 1:
+        raise KVTransferError(f"a cross-process KV transfer needs one rank per process (tp=1, or a worker of the "
+                              f"distributed executor); the {engine.executor.mode} executor holds ranks {list(ranks)}")
+    return ranks[0]
+
+
+def _caches(engine, rank: int) -> list:
+    by_name = engine.executor.rank_caches(rank)
+    return [by_name[c.name] for c in engine.program.caches]
+
+
+def side(engine) -> dict:
+    return KVSide.of_engine(engine).to_json()
+
+
+def hold(engine, rid: int) -> dict:
+    tokens, computed, prompt_len = engine.hold_for_transfer(rid)
+    return {"tokens": tokens, "computed": computed, "prompt_len": prompt_len}
+
+
+def release(engine, rid: int) -> bool:
+    return engine.release_held(rid)
+
+
+def adopt(engine, prompt: list[int], output: list[int], max_new_tokens: int, sampling: dict) -> dict:
+    rid, start = engine.adopt_transferred(prompt, output, max_new_tokens, **sampling)
+    return {"rid": rid, "start": start}
+
+
+def _plan(engine, other: dict, producer_side: bool, start: int, end: int):
+    mine, peer = KVSide.of_engine(engine), KVSide.from_json(other)
+    producer, consumer = (mine, peer) if producer_side else (peer, mine)
+    try:
+        check_compatible(producer, consumer)
+    except ValueError as err:
+        raise KVTransferError(f"KV transfer refused: {err}") from None
+    return mine, peer, producer, consumer, transfer_plan(producer, consumer, start, end), block_mode(producer, consumer)
+
+
+def send(engine, rid: int, transfer_id: str, consumer: dict, start: int, end: int, config: dict) -> int:
+    """Producer rank: send every consumer rank its rows of ``[start, end)``; returns bytes sent."""
+    rank = _local_rank(engine)
+    mine, peer, _, _, plans, blocks = _plan(engine, consumer, True, start, end)
+    table, caches = engine.blocks.table(rid), _caches(engine, rank)
+    sends = {mine.tp + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
+    if _fault("producer_exit_before_send"):
+        os._exit(17)
+    parse_kv_transfer_config(config).connector().exchange(transfer_id, rank, mine.tp + peer.tp, sends, {})
+    return sum(len(b) for b in sends.values())
+
+
+def recv(engine, rid: int, transfer_id: str, producer: dict, start: int, end: int, config: dict) -> int:
+    """Consumer rank: receive this rank's rows of ``[start, end)`` into ``rid``'s blocks; returns bytes."""
+    rank = _local_rank(engine)
+    mine, peer, _, _, plans, blocks = _plan(engine, producer, False, start, end)
+    mine_plans = [p for p in plans if p.dst == rank]
+    sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
+    connector = parse_kv_transfer_config(config).connector()
+    if _fault("consumer_exit_mid_transfer"):  # the group is up, the producer is sending: die
+        connector.join_group(transfer_id, peer.tp + rank, mine.tp + peer.tp)
+        os._exit(17)
+    received = connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, sizes)
+    table, caches = engine.blocks.table(rid), _caches(engine, rank)
+    for p in mine_plans:
+        scatter(mine, rank, caches, table, p, peer, blocks, received[p.src])
+    return sum(sizes.values())
+
+
+OPS = {"side": side, "hold": hold, "release": release, "adopt": adopt, "send": send, "recv": recv}
+
+
+def dispatch(engine, fn: str, args: dict):
+    if fn not in OPS:
+        raise ValueError(f"unknown KV transfer op {fn!r}; known: {sorted(OPS)}")
+    return OPS[fn](engine, **args)

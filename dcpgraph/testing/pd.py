@@ -1,0 +1,47 @@
+"""Helpers for P/D tests and benchmarks: ``--kv-transfer-config`` values, KV usage and transfer
+counters read from a running ``dcpgraph serve`` (bounded waits)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+SERVE_ARGS = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "256", "--served-model-name", "tiny",
+              "--enable-prefix-caching")
+
+
+SNAPSHOT_PERIOD_S = 0.6  # > serving.engine_loop.SNAPSHOT_EVERY_S: the gauges are at most this old
+
+
+def kv_config(role: str, rank: int, size: int, port: int, **extra) -> str:
+    """A ``--kv-transfer-config`` JSON value (``extra``: ``kv_connector_extra_config`` keys)."""
+    config = {"kv_role": role, "kv_rank": rank, "kv_parallel_size": size, "kv_port": port}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return json.dumps(config)
+
+
+def metric(server, name: str) -> list[float]:
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return [float(v) for v in re.findall(rf"^dcpgraph:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+
+
+def kv_stats(server) -> dict:
+    import httpx
+
+    return httpx.get(server.url + "/kv_transfer/stats", timeout=10).json()
+
+
+def wait_kv_free(*servers, timeout_s: float = 60) -> None:
+    """Wait until every server's KV usage is zero on every rank; ``AssertionError`` after ``timeout_s``.
+    Starts after one snapshot period, so a gauge read before the last request ran cannot pass it."""
+    time.sleep(SNAPSHOT_PERIOD_S)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(set(metric(s, "kv_cache_usage_perc")) == {0.0} for s in servers):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"KV blocks still in use: {[metric(s, 'kv_cache_usage_perc') for s in servers]}")

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import RequestError
+from ..errors import QueueFullError, RequestError
 from ..speculative.rejection import accept
 from ..speculative.stats import AcceptanceStats
 from .blocks import BlockManager
@@ -87,10 +87,6 @@ class ScheduledChunk:
     chunk: Chunk
     samples: bool
     draft_room: int = 0
-
-
-class QueueFullError(RequestError):
-    """The waiting queue holds ``max_waiting`` requests: try again later (a server's 429/503)."""
 
 
 class _StepEventFields(NamedTuple):

@@ -168,12 +168,12 @@ class Zoo:
             self._refs[key] = hf_greedy(self.model(name), prompt, MAX_NEW)
         return self._refs[key]
 
-    def engine(self, name: str, tp: int, dcp: int, interleave: int, comm: str) -> dcpgraph.Engine:
+    def engine(self, name: str, tp: int, dcp: int, interleave: int, comm: str, mlapo: bool = True) -> dcpgraph.Engine:
         """The engine of one selected run (compiled once; memory, explain and TP tests reuse it)."""
-        key = (name, tp, dcp, interleave, comm)
+        key = (name, tp, dcp, interleave, comm, mlapo)
         if key not in self._engines:
             self._engines[key] = dcpgraph.compile(
-                self.program(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm,
+                self.program(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm, mlapo=mlapo,
                 block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
             )
         return self._engines[key]
@@ -339,8 +339,10 @@ def test_latent_kv_bytes_formula(zoo, name):
 
 # -- 4. explain -----------------------------------------------------------------------------------
 def test_explain_shows_latent_cache_and_absorbed_projections(zoo):
+    """Unfused (mlapo=False), so W_UK and the cache write are visible as their own ops; with MLAPO
+    they are arguments of one ``mla_preprocess`` per layer (tests/test_mlapo.py)."""
     name = "deepseek_v3"
-    engine = zoo.engine(*case_for(name, 2, 2))
+    engine = zoo.engine(*case_for(name, 2, 2), mlapo=False)
     text = dcpgraph.explain(engine)
     lines = text.splitlines()
     assert lines[0].startswith("# DeepseekV3ForCausalLM: mla attention, 2 layers, 8 q heads / 1 kv heads, "

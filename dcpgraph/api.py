@@ -86,7 +86,13 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
     :mod:`dcpgraph.passes.tp_modules`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
     model's dtype, default; ``"bf16"``; ``"fp8_e4m3"``, fp8 with one fp32 scale per token, head and
-    128 elements, see :mod:`dcpgraph.ops.quant`).
+    128 elements, see :mod:`dcpgraph.ops.quant`), ``compile_cache_dir`` (default None: inductor's
+    own, under the temp directory; a path keeps compiled graphs there across processes, so a second
+    start-up compiles from its cache; process-wide, as inductor's cache directory is).
+
+    A compiling backend compiles every decode bucket and the mixed graph before ``compile``
+    returns (:mod:`dcpgraph.runtime.capture`): no request waits for a compile. Times per graph and
+    a count of compiles after start-up are in ``Engine.report()["compile"]``.
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -121,8 +127,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     )
     sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
     num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"])
-    from .backends import compile_backend
+    from .backends import compile_backend, use_compile_cache_dir
 
+    if opts["compile_cache_dir"] is not None:
+        use_compile_cache_dir(opts["compile_cache_dir"])
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,

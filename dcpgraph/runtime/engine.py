@@ -76,6 +76,9 @@ class Engine:
         self.graphs = graphs
         self.speculative_tokens = speculative_tokens
         self._next_id = 0
+        from .capture import capture_graphs
+
+        capture_graphs(self.runner, graphs)  # every graph compiled before any request
 
     @property
     def steps(self) -> int:

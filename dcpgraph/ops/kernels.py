@@ -392,7 +392,7 @@ def paged_partial_attention(
     """
     plain = kv_start is None and not softcap and (kv_bound is None or (  # a bound on a one-query-per-row decode is a length cap
         q.shape[0] == kv_lens.shape[0]
-        and torch.equal(cu_seqlens_q.to(torch.int64), torch.arange(q.shape[0] + 1))
+        and torch.equal(cu_seqlens_q.to(torch.int64), torch.arange(q.shape[0] + 1, device=cu_seqlens_q.device))
     ))
     if plain and q.dtype in (torch.float32, torch.bfloat16):
         from . import native

@@ -8,7 +8,7 @@ One run measures, on the same model and weights:
 * teacher-forced next-token agreement of the fp8-KV engine with the bf16-KV engine over
   ``--positions`` (1,000) positions of a tiny model, with the max and mean absolute logit error
   (target: ≥ 99%). The model is a 2-layer Qwen3 shape (hidden 128, 4 query / 2 KV heads of 128)
-  trained here for a few hundred steps on an order-2 Markov source (the next token is a fixed
+  trained here for 900 steps (cosine-decayed rate) on an order-2 Markov source (the next token is a fixed
   function of the previous two with probability 0.9), so that its predictions depend on attention
   and have the margins of a model that learned something; a random-weight model's near-ties are
   reported alongside (same measure, DeepSeek-V3 MLA shape, random weights) without a target.
@@ -107,7 +107,7 @@ def agreement(model, tokens: list[int], tp: int, dcp: int, base_kv: str = "bf16"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, default=1000)
-    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--train-steps", type=int, default=900)
     parser.add_argument("--quick", action="store_true", help="200 positions, 150 training steps")
     args = parser.parse_args(argv)
     if args.quick:

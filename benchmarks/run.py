@@ -3,6 +3,7 @@
     python benchmarks/run.py            # every benchmark at full size (tens of minutes on 2 cores)
     python benchmarks/run.py --quick    # small sizes, under 5 minutes on 2 cores
     python benchmarks/run.py --only decode_scaling [--only kv_capacity ...]
+    python benchmarks/run.py --device cuda  # the benchmarks that run on a GPU (DEVICE_AWARE), on it
 
 Each benchmark is its own module here (run as a subprocess, so one crash or leak cannot affect
 the next) and writes ``benchmarks/results/<name>.json``: a list of records ``{"benchmark",
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "speculative": (["--quick"], "speculative decoding: tokens per step and decode tok/s vs k, per method"),
     "kv_capacity_hybrid": (["--quick"], "sliding/full hybrid models: KV capacity with per-layer-group sizing vs uniform"),
     "pd_transfer": (["--quick"], "P/D KV transfer bytes and time vs prompt length, TTFT via proxy vs mixed"),
+    "decode_step": (["--quick"], "whole decode step vs bytes moved ÷ read bandwidth, and vs HF generate, fp32/bf16"),
 }
 
 # Headline rows shown on the console besides every row with a target.
@@ -60,13 +62,19 @@ HEADLINE = {
     "speculative": {"tokens_per_step", "decode_tokens_per_s"},
     "kv_capacity_hybrid": {"kv_bytes_per_token"},
     "pd_transfer": {"transfer_time", "ttft_via_proxy"},
+    "decode_step": {"read_bandwidth"},
 }
+
+# Benchmarks that take ``--device cuda``; the others measure the host only and are not run under it.
+DEVICE_AWARE = {"decode_step"}
 
 CAPACITY_SLACK = 1.15  # decode_capacity has no target field: step time at 64x the cache ≤ 1.15x
 
 
-def run_one(name: str, quick: bool, timeout: float) -> tuple[int, float]:
+def run_one(name: str, quick: bool, timeout: float, device: str = "cpu") -> tuple[int, float]:
     cmd = [sys.executable, str(HERE / f"{name}.py"), *(BENCHMARKS[name][0] if quick else [])]
+    if device != "cpu":
+        cmd += ["--device", device]
     print(f"\n=== {name}: {BENCHMARKS[name][1]}\n$ {' '.join(cmd)}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per benchmark")
     parser.add_argument("--summary-only", action="store_true", help="rebuild the table and plot from results/")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help=f"cuda: run the device-aware benchmarks ({sorted(DEVICE_AWARE)}) on the GPU")
     parser.add_argument("--results", type=Path, default=None,
                         help="with --summary-only: a folder of saved results to summarise (e.g. results/full)")
     args = parser.parse_args(argv)
@@ -214,12 +224,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--results needs --summary-only (the benchmarks write to benchmarks/results)")
         RESULTS = args.results.resolve()
     names = [n for n in BENCHMARKS if not args.only or n in args.only]
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+        skipped = [n for n in names if n not in DEVICE_AWARE]
+        if skipped:
+            print(f"--device cuda: not run (host-only benchmarks): {skipped}")
+        names = [n for n in names if n in DEVICE_AWARE]
     timeout = args.timeout or (600 if args.quick else 7200)
     start = time.perf_counter()
     status: dict[str, tuple[int, float]] = {}
     if not args.summary_only:
         for name in names:
-            status[name] = run_one(name, args.quick, timeout)
+            status[name] = run_one(name, args.quick, timeout, args.device)
     total = time.perf_counter() - start
 
     records, stale = [], set()

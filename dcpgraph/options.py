@@ -10,6 +10,7 @@ Rules that depend on the model (head counts, ``block_size % interleave``) are
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,8 @@ _INTS = {
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False, "mlapo": True,
           "hybrid_kv_cache": False}
-_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config")
+_OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config",
+          "compile_cache_dir")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -83,6 +85,9 @@ def compile_options(**given: Any) -> dict[str, Any]:
         isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
     ):
         raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
+    cache_dir = given.get("compile_cache_dir")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(f"compile_cache_dir must be None or a directory path (str or os.PathLike), got {cache_dir!r}")
     backend = given.get("backend", "auto")
     from .backends.registry import resolve_backend
 
@@ -91,4 +96,5 @@ def compile_options(**given: Any) -> dict[str, Any]:
 
     spec = speculative_config(given.get("speculative_config"), out["speculative_tokens"])
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
-            "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec}
+            "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec,
+            "compile_cache_dir": None if cache_dir is None else os.fspath(cache_dir)}

@@ -5,6 +5,7 @@ Sections (append new fixtures below the last one, keeping each section self-cont
 1. Hypothesis profiles: ``ci`` (default: deterministic, no example database, no deadline) and
    ``dev`` (more examples, for local runs). Select with ``HYPOTHESIS_PROFILE=dev pytest ...``.
 2. Fixtures.
+3. The ``gpu`` tier: tests marked ``gpu`` skip, saying why, where torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -42,3 +43,16 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# -- 3. The gpu tier -----------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    reason = ("no CUDA device: torch.cuda.is_available() is False (this torch build: "
+              f"{torch.__version__}); the gpu tier runs on a machine with a GPU and a CUDA build of torch")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -47,9 +47,9 @@ def raise_at_first_call(gm, example_inputs):
 @pytest.mark.parametrize("backend", [raise_at_compile, raise_at_first_call])
 def test_fallback_gives_eager_tokens_and_records_reason(qwen3, eager_tokens, backend):
     _, program = qwen3
-    engine = dcpgraph.compile(program, backend=backend, block_size=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        engine = dcpgraph.compile(program, backend=backend, block_size=4)  # captures every graph
         tokens = engine.generate(PROMPTS, 10)
     assert tokens == eager_tokens
     graphs = engine.report()["graphs"]

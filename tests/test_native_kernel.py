@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpgraph.ops import kernels, native
+from dcpgraph.ops import kernels, native, quant
 
 ATOL = 1e-5
 
@@ -163,3 +163,94 @@ def test_dispatch_uses_native_for_fp32_decode(monkeypatch):
     calls.clear()
     kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
     assert not calls
+
+
+# -- bf16 and fp8 KV caches: read as stored, converted in registers ---------------------------------
+KV_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
+
+
+def _typed(seed, kv_dtype, hq, hkv, d, dv, prefix, nb=64, block=16, rows=5, width=10):
+    """A cache stored as ``kv_dtype`` and the exact fp32 values it holds (the reference's input)."""
+    q, k, v, table = _case(seed, nb, block, hkv, d, dv, hq, rows, width, prefix)
+    k_stored, k_scales, k_exact = kernels._stored_as(3 * k, kv_dtype)
+    if prefix:
+        v_stored, v_scales, v_exact = k_stored[..., :dv], None, k_exact[..., :dv]
+    else:
+        v_stored, v_scales, v_exact = kernels._stored_as(v, kv_dtype)
+    return q, (k_stored, v_stored, k_scales, v_scales), (k_exact, v_exact), table
+
+
+@pytest.fixture(params=KV_DTYPES, ids=["bf16", "fp8"])
+def kv_dtype(request):
+    if request.param not in native.kv_dtypes():
+        pytest.skip(f"this native build reads {native.kv_dtypes()} only (bf16/fp8 need AVX-512)")
+    return request.param
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv,prefix", [
+    (8, 1, 128, 128, False),  # GQA 8:1, one pass over each KV block for the group
+    (8, 2, 40, 40, False),
+    (16, 1, 576, 512, True),  # MLA: values are the latent's first 512 columns, read in place
+    (6, 3, 19, 33, False),  # odd widths: masked tails
+    (4, 2, 192, 128, False),  # K and V rows of different widths (2 and 1 fp8 scale groups)
+])
+@pytest.mark.parametrize("chunk_tokens", [None, 48])
+def test_typed_kv_matches_reference_on_its_values(kv_dtype, hq, hkv, d, dv, prefix, chunk_tokens):
+    q, (k, v, ks, vs), (k_exact, v_exact), table = _typed(10, kv_dtype, hq, hkv, d, dv, prefix)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    lens = torch.tensor([0, 5, 16, 37, 150], dtype=torch.int32)
+    ref = _torch_path(q, k_exact, v_exact, table, cu, lens, None, 0.2)
+    out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs,
+                                          chunk_tokens=chunk_tokens)
+    tol = 1e-4 if d > 128 else ATOL
+    torch.testing.assert_close(out, ref[0], atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref[1]))
+    torch.testing.assert_close(lse, ref[1], atol=tol, rtol=tol)
+
+
+def test_every_fp8_byte_decodes_exactly():
+    """One key per row: the output is that key's value row, so it shows the in-register
+    conversion of every finite e4m3fn byte (normals, subnormals, both zeros), times its scale."""
+    if torch.float8_e4m3fn not in native.kv_dtypes():
+        pytest.skip(f"this native build reads {native.kv_dtypes()} only (fp8 needs AVX-512)")
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 values
+    v = finite.view(torch.float8_e4m3fn).view(1, 1, 1, -1)  # one block, one slot, one head
+    scales = torch.tensor([0.5, 2.0]).view(1, 1, 1, 2)  # elements 0-127 and 128-253
+    k = torch.zeros(1, 1, 1, 16, dtype=torch.float8_e4m3fn)
+    k_scales = torch.ones(1, 1, 1, 1)
+    q = torch.zeros(1, 1, 16)
+    one = torch.ones(1, dtype=torch.int32)
+    out, lse = native.native_paged_decode(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1]),
+                                          one, 1.0, k_scales=k_scales, v_scales=scales)
+    expected = quant.dequantize_fp8(v.view(1, 1, -1), scales.view(1, 1, -1), torch.float32).view(-1)
+    assert torch.equal(out.view(-1), expected) and float(lse) == 0.0
+
+
+def test_bf16_queries_get_bf16_output_from_fp32_arithmetic(kv_dtype):
+    q, (k, v, ks, vs), (k_exact, v_exact), table = _typed(11, kv_dtype, 8, 2, 64, 64, False)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    lens = torch.tensor([3, 70, 0, 16, 150], dtype=torch.int32)
+    qb = q.bfloat16()
+    out, lse = native.native_paged_decode(qb, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = _torch_path(qb.float(), k_exact, v_exact, table, cu, lens, None, 0.2)
+    assert torch.equal(out, ref[0].bfloat16())  # fp32 result rounded once
+    torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
+
+
+def test_fp8_op_reads_the_cache_natively_not_through_a_dequantised_copy(monkeypatch):
+    """``paged_attention`` on an fp8 cache calls the native kernel with the scales; the
+    dequantise-into-a-compact-copy path is not taken (it would raise here)."""
+    import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
+    from dcpgraph.ops import quant as quant_mod
+
+    if not kernels.native_enabled(torch.float8_e4m3fn):
+        pytest.skip(f"native fp8 off: {kernels._native_state.get(('reason', torch.float8_e4m3fn))}")
+    q, (k, v, ks, vs), (k_exact, v_exact), table = _typed(12, torch.float8_e4m3fn, 8, 1, 128, 128, False)
+    monkeypatch.setattr(quant_mod, "dequantized_context", lambda *a: pytest.fail("dequantised copy made"))
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    lens = torch.tensor([9, 0, 160, 33, 64], dtype=torch.int32)
+    out, lse = torch.ops.dcpgraph.paged_attention(q, k, v, table, cu, lens, None, 0.2, k_scales=ks, v_scales=vs)
+    ref = _torch_path(q, k_exact, v_exact, table, cu, lens, None, 0.2)
+    torch.testing.assert_close(out, ref[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)

@@ -1,7 +1,7 @@
 """Backends: turn a per-rank FX program into something that runs, with an eager fallback.
 
 ``backend=`` in :func:`dcpgraph.compile` accepts ``"auto"``, ``"eager"``, ``"inductor"``,
-``"torchair"`` (Ascend GE graph mode), ``"npugraph_ex"`` (Ascend aclgraph capture), or a callable
+``"aot_eager"`` (dynamo + AOTAutograd, executed eagerly: inductor's guards without its codegen), ``"torchair"`` (Ascend GE graph mode), ``"npugraph_ex"`` (Ascend aclgraph capture), or a callable
 with ``torch.compile``'s backend signature ``(GraphModule, example_inputs) -> callable``.
 ``"auto"`` picks torchair on Ascend when it imports, inductor on CUDA, eager on CPU.
 
@@ -24,16 +24,18 @@ from typing import Any
 import torch
 import torch.fx
 
+from .compile_log import CompileLog
 from .registry import available_backends, resolve_backend
 
-__all__ = ["CompiledGraphs", "available_backends", "compile_backend", "resolve_backend"]
+__all__ = ["CompiledGraphs", "available_backends", "compile_backend", "resolve_backend", "use_compile_cache_dir"]
 
 
 class CompiledGraphs:
     """The compiled graphs of one program, by key: ``"mixed"`` (dynamic token count: prefill and
     mixed steps) and ``("decode", R_b)`` (one static-shape graph per decode bucket). Each key
     gets its own GraphModule copy (its own code object, so dynamo caches never mix) wrapped in a
-    :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly."""
+    :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly. Every compile is
+    recorded in ``log`` (:class:`~.compile_log.CompileLog`)."""
 
     def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None):
         self.program = program
@@ -41,6 +43,7 @@ class CompiledGraphs:
         self.factory = factory
         self.runs_compiled = runs_compiled and factory is not None
         self.note = note
+        self.log = CompileLog()
         self._graphs: dict[Any, Any] = {}
 
     def get(self, key) -> Callable | None:
@@ -51,17 +54,21 @@ class CompiledGraphs:
 
             gm = self.program.graph_module
             copy = torch.fx.GraphModule(gm, gm.graph)
-            factory = self.factory
+            factory, name = self.factory, _key_name(key)
             if getattr(factory, "wants_static", False):
                 factory = functools.partial(factory, static=key != "mixed")
-            self._graphs[key] = FallbackGraph(_key_name(key), copy, factory, backend=self.name)
+            on_compile = functools.partial(self.log.record, name)
+            if getattr(self.factory, "counts_compiles", False):
+                factory = functools.partial(factory, on_compile=on_compile)
+                on_compile = None  # the factory reports each compile itself
+            self._graphs[key] = FallbackGraph(name, copy, factory, backend=self.name, on_compile=on_compile)
         return self._graphs[key]
 
     def report(self) -> dict:
         graphs = {_key_name(k): dict(g.status) for k, g in self._graphs.items()}
         for status in graphs.values():
             status.pop("traceback", None)
-        out = {"backend": self.name, "graphs": graphs}
+        out = {"backend": self.name, "graphs": graphs, "compile": self.log.report()}
         if self.note:
             out["note"] = self.note
         return out
@@ -79,3 +86,16 @@ def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGrap
     if factory is not None and not runs_compiled:
         note = f"{name} requested; the multi-rank emulator interprets the graph eagerly"
     return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note)
+
+
+def use_compile_cache_dir(path: str) -> None:
+    """Keep inductor's compiled graphs (its FX graph cache, generated code and built kernels) in
+    ``path`` from now on, for this whole process (inductor reads ``TORCHINDUCTOR_CACHE_DIR``); a
+    later process given the same path loads them instead of compiling."""
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True

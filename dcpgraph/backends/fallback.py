@@ -16,6 +16,7 @@ nothing (``tests/test_backends.py`` poisons those rows and checks eager's tokens
 
 from __future__ import annotations
 
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -25,8 +26,10 @@ import torch
 
 
 class FallbackGraph:
-    def __init__(self, name: str, gm: torch.fx.GraphModule, factory: Callable, *, backend: str | None = None):
+    def __init__(self, name: str, gm: torch.fx.GraphModule, factory: Callable, *, backend: str | None = None,
+                 on_compile: Callable[[float], None] | None = None):
         self.name = name
+        self.on_compile = on_compile  # seconds of the factory call + first call, if given
         self.gm = gm
         self.factory = factory
         label = backend or getattr(factory, "__name__", "custom").lstrip("_")
@@ -47,16 +50,21 @@ class FallbackGraph:
         self.status["calls"] += 1
         if self._proven:
             return self._compiled(*args)
-        if self._compiled is None:
-            try:
-                self._compiled = self.factory(self.gm, list(args))
-            except Exception as err:  # noqa: BLE001 - any compile failure means eager
-                self._fall_back("compile", err)
-                return self.gm(*args)
+        start = time.perf_counter()
         try:
-            result = self._compiled(*args)
-        except Exception as err:  # noqa: BLE001 - the first call is part of compiling
-            self._fall_back("first call", err)
-            return self.gm(*args)
+            if self._compiled is None:
+                try:
+                    self._compiled = self.factory(self.gm, list(args))
+                except Exception as err:  # noqa: BLE001 - any compile failure means eager
+                    self._fall_back("compile", err)
+                    return self.gm(*args)
+            try:
+                result = self._compiled(*args)
+            except Exception as err:  # noqa: BLE001 - the first call is part of compiling
+                self._fall_back("first call", err)
+                return self.gm(*args)
+        finally:
+            if self.on_compile is not None:
+                self.on_compile(time.perf_counter() - start)
         self._proven = True
         return result

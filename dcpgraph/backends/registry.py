@@ -22,13 +22,23 @@ def _eager(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return gm
 
 
-def _inductor(gm: torch.fx.GraphModule, example_inputs: list, *, static: bool = False) -> Callable:
-    from .inductor import compile_inductor
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    from .inductor import compile_dynamo
 
-    return compile_inductor(gm, example_inputs, static=static)
+    return compile_dynamo(gm, example_inputs, inner="inductor", **options)
 
 
-_inductor.wants_static = True
+def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    from .inductor import compile_dynamo
+
+    return compile_dynamo(gm, example_inputs, inner="aot_eager", **options)
+
+
+# Dynamo-based factories take ``static=`` (decode buckets) and ``on_compile=`` (called once per
+# compile, recompilations included); other factories are counted by the call that builds them.
+for _factory in (_inductor, _aot_eager):
+    _factory.wants_static = True
+    _factory.counts_compiles = True
 
 
 def _torchair(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
@@ -46,6 +56,7 @@ def _npugraph_ex(gm: torch.fx.GraphModule, example_inputs: list, **options: Any)
 _BACKENDS: dict[str, Factory | None] = {
     "eager": None,
     "inductor": _inductor,
+    "aot_eager": _aot_eager,
     "torchair": _torchair,
     "npugraph_ex": _npugraph_ex,
 }

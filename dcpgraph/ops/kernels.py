@@ -292,51 +292,72 @@ def _is_suffix_causal(bound: torch.Tensor, keys: int) -> bool:
     return bool(torch.equal(bound.to(torch.int64), torch.arange(keys - n + 1, keys + 1, device=bound.device)))
 
 
-_native_state: dict[str, object] = {}  # "ok": bool once decided; "reason": why not
+# Per KV dtype: True/False once decided; ("reason", dtype): why it is off; "reason": the latest such.
+_native_state: dict[object, object] = {}
 
 
-def native_enabled() -> bool:
-    """Whether fp32 paged decode goes through the native kernel (:mod:`dcpgraph.ops.native`).
+def _native_off(kv_dtype: torch.dtype, reason: str | None) -> bool:
+    _native_state[("reason", kv_dtype)] = _native_state["reason"] = reason
+    return False
 
-    ``DCPGRAPH_NATIVE=0`` disables it. Otherwise, on first use, the kernel is built (or loaded from
-    its persistent build directory) and must match the torch path on a tiny self-check (GQA,
-    scattered blocks, lengths 0 / partial block); any failure leaves it off for this process, with
-    the reason in ``_native_state["reason"]``."""
+
+def native_enabled(kv_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether paged decode over a ``kv_dtype`` cache goes through the native kernel
+    (:mod:`dcpgraph.ops.native`).
+
+    ``DCPGRAPH_NATIVE=0`` disables it. Otherwise, on first use for a KV dtype, the kernel is built
+    (or loaded from its persistent build directory) and must match the torch path, run on the same
+    values in fp32, on a tiny self-check (GQA, separate and prefix-view values, scattered blocks,
+    lengths 0 / partial block); any failure leaves that dtype off for this process, with the reason
+    in ``_native_state[("reason", kv_dtype)]`` (and ``_native_state["reason"]``)."""
     if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
         return False
-    ok = _native_state.get("ok")
+    ok = _native_state.get(kv_dtype)
     if ok is None:
-        ok = _native_self_check()
-        _native_state["ok"] = ok
+        ok = _native_self_check(kv_dtype)
+        _native_state[kv_dtype] = ok
     return bool(ok)
 
 
-def _native_self_check() -> bool:
+def _stored_as(x: torch.Tensor, kv_dtype: torch.dtype):
+    """``(stored, scales, exact fp32 values)`` of ``x [NB, B, H, D]`` in a ``kv_dtype`` cache."""
+    from . import quant
+
+    if quant.is_fp8(kv_dtype):
+        nb, block, h, d = x.shape
+        stored, scales = quant.quantize_fp8(x.reshape(-1, h, d))
+        stored, scales = stored.view(nb, block, h, d), scales.view(nb, block, h, -1)
+        return stored, scales, quant.dequantize_fp8(stored, scales, torch.float32)
+    stored = x.to(kv_dtype)
+    return stored, None, stored.to(torch.float32)
+
+
+def _native_self_check(kv_dtype: torch.dtype) -> bool:
     from . import native
 
     if not native.available():
-        _native_state["reason"] = native.reason
-        return False
+        return _native_off(kv_dtype, native.reason)
+    if kv_dtype not in native.kv_dtypes():
+        return _native_off(kv_dtype, f"this native build reads {native.kv_dtypes()} KV caches only")
     try:
         gen = torch.Generator().manual_seed(1234)
         nb, block, hkv, d, hq = 12, 4, 2, 24, 6
-        k_cache = torch.randn(nb, block, hkv, d, generator=gen)
-        v_cache = torch.randn(nb, block, hkv, 16, generator=gen)
+        k_cache, k_scales, k_exact = _stored_as(torch.randn(nb, block, hkv, d, generator=gen), kv_dtype)
+        v_cache, v_scales, v_exact = _stored_as(torch.randn(nb, block, hkv, 16, generator=gen), kv_dtype)
         table = torch.randperm(nb, generator=gen)[:9].view(3, 3).to(torch.int32)
         lens = torch.tensor([0, 5, 11], dtype=torch.int32)
         q = torch.randn(3, hq, d, generator=gen)
         cu = torch.arange(4, dtype=torch.int32)
-        for v in (v_cache, k_cache[..., :16]):
-            ref = _paged_partial_attention_torch(q, k_cache, v, table, cu, lens, None, 0.3)
-            got = native.native_paged_decode(q, k_cache, v, table, cu, lens, 0.3, chunk_tokens=4)
+        for v, vs, v_ref in ((v_cache, v_scales, v_exact), (k_cache[..., :16], None, k_exact[..., :16])):
+            ref = _paged_partial_attention_torch(q, k_exact, v_ref, table, cu, lens, None, 0.3)
+            got = native.native_paged_decode(q, k_cache, v, table, cu, lens, 0.3, k_scales=k_scales, v_scales=vs,
+                                             chunk_tokens=4)
             if got is None or not (torch.allclose(got[0], ref[0], atol=1e-5, rtol=1e-5)
                                    and torch.equal(torch.isinf(got[1]), torch.isinf(ref[1]))
                                    and torch.allclose(got[1], ref[1], atol=1e-5, rtol=1e-5)):
-                _native_state["reason"] = "native paged-decode kernel failed its self-check"
-                return False
+                return _native_off(kv_dtype, f"native paged-decode kernel failed its {kv_dtype} self-check")
     except Exception as exc:  # noqa: BLE001 - a broken kernel only disables itself
-        _native_state["reason"] = f"native self-check raised {type(exc).__name__}: {exc}"
-        return False
+        return _native_off(kv_dtype, f"native {kv_dtype} self-check raised {type(exc).__name__}: {exc}")
     return True
 
 
@@ -351,28 +372,40 @@ def paged_partial_attention(
     scale: float,
     kv_start: torch.Tensor | None = None,
     softcap: float = 0.0,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens.
 
     Local key ``j`` of row ``r`` lives at slot ``block_table[r, j // B]·B + j % B``; with
     ``kv_bound`` query ``t`` sees only keys ``j < kv_bound[t]``, with ``kv_start`` only keys
-    ``j >= kv_start[t]`` (a sliding window), and ``softcap`` caps every score.
+    ``j >= kv_start[t]`` (a sliding window), and ``softcap`` caps every score. fp8 caches come with
+    their scales (``k_scales``, and ``v_scales`` unless the values are a prefix of the keys,
+    :mod:`dcpgraph.ops.quant`).
 
-    fp32 without ``kv_start`` and ``softcap``, and without ``kv_bound`` or with it on rows of at most
-    :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries (decode, speculative verification), runs the
-    native kernel when it is enabled (:func:`native_enabled`), which knows neither a window nor a
-    cap; a block table that does not cover a row falls back here, to the
-    checked torch path.
+    fp32/bf16 queries without ``kv_start`` and ``softcap``, and without ``kv_bound`` or with it on
+    rows of at most :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries (decode, speculative verification),
+    run the native kernel when it is enabled for the cache's dtype (:func:`native_enabled`), which
+    reads fp32, bf16 and fp8 caches in place and knows neither a window nor a cap. Everything else,
+    and a block table that does not cover a row, takes the checked torch path, which reads an fp8
+    cache through :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses,
+    dequantised).
     """
-    if kv_start is None and not softcap and q.dtype == torch.float32:
+    if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16):
         from . import native
 
         args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None else _bound_as_lengths(
             block_table, cu_seqlens_q, kv_lens, kv_bound)
-        if args is not None and native.supports(q, k_cache, v_cache) and native_enabled():
-            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale)
+        if args is not None and native.supports(q, k_cache, v_cache) and native_enabled(k_cache.dtype):
+            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales)
             if res is not None:
                 return res
+    if k_scales is not None:
+        from . import quant
+
+        k_cache, v_cache, block_table = quant.dequantized_context(
+            k_cache, v_cache, k_scales, v_scales, block_table, kv_lens, q.dtype
+        )
     return _paged_partial_attention_torch(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
     )

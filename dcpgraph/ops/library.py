@@ -120,15 +120,12 @@ def _partial_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, 
 
 def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start=None,
                      softcap=0.0, k_scales=None, v_scales=None):
-    if k_scales is not None:  # fp8 caches: every path below reads the dequantised blocks
-        k_cache, v_cache, block_table = quant.dequantized_context(
-            k_cache, v_cache, k_scales, v_scales, block_table, kv_lens, q.dtype
-        )
-    elif quant.is_fp8(k_cache.dtype):
+    if k_scales is None and quant.is_fp8(k_cache.dtype):
         raise ValueError("paged_attention: an fp8 KV cache needs its scales (k_scales, and v_scales unless "
                          "the values are a prefix of the keys)")
-    out, lse = kernels.paged_partial_attention(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap
+    out, lse = kernels.paged_partial_attention(  # fp8: the native kernel reads it with its scales
+        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap,
+        k_scales, v_scales,
     )
     return out.contiguous(), lse.contiguous()
 

@@ -2,8 +2,11 @@
 
 :func:`native_paged_decode` computes what :func:`dcpgraph.ops.kernels.paged_partial_attention`
 does without ``kv_bound`` (row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens),
-for fp32 inputs, reading K and V **in place through the block table** (no gather copy, so a
-scattered table costs what a contiguous one does). For each (request, KV head, key chunk) the ``G``
+reading K and V **in place through the block table** (no gather copy, so a scattered table costs
+what a contiguous one does). KV caches of fp32, bf16 or float8_e4m3fn with its per-128-element
+scales (:mod:`dcpgraph.ops.quant`) are read as stored and converted to fp32 in registers (bf16/fp8
+need an AVX-512 build: :func:`kv_dtypes`); queries of any float dtype are computed in fp32 and the
+output is returned in the query's dtype, the LSE in fp32. For each (request, KV head, key chunk) the ``G``
 query heads of the KV head are processed together, so every K/V row is read once per KV head,
 with an online softmax over key blocks; chunks of one request are merged by LSE (split-K, so one
 long request still uses every thread). Source: ``csrc/paged_decode.cpp``.
@@ -162,10 +165,20 @@ def available() -> bool:
     return _load() is not None
 
 
+def kv_dtypes() -> tuple[torch.dtype, ...]:
+    """KV cache dtypes the built kernel reads (empty when it is unavailable)."""
+    mod = _load()
+    if mod is None:
+        return ()
+    return tuple(getattr(torch, name) for name in mod.kv_dtypes())
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The inputs this kernel handles: CPU fp32, dense K/V rows, matching block/head shapes."""
+    """The inputs this kernel handles: CPU, fp32/bf16 queries, K and V of one dtype the build
+    reads, dense K/V rows, matching block/head shapes."""
     return (
-        q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in kv_dtypes()
         and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and q.dim() == 3 and k_cache.dim() == 4 and v_cache.dim() == 4
         and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -183,10 +196,13 @@ def native_paged_decode(
     kv_lens: torch.Tensor,
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out [T, Hq, Dv] fp32, lse [T, Hq] fp32)``, or ``None`` when the block table does not
-    cover a row's keys (too short, or an out-of-range id): the caller's checked path then raises.
+    """``(out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)``, or ``None`` when the block table does
+    not cover a row's keys (too short, or an out-of-range id): the caller's checked path then raises.
+    fp8 caches need ``k_scales`` (and ``v_scales`` unless the values are a prefix of the keys).
 
     Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
     mod = _load()
@@ -208,9 +224,13 @@ def native_paged_decode(
         else:
             splits = -(-4 * threads // items)
             chunk_tokens = max(CHUNK_TOKENS // 4, -(-longest // splits))
+    def scales(x):
+        return None if x is None else x.to(torch.float32).contiguous()
+
     ok = mod.paged_decode(
-        q.contiguous(), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+        q.to(torch.float32).contiguous(), k_cache, v_cache, scales(k_scales), scales(v_scales),
+        block_table.to(torch.int32).contiguous(),
         cu_seqlens_q.to(torch.int64).contiguous(), lens, float(scale), out, lse, int(chunk_tokens),
         int(os.environ.get("DCPGRAPH_NATIVE_PREFETCH", PREFETCH_BLOCKS)),
     )
-    return (out, lse) if ok else None
+    return (out.to(q.dtype), lse) if ok else None

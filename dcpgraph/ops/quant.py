@@ -23,10 +23,13 @@ with the latent's. vLLM keeps the rope part in bf16 inside a byte-packed row; dc
 dtype per cache tensor so the values stay a view ``cache[..., :512]`` of the key cache, and the
 separate rope scale removes the reason to keep it wider (cross-range scale sharing).
 
-Reading: :func:`dequantized_context` dequantises only the blocks a step's block table references
+Reading: the native paged-decode kernel (:mod:`dcpgraph.ops.native`) reads fp8 blocks in place
+through the block table, converting each element and applying its row's scale in registers, so a
+decode step moves only the fp8 bytes and their scales. Every other path (a sliding window, a
+soft-cap, several query rows under a causal bound, builds without AVX-512) goes through
+:func:`dequantized_context`, which dequantises only the blocks a step's block table references
 (cost proportional to the context read, never to cache capacity) into a compact cache in the
-query's dtype and remaps the table, so every attention path (batched decode, per-request flash,
-the native kernel for fp32 queries) reads ordinary floating-point K/V; no kernel ever sees fp8.
+query's dtype and remaps the table.
 """
 
 from __future__ import annotations

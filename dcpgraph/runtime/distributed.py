@@ -145,6 +145,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def backend_for(device: str | torch.device) -> str:
+    """The collective backend for ranks on ``device``: NCCL for CUDA, gloo for the host."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -159,6 +164,8 @@ def _child(
     payload is the pickled return value, or the traceback text."""
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank, round robin
         dist.init_process_group(
             backend,
             rank=rank,
@@ -199,7 +206,8 @@ def spawn(
     teardown); "spawn" gives the same isolation at that cost. Each rank sets
     ``torch.set_num_threads(1)``, joins a ``torch.distributed`` world on a free port of 127.0.0.1
     and destroys it when ``fn`` returns. Return values travel by ``pickle`` (plain bytes, no shared
-    memory), so tensors are copied.
+    memory), so tensors are copied. ``backend="nccl"`` (see :func:`backend_for`) gives rank ``r``
+    CUDA device ``r mod device_count`` before it joins.
 
     The first rank that raises (or dies) makes this raise :class:`RankFailedError` with its
     traceback; the other processes are killed. Nothing waits longer than ``timeout_s`` overall:

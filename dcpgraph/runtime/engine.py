@@ -95,6 +95,9 @@ class Engine:
         self.graphs = graphs
         self.speculative_tokens = k
         self._next_id = 0
+        from .capture import capture_graphs
+
+        capture_graphs(self.runner, graphs)  # every graph compiled before any request
 
     @property
     def steps(self) -> int:

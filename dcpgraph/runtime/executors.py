@@ -7,7 +7,10 @@
   running the same deterministic engine, reaches the same result.
 
 Both own the per-rank KV caches (allocated once, written in place by the program) and the
-per-rank parameter shards (computed once from the full parameters). ``local_ranks`` names the ranks
+per-rank parameter shards (computed once from the full parameters). The device is the parameters'
+(:func:`state_device`): caches are allocated there and each step's inputs, built on the host by
+:mod:`.step_inputs`, are copied there; logits come back to the host, where sampling runs with each
+request's own CPU generator. ``local_ranks`` names the ranks
 whose caches this process holds and ``rank_caches(rank)`` returns one of them (cache name ->
 ``[num_blocks, block_size, heads, dim]``), so code that reads caches asks the executor what it has.
 """
@@ -21,17 +24,33 @@ import torch
 from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
 
 
-def allocate_caches(program: Program, num_blocks: int | Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """Zeroed caches ``[blocks, block_size, heads, dim]``. ``num_blocks``: one count for every
-    cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the caches named
-    in ``options["sliding_caches"]`` get ``m``)."""
+def state_device(state: list[torch.Tensor]) -> torch.device:
+    """Where a rank runs: its parameters' device (the host for a program without any)."""
+    devices = {t.device for t in state if isinstance(t, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"a rank's parameters span devices {sorted(map(str, devices))}: move the model to one device")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Zeroed caches ``[blocks, block_size, heads, dim]`` on ``device``. ``num_blocks``: one count
+    for every cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the
+    caches named in ``options["sliding_caches"]`` get ``m``)."""
     block = int(program.options["block_size"])
     sliding = set(program.options.get("sliding_caches", ()))
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
     return {
-        c.name: torch.zeros(counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim, dtype=c.dtype)
+        c.name: torch.zeros(counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim, dtype=c.dtype,
+                            device=device)
         for c in program.caches
     }
+
+
+def on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type == "cpu":
+        return inputs
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
 
 
 def rank_arguments(
@@ -58,7 +77,7 @@ def rank_arguments(
 
 def logits_of(output) -> torch.Tensor:
     first = output[0] if isinstance(output, (tuple, list)) else output
-    return first[0]  # [1, R, V] -> [R, V]
+    return first[0].cpu()  # [1, R, V] -> [R, V], on the host (a no-op there)
 
 
 class EmulatedExecutor:
@@ -68,7 +87,8 @@ class EmulatedExecutor:
         self.program = program
         self.ranks = list(program.mesh.ranks)
         self.states = [program.local_state(r) for r in self.ranks]
-        self.caches = [allocate_caches(program, num_blocks) for _ in self.ranks]
+        self.device = state_device(self.states[0])
+        self.caches = [allocate_caches(program, num_blocks, self.device) for _ in self.ranks]
         self.graphs = graphs
 
     @property
@@ -81,7 +101,9 @@ class EmulatedExecutor:
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         from .emulator import run_spmd
 
-        args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, per_rank[r]) for r in self.ranks]
+        shared = on_device(shared, self.device)
+        args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, on_device(per_rank[r], self.device))
+                for r in self.ranks]
         if len(self.ranks) == 1:
             fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
             return logits_of(fn(*args[0]))
@@ -101,7 +123,8 @@ class DistributedExecutor:
         self.rank = dist.get_rank()
         register_mesh_groups(program.mesh)
         self.state = program.local_state(self.rank)
-        self.caches = allocate_caches(program, num_blocks)
+        self.device = state_device(self.state)
+        self.caches = allocate_caches(program, num_blocks, self.device)
         self.graphs = graphs
 
     @property
@@ -114,6 +137,7 @@ class DistributedExecutor:
         return self.caches
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
-        args = rank_arguments(self.program, self.state, self.caches, shared, per_rank[self.rank])
+        args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),
+                              on_device(per_rank[self.rank], self.device))
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
         return logits_of(fn(*args))

@@ -5,14 +5,22 @@
 // heads of that KV head (times the request's query rows) are processed together: every K/V row is
 // read once per KV head, with an online softmax (running max/sum per row) over key blocks. Chunks
 // of one request are merged by LSE at the end (split-K, so one long request uses every thread).
-// fp32 only; outputs out [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as the
-// caller initialised them ((0, -inf)).
+// When the values are a prefix of the key rows (MLA's latent: v = k[..., :dv]) they are read from
+// the key rows themselves.
+//
+// KV element types: fp32; bf16 and float8_e4m3fn (with fp32 scales [NB, B, H, ceil(D/128)], one
+// per 128 elements of a row) are converted to fp32 in registers as they are loaded (AVX-512
+// builds only). Queries are fp32 (the caller converts); all arithmetic is fp32. Outputs out
+// [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as the caller
+// initialised them ((0, -inf)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <string>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -128,33 +136,67 @@ inline void block_values(const float* p, int64_t ps, int64_t m, const float* vb,
 
 
 #ifdef __AVX512F__
+// KV element loaders: 16 consecutive elements of one cache row as fp32 in a register (masked
+// lanes are zero). ``sc`` is that row's fp32 scales (one per FP8_GROUP elements; fp8 only) and
+// ``x`` the offset of the first element in the row, a multiple of 16.
+constexpr int64_t FP8_GROUP = 128;
+
+struct LoadF32 {
+  using T = float;
+  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk) {
+    return _mm512_maskz_loadu_ps(mk, row + x);
+  }
+};
+
+struct LoadBF16 {  // bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 word
+  using T = uint16_t;
+  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mk, row + x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+
+struct LoadFP8 {  // float8_e4m3fn bytes s.eeee.mmm, times the row's scale for this group
+  using T = uint8_t;
+  static inline __m512 load(const T* row, const float* sc, int64_t x, __mmask16 mk) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, row + x));
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    // Normal (e > 0): exponent and mantissa bits moved into fp32's fields, bias 7 -> 127.
+    const __m512 normal = _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    // Subnormal (e = 0): m * 2^-9, computed without fp32 denormals.
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
+    const __mmask16 is_normal = _mm512_cmpge_epi32_mask(em, _mm512_set1_epi32(8));
+    __m512 v = _mm512_mask_blend_ps(is_normal, sub, normal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    return _mm512_mul_ps(v, _mm512_set1_ps(sc[x / FP8_GROUP]));
+  }
+};
+
+template <class T> struct LoaderForT;
+template <> struct LoaderForT<float> { using type = LoadF32; };
+template <> struct LoaderForT<uint16_t> { using type = LoadBF16; };
+template <> struct LoaderForT<uint8_t> { using type = LoadFP8; };
+template <class T> using LoaderFor = typename LoaderForT<T>::type;
+
 // AVX-512 micro-kernels (compiled with -march=native on a machine that has it): register tiles of
 // RR query rows x TT tokens for the scores and RR rows x NV 16-float vectors for the values, so
-// each K/V vector load feeds several FMAs and the accumulators stay in registers.
-template <int RR, int TT>
-inline void score_tile(const float* q, int64_t d, const float* k, int64_t ks, float* s, int64_t ss) {
+// each K/V vector load (converted to fp32 in the register) feeds several FMAs and the accumulators
+// stay in registers. K/V rows are ``ks`` elements apart and their scale rows ``kss`` floats apart.
+template <class L, int RR, int TT>
+inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
+                       int64_t kss, float* s, int64_t ss) {
   __m512 acc[RR][TT];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
     for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t x = 0;
-  for (; x + 16 <= d; x += 16) {
+  for (int64_t x = 0; x < d; x += 16) {
+    const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
     __m512 kv[TT];
     #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) kv[j] = _mm512_loadu_ps(k + j * ks + x);
-    #pragma GCC unroll 16
-    for (int i = 0; i < RR; ++i) {
-      const __m512 qv = _mm512_loadu_ps(q + i * d + x);
-      #pragma GCC unroll 16
-      for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
-    }
-  }
-  if (x < d) {
-    const __mmask16 mk = static_cast<__mmask16>((1u << (d - x)) - 1u);
-    __m512 kv[TT];
-    #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) kv[j] = _mm512_maskz_loadu_ps(mk, k + j * ks + x);
+    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk);
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
       const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i * d + x);
@@ -192,38 +234,40 @@ inline void score_tile(const float* q, int64_t d, const float* k, int64_t ks, fl
   }
 }
 
-using ScoreFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-static const ScoreFn kScore[4][4] = {
-    {score_tile<1, 1>, score_tile<1, 2>, score_tile<1, 3>, score_tile<1, 4>},
-    {score_tile<2, 1>, score_tile<2, 2>, score_tile<2, 3>, score_tile<2, 4>},
-    {score_tile<3, 1>, score_tile<3, 2>, score_tile<3, 3>, score_tile<3, 4>},
-    {score_tile<4, 1>, score_tile<4, 2>, score_tile<4, 3>, score_tile<4, 4>},
-};
-
-inline void block_scores_avx(const float* q, int64_t m, int64_t d, const float* kb, int64_t ks, int64_t nt,
-                             float* s, int64_t ss) {
+template <class L>
+inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
+                             const float* ksc, int64_t kss, int64_t nt, float* s, int64_t ss) {
+  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, float*, int64_t);
+  static const Fn table[4][4] = {
+      {score_tile<L, 1, 1>, score_tile<L, 1, 2>, score_tile<L, 1, 3>, score_tile<L, 1, 4>},
+      {score_tile<L, 2, 1>, score_tile<L, 2, 2>, score_tile<L, 2, 3>, score_tile<L, 2, 4>},
+      {score_tile<L, 3, 1>, score_tile<L, 3, 2>, score_tile<L, 3, 3>, score_tile<L, 3, 4>},
+      {score_tile<L, 4, 1>, score_tile<L, 4, 2>, score_tile<L, 4, 3>, score_tile<L, 4, 4>},
+  };
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rr = std::min<int64_t>(4, m - i);
     for (int64_t t = 0; t < nt; t += 4) {
       const int64_t tt = std::min<int64_t>(4, nt - t);
-      kScore[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, s + i * ss + t, ss);
+      table[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss, s + i * ss + t, ss);
     }
   }
 }
 
-template <int RR, int NV>
-inline void value_tile(const float* p, int64_t ps, const float* v, int64_t vs, int64_t nt, float* acc, int64_t dv,
-                       __mmask16 last) {
+// acc[i, x0 : x0 + 16 NV] += sum_t p[i * ps + t] * v_t[x0 : ...] (the last vector masked by ``last``).
+template <class L, int RR, int NV>
+inline void value_tile(const float* p, int64_t ps, const typename L::T* v, int64_t vs, const float* vsc,
+                       int64_t vss, int64_t x0, int64_t nt, float* acc, int64_t dv, __mmask16 last) {
   __m512 a[RR][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c)
-      a[i][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, acc + i * dv + 16 * c);
+      a[i][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, acc + i * dv + x0 + 16 * c);
   for (int64_t t = 0; t < nt; ++t) {
     __m512 vv[NV];
     #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, v + t * vs + 16 * c);
+    for (int c = 0; c < NV; ++c)
+      vv[c] = L::load(v + t * vs, vsc + t * vss, x0 + 16 * c, c == NV - 1 ? last : 0xFFFF);
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
       const __m512 w = _mm512_set1_ps(p[i * ps + t]);
@@ -235,22 +279,35 @@ inline void value_tile(const float* p, int64_t ps, const float* v, int64_t vs, i
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c)
-      _mm512_mask_storeu_ps(acc + i * dv + 16 * c, c == NV - 1 ? last : 0xFFFF, a[i][c]);
+      _mm512_mask_storeu_ps(acc + i * dv + x0 + 16 * c, c == NV - 1 ? last : 0xFFFF, a[i][c]);
 }
 
-using ValueFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, __mmask16);
-static const ValueFn kValue4[4] = {value_tile<1, 4>, value_tile<2, 4>, value_tile<3, 4>, value_tile<4, 4>};
-static const ValueFn kValue1[4] = {value_tile<1, 1>, value_tile<2, 1>, value_tile<3, 1>, value_tile<4, 1>};
+// dst[t * d + x] = row t of a block, converted to fp32 (t < nt, x < d): a stored block staged
+// once when several register blocks of query rows would otherwise each convert it again.
+template <class L>
+inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc, int64_t scs, int64_t nt,
+                       int64_t d, float* dst) {
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t x = 0; x < d; x += 16) {
+      const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
+      _mm512_mask_storeu_ps(dst + t * d + x, mk, L::load(src + t * stride, sc + t * scs, x, mk));
+    }
+}
 
-inline void block_values_avx(const float* p, int64_t ps, int64_t m, const float* vb, int64_t vs, int64_t nt,
-                             int64_t dv, float* acc) {
+template <class L>
+inline void block_values_avx(const float* p, int64_t ps, int64_t m, const typename L::T* vb, int64_t vs,
+                             const float* vsc, int64_t vss, int64_t nt, int64_t dv, float* acc) {
+  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t,
+                      int64_t, float*, int64_t, __mmask16);
+  static const Fn four[4] = {value_tile<L, 1, 4>, value_tile<L, 2, 4>, value_tile<L, 3, 4>, value_tile<L, 4, 4>};
+  static const Fn one[4] = {value_tile<L, 1, 1>, value_tile<L, 2, 1>, value_tile<L, 3, 1>, value_tile<L, 4, 1>};
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rr = std::min<int64_t>(4, m - i);
     int64_t x = 0;
-    for (; x + 64 <= dv; x += 64) kValue4[rr - 1](p + i * ps, ps, vb + x, vs, nt, acc + i * dv + x, dv, 0xFFFF);
+    for (; x + 64 <= dv; x += 64) four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, x, nt, acc + i * dv, dv, 0xFFFF);
     for (; x < dv; x += 16) {
       const __mmask16 mk = dv - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - x)) - 1u);
-      kValue1[rr - 1](p + i * ps, ps, vb + x, vs, nt, acc + i * dv + x, dv, mk);
+      one[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, x, nt, acc + i * dv, dv, mk);
     }
   }
 }
@@ -305,12 +362,13 @@ struct Item {
 
 // Returns false (and writes nothing) if a block table row is too short or holds an out-of-range
 // id where a real block is needed: the caller then takes its checked path, which raises.
-bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
-                  double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
-                  int64_t prefetch_blocks) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+template <class T>
+bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const float* ksp, const float* vsp, int64_t kgroups, int64_t vgroups,
+                        const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                        double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
+                        int64_t prefetch_blocks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: fp32 queries");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "paged_decode: layout");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: K/V rows must be dense");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table int32");
@@ -325,8 +383,14 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = static_cast<const T*>(k_cache.data_ptr());
+  const T* vp = static_cast<const T*>(v_cache.data_ptr());
+  // Scale rows (fp8): [NB, B, H, groups] contiguous; other dtypes read one dummy scale, stride 0.
+  static const float kNoScale = 1.f;
+  const int64_t kss2 = ksp ? kgroups : 0, kss1 = hkv * kss2, kss0 = kss1 * bsz;
+  const int64_t vss2 = vsp ? vgroups : 0, vss1 = hkv * vss2, vss0 = vss1 * bsz;
+  if (!ksp) ksp = &kNoScale;
+  if (!vsp) vsp = &kNoScale;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
@@ -366,6 +430,9 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t ss = (bsz + 15) / 16 * 16;  // score row stride (whole vectors)
     std::vector<float> qbuf(max_m * d), sbuf(max_m * ss);
+    // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
+    std::vector<float> kstage(std::is_same_v<T, uint8_t> ? bsz * d : 0);
+    std::vector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
     for (int64_t it = begin; it < end; ++it) {
       const Item& w = items[it];
       const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
@@ -384,8 +451,10 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       for (int64_t t = w.t0; t < w.t1;) {
         const int64_t blk = table[w.r * width + t / bsz], off = t % bsz;
         const int64_t nt = std::min(bsz - off, w.t1 - t);
-        const float* kb = kp + blk * ks0 + off * ks1 + w.h * ks2;
-        const float* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
+        const T* kb = kp + blk * ks0 + off * ks1 + w.h * ks2;
+        const T* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
+        const float* ksb = ksp + blk * kss0 + off * kss1 + w.h * kss2;
+        const float* vsb = vsp + blk * vss0 + off * vss1 + w.h * vss2;
         {  // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
            // table, which the hardware prefetcher cannot follow for a scattered table).
           const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
@@ -395,17 +464,28 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             const char* pv = reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2);
             const int64_t nu = std::min(bsz, w.t1 - ahead);
             for (int64_t u = 0; u < nu; ++u) {
-              for (int64_t b = 0; b < d * 4; b += 64) __builtin_prefetch(pk + u * ks1 * 4 + b, 0, 2);
+              constexpr int64_t e = sizeof(T);
+              for (int64_t b = 0; b < d * e; b += 64) __builtin_prefetch(pk + u * ks1 * e + b, 0, 2);
               if (!value_prefix)
-                for (int64_t b = 0; b < dv * 4; b += 64) __builtin_prefetch(pv + u * vs1 * 4 + b, 0, 2);
+                for (int64_t b = 0; b < dv * e; b += 64) __builtin_prefetch(pv + u * vs1 * e + b, 0, 2);
             }
           }
         }
         float* s = sbuf.data();
 #ifdef __AVX512F__
-        block_scores_avx(qbuf.data(), m, d, kb, ks1, nt, s, ss);
+        // One register block of query rows converts each K/V vector once in registers. With more,
+        // fp8 blocks are staged in fp32 once and every register block reads the staged copy (its
+        // conversion costs more than a store and reload; bf16's shift does not: measured with
+        // benchmarks/attention_bandwidth.py, MLA 16 heads fp8 0.76 -> 1.24 GB/s, bf16 2.6 -> 2.2).
+        const bool staged = std::is_same_v<T, uint8_t> && m > 4;
+        if (staged) {
+          stage_rows<LoaderFor<T>>(kb, ks1, ksb, kss1, nt, d, kstage.data());
+          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, nt, s, ss);
+        } else {
+          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, nt, s, ss);
+        }
 #else
-        block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
+        if constexpr (std::is_same_v<T, float>) block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
 #endif
         for (int64_t i = 0; i < m; ++i) {
           float* si = s + i * ss;
@@ -439,9 +519,16 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         started = true;
 #ifdef __AVX512F__
-        block_values_avx(s, ss, m, vb, vs1, nt, dv, acc);
+        if (staged && value_prefix) {
+          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, nt, dv, acc);
+        } else if (staged) {
+          stage_rows<LoaderFor<T>>(vb, vs1, vsb, vss1, nt, dv, vstage.data());
+          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, nt, dv, acc);
+        } else {
+          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, nt, dv, acc);
+        }
 #else
-        block_values(s, ss, m, vb, vs1, nt, dv, acc);
+        if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);
 #endif
         t += nt;
       }
@@ -484,6 +571,56 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   return true;
 }
 
+
+// Dispatch on the KV dtype. ``k_scales``/``v_scales``: fp8 only (``v_scales`` absent when the values
+// are a prefix of the key rows, which then share the key rows' scales).
+bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                  const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                  double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
+                  int64_t prefetch_blocks) {
+  const auto kind = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kind, "paged_decode: K and V caches of one dtype");
+  if (kind == at::kFloat)
+    return paged_decode_typed<float>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, block_table, cu_seqlens_q, kv_lens,
+                                     scale, out, lse, chunk_tokens, prefetch_blocks);
+#ifdef __AVX512F__
+  if (kind == at::kBFloat16)
+    return paged_decode_typed<uint16_t>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, block_table, cu_seqlens_q,
+                                        kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
+  if (kind == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(k_scales.has_value(), "paged_decode: fp8 K needs its scales");
+    const at::Tensor& ks = *k_scales;
+    auto check_scales = [](const at::Tensor& sc, const at::Tensor& cache, const char* name) {
+      const int64_t groups = (cache.size(3) + FP8_GROUP - 1) / FP8_GROUP;
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 4 && sc.size(3) == groups &&
+                      sc.size(0) == cache.size(0) && sc.size(1) == cache.size(1) && sc.size(2) == cache.size(2),
+                  "paged_decode: ", name, " must be contiguous fp32 [NB, B, H, ceil(D/128)]");
+      return groups;
+    };
+    const int64_t kgroups = check_scales(ks, k_cache, "k_scales");
+    const bool prefix = v_cache.data_ptr() == k_cache.data_ptr();
+    TORCH_CHECK(prefix || v_scales.has_value(), "paged_decode: fp8 V needs its scales (or to be a prefix of K)");
+    // A prefix of the key rows reads the key rows' scales (its groups are their first groups).
+    const int64_t vgroups = prefix ? kgroups : check_scales(*v_scales, v_cache, "v_scales");
+    const float* vsp = prefix ? ks.data_ptr<float>() : v_scales->data_ptr<float>();
+    return paged_decode_typed<uint8_t>(q, k_cache, v_cache, ks.data_ptr<float>(), vsp, kgroups, vgroups, block_table,
+                                       cu_seqlens_q, kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
+  }
+#endif
+  TORCH_CHECK(false, "paged_decode: KV dtype ", kind, " is not supported by this build");
+}
+
+// The KV dtypes this build reads (bf16 and fp8 need AVX-512).
+std::vector<std::string> kv_dtypes() {
+#ifdef __AVX512F__
+  return {"float32", "bfloat16", "float8_e4m3fn"};
+#else
+  return {"float32"};
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, in-place block-table reads)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (fp32/bf16/fp8 KV, in-place block-table reads)");
+  m.def("kv_dtypes", &kv_dtypes, "KV cache dtypes this build reads");
 }

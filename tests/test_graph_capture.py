@@ -48,7 +48,10 @@ def test_serving_after_capture_compiles_nothing(program, speculative_tokens, cap
     with caplog.at_level(logging.INFO, logger="dcpgraph.runtime.capture"):
         engine = dcpgraph.compile(program, backend="aot_eager", **options)
     report = engine.report()["compile"]
-    assert report["captured"] and set(report["startup_seconds"]) == {"decode[1]", "decode[2]", "decode[4]", "mixed"}
+    graphs = {"decode[1]", "decode[2]", "decode[4]", "mixed"}
+    if speculative_tokens:  # verification steps (1 + k query tokens per row) have their own buckets
+        graphs |= {f"verify[{b}x{1 + speculative_tokens}]" for b in (1, 2, 4)}
+    assert report["captured"] and set(report["startup_seconds"]) == graphs
     assert all(s > 0 for s in report["startup_seconds"].values())
     assert report["compiles_at_startup"] >= 4  # one per graph at least (dynamo may specialise mixed)
     assert any("captured at start-up" in r.getMessage() and "decode[4]" in r.getMessage() for r in caplog.records)
@@ -57,6 +60,7 @@ def test_serving_after_capture_compiles_nothing(program, speculative_tokens, cap
     assert serve(engine, ARRIVALS) == serve(eager, ARRIVALS)
     steps = engine.report()["graph_steps"]
     assert {"decode[1]", "decode[2]", "decode[4]", "mixed"} <= set(steps), steps  # every graph served
+    assert not speculative_tokens or any(name.startswith("verify[") for name in steps), steps
     after = engine.report()["compile"]
     assert after["compiles_after_startup"] == 0, after["compiled_after_startup"]
     assert after["compiles_at_startup"] == report["compiles_at_startup"]

@@ -120,10 +120,11 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         block_size=block_size, interleave=interleave,
     )
     max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    mtp_checkpoint = None
     if spec is not None and spec.method == "mtp":
-        from .speculative.mtp import check_mtp
+        from .speculative.mtp import check_mtp_target
 
-        check_mtp(facts)
+        mtp_checkpoint = check_mtp_target(facts, model)
     draft_program = None
     if spec is not None and spec.method == "draft_model":
         from .speculative.draft_model import check_draft
@@ -149,6 +150,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
+        return_hidden=mtp_checkpoint is not None,
     )
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import layer_group_tables
@@ -163,6 +165,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
 
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
     draft = None
+    if mtp_checkpoint is not None:
+        from .speculative.mtp_module import load_mtp_program
+
+        draft_program = load_mtp_program(mtp_checkpoint, facts, facts.dtype)
     if draft_program is not None:
         draft_program = compile_program(
             draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,

@@ -61,6 +61,13 @@ def logits_of(output) -> torch.Tensor:
     return first[0]  # [1, R, V] -> [R, V]
 
 
+def hidden_of(program: Program, output) -> torch.Tensor | None:
+    """The final hidden states ``[T, H]`` of a program compiled with ``return_hidden``
+    (output ``options["hidden_states_output"]``), else ``None``."""
+    index = program.options.get("hidden_states_output")
+    return None if index is None else output[index][0]
+
+
 class EmulatedExecutor:
     mode = "emulated"
 
@@ -70,6 +77,7 @@ class EmulatedExecutor:
         self.states = [program.local_state(r) for r in self.ranks]
         self.caches = [allocate_caches(program, num_blocks) for _ in self.ranks]
         self.graphs = graphs
+        self.last_hidden: torch.Tensor | None = None  # the last run's hidden states (return_hidden)
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -84,9 +92,11 @@ class EmulatedExecutor:
         args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, per_rank[r]) for r in self.ranks]
         if len(self.ranks) == 1:
             fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
-            return logits_of(fn(*args[0]))
-        outputs = run_spmd(self.program.graph_module, args, self.program.mesh)
-        return logits_of(outputs[0])
+            output = fn(*args[0])
+        else:
+            output = run_spmd(self.program.graph_module, args, self.program.mesh)[0]
+        self.last_hidden = hidden_of(self.program, output)  # the same on every rank
+        return logits_of(output)
 
 
 class DistributedExecutor:
@@ -103,6 +113,7 @@ class DistributedExecutor:
         self.state = program.local_state(self.rank)
         self.caches = allocate_caches(program, num_blocks)
         self.graphs = graphs
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -116,4 +127,6 @@ class DistributedExecutor:
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         args = rank_arguments(self.program, self.state, self.caches, shared, per_rank[self.rank])
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
-        return logits_of(fn(*args))
+        output = fn(*args)
+        self.last_hidden = hidden_of(self.program, output)
+        return logits_of(output)

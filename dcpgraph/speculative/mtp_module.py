@@ -91,6 +91,18 @@ class MTPModule(torch.nn.Module):
         return head(layer.shared_head.norm(x)), x
 
 
+class _TraceWrapper(torch.nn.Module):
+    """The MTP module as the submodule ``model``, like the HF front end's wrapper, so module paths
+    in the exported graph have the shape the TP passes expect (``model.<the module's own path>``)."""
+
+    def __init__(self, module: MTPModule):
+        super().__init__()
+        self.model = module
+
+    def forward(self, input_ids, position_ids, hidden_states):
+        return self.model(input_ids, position_ids, hidden_states)
+
+
 def mtp_config(config, attention: str):
     """A copy of the target's config for tracing or running the MTP layer: attention
     implementation ``attention`` ("dcpgraph" to trace, "sdpa" for an eager reference) and
@@ -139,9 +151,9 @@ def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
     tokens = torch.export.Dim("tokens", min=2, max=1 << 16)
     module.eval()
     with torch.no_grad():
-        exported, seconds = run_export(module, (ids, positions, hidden), {
+        exported, seconds = run_export(_TraceWrapper(module).eval(), (ids, positions, hidden), {
             "input_ids": {1: tokens}, "position_ids": {1: tokens}, "hidden_states": {1: tokens}})
-    program = program_from_export(exported, facts, seconds=seconds,
+    program = program_from_export(exported, facts, prefix="model.", seconds=seconds,
                                   roles=("input_ids", "position_ids", "hidden_states"))
     if device.type == "meta":
         _on_device(program.graph_module.graph, torch.device("cpu"))
@@ -150,14 +162,14 @@ def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
     return program.replace(options={**program.options, "hidden_states_output": 1})  # x, for chaining
 
 
-def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0) -> Program:
-    """MTP layer ``layer`` of the checkpoint at ``path``, traced on the meta device, with a
-    reader that gives each rank its slices of the checkpoint's MTP tensors."""
+def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str, device: str):
+    """``(config, MTP module on device, sources by module state name)`` for MTP layer ``layer``
+    of the checkpoint at ``path``; raises ConfigError naming tensors the checkpoint lacks."""
     import transformers as tf
 
     from ..errors import ConfigError
     from ..serving.checkpoint_files import weight_files
-    from ..serving.loader import ShardedReader, _fused_expert_source
+    from ..serving.loader import _fused_expert_source
     from ..serving.tensor_sources import InMemory, SafetensorsFiles, Stored
 
     config = tf.AutoConfig.from_pretrained(path)
@@ -165,9 +177,8 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
     files = SafetensorsFiles(path, weight_files(path))
     own_head = f"model.layers.{index}.shared_head.head.weight" in files
     aliases = checkpoint_names(config, own_head, bool(getattr(config, "tie_word_embeddings", False)))
-    traced_config = mtp_config(config, "dcpgraph")
-    with torch.device("meta"):
-        module = MTPModule(traced_config, index, own_head).to(dtype)
+    with torch.device(device):
+        module = MTPModule(mtp_config(config, attention), index, own_head).to(dtype)
     rotary = _classes().DeepseekV3RotaryEmbedding(config=config)  # buffers computed on the CPU
     computed = {f"model.rotary_emb.{n}": b for n, b in rotary.named_buffers()}
     sources, missing = {}, []
@@ -185,5 +196,30 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
                 sources[name] = fused
     if missing:
         raise ConfigError(f"{path}: MTP layer {index} has no checkpoint tensor for {missing}")
-    program = trace_mtp(module, mtp_facts(target_facts, index))
+    return config, module, sources
+
+
+def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0) -> Program:
+    """MTP layer ``layer`` of the checkpoint at ``path``, traced on the meta device, with a
+    reader that gives each rank its slices of the checkpoint's MTP tensors."""
+    from ..serving.loader import ShardedReader
+
+    config, module, sources = _checkpoint_module(path, dtype, layer, "dcpgraph", "meta")
+    program = trace_mtp(module, mtp_facts(target_facts, config.num_hidden_layers + layer))
     return program.replace(state_reader=ShardedReader(sources))
+
+
+def eager_mtp_module(path: str, dtype: torch.dtype, layer: int = 0) -> MTPModule:
+    """MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA (causal) attention:
+    the eager reference for the compiled MTP program."""
+    from ..program import REPLICATE
+    from ..serving.tensor_sources import read_local
+
+    _, module, sources = _checkpoint_module(path, dtype, layer, "sdpa", "cpu")
+    state = {name: read_local(source, REPLICATE, 0, 1).to(dtype) for name, source in sources.items()}
+    persistent = module.state_dict()
+    missing = sorted(set(persistent) - set(state))
+    if missing:
+        raise ValueError(f"no source for {missing}")
+    module.load_state_dict({name: state[name].to(value.dtype) for name, value in persistent.items()}, strict=True)
+    return module.eval()

@@ -1,0 +1,145 @@
+"""MTP speculation (``method="mtp"``) for a tiny DeepSeek-V3 checkpoint with an MTP layer.
+
+References: the same engine without speculation (greedy tokens must be identical), and an eager
+loop of :class:`~dcpgraph.speculative.mtp_module.MTPModule` (PyTorch SDPA over the whole
+sequence, no paged cache, no DCP) fed the HF target's final hidden states: every draft the
+compiled proposer makes must equal that loop's argmax, which checks the hidden-state output,
+the MTP program, its KV cache kept in step with accepted tokens, and the chaining of drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.errors import ConfigError
+from dcpgraph.serving.loader import load_program
+from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
+NEW = 10
+K = 2
+
+
+def spec(k=K):
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("v3mtp"), "deepseek_v3", dtype=torch.float64,
+                                mtp_weights=True)
+    program = load_program(path, "float64")
+    plain = dcpgraph.compile(program, block_size=4).generate(PROMPTS, NEW)
+    return path, program, plain
+
+
+def record_drafts(engine) -> list[tuple[list[int], int, list[int]]]:
+    """Wrap the engine's proposer: every (request tokens, chunk start, drafts) it proposes."""
+    proposer = engine.runner.proposer
+    seen, propose = [], proposer.propose
+
+    def recording(plan):
+        out = propose(plan)
+        seen.extend((list(item.request.tokens), item.chunk.start, list(d.tokens))
+                    for item, d in zip(plan, out) if d.tokens)
+        return out
+
+    proposer.propose = recording
+    return seen
+
+
+def eager_drafts(target, mtp, tokens: list[int], s: int, k: int) -> list[int]:
+    """Greedy drafts after ``tokens[: s + 1]`` by an eager loop of the MTP module: positions
+    ``t < s`` read ``(tokens[t+1], h_t)`` with ``h`` the target's final hidden states (after its
+    norm), each further draft the previous draft and the MTP's own output state."""
+    with torch.no_grad():
+        h = target.model(input_ids=torch.tensor([tokens[: s + 1]]), use_cache=False).last_hidden_state[0]
+        ids, hidden, drafts = list(tokens[1 : s + 1]), list(h[:s]), []
+        for _ in range(k):
+            logits, x = mtp(torch.tensor([ids]), torch.arange(len(ids))[None], torch.stack(hidden)[None])
+            drafts.append(int(logits[0, -1].argmax()))
+            ids.append(drafts[-1])
+            hidden.append(x[0, -1])
+    return drafts
+
+
+@pytest.mark.parametrize("tp, dcp", [(1, 1), (2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_are_unchanged(checkpoint, tp, dcp):
+    import transformers as tf
+
+    from dcpgraph.speculative.mtp_module import eager_mtp_module
+
+    path, program, plain = checkpoint
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8,
+                              speculative_config=spec())
+    seen = record_drafts(engine)
+    assert engine.generate(PROMPTS, NEW) == plain
+    stats = engine.report()["speculative"]
+    assert stats["drafted"] > 0 and any(n.startswith("verify[") for n in engine.report()["graph_steps"])
+    target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    target.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    mtp = eager_mtp_module(path, torch.float64)
+    assert len(seen) >= 10
+    for tokens, s, drafts in seen:
+        assert drafts == eager_drafts(target, mtp, tokens, s, len(drafts)), (tokens[: s + 1], drafts)
+
+
+def test_mtp_with_its_own_head_missing_uses_the_target_head(tmp_path):
+    """A checkpoint without ``shared_head.head`` drafts through the target's LM head."""
+    from safetensors.torch import load_file, save_file
+
+    from dcpgraph.speculative.mtp_module import eager_mtp_module
+
+    path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", dtype=torch.float64, mtp_weights=True, seed=3)
+    weights = load_file(f"{path}/model.safetensors")
+    del weights["model.layers.2.shared_head.head.weight"]
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    mtp = eager_mtp_module(path, torch.float64)
+    assert mtp.layer.shared_head.head is None
+    assert torch.equal(mtp.lm_head.weight, weights["lm_head.weight"])
+    program = load_program(path, "float64")
+    engine = dcpgraph.compile(program, block_size=4, speculative_config=spec(1))
+    plain = dcpgraph.compile(program, block_size=4).generate(PROMPTS[:2], 6)
+    assert engine.generate(PROMPTS[:2], 6) == plain
+    assert engine.report()["speculative"]["drafted"] > 0
+
+
+def test_mtp_sampling_is_seeded_and_reproducible(checkpoint):
+    """Sampled requests draft from the MTP's distribution (rejection sampling gets it) and a seed
+    reproduces the output on a fresh engine."""
+    _, program, _ = checkpoint
+
+    def run():
+        engine = dcpgraph.compile(program, block_size=4, speculative_config=spec())
+        propose, probs = engine.runner.proposer.propose, []
+
+        def recording(plan):
+            out = propose(plan)
+            probs.extend(d.probs for d in out if d.tokens)
+            return out
+
+        engine.runner.proposer.propose = recording
+        tokens = engine.generate(PROMPTS[:3], NEW, temperature=0.8, top_k=50, seed=7)
+        return tokens, engine.report()["speculative"], probs
+
+    first, stats, probs = run()
+    second, _, _ = run()
+    assert first == second and stats["drafted"] > 0 and all(len(t) == NEW for t in first)
+    assert probs and all(p is not None and torch.allclose(p.sum(-1), torch.ones(len(p), dtype=p.dtype))
+                         for p in probs)
+
+
+def test_mtp_refusals(checkpoint, tmp_path):
+    from dcpgraph.models import build_model
+
+    module = build_model("deepseek_v3", dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"module or traced Program has none .* give the checkpoint"):
+        dcpgraph.compile(module, speculative_config=spec())
+    bare = save_tiny_checkpoint(tmp_path / "bare", "deepseek_v3", dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=1 but holds MTP weights for 0 layer"):
+        dcpgraph.compile(load_program(bare, "float64"), speculative_config=spec())
+    # without method="mtp" the MTP tensors are ignored, with it they are read
+    _, program, plain = checkpoint
+    assert dcpgraph.compile(program, block_size=4).generate(PROMPTS[:1], NEW) == plain[:1]

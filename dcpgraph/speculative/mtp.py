@@ -69,4 +69,7 @@ def check_mtp_target(facts, model) -> str:
         names = SafetensorsFiles(path, weight_files(path)).names()
         num_hidden = tf.AutoConfig.from_pretrained(path).num_hidden_layers
     check_mtp(facts, names, num_hidden)
+    from .mtp_module import check_mtp_weights
+
+    check_mtp_weights(path)
     return path

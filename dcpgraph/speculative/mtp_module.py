@@ -199,6 +199,16 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
     return config, module, sources
 
 
+def check_mtp_weights(path: str) -> None:
+    """Raise ConfigError unless the checkpoint at ``path`` holds every tensor of each of its MTP
+    layers (reads headers only; the module is built on the meta device)."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(path)
+    for layer in range(int(getattr(config, "num_nextn_predict_layers", 0) or 0)):
+        _checkpoint_module(path, torch.float32, layer, "dcpgraph", "meta")
+
+
 def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0) -> Program:
     """MTP layer ``layer`` of the checkpoint at ``path``, traced on the meta device, with a
     reader that gives each rank its slices of the checkpoint's MTP tensors."""

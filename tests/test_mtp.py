@@ -118,6 +118,41 @@ def test_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_are_unchanged(checkpoi
         assert drafts == eager_drafts(target, mtp, tokens, s, len(drafts)), (tokens[: s + 1], drafts)
 
 
+def test_mtp_drafts_stay_exact_with_prefill_chunks_prefix_hits_and_preemption(checkpoint):
+    """A small token budget puts prefill chunks beside verification rows (and splits the MTP's
+    catch-up); repeated prompts hit the prefix cache (those requests' cached positions have no
+    target hidden states, so they get no MTP drafts: tokens stay exact); a cache smaller than the
+    requests preempts (the MTP restarts from position 0 with the recomputed hidden states).
+    Tokens equal the non-speculative engine's and every draft equals the eager loop's."""
+    import transformers as tf
+
+    from dcpgraph.speculative.mtp_module import eager_mtp_module
+
+    path, program, _ = checkpoint
+    long = [p * 2 for p in PROMPTS]
+    plain = dcpgraph.compile(program, block_size=4, max_model_len=48).generate(long, NEW)
+    options = dict(tp=2, dcp=2, block_size=4, max_batched_tokens=10, max_model_len=48, speculative_config=spec())
+    cached = dcpgraph.compile(program, enable_prefix_caching=True, **options)
+    seen, sizes = record_drafts(cached), []
+    run = cached.runner.proposer._run
+    cached.runner.proposer._run = lambda chunks, hidden: sizes.append(sum(len(c.tokens) for c in chunks)) or run(
+        chunks, hidden)
+    assert cached.generate(long, NEW) == plain
+    assert max(sizes) == 10  # the MTP's catch-up over a long prompt is split by the token budget
+    assert cached.generate(long, NEW) == plain  # the second round hits the prefix cache
+    assert cached.report()["prefix_cache"]["hit_tokens"] > 0
+    assert cached.report()["graph_steps"].get("mixed", 0) > 2  # prefill chunks beside verification
+    small = dcpgraph.compile(program, num_blocks=7, **options)
+    seen += record_drafts(small)
+    assert small.generate(long, NEW) == plain
+    assert small.report()["scheduler"]["preemptions"] > 0 and small.report()["speculative"]["drafted"] > 0
+    target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    target.set_experts_implementation("eager")
+    mtp = eager_mtp_module(path, torch.float64)
+    for tokens, s, drafts in seen:
+        assert drafts == eager_drafts(target, mtp, tokens, s, len(drafts)), (tokens[: s + 1], drafts)
+
+
 @pytest.mark.parametrize("tp, dcp", [(1, 1), (2, 2)])
 def test_mtp_that_predicts_the_target_accepts_every_draft(tmp_path, tp, dcp):
     path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", dtype=torch.float64, mtp_weights=True)

@@ -109,6 +109,7 @@ def test_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_are_unchanged(checkpoi
     assert engine.generate(PROMPTS, LONG) == plain
     stats = engine.report()["speculative"]
     assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
+    assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)  # MTP steps in buckets
     assert 0 < stats["accepted_per_position"][1] and stats["accepted"] < stats["drafted"], stats
     target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     target.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel

@@ -32,8 +32,10 @@ def make_proposer(config: SpeculativeConfig, draft, *, executor_cls, num_blocks:
         if draft is None:
             raise ConfigError("method 'mtp' needs the compiled MTP layer: build the engine with "
                               "dcpgraph.compile(..., speculative_config=...) from a checkpoint")
+        from ..runtime.graph_mode import DecodeBuckets
         from .mtp_proposer import MTPProposer
 
         program, graphs = draft
-        return MTPProposer(program, executor_cls(program, num_blocks, graphs), max_batched_tokens)
+        mtp_buckets = DecodeBuckets(buckets.sizes, buckets.table_width) if buckets is not None else None
+        return MTPProposer(program, executor_cls(program, num_blocks, graphs), max_batched_tokens, mtp_buckets)
     raise ConfigError(f"method {config.method!r} is not available: see dcpgraph.speculative")

@@ -18,7 +18,10 @@ one-token steps at positions ``s, s+1, …`` on the previous draft and the MTP's
 state ``x`` (vLLM's chaining). Those steps write MTP KV from ``x`` rather than ``h``, so only
 positions ``< s`` count as valid afterwards; the next call recomputes the rest from the target's
 hidden states. A row whose history lacks hidden states (its last chunk of a prompt: ``h_{s-1}``
-is computed in this very step) gets no drafts.
+is computed in this very step; a prefix-cache hit: the target never computed the cached
+positions) gets no drafts, which keeps tokens exact and only forgoes speculation. The one-token
+drafting steps run in the target's static-shape decode buckets (hidden-state input padded with
+zero rows); catch-up forwards run the dynamic graph.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .proposer import NO_DRAFTS, Drafts
 class MTPProposer:
     method = "mtp"
 
-    def __init__(self, program, executor, max_batched_tokens: int | None = None):
+    def __init__(self, program, executor, max_batched_tokens: int | None = None, buckets=None):
         self.program = program
         self.executor = executor
         self.mesh = program.mesh
@@ -44,7 +47,9 @@ class MTPProposer:
         self.max_batched_tokens = max_batched_tokens
         self.valid: dict[tuple[int, int], int] = {}  # MTP KV prefix per (request id, preemptions)
         self.hidden: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (first position, h rows)
+        self.buckets = buckets  # DecodeBuckets for the one-token drafting steps (None: dynamic graph)
         self.steps = 0
+        self.graph_steps: dict[str, int] = {}
 
     @staticmethod
     def _key(request) -> tuple[int, int]:
@@ -141,8 +146,17 @@ class MTPProposer:
     def _run(self, chunks: list[Chunk], hidden: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of each chunk's last position ``[R, V]`` and the MTP's output state there ``[R, H]``."""
         shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave)
-        shared["hidden_states"] = torch.cat(hidden).unsqueeze(0)
-        logits = self.executor.run(shared, per_rank, "mixed")
-        self.steps += 1
         last = shared["cu_seqlens_q"][1:].to(torch.int64) - 1
+        rows = torch.cat(hidden)
+        key, name = "mixed", "mixed"
+        bucket = self.buckets.bucket_for(len(chunks)) if self.buckets is not None else None
+        if bucket is not None and all(len(c.tokens) == 1 for c in chunks):
+            # graph mode as the target's decode: padding rows get a zero hidden state (hnorm(0) = 0)
+            shared, per_rank = self.buckets.pad(shared, per_rank, bucket, self.mesh)
+            rows = torch.cat([rows, rows.new_zeros(bucket - len(chunks), rows.shape[1])])
+            key, name = ("decode", bucket), f"decode[{bucket}]"
+        shared["hidden_states"] = rows.unsqueeze(0)
+        logits = self.executor.run(shared, per_rank, key)[: len(chunks)]
+        self.steps += 1
+        self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
         return logits, self.executor.last_hidden[last]

@@ -77,8 +77,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
     graph mode), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
     "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
-    see :mod:`dcpgraph.speculative`; a draft model is compiled here on the same mesh, with its own
-    KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
+    see :mod:`dcpgraph.speculative`; a draft model, or with ``"mtp"`` the checkpoint's MTP layer (the
+    target must then be a Program from :func:`dcpgraph.serving.loader.load_program`), is compiled
+    here on the same mesh, with its own KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
     ``{"method": "ngram", "num_speculative_tokens": k}``, default 0), ``max_waiting`` (bound of
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest

@@ -224,3 +224,52 @@ def test_mtp_refusals(checkpoint, tmp_path):
     # without method="mtp" the MTP tensors are ignored, with it they are read
     _, program, plain = checkpoint
     assert dcpgraph.compile(program, block_size=4).generate(PROMPTS[:1], LONG) == plain[:1]
+
+
+def test_the_target_returns_its_final_hidden_states_only_for_mtp(checkpoint):
+    """``return_hidden_states``: output 1 is HF's ``last_hidden_state`` (after the final norm) for
+    every token of the step, on every mesh; without ``method="mtp"`` the program is unchanged."""
+    import transformers as tf
+
+    from dcpgraph.runtime.step_inputs import Chunk
+
+    path, program, _ = checkpoint
+    target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    target.set_experts_implementation("eager")
+    tokens = PROMPTS[3]
+    with torch.no_grad():
+        expected = target.model(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
+    for tp, dcp in [(1, 1), (2, 2)]:
+        engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, speculative_config=spec())
+        engine.runner.execute([Chunk(0, tuple(tokens), 0, tuple(range(4)))])
+        torch.testing.assert_close(engine.runner.last_hidden, expected, rtol=1e-9, atol=1e-9)
+    plain = dcpgraph.compile(program, block_size=4)
+    assert "hidden_states_output" not in plain.program.options
+    assert "return_hidden_states" not in plain.program.passes_run()
+    plain.runner.execute([Chunk(0, tuple(tokens), 0, tuple(range(4)))])
+    assert plain.runner.last_hidden is None
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_gloo_workers_tp2_dcp2_mtp(tmp_path):
+    """MTP on two gloo worker processes (each rank runs its own proposer on its own copy of the
+    hidden states): greedy tokens as without speculation, every draft of an MTP built to predict
+    the target accepted, seeded sampling reproducible."""
+    from dcpgraph import LLM, SamplingParams
+
+    path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", dtype=torch.float64, mtp_weights=True)
+    make_predictable(path, 0.0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=NEW)
+    plain = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float64", block_size=4).generate(prompts, greedy)]
+    with LLM(model=path, dtype="float64", block_size=4, tensor_parallel_size=2, decode_context_parallel_size=2,
+             worker_timeout_s=300, speculative_config=spec()) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+        stats = llm.engine.report()["speculative"]
+        assert stats["method"] == "mtp" and stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+        sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=NEW)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == first
+        procs = llm.engine.procs
+    assert [p.exitcode for p in procs] == [0, 0]

@@ -77,8 +77,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
     graph mode), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
     "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
-    see :mod:`dcpgraph.speculative`; a draft model is compiled here on the same mesh, with its own
-    KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
+    see :mod:`dcpgraph.speculative`; a draft model, or with ``"mtp"`` the checkpoint's MTP layer (the
+    target must then be a Program from :func:`dcpgraph.serving.loader.load_program`), is compiled
+    here on the same mesh, with its own KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
     ``{"method": "ngram", "num_speculative_tokens": k}``, default 0), ``max_waiting`` (bound of
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
@@ -126,10 +127,11 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         block_size=block_size, interleave=interleave,
     )
     max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    mtp_checkpoint = None
     if spec is not None and spec.method == "mtp":
-        from .speculative.mtp import check_mtp
+        from .speculative.mtp import check_mtp_target
 
-        check_mtp(facts)
+        mtp_checkpoint = check_mtp_target(facts, model)
     draft_program = None
     if spec is not None and spec.method == "draft_model":
         from .speculative.draft_model import check_draft
@@ -155,6 +157,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
+        return_hidden=mtp_checkpoint is not None,
     )
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import layer_group_tables
@@ -171,6 +174,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         use_compile_cache_dir(opts["compile_cache_dir"])
     graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
     draft = None
+    if mtp_checkpoint is not None:
+        from .speculative.mtp_module import load_mtp_program
+
+        draft_program = load_mtp_program(mtp_checkpoint, facts, facts.dtype)
     if draft_program is not None:
         draft_program = compile_program(
             draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,

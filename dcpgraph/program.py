@@ -242,6 +242,8 @@ def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]
         elif spec.kind == CACHE:
             c = caches[spec.name]
             out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
+        elif spec.kind == USER and spec.target == "hidden_states":  # an MTP layer's [1, T, H] input
+            out.append(((1, EXAMPLE_TOKENS, program.facts.hidden_size), program.facts.dtype))
         elif spec.kind in (USER, META, RANK):
             if spec.target not in _ROLE_SHAPES:
                 raise VerificationError(

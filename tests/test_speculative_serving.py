@@ -129,7 +129,8 @@ def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_p
 
 def test_mtp_is_refused_with_the_reason(tmp_path):
     """A config without MTP layers, a DeepSeek-V3 checkpoint whose files lack the MTP weights, and
-    one that has them (MTP drafting is not built yet): each refused, naming why, before any work."""
+    one that holds only part of them: each refused, naming why, before any work; with all of them
+    MTP runs (greedy tokens as without speculation)."""
     from safetensors.torch import load_file, save_file
 
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
@@ -143,5 +144,12 @@ def test_mtp_is_refused_with_the_reason(tmp_path):
     hidden = weights["model.embed_tokens.weight"].shape[1]
     weights["model.layers.2.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
     save_file(weights, f"{v3}/model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"has 1 MTP layer\(s\), but MTP drafting is not implemented"):
+    with pytest.raises(ConfigError, match=r"MTP layer 2 has no checkpoint tensor for \['model.layers.2.self_attn"):
         LLM(model=v3, speculative_config=mtp)
+    full = save_tiny_checkpoint(tmp_path / "v3mtp", "deepseek_v3", mtp_weights=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    plain = LLM(model=full).generate([prompt], greedy)[0].outputs[0].token_ids
+    llm = LLM(model=full, speculative_config=mtp)
+    assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == plain
+    assert llm.engine.report()["speculative"]["drafted"] > 0

@@ -85,8 +85,10 @@ def program_from_export(
     prefix: str = "",
     seconds: float = 0.0,
     summary: str | None = None,
+    roles: tuple[str, ...] = USER_ROLES,
 ) -> Program:
     """A Program over ``exported``'s graph; state keys lose ``prefix`` (a wrapper's attribute).
+    ``roles``: the user inputs' names, in order (an MTP layer adds ``hidden_states``).
 
     The result carries one stage, ``trace``, with a provenance record of ``seconds``.
     """
@@ -100,7 +102,7 @@ def program_from_export(
     }
     state: dict[str, torch.Tensor] = {}
     specs = []
-    user_roles = iter(USER_ROLES)
+    user_roles = iter(roles)
     for s in exported.graph_signature.input_specs:
         if s.kind not in kinds:
             raise UnsupportedModelError(f"exported input {s.arg.name} of kind {s.kind} is not supported")
@@ -109,7 +111,7 @@ def program_from_export(
             role = next(user_roles, None)
             if role is None:
                 raise UnsupportedModelError(
-                    f"the forward takes more than {len(USER_ROLES)} inputs {USER_ROLES}"
+                    f"the forward takes more than {len(roles)} inputs {roles}"
                 )
             specs.append(InputSpec(s.arg.name, USER, role))
             continue

@@ -10,6 +10,9 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 5. ``shard_dcp``        context attention sharded over DCP groups (LSE merge across ranks);
 6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``.
+
+With ``return_hidden=True`` (MTP speculation), ``return_hidden_states`` runs right after
+``select_logits``: the program also returns the final hidden states of every token (output 1).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
 from .manager import ProgramPass, run_passes
+from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
 from .shard_tp import shard_tp
@@ -37,7 +41,7 @@ PIPELINE: tuple[ProgramPass, ...] = (
 
 
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
-                   kv_cache_dtype: str = "auto", mlapo: bool = True) -> list[ProgramPass]:
+                   kv_cache_dtype: str = "auto", mlapo: bool = True, return_hidden: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
@@ -45,12 +49,16 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
         shard_dcp.name: {"comm": comm},
         fuse_mla_preprocess.name: {"enabled": mlapo},
     }
-    return [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
+    passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
+    if return_hidden:
+        passes.insert(passes.index(select_logits) + 1, return_hidden_states)
+    return passes
 
 
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
+    return_hidden: bool = False,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
     if not isinstance(program, Program):
@@ -59,5 +67,5 @@ def compile_program(
         )
     program = program.replace(options={**program.options, "interleave": interleave})
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
-                            mlapo=mlapo)
+                            mlapo=mlapo, return_hidden=return_hidden)
     return run_passes(program, passes, verify=verify)

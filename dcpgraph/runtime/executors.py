@@ -80,6 +80,13 @@ def logits_of(output) -> torch.Tensor:
     return first[0].cpu()  # [1, R, V] -> [R, V], on the host (a no-op there)
 
 
+def hidden_of(program: Program, output) -> torch.Tensor | None:
+    """The final hidden states ``[T, H]`` of a program compiled with ``return_hidden``
+    (output ``options["hidden_states_output"]``), else ``None``."""
+    index = program.options.get("hidden_states_output")
+    return None if index is None else output[index][0]
+
+
 class EmulatedExecutor:
     mode = "emulated"
 
@@ -90,6 +97,7 @@ class EmulatedExecutor:
         self.device = state_device(self.states[0])
         self.caches = [allocate_caches(program, num_blocks, self.device) for _ in self.ranks]
         self.graphs = graphs
+        self.last_hidden: torch.Tensor | None = None  # the last run's hidden states (return_hidden)
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -106,9 +114,11 @@ class EmulatedExecutor:
                 for r in self.ranks]
         if len(self.ranks) == 1:
             fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
-            return logits_of(fn(*args[0]))
-        outputs = run_spmd(self.program.graph_module, args, self.program.mesh)
-        return logits_of(outputs[0])
+            output = fn(*args[0])
+        else:
+            output = run_spmd(self.program.graph_module, args, self.program.mesh)[0]
+        self.last_hidden = hidden_of(self.program, output)  # the same on every rank
+        return logits_of(output)
 
 
 class DistributedExecutor:
@@ -126,6 +136,7 @@ class DistributedExecutor:
         self.device = state_device(self.state)
         self.caches = allocate_caches(program, num_blocks, self.device)
         self.graphs = graphs
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -140,4 +151,6 @@ class DistributedExecutor:
         args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),
                               on_device(per_rank[self.rank], self.device))
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
-        return logits_of(fn(*args))
+        output = fn(*args)
+        self.last_hidden = hidden_of(self.program, output)
+        return logits_of(output)

@@ -39,6 +39,7 @@ class ModelRunner:
         self.verify_buckets = verify_buckets
         self.steps = 0
         self.graph_steps: dict[str, int] = {}
+        self.last_hidden: torch.Tensor | None = None  # [tokens of the last step, H] (return_hidden)
 
     def run(self, plan: Sequence[ScheduledChunk]) -> list[RowOutput]:
         """One step of ``plan`` on every rank: per scheduled chunk, the sampled tokens."""
@@ -47,6 +48,8 @@ class ModelRunner:
             drafts = self.proposer.propose(plan)
         chunks = [_with_drafts(item.chunk, d.tokens) for item, d in zip(plan, drafts)]
         logits = self.execute(chunks)
+        if self.last_hidden is not None and hasattr(self.proposer, "observe"):
+            self.proposer.observe(plan, chunks, self.last_hidden)  # MTP: the target's hidden states
         outputs, row = [], 0
         for item, chunk, draft in zip(plan, chunks, drafts):
             rows = logits[row : row + chunk.logits_rows]
@@ -83,8 +86,20 @@ class ModelRunner:
                 key, name = ("verify", f"{bucket}x{q}"), f"verify[{bucket}x{q}]"
         self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
         logits = self.executor.run(shared, per_rank, key)
+        self.last_hidden = _real_hidden(getattr(self.executor, "last_hidden", None), counts,
+                                        self.verify_buckets.query_len if key[0] == "verify" else None)
         self.steps += 1
         return logits if pick is None else logits[pick]
+
+
+def _real_hidden(hidden: torch.Tensor | None, counts: list[int], query_len: int | None) -> torch.Tensor | None:
+    """The rows of the step's real tokens, in order: a padded decode bucket appends padding
+    after them, a verification bucket puts request ``i``'s tokens at ``i · query_len``."""
+    if hidden is None:
+        return None
+    if query_len is None:
+        return hidden[: sum(counts)]
+    return hidden[torch.cat([torch.arange(n) + i * query_len for i, n in enumerate(counts)])]
 
 
 def _logprobs(item: ScheduledChunk, rows: torch.Tensor, tokens: list[int]) -> list[dict] | None:

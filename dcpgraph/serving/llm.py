@@ -64,6 +64,9 @@ def check_mtp_checkpoint(path: str) -> None:
 
     model = meta_model(path, None)
     check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)
+    from ..speculative.mtp_module import check_mtp_weights
+
+    check_mtp_weights(path)
 
 
 class LLM:

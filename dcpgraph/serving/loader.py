@@ -116,10 +116,20 @@ def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
         raise ConfigError(f"{files.path}: checkpoint tensors do not fit the config: {mismatched}")
     used = {n for s in sources.values() for n in _stored_names(s)}
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    unexpected = [n for n in files.names() if n not in used and not any(p.search(n) for p in ignore)]
+    mtp = mtp_prefixes(model.config)  # read by dcpgraph.speculative.mtp_module for method="mtp"
+    unexpected = [n for n in files.names() if n not in used and not any(p.search(n) for p in ignore)
+                  and not n.startswith(mtp)]
     if unexpected:
         raise ConfigError(f"{files.path}: checkpoint tensors the model does not have: {unexpected}")
     return sources
+
+
+def mtp_prefixes(config) -> tuple[str, ...]:
+    """``model.layers.{L+i}.`` for the config's ``num_nextn_predict_layers`` MTP layers: tensors
+    the causal LM itself does not use (only ``method="mtp"`` reads them)."""
+    layers = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    base = getattr(config, "num_hidden_layers", 0)
+    return tuple(f"model.layers.{base + i}." for i in range(layers))
 
 
 def _stored_names(source) -> list[str]:
@@ -150,8 +160,9 @@ def state_source(program: Program, target: str, sources: dict[str, object]):
 class ShardedReader:
     """``Program.state_reader``: rank ``r``'s state entries read from the checkpoint by slice."""
 
-    def __init__(self, sources: dict[str, object]):
+    def __init__(self, sources: dict[str, object], checkpoint: str | None = None):
         self.sources = sources
+        self.checkpoint = checkpoint  # the model directory (MTP layers are read from it too)
 
     def __call__(self, program: Program, rank: int) -> list[torch.Tensor]:
         out = []
@@ -190,4 +201,4 @@ def load_program(path: str, dtype: str) -> Program:
 
     model, sources = open_checkpoint(path, dtype)
     program = trace_on_meta(model)
-    return program.replace(state_reader=ShardedReader(sources))
+    return program.replace(state_reader=ShardedReader(sources, checkpoint=path))

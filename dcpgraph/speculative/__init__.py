@@ -3,7 +3,8 @@
 - :mod:`.config`: ``speculative_config`` (vLLM's shape), checked before any work;
 - :mod:`.proposer`: the interface every method implements (:class:`~.proposer.Drafts`);
 - :mod:`.ngram` (prompt lookup), :mod:`.draft_model` (a smaller LM compiled on the same mesh),
-  :mod:`.mtp` (checked and refused: not built yet);
+  :mod:`.mtp` (checks), :mod:`.mtp_module` (the DeepSeek-V3 MTP layer, traced like the main
+  model) and :mod:`.mtp_proposer` (MTP drafting from the target's final hidden states);
 - :mod:`.rejection`: greedy agreement and lossless rejection sampling;
 - :mod:`.stats`: acceptance statistics for ``Engine.report()`` and ``/metrics``.
 

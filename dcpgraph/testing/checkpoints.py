@@ -90,15 +90,64 @@ def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, s
 
 def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen3", *, vocab_size: int = DEFAULT_VOCAB,
                          layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         max_shard_size: str | None = None, tokenizer_vocab_size: int | None = None) -> str:
+                         max_shard_size: str | None = None, tokenizer_vocab_size: int | None = None,
+                         mtp_weights: bool = False) -> str:
     """Write a model directory for ``arch`` (llama, qwen2, qwen3, deepseek_v2, deepseek_v3) to
     ``path``; returns ``path``. ``max_shard_size`` (e.g. ``"40KB"``) writes a sharded checkpoint
     with ``model.safetensors.index.json``; ``tokenizer_vocab_size`` (default: the model's) lets a
-    test write a tokenizer larger than the model."""
+    test write a tokenizer larger than the model; ``mtp_weights`` (deepseek_v3) adds the
+    ``num_nextn_predict_layers`` MTP layers' tensors (:func:`add_mtp_weights`)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed, dtype=dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     byte_level_tokenizer(tokenizer_vocab_size or vocab_size).save_pretrained(path)
+    if mtp_weights:
+        add_mtp_weights(path, seed=seed + 1, dtype=dtype)
     return path
+
+
+def add_mtp_weights(path: str, *, seed: int = 1, dtype: torch.dtype = torch.float32, own_head: bool = True) -> None:
+    """Append random MTP layers (``model.layers.{L+i}.*``: enorm, hnorm, eh_proj, a decoder
+    layer, shared_head) to the single-file checkpoint at ``path``, drawn like the model's weights;
+    ``own_head=False`` leaves out ``shared_head.head`` (the target's LM head is then used)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    from ..speculative.mtp_module import MTPModule, mtp_config
+
+    config = tf.AutoConfig.from_pretrained(path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(int(getattr(config, "num_nextn_predict_layers", 0) or 0)):
+        index = config.num_hidden_layers + i
+        module = MTPModule(mtp_config(config, "sdpa"), index, own_head)
+        prefix = f"model.layers.{index}."
+        for name, p in module.named_parameters():
+            if not name.startswith(prefix):
+                continue  # embed_tokens / lm_head are the target's
+            mean, std = (1.0, 0.3) if "norm" in name else (0.0, 0.2)
+            value = (mean + std * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(dtype)
+            weights.update(_per_expert(name, value))
+        for name, b in module.named_buffers():
+            if name.startswith(prefix):
+                weights[name] = b.to(dtype) if b.is_floating_point() else b
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _per_expert(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused expert parameter as the per-expert tensors DeepSeek checkpoints store
+    (``gate_up_proj[e] = cat(gate_proj, up_proj)``, ``down_proj[e]``); other tensors as they are."""
+    prefix, _, param = name.rpartition(".")
+    if not prefix.endswith(".experts") or param not in ("gate_up_proj", "down_proj"):
+        return {name: value}
+    out = {}
+    for e in range(value.shape[0]):
+        if param == "down_proj":
+            out[f"{prefix}.{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            gate, up = value[e].chunk(2, 0)
+            out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+    return out

@@ -273,3 +273,18 @@ def test_gloo_workers_tp2_dcp2_mtp(tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == first
         procs = llm.engine.procs
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_mtp_graphs_are_captured_at_start_up_and_serving_compiles_nothing_after(checkpoint):
+    """With a compiling backend the MTP program's buckets and mixed graph are compiled with the
+    target's before any request (zero hidden-state rows, nothing written), so serving compiles
+    nothing more, and the tokens are those of the eager run."""
+    path, program, plain = checkpoint
+    engine = dcpgraph.compile(program, block_size=4, max_batched_tokens=8, capture_limit=2, backend="aot_eager",
+                              speculative_config=spec())
+    captured = set(engine.report()["compile"]["startup_seconds"])
+    assert {"draft decode[1]", "draft decode[2]", "draft mixed", "decode[1]", "mixed"} <= captured, captured
+    mtp_log = engine.runner.proposer.executor.graphs.log
+    assert engine.generate(PROMPTS, LONG) == plain
+    assert engine.report()["compile"]["compiles_after_startup"] == 0, engine.report()["compile"]
+    assert mtp_log.report()["compiles_after_startup"] == 0, mtp_log.report()

@@ -12,8 +12,9 @@ The mixed graph runs twice, with one request (one block-table column, one logits
 two requests of different lengths and more logits rows than requests: the shapes serving meets,
 so a dynamic-shape backend compiles for both before any request arrives.
 
-A draft model (``speculative_config`` method ``draft_model``) has its own runner and compiled
-graphs: they are captured the same way, named ``draft …``.
+A draft model (``speculative_config`` method ``draft_model``) and an MTP module (``mtp``) have
+their own executor and compiled graphs: they are captured the same way, named ``draft …``; the MTP
+program's extra ``hidden_states`` input is zeros, one row per token.
 
 The wall time of each capture run is reported per graph (``Engine.report()["compile"]``) and
 logged once at INFO on ``dcpgraph.runtime.capture``; :class:`~dcpgraph.backends.compile_log.CompileLog`
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 
 from .step_inputs import Chunk, build_step_inputs
 
@@ -49,13 +52,23 @@ def _quiet_inputs(tokens: tuple[int, ...], logits_rows: tuple[int, ...], width: 
     return shared, per_rank
 
 
+def _run(runner, shared, per_rank, key) -> None:
+    """One quiet step; a program with a ``hidden_states`` input (MTP) gets zero rows for it."""
+    hidden = next((n for n in runner.program.graph_module.graph.nodes
+                   if n.op == "placeholder" and n.name == "hidden_states"), None)
+    if hidden is not None:
+        val = hidden.meta["val"]
+        shared = {**shared, "hidden_states": torch.zeros(1, shared["input_ids"].shape[1], val.shape[-1],
+                                                         dtype=val.dtype)}
+    runner.executor.run(shared, per_rank, key)
+
+
 def _capture_runner(runner, seconds: dict[str, float], prefix: str) -> None:
-    executor = runner.executor
     for bucket in runner.buckets.sizes if runner.buckets is not None else ():
         shared, per_rank = _quiet_inputs((1,), (1,), 1, runner)
         shared, per_rank = runner.buckets.pad(shared, per_rank, bucket, runner.mesh)
         start = time.perf_counter()
-        executor.run(shared, per_rank, ("decode", bucket))
+        _run(runner, shared, per_rank, ("decode", bucket))
         seconds[f"{prefix}decode[{bucket}]"] = time.perf_counter() - start
     verify = getattr(runner, "verify_buckets", None)
     for bucket in verify.sizes if verify is not None else ():
@@ -63,11 +76,11 @@ def _capture_runner(runner, seconds: dict[str, float], prefix: str) -> None:
         shared, per_rank = _quiet_inputs((q,), (q,), 1, runner)
         shared, per_rank = verify.pad(shared, per_rank, bucket)
         start = time.perf_counter()
-        executor.run(shared, per_rank, ("verify", f"{bucket}x{q}"))
+        _run(runner, shared, per_rank, ("verify", f"{bucket}x{q}"))
         seconds[f"{prefix}verify[{bucket}x{q}]"] = time.perf_counter() - start
     start = time.perf_counter()
     for (tokens, rows), width in zip(MIXED_SHAPES, BLOCK_TABLE_WIDTHS):
-        executor.run(*_quiet_inputs(tokens, rows, width, runner), "mixed")
+        _run(runner, *_quiet_inputs(tokens, rows, width, runner), "mixed")
     seconds[f"{prefix}mixed"] = time.perf_counter() - start
 
 
@@ -79,7 +92,8 @@ def capture_graphs(runner, graphs) -> dict[str, float]:
     if graphs is None or not graphs.runs_compiled:
         return seconds
     _capture_runner(runner, seconds, "")
-    draft = getattr(runner.proposer, "runner", None)
+    proposer = runner.proposer
+    draft = getattr(proposer, "runner", None) or (proposer if hasattr(proposer, "executor") else None)
     draft_graphs = getattr(getattr(draft, "executor", None), "graphs", None)
     if draft is not None and draft_graphs is not None and draft_graphs.runs_compiled:
         draft_seconds: dict[str, float] = {}

@@ -92,6 +92,21 @@ def test_greedy_tokens_equal_hf(setup, case):
     assert report["decode_buckets"] and sum(report["graph_steps"].values()) > 0  # padded decode buckets ran
 
 
+@pytest.mark.parametrize("tp, dcp, interleave, comm", [(1, 1, 1, "a2a"), (2, 2, BLOCK, "ag_rs"),
+                                                   pytest.param(4, 2, 1, "a2a", marks=pytest.mark.slow)])
+def test_greedy_tokens_equal_hf_with_and_without_mlapo(setup, tp, dcp, interleave, comm):
+    """MLAPO (on by default) fuses V3.2's MLA preprocess and leaves the indexer's own cache write
+    alone; off, the program keeps every op. Both give HF's tokens."""
+    for mlapo in (True, False):
+        engine = setup.engine(tp, dcp, interleave, comm, mlapo=mlapo)
+        fused = sum(1 for n in engine.program.graph_module.graph.nodes
+                    if n.target is torch.ops.dcpgraph.mla_preprocess.default)
+        assert fused == (sfa_models.LAYERS if mlapo else 0), (mlapo, fused)
+        got = engine.generate([list(p) for p in sfa_models.PROMPTS], MAX_NEW)
+        for prompt, tokens in zip(sfa_models.PROMPTS, got):
+            assert tokens == setup.ref(prompt), (mlapo, len(prompt))
+
+
 def test_both_caches_are_sharded_exactly_by_dcp(setup):
     """Latent and indexer-key caches per layer; per-rank bytes per token at dcp=2 and 4 are exactly
     1/dcp of the tp-only engine's, and ``capacity.cache_shapes`` counts both."""

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.torchair
 WORLD = 2
 
 
-def _rank(rank: int, world: int, tier, dump_root: str):
+def _rank(rank: int, world: int, tier, dump_root: str, mlapo: bool):
     start = time.perf_counter()
     import sfa_models
     import sparse_npu_ops
@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, tier, dump_root: str):
     mesh = dcpgraph.Mesh(WORLD, WORLD)
     register_mesh_groups(mesh)
     model = sfa_models.build("deepseek_v32", layers=1).to(torch.float32)
-    program = compile_program(dcpgraph.trace(model), mesh, block_size=128, comm="a2a")
+    program = compile_program(dcpgraph.trace(model), mesh, block_size=128, comm="a2a", mlapo=mlapo)
     args = _step_args(program, mesh, rank)
     ref_args = _clone(args)
     reference = _outputs(program, ref_args, program.graph_module(*ref_args))
@@ -77,18 +77,22 @@ def _rank(rank: int, world: int, tier, dump_root: str):
                               if getattr(n.target, "namespace", None) == "dcpgraph"],
         "device_kwargs": [n.name for n in lowered.graph.nodes if n.kwargs.get("device") is not None],
         "dump": dump,
+        "fused_mla_preprocess": sum(1 for n in program.graph_module.graph.nodes
+                                    if n.target is torch.ops.dcpgraph.mla_preprocess.default),
         "seconds": time.perf_counter() - start,
     }
 
 
-@pytest.fixture(scope="module")
-def sfa_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["mlapo", "unfused"])
+def sfa_run(tmp_path_factory, request):
     from dcpgraph.runtime.distributed import spawn
 
     tier = ts.prepare()
     if tier.skip_reason:
         pytest.skip(tier.skip_reason)
-    ranks = spawn(_rank, WORLD, tier, str(tmp_path_factory.mktemp("sfa_dumps")), timeout_s=400)
+    ranks = spawn(_rank, WORLD, tier, str(tmp_path_factory.mktemp("sfa_dumps")), request.param, timeout_s=400)
+    for result in ranks:
+        result["mlapo"] = request.param
     for rank, result in enumerate(ranks):
         if not result["status"]["fallback"].startswith("first call failed: GeUnavailableError"):
             print(f"\nrank {rank} conversion failed:\n{result['traceback'][-2500:]}")
@@ -101,6 +105,7 @@ def sfa_run(tmp_path_factory):
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_every_node_of_the_sfa_program_converts(sfa_run, rank):
     result = sfa_run[rank]
+    assert result["fused_mla_preprocess"] == (1 if result["mlapo"] else 0)  # one MLA layer, fused or not
     assert result["dcpgraph_ops_left"] == [] and result["device_kwargs"] == []
     assert result["status"]["fallback"].startswith("first call failed: GeUnavailableError"), (
         result["status"], result["traceback"])

@@ -11,6 +11,13 @@ tokens each, all admitted in the first step:
 * ``draft_model/oracle``: the target itself as draft (every draft accepted: the mechanism's upper
   bound on tokens per step, and its cost when the draft is as expensive as the target).
 
+* ``mtp/…``: DeepSeek-V3's multi-token prediction, on a tiny DeepSeek-V3 checkpoint (2 layers, fp32)
+  saved with MTP weights, against its own ``mtp baseline``. Random MTP weights almost never agree
+  with the target, so the checkpoint is rewritten by
+  :func:`~dcpgraph.testing.checkpoints.make_mtp_predictable`: ``mtp/eps=0`` predicts the target
+  exactly (every draft accepted: the upper bound), ``mtp/eps=0.01`` makes both depend a little on
+  context (partial acceptance). Neither is a trained MTP head.
+
 Per configuration: ``tokens_per_step`` (mean accepted length: tokens a verified row emits per
 target step, 1 without speculation), ``target_steps`` and ``decode_tokens_per_s`` (generated
 tokens over the wall time of the whole generate, drafting included; the median of ``--reps``
@@ -60,6 +67,19 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+def mtp_programs(tmp: str) -> dict[str, object]:
+    """Loaded DeepSeek-V3 tiny programs with MTP weights, per predictability ``eps``."""
+    from dcpgraph.serving.loader import load_program
+    from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
+
+    out = {}
+    for eps in (0.0, 0.01):
+        path = save_tiny_checkpoint(f"{tmp}/eps{eps}", "deepseek_v3", dtype=torch.float32, mtp_weights=True)
+        make_mtp_predictable(path, eps, hidden_part=0.3 if eps else 0.0, mtp_attention=0.3 if eps else None)
+        out[f"eps={eps:g}"] = load_program(path, "float32")
+    return out
+
+
 def build(program, work, spec):
     engine = dcpgraph.compile(program, block_size=16, max_num_seqs=len(work), max_batched_tokens=1024,
                               speculative_config=spec)
@@ -103,27 +123,41 @@ def main(argv: list[str] | None = None) -> int:
         for name, draft in drafts.items():
             configs[f"draft_model/{name} k={k}"] = {"method": "draft_model", "num_speculative_tokens": k, "model": draft}
     engines = {label: build(program, work, spec) for label, spec in configs.items()}
-    runs: dict[str, list[dict]] = {label: [] for label in configs}
+    import tempfile
+
+    checkpoints = tempfile.TemporaryDirectory()  # weights are read lazily, per rank: kept until the end
+    mtp = mtp_programs(checkpoints.name)
+    mtp_work = [[t % 200 + 3 for t in p] for p in work]  # within the tiny checkpoint's vocabulary
+    groups = {label: "llama" for label in engines}
+    for name, mtp_program in mtp.items():
+        engines[f"mtp baseline {name}"] = build(mtp_program, mtp_work, None)
+        groups[f"mtp baseline {name}"] = f"mtp baseline {name}"
+        for k in ks:
+            label = f"mtp/{name} k={k}"
+            engines[label] = build(mtp_program, mtp_work, {"method": "mtp", "num_speculative_tokens": k})
+            groups[label] = f"mtp baseline {name}"
+    runs = {label: [] for label in engines}
     for _ in range(args.reps):  # variants interleaved rep by rep: the machine is shared and noisy
         for label, engine in engines.items():
-            runs[label].append(measure(engine, work, new))
+            runs[label].append(measure(engine, work if groups[label] == "llama" else mtp_work, new))
     config = f"llama 4x256 fp32 tp=1 requests={n} new={new} greedy reps={args.reps} {common.load_note()}"
-    base_tokens = runs["baseline"][0]["tokens"]
-    base_tok_s = statistics.median(r["generated"] / r["wall"] for r in runs["baseline"])
-    base_steps = runs["baseline"][0]["steps"]
     records = []
     for label, rs in runs.items():
+        base = runs["baseline" if groups[label] == "llama" else groups[label]]
+        base_tokens, base_steps = base[0]["tokens"], base[0]["steps"]
+        base_tok_s = statistics.median(r["generated"] / r["wall"] for r in base)
         assert all(r["tokens"] == base_tokens for r in rs), f"{label} changed greedy tokens"
         tok_s = statistics.median(r["generated"] / r["wall"] for r in rs)
         r = rs[0]
         acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{label:28s}: {r['per_step']:.2f} tokens/step, acceptance {acc}, {r['steps']} steps, "
               f"{tok_s:.1f} tok/s (x{tok_s / base_tok_s:.2f})")
-        cfg = f"{config} {label}"
+        cfg = f"{config} {label}" if groups[label] == "llama" else f"deepseek_v3 tiny+MTP fp32 tp=1 {config.split(' ', 4)[-1]} {label}"
         records.append(common.record(NAME, cfg, "tokens_per_step", r["per_step"], "tokens"))
         records.append(common.record(NAME, cfg, "target_steps", r["steps"], "steps", baseline=base_steps))
         records.append(common.record(NAME, cfg, "decode_tokens_per_s", tok_s, "tok/s", baseline=base_tok_s))
     print(f"wrote {common.write(NAME, records)}")
+    checkpoints.cleanup()
     return 0
 
 

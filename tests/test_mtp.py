@@ -15,7 +15,7 @@ import torch
 import dcpgraph
 from dcpgraph.errors import ConfigError
 from dcpgraph.serving.loader import load_program
-from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
 NEW = 10
@@ -29,41 +29,15 @@ def spec(k=K):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A checkpoint whose MTP drafts are sometimes accepted (:func:`make_predictable`: the target
+    """A checkpoint whose MTP drafts are sometimes accepted (:func:`~dcpgraph.testing.checkpoints.make_mtp_predictable`: the target
     nearly a bigram model, the MTP layer close to it but reading its hidden-state input and its own
     KV cache strongly enough that MTP KV written from the wrong state changes drafts)."""
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("v3mtp"), "deepseek_v3", dtype=torch.float64,
                                 mtp_weights=True)
-    make_predictable(path, 0.01, hidden_part=0.3, mtp_attention=0.3)
+    make_mtp_predictable(path, 0.01, hidden_part=0.3, mtp_attention=0.3)
     program = load_program(path, "float64")
     plain = dcpgraph.compile(program, block_size=4).generate(PROMPTS, LONG)
     return path, program, plain
-
-
-def make_predictable(path: str, eps: float, hidden_part: float = 0.0, mtp_attention: float | None = None) -> None:
-    """Rewrite the checkpoint so the target is (for ``eps = 0``) exactly a bigram model
-    ``next(x) = argmax(lm_head · ê_x)`` (``ê`` the RMS-normalised embedding: every attention and
-    MLP output scaled by ``eps``, unit norm weights) and the MTP layer computes the same function
-    of its input token (``eh_proj = [I, 0]``, unit norms, the target's head, its own attention and
-    MLP outputs scaled by ``eps``): it then predicts the target's next token exactly. With
-    ``0 < eps`` both depend a little on context (attention over their KV caches), so drafts are
-    mostly, not always, accepted."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(f"{path}/model.safetensors")
-    hidden = weights["model.embed_tokens.weight"].shape[1]
-    for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-            mtp_o_proj = name.startswith("model.layers.2.") and name.endswith("o_proj.weight")
-            weights[name] = weights[name] * (mtp_attention if mtp_o_proj and mtp_attention is not None else eps)
-        if name == "model.norm.weight" or name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
-            weights[name] = torch.ones_like(weights[name])
-        if name.endswith("eh_proj.weight"):
-            eye = torch.eye(hidden, dtype=weights[name].dtype)
-            weights[name] = torch.cat([eye, hidden_part * weights[name][:, hidden:]], 1)
-        if name.endswith("shared_head.head.weight"):
-            weights[name] = weights["lm_head.weight"].clone()
-    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
 
 
 def record_drafts(engine) -> list[tuple[list[int], int, list[int]]]:
@@ -157,7 +131,7 @@ def test_mtp_drafts_stay_exact_with_prefill_chunks_prefix_hits_and_preemption(ch
 @pytest.mark.parametrize("tp, dcp", [(1, 1), (2, 2)])
 def test_mtp_that_predicts_the_target_accepts_every_draft(tmp_path, tp, dcp):
     path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", dtype=torch.float64, mtp_weights=True)
-    make_predictable(path, 0.0)
+    make_mtp_predictable(path, 0.0)
     program = load_program(path, "float64")
     plain = dcpgraph.compile(program, block_size=4).generate(PROMPTS, NEW)
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, speculative_config=spec(3))
@@ -259,7 +233,7 @@ def test_gloo_workers_tp2_dcp2_mtp(tmp_path):
     from dcpgraph import LLM, SamplingParams
 
     path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", dtype=torch.float64, mtp_weights=True)
-    make_predictable(path, 0.0)
+    make_mtp_predictable(path, 0.0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=NEW)
     plain = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float64", block_size=4).generate(prompts, greedy)]

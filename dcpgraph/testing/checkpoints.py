@@ -17,6 +17,7 @@ varied rather than one repeated token.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -151,3 +152,35 @@ def _per_expert(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
             out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
             out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
     return out
+
+
+def _num_layers(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return int(json.load(f)["num_hidden_layers"])
+
+
+def make_mtp_predictable(path: str, eps: float, hidden_part: float = 0.0, mtp_attention: float | None = None) -> None:
+    """Rewrite the checkpoint so the target is (for ``eps = 0``) exactly a bigram model
+    ``next(x) = argmax(lm_head · ê_x)`` (``ê`` the RMS-normalised embedding: every attention and
+    MLP output scaled by ``eps``, unit norm weights) and the MTP layer computes the same function
+    of its input token (``eh_proj = [I, 0]``, unit norms, the target's head, its own attention and
+    MLP outputs scaled by ``eps``): it then predicts the target's next token exactly. With
+    ``0 < eps`` both depend a little on context (attention over their KV caches), so drafts are
+    mostly, not always, accepted."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{path}/model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    mtp_layer = f"model.layers.{_num_layers(path)}."
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            mtp_o_proj = name.startswith(mtp_layer) and name.endswith("o_proj.weight")
+            weights[name] = weights[name] * (mtp_attention if mtp_o_proj and mtp_attention is not None else eps)
+        if name == "model.norm.weight" or name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
+            weights[name] = torch.ones_like(weights[name])
+        if name.endswith("eh_proj.weight"):
+            eye = torch.eye(hidden, dtype=weights[name].dtype)
+            weights[name] = torch.cat([eye, hidden_part * weights[name][:, hidden:]], 1)
+        if name.endswith("shared_head.head.weight"):
+            weights[name] = weights["lm_head.weight"].clone()
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})

@@ -119,16 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     hw = Hardware("this-machine (2 ranks at once)", 0, cal.bandwidth, cal.compute_flops,
                   statistics.mean(bw for _, bw in links.values()), statistics.mean(lat for lat, _ in links.values()),
                   compute_overlaps_memory=False, attention_overhead_s=cal.overhead_s, cache_bytes=cal.cache_bytes,
-                  cache_bandwidth=cal.cache_bandwidth, source="calibrated by plan_calibration.py")
+                  cache_bandwidth=cal.cache_bandwidth, bandwidth_curve=cal.bandwidth_curve,
+                  source="calibrated by plan_calibration.py")
     load = common.load_note()
     saved = saved_decode_scaling()
     print(f"calibration (rank 0, both ranks at once): memory {hw.memory_bandwidth / 1e9:.2f} GB/s, "
           f"{hw.compute_flops / 1e9:.1f} GFLOP/s fp32, overhead {hw.attention_overhead_s * 1e6:.1f} us per call, "
           f"cache {hw.cache_bytes >> 10} KiB at {hw.cache_bandwidth / 1e9:.2f} GB/s  ({load})")
     print("  seconds: " + ", ".join(f"{k}: {v * 1e3:.4f} ms" for k, v in cal.seconds.items()))
+    print("  bandwidth curve: " + ", ".join(f"{b / 2**20:g} MiB {bw / 1e9:.1f} GB/s" for b, bw in cal.bandwidth_curve))
     records = [common.record(NAME, f"gloo 2 ranks 1 element {load}", "calibration", cal.overhead_s * 1e6, "us",
                              memory_gb_s=round(cal.bandwidth / 1e9, 3), gflop_s=round(cal.compute_flops / 1e9, 2),
                              cache_bytes=cal.cache_bytes, cache_gb_s=round(cal.cache_bandwidth / 1e9, 3),
+                             bandwidth_curve=[[b, round(bw / 1e9, 3)] for b, bw in cal.bandwidth_curve],
                              seconds={k: round(v, 7) for k, v in cal.seconds.items()})]
     for name, (latency, bandwidth) in links.items():
         print(f"gloo {name} (2 ranks): latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s")

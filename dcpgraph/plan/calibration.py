@@ -15,7 +15,12 @@ otherwise. Four timings give the four figures:
    ``4·tokens·dim`` per head, so the two equations give ``bw`` (memory) and ``rate``;
 2. one block (16 tokens), one head: what is left after bytes and FLOPs is the per-call overhead;
 3. a KV of half the cache, one head, called repeatedly (so it is resident): the cache
-   bandwidth, after the overhead and FLOPs are taken out (never less than the memory's).
+   bandwidth, after the overhead and FLOPs are taken out (never less than the memory's);
+4. KVs of :data:`CURVE_BYTES` (1 to 64 MiB), one head each, the same way: the bandwidth curve
+   ``bw(working set)`` between the private cache and memory, interpolated by
+   :meth:`Hardware.read_bandwidth`. Shared last-level caches (several, of sizes a virtual machine
+   does not report truthfully: this one claims 480 MiB of L3) decide where the curve falls, so it
+   is measured, not derived from sysfs.
 
 The cache size is the machine's own (sysfs: the largest cache private to cpu0, its L2 here), not a
 constant. Links (:func:`measure_links`, inside a gloo world): per collective, the best wall time
@@ -33,6 +38,7 @@ from dataclasses import dataclass, replace
 from .hardware import HARDWARE_NAMES, MEASURED, PRESETS, Hardware, physical_memory
 
 LINK_CHUNK_BYTES = 1 << 20
+CURVE_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 SMALL_REPS = 50
 
 
@@ -44,6 +50,7 @@ class AttentionCalibration:
     cache_bytes: int
     cache_bandwidth: float  # bytes/s of a cache-resident KV
     seconds: dict  # the raw timings, by what was timed
+    bandwidth_curve: tuple = ()  # (working set bytes, bytes/s), increasing in size
 
 
 def private_cache_bytes(cpu: int = 0) -> int:
@@ -117,12 +124,19 @@ def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int,
     overhead = max(0.0, t_small - small * per_token / bandwidth - flops(small, 1) / rate)
     cache = private_cache_bytes() if cache_bytes is None else cache_bytes
     cache_bandwidth = bandwidth
+
+    def measured_bandwidth(n: int) -> float:
+        seconds[f"{n} tokens, 1 head"] = t = _time_op(attention_args(n, 1, dim), small_reps)
+        # never below the memory's: a slower figure is a call the machine's load slowed down
+        return max(bandwidth, n * per_token / max(t - overhead - flops(n, 1) / rate, 1e-9))
+
     if cache:
         resident = max(16, cache // 2 // per_token)
-        seconds[f"{resident} tokens, 1 head"] = t = _time_op(attention_args(resident, 1, dim), small_reps)
-        # never below the memory's: a slower figure is a call the machine's load slowed down
-        cache_bandwidth = max(bandwidth, resident * per_token / max(t - overhead - flops(resident, 1) / rate, 1e-9))
-    return AttentionCalibration(bandwidth, rate, overhead, cache, cache_bandwidth, seconds)
+        cache_bandwidth = measured_bandwidth(resident)
+    sizes = sorted({*(b // per_token for b in CURVE_BYTES), *((max(16, cache // 2 // per_token),) if cache else ())})
+    curve = tuple((n * per_token, cache_bandwidth if cache and n == max(16, cache // 2 // per_token)
+                   else measured_bandwidth(n)) for n in sizes if n < tokens)
+    return AttentionCalibration(bandwidth, rate, overhead, cache, cache_bandwidth, seconds, curve)
 
 
 def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
@@ -183,7 +197,7 @@ def measure_this_machine(links: bool = True, **calibration) -> Hardware:
     return Hardware(MEASURED, physical_memory(), cal.bandwidth, cal.compute_flops, link_bw, link_latency,
                     compute_overlaps_memory=False, attention_overhead_s=cal.overhead_s,
                     cache_bytes=cal.cache_bytes, cache_bandwidth=cal.cache_bandwidth,
-                    source=f"measured: paged_attention calibration on this CPU; {how}")
+                    bandwidth_curve=cal.bandwidth_curve, source=f"measured: paged_attention calibration on this CPU; {how}")
 
 
 def get_hardware(name: str, **overrides) -> Hardware:

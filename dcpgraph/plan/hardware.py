@@ -19,6 +19,7 @@ of the paged attention op and of the gloo links between two processes).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -38,9 +39,23 @@ class Hardware:
     attention_overhead_s: float = 0.0  # per attention call (one layer, one step)
     cache_bytes: int = 0  # working sets up to half of this read at cache_bandwidth (0: no cache term)
     cache_bandwidth: float = 0.0  # bytes/s
+    # measured (working set bytes, bytes/s) points, increasing in size; empty: the two-level model
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
 
     def read_bandwidth(self, working_set_bytes: float) -> float:
-        """Bandwidth of a step that touches ``working_set_bytes`` (the cache's if it stays resident)."""
+        """Bandwidth of a step that touches ``working_set_bytes``. With a measured
+        ``bandwidth_curve``: interpolated linearly in ``log(size)`` between its points, its first
+        point's below them and the memory bandwidth past the last. Otherwise the cache's when the
+        working set fits in half of it, else the memory's."""
+        curve = self.bandwidth_curve
+        if curve:
+            if working_set_bytes <= curve[0][0]:
+                return curve[0][1]
+            for (x0, b0), (x1, b1) in zip(curve, curve[1:]):
+                if working_set_bytes <= x1:
+                    f = math.log(working_set_bytes / x0) / math.log(x1 / x0)
+                    return b0 + f * (b1 - b0)
+            return self.memory_bandwidth
         if self.cache_bytes and self.cache_bandwidth and working_set_bytes <= self.cache_bytes / 2:
             return self.cache_bandwidth
         return self.memory_bandwidth

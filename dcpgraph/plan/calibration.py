@@ -16,7 +16,9 @@ otherwise. Four timings give the four figures:
 2. one block (16 tokens), one head: what is left after bytes and FLOPs is the per-call overhead;
 3. a KV of half the cache, one head, called repeatedly (so it is resident): the cache
    bandwidth, after the overhead and FLOPs are taken out (never less than the memory's);
-4. KVs of :data:`CURVE_BYTES` (1 to 64 MiB), one head each, the same way: the bandwidth curve
+4. KVs of :data:`CURVE_BYTES` (1 to 64 MiB), one head each, two distinct buffers of each size read
+   in turn (a decode step reads the other layers' KV before this one's again, so a point's reuse
+   distance is twice its size, not its size): the bandwidth curve
    ``bw(working set)`` between the private cache and memory, interpolated by
    :meth:`Hardware.read_bandwidth`. Shared last-level caches (several, of sizes a virtual machine
    does not report truthfully: this one claims 480 MiB of L3) decide where the curve falls, so it
@@ -39,6 +41,7 @@ from .hardware import HARDWARE_NAMES, MEASURED, PRESETS, Hardware, physical_memo
 
 LINK_CHUNK_BYTES = 1 << 20
 CURVE_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+CURVE_BUFFERS = 2  # a decode step reads other layers' KV before it reads this one again
 SMALL_REPS = 50
 
 
@@ -77,16 +80,22 @@ def private_cache_bytes(cpu: int = 0) -> int:
     return best
 
 
-def _time_op(args, reps: int) -> float:
+def _time_op(args, reps: int, *more_args) -> float:
+    """Best thread time of one ``paged_attention`` call over ``reps`` rounds; with ``more_args``
+    each round calls every argument set in turn (each timed), so a KV is re-read only after the
+    others: its reuse distance is the sum of their sizes, not its own."""
     import torch
 
     op = torch.ops.dcpgraph.paged_attention
-    op(*args)
+    sets = (args, *more_args)
+    for a in sets:
+        op(*a)
     best = float("inf")
     for _ in range(reps):
-        start = time.thread_time()
-        op(*args)
-        best = min(best, time.thread_time() - start)
+        for a in sets:
+            start = time.thread_time()
+            op(*a)
+            best = min(best, time.thread_time() - start)
     return best
 
 
@@ -125,8 +134,10 @@ def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int,
     cache = private_cache_bytes() if cache_bytes is None else cache_bytes
     cache_bandwidth = bandwidth
 
-    def measured_bandwidth(n: int) -> float:
-        seconds[f"{n} tokens, 1 head"] = t = _time_op(attention_args(n, 1, dim), small_reps)
+    def measured_bandwidth(n: int, buffers: int = 1) -> float:
+        extra = [attention_args(n, 1, dim) for _ in range(buffers - 1)]
+        label = f"{n} tokens, 1 head" + (f", {buffers} buffers alternating" if buffers > 1 else "")
+        seconds[label] = t = _time_op(attention_args(n, 1, dim), small_reps, *extra)
         # never below the memory's: a slower figure is a call the machine's load slowed down
         return max(bandwidth, n * per_token / max(t - overhead - flops(n, 1) / rate, 1e-9))
 
@@ -134,8 +145,7 @@ def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int,
         resident = max(16, cache // 2 // per_token)
         cache_bandwidth = measured_bandwidth(resident)
     sizes = sorted({*(b // per_token for b in CURVE_BYTES), *((max(16, cache // 2 // per_token),) if cache else ())})
-    curve = tuple((n * per_token, cache_bandwidth if cache and n == max(16, cache // 2 // per_token)
-                   else measured_bandwidth(n)) for n in sizes if n < tokens)
+    curve = tuple((n * per_token, measured_bandwidth(n, CURVE_BUFFERS)) for n in sizes if n < tokens)
     return AttentionCalibration(bandwidth, rate, overhead, cache, cache_bandwidth, seconds, curve)
 
 

@@ -11,7 +11,7 @@ request, fp32) this times, interleaved rep by rep in one process and at the same
 * ``torch_contiguous`` / ``torch_scattered``: the op's torch path (what it runs when the native
   kernel, :mod:`dcpgraph.ops.native`, is off or unavailable), for comparison;
 * diagnostics: ``attend_no_paging`` (the same kernel, ``kernels.attend``, on pre-gathered
-  contiguous K/V: the kernel alone), ``gather_scattered`` (``kernels.gather_paged`` of K and V for
+  contiguous K/V: the kernel alone), ``gather_scattered`` (``paged.gather_paged`` of K and V for
   the scattered table: the cost of paging as the op pays it), ``gather_index_select`` (the same
   gather as one ``index_select`` per cache: what it could cost), ``incache_ceiling`` (the op on one request whose KV
   fits in L3, repeated: what the kernel reaches when memory is not the limit, i.e. its compute
@@ -47,7 +47,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 import dcpgraph.ops.library  # noqa: E402,F401  (registers torch.ops.dcpgraph)
-from dcpgraph.ops import kernels  # noqa: E402
+from dcpgraph.ops import kernels, paged  # noqa: E402
 
 NAME = "attention_bandwidth"
 BLOCK = 16
@@ -195,8 +195,8 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     # (so the allocator can reuse its memory, as in the op); MLA gathers its latent once.
     def gather_paged_all():
         for i in range(nreq):
-            k = kernels.gather_paged(k_cache, sc_rows[i], seq)
-            v = None if latent else kernels.gather_paged(v_cache, sc_rows[i], seq)
+            k = paged.gather_paged(k_cache, sc_rows[i], seq)
+            v = None if latent else paged.gather_paged(v_cache, sc_rows[i], seq)
             del k, v
 
     def index_select_all():
@@ -209,7 +209,7 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
         for _ in range(inner):
             op(q1, sk, sv, small_table, cu1, small_lens, None, scale)
 
-    torch_path = kernels._paged_partial_attention_torch
+    torch_path = paged._paged_partial_attention_torch
     fns = {
         "read": lambda: src.sum(),
         "copy": lambda: dst.copy_(src),
@@ -240,7 +240,7 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
           f"{gather_share:.0%} of it (one index_select: ×{best['gather_scattered'] / best['gather_index_select']:.1f} "
           f"faster than gather_paged); prototype scattered ×{best['paged_scattered'] / best['proto_scattered']:.1f} "
           f"faster than the op")
-    config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if kernels.native_enabled() else 'off'} KV={kv_bytes / 2**20:.0f}MiB "
+    config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if paged.native_enabled() else 'off'} KV={kv_bytes / 2**20:.0f}MiB "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} {common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
     for key in ("copy", "paged_contiguous", "paged_scattered", "torch_contiguous", "torch_scattered", "attend_no_paging", "gather_scattered",
@@ -265,11 +265,11 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     nb = nreq * seq // BLOCK
-    k, ks, k_exact = kernels._stored_as(torch.randn(nb, BLOCK, hkv, d, generator=gen), kv_dtype)
+    k, ks, k_exact = paged._stored_as(torch.randn(nb, BLOCK, hkv, d, generator=gen), kv_dtype)
     if latent:
         v, vs, v_exact = k[..., :dv], None, k_exact[..., :dv]
     else:
-        v, vs, v_exact = kernels._stored_as(torch.randn(nb, BLOCK, hkv, dv, generator=gen), kv_dtype)
+        v, vs, v_exact = paged._stored_as(torch.randn(nb, BLOCK, hkv, dv, generator=gen), kv_dtype)
     stored = [k] if latent else [k, v]
     stored += [x for x in (ks, vs) if x is not None]
     kv_bytes = sum(x.numel() * x.element_size() for x in stored)
@@ -286,7 +286,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
 
     def torch_path(table):
         kc, vc, t = (quant.dequantized_context(k, v, ks, vs, table, lens, q.dtype) if fp8 else (k, v, table))
-        return kernels._paged_partial_attention_torch(q, kc, vc, t, cu, lens, None, scale)
+        return paged._paged_partial_attention_torch(q, kc, vc, t, cu, lens, None, scale)
 
     # The op must agree with its torch path before its time means anything.
     ref = torch_path(scattered)
@@ -303,7 +303,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     best = measure(fns, reps, _timer(threads))
     bw = {name: kv_bytes / t / 1e9 for name, t in best.items()}
     read = bw["read"]
-    native_on = kernels.native_enabled(kv_dtype)
+    native_on = paged.native_enabled(kv_dtype)
     config = (f"{label} {kv_name} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "
               f"KV={kv_bytes / 2**20:.0f}MiB clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
               f"{common.load_note()}")

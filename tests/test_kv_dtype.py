@@ -167,9 +167,9 @@ def test_fp8_paged_attention_equals_attention_over_dequantised_cache(latent, dty
     v8, vs = (k8[..., :dv], None) if latent else (shape(vq), shape(vs))
     # The native kernel converts fp8 to fp32 in registers and rounds only its output to q's dtype;
     # the torch path dequantises into q's dtype. The reference reads the values the same way.
-    from dcpgraph.ops import kernels
+    from dcpgraph.ops import paged
 
-    exact = torch.float32 if kernels.native_enabled(torch.float8_e4m3fn) else dtype
+    exact = torch.float32 if paged.native_enabled(torch.float8_e4m3fn) else dtype
     k_ref = quant.dequantize_fp8(k8, ks, exact)
     v_ref = k_ref[..., :dv] if latent else quant.dequantize_fp8(v8, vs, exact)
     table = torch.tensor([[7, 2, 9], [0, 5, 0], [3, 3, 3]], dtype=torch.int32)  # row 2: no keys

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcpgraph.ops import kernels, native, quant
+from dcpgraph.ops import native, paged, quant
 
 ATOL = 1e-5
 
@@ -22,7 +22,7 @@ def _built():
 
 
 def _torch_path(*args):
-    return kernels._paged_partial_attention_torch(*args)
+    return paged._paged_partial_attention_torch(*args)
 
 
 def _check(q, k_cache, v_cache, table, lens, scale=0.2, chunk_tokens=None):
@@ -115,19 +115,19 @@ def test_dispatch_runs_bounded_multi_token_rows_natively(monkeypatch):
     lens = torch.tensor([40, 7, 63], dtype=torch.int32)
     bound = torch.tensor([37, 38, 39, 40, 7, 60, 61, 62, 63], dtype=torch.int32)
     qs = torch.randn(9, 4, 24, generator=torch.Generator().manual_seed(10))
-    assert kernels.native_enabled()  # its one-off self-check runs before the spy goes in
+    assert paged.native_enabled()  # its one-off self-check runs before the spy goes in
     calls = []
     real = native.native_paged_decode
     monkeypatch.setattr(native, "native_paged_decode", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
-    got = kernels.paged_partial_attention(qs, k, v, table, cu, lens, bound, 0.3)
+    got = paged.paged_partial_attention(qs, k, v, table, cu, lens, bound, 0.3)
     ref = _torch_path(qs, k, v, table, cu, lens, bound, 0.3)
     assert calls == [9]  # one row per query token
     torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
-    long_q = torch.randn(kernels.MAX_BOUNDED_QUERIES_PER_ROW + 1, 4, 24)
+    long_q = torch.randn(paged.MAX_BOUNDED_QUERIES_PER_ROW + 1, 4, 24)
     long_cu = torch.tensor([0, long_q.shape[0]], dtype=torch.int32)
     calls.clear()
-    kernels.paged_partial_attention(long_q, k, v, table[:1], long_cu, lens[:1], torch.arange(long_q.shape[0]) + 20, 0.3)
+    paged.paged_partial_attention(long_q, k, v, table[:1], long_cu, lens[:1], torch.arange(long_q.shape[0]) + 20, 0.3)
     assert not calls
 
 
@@ -137,7 +137,7 @@ def test_short_table_falls_back_and_raises():
     lens = torch.tensor([20, 4], dtype=torch.int32)  # 20 tokens need 5 blocks, the row has 3
     assert native.native_paged_decode(q, k, v, table, cu, lens, 0.1) is None
     with pytest.raises(ValueError, match="block table row"):
-        kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.1)
+        paged.paged_partial_attention(q, k, v, table, cu, lens, None, 0.1)
 
 
 def test_dispatch_uses_native_for_fp32_decode(monkeypatch):
@@ -147,21 +147,21 @@ def test_dispatch_uses_native_for_fp32_decode(monkeypatch):
     calls = []
     real = native.native_paged_decode
     monkeypatch.setattr(native, "native_paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    assert kernels.native_enabled()
-    out, lse = kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
+    assert paged.native_enabled()
+    out, lse = paged.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
     assert calls
     ref = _torch_path(q, k, v, table, cu, lens, None, 0.25)
     torch.testing.assert_close(out, ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
     # decode with a kv_bound caps each row's length
     bound = torch.tensor([50, 3, 191], dtype=torch.int32)
-    got = kernels.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.25)
+    got = paged.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.25)
     ref = _torch_path(q, k, v, table, cu, lens, bound, 0.25)
     torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
     monkeypatch.setenv("DCPGRAPH_NATIVE", "0")
     calls.clear()
-    kernels.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
+    paged.paged_partial_attention(q, k, v, table, cu, lens, None, 0.25)
     assert not calls
 
 
@@ -172,11 +172,11 @@ KV_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 def _typed(seed, kv_dtype, hq, hkv, d, dv, prefix, nb=64, block=16, rows=5, width=10):
     """A cache stored as ``kv_dtype`` and the exact fp32 values it holds (the reference's input)."""
     q, k, v, table = _case(seed, nb, block, hkv, d, dv, hq, rows, width, prefix)
-    k_stored, k_scales, k_exact = kernels._stored_as(3 * k, kv_dtype)
+    k_stored, k_scales, k_exact = paged._stored_as(3 * k, kv_dtype)
     if prefix:
         v_stored, v_scales, v_exact = k_stored[..., :dv], None, k_exact[..., :dv]
     else:
-        v_stored, v_scales, v_exact = kernels._stored_as(v, kv_dtype)
+        v_stored, v_scales, v_exact = paged._stored_as(v, kv_dtype)
     return q, (k_stored, v_stored, k_scales, v_scales), (k_exact, v_exact), table
 
 
@@ -244,8 +244,8 @@ def test_fp8_op_reads_the_cache_natively_not_through_a_dequantised_copy(monkeypa
     import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
     from dcpgraph.ops import quant as quant_mod
 
-    if not kernels.native_enabled(torch.float8_e4m3fn):
-        pytest.skip(f"native fp8 off: {kernels._native_state.get(('reason', torch.float8_e4m3fn))}")
+    if not paged.native_enabled(torch.float8_e4m3fn):
+        pytest.skip(f"native fp8 off: {paged._native_state.get(('reason', torch.float8_e4m3fn))}")
     q, (k, v, ks, vs), (k_exact, v_exact), table = _typed(12, torch.float8_e4m3fn, 8, 1, 128, 128, False)
     monkeypatch.setattr(quant_mod, "dequantized_context", lambda *a: pytest.fail("dequantised copy made"))
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)

@@ -681,7 +681,7 @@ def test_paged_attention_with_values_as_a_prefix_view_of_keys():
 def test_batched_decode_path_equals_per_request_loop(monkeypatch, value_prefix):
     """Decode batches (one query per row) take a batched gather path; it must equal the
     per-request streaming path exactly in fp64, empty rows included."""
-    from dcpgraph.ops import kernels
+    from dcpgraph.ops import paged
 
     gen = torch.Generator().manual_seed(11)
     blocks, block, hkv, d, hq = 10, 4, 2, 8, 6
@@ -691,9 +691,9 @@ def test_batched_decode_path_equals_per_request_loop(monkeypatch, value_prefix):
     table = torch.tensor([[7, 2, 9], [0, 1, 3], [4, 0, 0], [5, 6, 8]], dtype=torch.int32)
     cu = torch.arange(5, dtype=torch.int32)
     lens = torch.tensor([11, 5, 0, 12], dtype=torch.int32)
-    batched = kernels.paged_partial_attention(q, k_cache, v_cache, table, cu, lens, None, 0.4)
-    monkeypatch.setattr(kernels, "BATCHED_DECODE_TOKENS", 0)
-    looped = kernels.paged_partial_attention(q, k_cache, v_cache, table, cu, lens, None, 0.4)
+    batched = paged.paged_partial_attention(q, k_cache, v_cache, table, cu, lens, None, 0.4)
+    monkeypatch.setattr(paged, "BATCHED_DECODE_TOKENS", 0)
+    looped = paged.paged_partial_attention(q, k_cache, v_cache, table, cu, lens, None, 0.4)
     torch.testing.assert_close(batched[0], looped[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(batched[1], looped[1], rtol=0, atol=1e-12)
     assert torch.equal(batched[0][2], torch.zeros_like(batched[0][2])) and bool((batched[1][2] == float("-inf")).all())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dcpgraph.ops import kernels, native
+from dcpgraph.ops import native, paged
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_IN_WHEEL = "dcpgraph/ops/csrc/paged_decode.cpp"
@@ -30,15 +30,15 @@ _CHECK_INSTALLED = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import dcpgraph
-from dcpgraph.ops import kernels, native
-enabled = kernels.native_enabled()
+from dcpgraph.ops import native, paged
+enabled = paged.native_enabled()
 print(json.dumps({
     "dcpgraph": dcpgraph.__file__,
     "source": str(native._SRC),
     "build_dir": str(native.build_dir()),
     "module": getattr(native._module, "__file__", None),
     "enabled": enabled,
-    "reason": kernels._native_state.get("reason"),
+    "reason": paged._native_state.get("reason"),
 }))
 """
 
@@ -99,12 +99,12 @@ def test_a_missing_kernel_source_is_reported_not_silent(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_SRC", missing)
     for name, fresh in (("_tried", False), ("_module", None), ("reason", None), ("build_seconds", None)):
         monkeypatch.setattr(native, name, fresh)
-    monkeypatch.setattr(kernels, "_native_state", {})
+    monkeypatch.setattr(paged, "_native_state", {})
     monkeypatch.delenv("DCPGRAPH_NATIVE", raising=False)
     with pytest.warns(RuntimeWarning, match="is missing from this installation"):
-        assert not kernels.native_enabled()
-    assert str(missing) in kernels._native_state["reason"]
-    assert native.reason == kernels._native_state["reason"] and "torch path" in native.reason
+        assert not paged.native_enabled()
+    assert str(missing) in paged._native_state["reason"]
+    assert native.reason == paged._native_state["reason"] and "torch path" in native.reason
     assert not native.available()  # decided once per process; no second build attempt
 
 

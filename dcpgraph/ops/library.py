@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, mla_preprocess, quant
+from . import kernels, mla_preprocess, paged, quant
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -123,7 +123,7 @@ def _paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv
     if k_scales is None and quant.is_fp8(k_cache.dtype):
         raise ValueError("paged_attention: an fp8 KV cache needs its scales (k_scales, and v_scales unless "
                          "the values are a prefix of the keys)")
-    out, lse = kernels.paged_partial_attention(  # fp8: the native kernel reads it with its scales
+    out, lse = paged.paged_partial_attention(  # fp8: the native kernel reads it with its scales
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, kv_bound, scale, kv_start, softcap,
         k_scales, v_scales,
     )
@@ -156,7 +156,7 @@ def _rescale_to_global_fake(out, lse, lses_all):
 
 
 def _kv_cache_write_(cache, new, slot_mapping):
-    kernels.write_slots(cache, new, slot_mapping)
+    paged.write_slots(cache, new, slot_mapping)
 
 
 def _kv_cache_write_fake(cache, new, slot_mapping):

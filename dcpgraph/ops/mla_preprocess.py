@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import write_slots
+from .paged import write_slots
 
 ROTARY_KINDS = ("interleave", "rotate_half", "complex")
 

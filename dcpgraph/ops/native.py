@@ -1,6 +1,6 @@
 """Optional native (C++) kernel for paged decode attention, built lazily on first use.
 
-:func:`native_paged_decode` computes what :func:`dcpgraph.ops.kernels.paged_partial_attention`
+:func:`native_paged_decode` computes what :func:`dcpgraph.ops.paged.paged_partial_attention`
 does without ``kv_bound`` (row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens),
 reading K and V **in place through the block table** (no gather copy, so a scattered table costs
 what a contiguous one does). KV caches of fp32, bf16 or float8_e4m3fn with its per-128-element

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import _softmax_attend, acc_dtype, gather_paged
+from .kernels import acc_dtype, softmax_attend
+from .paged import gather_paged
 
 NEG_INF = float("-inf")
 INDEX_DTYPE = torch.float32  # the indexer scores in fp32 whatever the model dtype (as HF does)
@@ -109,7 +110,7 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     qf = q.to(acc).reshape(t, hkv, group, -1).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
     kf = k.to(acc).permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, L]
     vf = v.to(acc).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, Dv]
-    out, lse = _softmax_attend(torch.matmul(qf, kf) * scale, vf, visible)
+    out, lse = softmax_attend(torch.matmul(qf, kf) * scale, vf, visible)
     return out.permute(2, 0, 1, 3).reshape(t, hq, -1).to(q.dtype), lse.permute(2, 0, 1).reshape(t, hq)
 
 

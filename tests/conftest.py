@@ -56,3 +56,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """A GQA (Qwen3) and an MLA (DeepSeek-V2) tiny checkpoint directory, written once per session
+    and only read by the tests that use them (a test that edits a checkpoint saves its own)."""
+    from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}

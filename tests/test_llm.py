@@ -26,12 +26,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("checkpoints")
-    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}
-
-
-@pytest.fixture(scope="module")
 def references(checkpoints):
     """Per checkpoint: the tokenizer and a function prompt ids -> HF greedy new tokens."""
     out = {}

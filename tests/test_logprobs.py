@@ -22,7 +22,6 @@ from dcpgraph.runtime.sampling import SamplingParams as EngineParams
 from dcpgraph.runtime.sampling import apply_penalties, sample, token_logprobs
 from dcpgraph.serving.checkpoint import load_model, load_tokenizer
 from dcpgraph.serving.prompts import chat_prompt
-from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.server import running_server
 
 # fp64 on both sides. Qwen3 and Llama agree to ~1e-15; HF's DeepSeek-V2 applies its rotary embedding in
@@ -30,12 +29,6 @@ from dcpgraph.testing.server import running_server
 EXACT = 1e-9
 TOL = {"deepseek_v2": 2e-6}  # per architecture, where not EXACT
 PROMPTS = ["The future of AI is", "héllo"]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("logprobs")
-    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from dcpgraph.serving.checkpoint import load_model, load_tokenizer
-from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.pd import SERVE_ARGS, kv_config, wait_kv_free
 from dcpgraph.testing.pd import kv_stats as stats
@@ -25,12 +24,6 @@ MEDIUM = "The future of AI is"
 LONG = "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 " * 2  # 144 tokens, 36 blocks
 SHARED = "Once upon a time, in a land far away, there lived a "
 COMMON = SERVE_ARGS
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pd")
-    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import openai
 import pytest
 
 from dcpgraph.serving.checkpoint import load_model, load_tokenizer
-from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.server import running_server
 
@@ -31,12 +30,6 @@ MAX_MODEL_LEN = 256
 SERVER_ARGS = ("-tp", "2", "-dcp", "2", "--dtype", "float64", "--block-size", "4",
                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--served-model-name", "tiny")
 PROMPTS = ["héllo wörld", "The future of AI is", "x", "a b c d e f g h i j k"]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving")
-    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}
 
 
 @pytest.fixture(scope="module")

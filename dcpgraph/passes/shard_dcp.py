@@ -7,6 +7,9 @@ For each paged (context) attention of a layer, on every rank of a DCP group of `
     o, lse         = merge over the group, back to this rank's H heads:
         comm="a2a":   all_to_all of packed [o_c ‖ lse_c] by head block, then merge_attention
         comm="ag_rs": all_gather(lse_c); rescale_to_global; reduce_scatter(sum) by head block
+        comm="ag":    (dcp == tp) no query gather: q_proj and o_proj are replicated, every rank
+                      all-gathers packed [o_c ‖ lse_c] of every head, merges every head, and the
+                      output projection's all-reduce goes (:mod:`.shard_dcp_replicated`)
 
 A sliding window's per-query start ``kv_start`` (a global position, from ``insert_kv_cache``)
 becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitted in the graph
@@ -26,6 +29,8 @@ Cost model for ``comm="auto"``: both move the same output bytes; a2a adds one fp
 (token, head) and needs one collective after the query gather, ag_rs needs two plus an LSE
 all-gather that grows as N². a2a is chosen unless the value dim is so small that the extra lane
 dominates (Dv < 4), where ag_rs's N·H·4 bytes per token is cheaper than (Dv+1)/Dv more output.
+``ag`` is only ever chosen by name: it trades the projections' memory for two fewer collectives
+per layer.
 """
 
 from __future__ import annotations
@@ -33,17 +38,18 @@ from __future__ import annotations
 import torch
 
 from ..collectives import ALL_GATHER
-from ..errors import VerificationError
+from ..errors import ConfigError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
 from .manager import program_pass
+from .shard_dcp_replicated import merge_all_heads, replicate_projections
 from .shard_dcp_sparse import shard_indexer
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
-COMMS = ("a2a", "ag_rs")
+COMMS = ("a2a", "ag_rs", "ag")
 
 
 def choose_comm(v_head_dim: int) -> str:
@@ -73,6 +79,9 @@ def shard_dcp(program: Program, comm: str = "auto"):
         raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
     if n == 1:
         return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
+    if comm == "ag" and n != mesh.tp:
+        raise ConfigError(f"comm='ag' needs dcp == tp (the DCP group is the TP group), got tp={mesh.tp}, dcp={n}; "
+                         "use comm='a2a' or 'ag_rs'")
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
@@ -81,6 +90,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     interleave = int(program.options.get("interleave", 1))
     local_starts: dict = {}  # global kv_start node -> this rank's local index
     indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
+    specs = {s.name: s for s in program.inputs}
+    rules: dict = {}  # comm="ag": parameters that become replicated
     for indexer in indexers:
         shard_indexer(graph, e, indexer, dcp_rank, n, interleave, _emit_local_len)
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
@@ -92,9 +103,14 @@ def shard_dcp(program: Program, comm: str = "auto"):
         q = node.args[0]
         heads = q.meta["val"].shape[1]
         dv = node.meta["val"][0].shape[-1]
-        with graph.inserting_before(node):
-            q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
-            q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
+        if comm == "ag":
+            replicate_projections(graph, node, specs, rules)
+            q_all = q  # now every head of the group, computed here
+        else:
+            with graph.inserting_before(node):
+                q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1),
+                                  memory_format=torch.contiguous_format)
+                q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
         if node.target is dcp_ops.paged_sparse_attention.default:  # reads its own selection, no lengths
             node.args = (q_all, *node.args[1:])
         else:
@@ -109,7 +125,9 @@ def shard_dcp(program: Program, comm: str = "auto"):
         anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
-            if comm == "a2a":
+            if comm == "ag":
+                out, lse = merge_all_heads(graph, e, node, o_c, lse_c, n, n * heads, dv)
+            elif comm == "a2a":
                 out, lse = _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q)
             else:
                 out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank)
@@ -121,7 +139,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
     graph.eliminate_dead_code()
     gm.recompile()
     inputs = (
-        *program.inputs,
+        *(InputSpec(s.name, s.kind, s.target, rules[s.name]) if s.name in rules else s for s in program.inputs),
         InputSpec("local_context_lens", META, "local_context_lens"),
         InputSpec("dcp_rank", RANK, "dcp_rank"),
     )
@@ -129,6 +147,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
+        + (f"; {len(rules)} projection weights replicated, {rewritten} output all-reduces removed" if rules else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )
 

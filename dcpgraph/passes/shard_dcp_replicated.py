@@ -1,0 +1,122 @@
+"""``comm="ag"``: DCP over the whole TP group with the attention projections held whole.
+
+When the DCP group is the TP group (``dcp == tp``) every rank can compute every query head and
+finish every head's attention itself, so per layer and rank::
+
+    q          = q_proj(x)                            # all heads: q_proj replicated, no query gather
+    o_c, lse_c = paged_attention(q, local cache, local_context_lens)
+    parts      = all_gather([o_c ‖ lse_c])            # [N, T, heads, Dv+1], the only collective
+    o, lse     = merge_attention(parts)               # exact, every head, on every rank
+    y          = o_proj(o)                            # o_proj replicated: y is already complete
+
+One collective for the layer's attention instead of three (query all-gather, merge exchange, the
+output projection's all-reduce); the KV cache is sharded by sequence exactly as for ``a2a``. The
+price is the query and output projections held whole on every rank (``N`` times their TP-sharded
+bytes, read once per step), worth it where collectives cost more than those bytes, as on a host
+link (``benchmarks/decode_scaling.py``). Every rank computes the same values for every head, so
+the hidden state stays replicated as the rest of the TP graph expects.
+
+The projections are found from each context attention: the query projection is the one linear
+reached walking back from its query (stopping at linears), column-parallel; the output projection
+is the one linear reached walking forward from its result, row-parallel, whose only user is a TP
+all-reduce. Anything else (a fused QKV or packed projection, an all-reduce shared with another
+branch, a sparse read) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming ``a2a`` and
+``ag_rs``, which need neither.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..collectives import ALL_REDUCE, WAIT, collective_of
+from ..errors import UnsupportedModelError
+from ..program import PARAM, REPLICATE, InputSpec, ShardRule
+from . import collectives as coll
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+_ROWWISE, _COLWISE = ShardRule(1), ShardRule(0)
+
+
+def _linears(start: torch.fx.Node, forward: bool) -> set[torch.fx.Node]:
+    """The ``aten.linear`` nodes first reached from ``start`` (not walking past them); a
+    collective on the way raises, since the projections would then not see one rank's values."""
+    seen, stack, found = {start}, [start], set()
+    while stack:
+        node = stack.pop()
+        nexts = list(node.users) if forward else list(node.all_input_nodes)
+        for n in nexts:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n.target is aten.linear.default:
+                found.add(n)
+            elif collective_of(n.target) is not None or n.target is WAIT:
+                raise UnsupportedModelError(
+                    f"comm='ag': a collective ({n.name}) lies between {start.name} and its projection; "
+                    "use comm='a2a' or 'ag_rs'")
+            else:
+                stack.append(n)
+    return found
+
+
+def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[str, ShardRule],
+                want: ShardRule, what: str) -> str:
+    weight = linear.args[1]
+    spec = specs.get(weight.name)
+    rule = rules.get(weight.name, spec.shard if spec is not None else None)
+    if spec is None or spec.kind != PARAM or type(rule) is not ShardRule or rule != want:
+        raise UnsupportedModelError(
+            f"comm='ag' needs the {what} projection {linear.name} to be a plain "
+            f"{'column' if want.dim == 0 else 'row'}-parallel linear (weight rule {want}), found {rule}; "
+            "use comm='a2a' or 'ag_rs'")
+    return weight.name
+
+
+def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dict[str, InputSpec],
+                          rules: dict[str, ShardRule]) -> None:
+    """Make ``read``'s query and output projections whole on every rank: their weights (and
+    biases) become replicated in ``rules``, and the output projection's all-reduce is removed."""
+    if read.target is not dcp_ops.paged_attention.default:
+        raise UnsupportedModelError(f"comm='ag' shards paged context attention only, not {read.target}; "
+                                    "use comm='a2a' or 'ag_rs'")
+    q_linears = _linears(read.args[0], forward=False)
+    o_linears = _linears(read, forward=True)
+    if len(q_linears) != 1 or len(o_linears) != 1:
+        raise UnsupportedModelError(
+            f"comm='ag': {read.name} has query projections {sorted(n.name for n in q_linears)} and output "
+            f"projections {sorted(n.name for n in o_linears)}, expected one each; use comm='a2a' or 'ag_rs'")
+    (q_proj,), (o_proj,) = q_linears, o_linears
+    changed = [_param_rule(q_proj, specs, rules, _COLWISE, "query")]
+    if len(q_proj.args) > 2 and q_proj.args[2] is not None:
+        changed.append(q_proj.args[2].name)
+    changed.append(_param_rule(o_proj, specs, rules, _ROWWISE, "output"))
+    (reduce,) = o_proj.users if len(o_proj.users) == 1 else (None,)
+    if reduce is None or collective_of(reduce.target) is not ALL_REDUCE or coll.collective_group(reduce)[0] != "tp" \
+            or len(reduce.users) != 1 or next(iter(reduce.users)).target is not WAIT:
+        raise UnsupportedModelError(
+            f"comm='ag': the output projection {o_proj.name} must feed one TP all-reduce of its own; "
+            "use comm='a2a' or 'ag_rs'")
+    wait = next(iter(reduce.users))
+    wait.replace_all_uses_with(o_proj)
+    graph.erase_node(wait)
+    graph.erase_node(reduce)
+    for name in changed:
+        rules[name] = REPLICATE
+
+
+def merge_all_heads(graph: torch.fx.Graph, e, read: torch.fx.Node, o_c: torch.fx.Node, lse_c: torch.fx.Node,
+                    n: int, heads: int, dv: int) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """All-gather packed ``[o ‖ lse]`` of every head over the DCP group, merge every head; the
+    merged output keeps ``read``'s output dtype, the exchange and merge run in fp32 or wider."""
+    out_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+    acc = torch.promote_types(torch.float32, out_dtype)
+    o_acc = o_c if out_dtype == acc else e(aten._to_copy.default, o_c, dtype=acc)
+    lse_acc = lse_c if lse_dtype == acc else e(aten._to_copy.default, lse_c, dtype=acc)
+    packed = e(aten.cat.default, [o_acc, e(aten.unsqueeze.default, lse_acc, -1)], -1)  # [T, heads, Dv+1]
+    parts = e(aten.view.default, coll.all_gather(graph, packed, n, "dcp"), [n, -1, heads, dv + 1])
+    outs = e(aten.slice.Tensor, parts, -1, 0, dv)
+    lses = e(aten.select.int, parts, -1, dv)
+    merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
+    return (merged if out_dtype == acc else e(aten._to_copy.default, merged, dtype=out_dtype)), lse

@@ -1,0 +1,107 @@
+"""``comm="ag"`` (``dcp == tp``, attention projections replicated, one collective per attention).
+
+Proven against HF ``generate`` on the same weights (emulated ranks, and two real gloo processes),
+against the ``a2a`` lowering's tokens, and by the graph's shape: per layer one DCP all-gather (of
+packed partials), no query gather and no all-reduce of the output projection; the query and
+output projections' weights are whole on every rank. Models it cannot lower, and meshes where the
+DCP group is not the TP group, are refused with errors that name ``a2a``/``ag_rs``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_e2e_gqa import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model
+
+import dcpgraph
+from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE
+from dcpgraph.passes.collectives import collective_group
+from dcpgraph.passes.graph_edit import nodes_calling
+from dcpgraph.program import REPLICATE, ShardRule
+from dcpgraph.runtime.distributed import spawn
+from dcpgraph.testing.generation import hf_greedy
+
+MAX_NEW = 16
+
+
+def _collectives(program, op) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in nodes_calling(program.graph_module.graph, op):
+        kind = collective_group(node)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    return request.param, build_model(request.param)
+
+
+def test_ag_generates_hf_tokens_with_one_gather_per_layer(model):
+    name, m = model
+    layers = m.config.num_hidden_layers
+    engine = dcpgraph.compile(m, tp=2, dcp=2, comm="ag", block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    a2a = dcpgraph.compile(m, tp=2, dcp=2, comm="a2a", block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
+    assert got == [hf_greedy(m, p, MAX_NEW) for p in PROMPTS]
+    assert got == a2a.generate([list(p) for p in PROMPTS], MAX_NEW)
+    assert engine.report()["comm"] == "ag"
+    program = engine.program
+    # One DCP all-gather per layer (the packed partials); a2a has a query gather per layer too.
+    assert _collectives(program, ALL_GATHER.op).get("dcp") == layers
+    assert _collectives(a2a.program, ALL_GATHER.op).get("dcp") == layers
+    # The attention's output all-reduce is gone: a2a reduces attention and MLP per layer.
+    ag_reduces = _collectives(program, ALL_REDUCE.op).get("tp", 0)
+    assert _collectives(a2a.program, ALL_REDUCE.op).get("tp", 0) - ag_reduces == layers
+    rules = {s.target: s.shard for s in program.inputs}
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        assert rules[prefix + "q_proj.weight"] == REPLICATE
+        assert rules[prefix + "o_proj.weight"] == REPLICATE
+        assert rules[prefix + "k_proj.weight"] == ShardRule(0, 1)  # the one KV head, as under a2a
+        if name == "qwen2":  # q_proj has a bias: replicated with its weight
+            assert rules[prefix + "q_proj.bias"] == REPLICATE
+    state = program.local_state(1)
+    full = dict(m.named_parameters())
+    q_index = next(i for i, s in enumerate(s for s in program.inputs if s.kind == "param")
+                   if s.target == "model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(state[q_index], full["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("tp, dcp", [(4, 2)])
+def test_ag_needs_the_dcp_group_to_be_the_tp_group(tp, dcp):
+    with pytest.raises(dcpgraph.ConfigError, match=r"comm='ag' needs dcp == tp.*tp=4, dcp=2.*'a2a' or 'ag_rs'"):
+        dcpgraph.compile(build_model("llama"), tp=tp, dcp=dcp, comm="ag", block_size=BLOCK_SIZE)
+
+
+def test_ag_refuses_an_output_projection_without_its_own_all_reduce():
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.passes.shard_dcp_replicated import replicate_projections
+
+    program = dcpgraph.compile(build_model("llama"), tp=2, dcp=1, block_size=BLOCK_SIZE).program
+    specs = {s.name: s for s in program.inputs}
+    # A tp=2 graph's layer: column-parallel q_proj, row-parallel o_proj feeding its all-reduce, so
+    # the first call lowers it; the second finds the all-reduce gone and refuses by name.
+    gm = program.copy_graph()
+    read = nodes_calling(gm.graph, torch.ops.dcpgraph.paged_attention.default)[0]
+    rules: dict = {}
+    replicate_projections(gm.graph, read, specs, rules)
+    assert len(rules) == 2 and set(rules.values()) == {REPLICATE}
+    with pytest.raises(UnsupportedModelError, match=r"one TP all-reduce of its own.*'a2a' or 'ag_rs'"):
+        replicate_projections(gm.graph, read, specs, {})
+
+
+def _gloo_rank(rank: int, world: int, comm: str):
+    model = build_model("llama")
+    engine = dcpgraph.compile(model, tp=world, dcp=world, comm=comm, block_size=BLOCK_SIZE,
+                              max_batched_tokens=MAX_BATCHED)
+    return {"tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW), "report": engine.report()}
+
+
+@pytest.mark.gloo
+def test_ag_on_gloo_ranks_generates_hf_tokens():
+    results = spawn(_gloo_rank, 2, "ag", timeout_s=120)
+    model = build_model("llama")
+    assert all(r["report"]["executor"] == "distributed" and r["report"]["comm"] == "ag" for r in results)
+    assert results[1]["tokens"] == results[0]["tokens"]
+    assert results[0]["tokens"] == [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]

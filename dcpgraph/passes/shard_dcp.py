@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import ALL_GATHER
+from ..collectives import ALL_GATHER, WAIT
 from ..errors import ConfigError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
@@ -128,7 +128,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
             if comm == "ag":
                 out, lse = merge_all_heads(graph, e, node, o_c, lse_c, n, n * heads, dv)
             elif comm == "a2a":
-                out, lse = _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q)
+                out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q)
             else:
                 out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank)
         for index, result in ((0, out), (1, lse)):
@@ -137,6 +137,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
                 graph.erase_node(u)
         rewritten += 1
     graph.eliminate_dead_code()
+    overlapped = sum(coll.overlap_wait(w) for w in list(nodes_calling(graph, WAIT))
+                     if coll.collective_group(w.args[0])[0] == "dcp")
     gm.recompile()
     inputs = (
         *(InputSpec(s.name, s.kind, s.target, rules[s.name]) if s.name in rules else s for s in program.inputs),
@@ -148,6 +150,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
         + (f"; {len(rules)} projection weights replicated, {rewritten} output all-reduces removed" if rules else "")
+        + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )
 
@@ -161,19 +164,27 @@ def _emit_local_len(e: Emitter, length, rank, n: int, interleave: int):
     return e(aten.add.Tensor, base, e(aten.clamp.default, rem, 0, interleave))
 
 
-def _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q):
-    """Pack ``[o ‖ lse]`` per (token, head), exchange head blocks, merge locally."""
-    acc = e(aten.cat.default, [
-        e(aten._to_copy.default, o_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)),
-        e(aten.unsqueeze.default, e(aten._to_copy.default, lse_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)), -1),
-    ], -1)  # [T, N·H, Dv+1]
-    blocks = e(aten.clone.default, e(aten.permute.default, e(aten.view.default, acc, [-1, n, heads, dv + 1]), [1, 0, 2, 3]),
-               memory_format=torch.contiguous_format)  # [N, T, H, Dv+1]
+def _to(e, x, have: torch.dtype, want: torch.dtype):
+    """``x`` converted to ``want``, or ``x`` itself when it already is (no copy)."""
+    return x if have == want else e(aten._to_copy.default, x, dtype=want)
+
+
+def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q):
+    """Pack ``[o ‖ lse]`` per (token, head) straight into head-block order, exchange head blocks,
+    merge locally. The ``cat`` writes the all-to-all's contiguous ``[N, T, H, Dv+1]`` input in one
+    copy from the permuted views of the attention's outputs."""
+    dtype = q.meta["val"].dtype
+    acc = torch.promote_types(torch.float32, dtype)
+    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+    o_blocks = e(aten.permute.default, e(aten.view.default, o_c, [-1, n, heads, dv]), [1, 0, 2, 3])
+    lse_blocks = e(aten.permute.default, e(aten.view.default, lse_c, [-1, n, heads]), [1, 0, 2])
+    blocks = e(aten.cat.default, [_to(e, o_blocks, o_dtype, acc),
+                                  e(aten.unsqueeze.default, _to(e, lse_blocks, lse_dtype, acc), -1)], -1)
     received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
     outs = e(aten.slice.Tensor, received, -1, 0, dv)
     lses = e(aten.select.int, received, -1, dv)
     merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
-    return e(aten._to_copy.default, merged, dtype=q.meta["val"].dtype), lse
+    return _to(e, merged, acc, dtype), lse
 
 
 def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):
@@ -185,4 +196,5 @@ def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):
     mine = e(aten.select.int, coll.reduce_scatter(graph, blocks, n, "dcp"), 0, 0)  # [T, H, Dv]
     lse = e(aten.squeeze.dim, e(aten.index_select.default, e(aten.view.default, lse_global, [-1, n, heads]), 1,
                                 e(aten.view.default, dcp_rank, [1])), 1)
-    return e(aten._to_copy.default, mine, dtype=q.meta["val"].dtype), lse
+    dtype = q.meta["val"].dtype
+    return _to(e, mine, torch.promote_types(torch.float32, dtype), dtype), lse

@@ -2,8 +2,8 @@
 with a per-layer breakdown of where the step's time goes.
 
 Model: a Qwen3 with 8 query heads and **1 KV head** of dim 128 (so tp=2 replicates the KV head
-and dcp=2 is valid), hidden 256, ``--layers`` layers (8 by default), fp32, random weights. Both
-meshes are compiled in the same two ``spawn``-ed gloo processes (one thread each), with caches
+and dcp=2 is valid), hidden 256, ``--layers`` layers (8 by default), fp32, random weights. The
+meshes compared are compiled in the same two ``spawn``-ed gloo processes (one thread each), with caches
 sized for the longest context (8 layers x 128K tokens x K and V x 128 x 4 B = 1 GiB per rank for
 dcp=1, half that for each dcp=2 mesh: 4 GiB over both ranks, on a 24 GiB machine).
 
@@ -24,8 +24,9 @@ projection's all-reduce, the MLP's all-reduce); ``dcp2-ag``, ``comm="ag"`` (per 
 all-gather of packed partials of every head and the MLP's all-reduce, the attention projections
 replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`). dcp1 has two collectives per layer.
 
-Per context length ``C`` (16K…128K; ``--quick``: 4K and 16K), rounds interleave the meshes (the
-logical group names are re-registered for the engine about to run). Measured:
+Per context length ``C`` (16K…128K; ``--quick``: 4K and 16K) the meshes take turns step by step,
+each with its own request (the logical group names are re-registered for the engine about to run,
+outside the timed step), so a change in the machine's load hits every mesh alike. Measured:
 
 * ``decode_step_time``: median wall time of ``engine.step()`` on rank 0, each step started right
   after a barrier so both ranks begin together; each dcp=2 row carries its ratio to dcp=1 and the
@@ -176,8 +177,8 @@ class TimedGraph:
         return out
 
 
-def worker(rank: int, world: int, contexts: list[int], layers: int, steps: int, warm: int, rounds: int,
-           attn_reps: int, timed_steps: int) -> dict:
+def worker(rank: int, world: int, contexts: list[int], layers: int, variants: dict, steps: int, warm: int,
+           rounds: int, attn_reps: int, timed_steps: int) -> dict:
     import torch.distributed as dist
 
     import dcpgraph
@@ -189,7 +190,7 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, steps: int, 
     per_request = warm + steps
     program = dcpgraph.trace(build_model(layers))
     engines = {}
-    for name, (dcp, comm) in VARIANTS.items():
+    for name, (dcp, comm) in variants.items():
         engines[name] = dcpgraph.compile(
             program, tp=TP, dcp=dcp, comm=comm, block_size=BLOCK, backend="eager", max_num_seqs=1,
             max_batched_tokens=256, max_model_len=longest + per_request + timed_steps + 8,
@@ -201,6 +202,12 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, steps: int, 
     gen = torch.Generator().manual_seed(0)
     prompt_all = torch.randint(0, 512, (longest,), generator=gen).tolist()
 
+    def use_mesh(mesh):
+        """Register ``mesh``'s group names (new DCP subgroups when it changes) and run one barrier
+        on its DCP group, so no timed step pays for a fresh communicator's first call."""
+        groups = register_mesh_groups(mesh)
+        dist.barrier(group=groups["dcp"])
+
     def start(engine, ctx, n):
         rid = engine.add_request(prompt_all[:ctx], n)
         engine.scheduler.get(rid).computed = ctx - 1  # the context is "in the cache" (random values)
@@ -211,10 +218,10 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, steps: int, 
         step_wall = {name: [] for name in engines}
         step_cpu = {name: [] for name in engines}
         for _ in range(rounds):
-            for name, engine in engines.items():
-                register_mesh_groups(engine.mesh)
-                rid = start(engine, ctx, per_request)
-                for i in range(per_request):
+            rids = {name: start(engine, ctx, per_request) for name, engine in engines.items()}
+            for i in range(per_request):  # the meshes take turns step by step: load drifts hit all alike
+                for name, engine in engines.items():
+                    use_mesh(engine.mesh)
                     dist.barrier()
                     w0, c0 = time.perf_counter(), time.thread_time()
                     events = engine.step()
@@ -223,11 +230,11 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, steps: int, 
                     if i >= warm:
                         step_wall[name].append(w1 - w0)
                         step_cpu[name].append(c1 - c0)
-                assert engine.scheduler.get(rid) is None  # finished and dropped
+            assert all(engines[name].scheduler.get(rid) is None for name, rid in rids.items())  # finished
         # Where the time goes: every graph node timed, on both ranks, step by step.
         breakdown = {}
         for name, engine in engines.items():
-            register_mesh_groups(engine.mesh)
+            use_mesh(engine.mesh)
             ex = engine.executor
             saved, timed = ex.graphs, TimedGraph(engine.program.graph_module)
             ex.graphs = timed
@@ -292,19 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help=f"meshes to compare (default: all; {BASELINE} is always run)")
     args = parser.parse_args(argv)
     from dcpgraph.runtime.distributed import spawn
 
     contexts = list(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS))
     layers = args.layers
-    steps, warm, rounds, attn_reps, timed_steps = (4, 1, 2, 5, 3) if args.quick else (6, 2, 3, 9, 5)
+    steps, warm, rounds, attn_reps, timed_steps = (4, 1, 2, 5, 3) if args.quick else (10, 2, 2, 9, 5)
     start = time.perf_counter()
     load_before = common.load_note()
-    ranks = spawn(worker, TP, contexts, layers, steps, warm, rounds, attn_reps, timed_steps, timeout_s=3600)
+    names = [BASELINE, *(n for n in args.variants if n != BASELINE)]
+    variants = {n: VARIANTS[n] for n in names}
+    ranks = spawn(worker, TP, contexts, layers, variants, steps, warm, rounds, attn_reps, timed_steps, timeout_s=3600)
     r0 = ranks[0]
     load = common.load_note()
     records = []
-    names = list(VARIANTS)
     print(f"query heads per rank in the attention op: {r0['heads']}  (load before: {load_before}, after: {load})")
     print(f"{'context':>8} " + " ".join(f"{'step ' + n:>14}" for n in names) + "  ratios to dcp1   "
           + " ".join(f"{'attn ' + n:>14}" for n in names))
@@ -315,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         attn = {n: statistics.median(c["attn"][n]) * 1e3 for n in names}
         attn_r1 = {n: statistics.median(ranks[1]["contexts"][ctx]["attn"][n]) * 1e3 for n in names}
         for n in names:
-            dcp, comm = VARIANTS[n]
+            dcp, comm = variants[n]
             config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 fp32 tp={TP} dcp={dcp} comm={comm} gloo ctx={ctx} "
                       f"local_len={c['local_len'][n]} heads_in_op={r0['heads'][n]} {load}")
             base = {} if n == BASELINE else {"baseline": step[BASELINE]}

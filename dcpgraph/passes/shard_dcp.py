@@ -126,7 +126,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
             if comm == "ag":
-                out, lse = merge_all_heads(graph, e, node, o_c, lse_c, n, n * heads, dv)
+                out, lse = merge_all_heads(graph, e, o_c, lse_c, n, n * heads, dv,
+                                           *(v.dtype for v in node.meta["val"][:2]))
             elif comm == "a2a":
                 out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q)
             else:

@@ -106,11 +106,11 @@ def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dic
         rules[name] = REPLICATE
 
 
-def merge_all_heads(graph: torch.fx.Graph, e, read: torch.fx.Node, o_c: torch.fx.Node, lse_c: torch.fx.Node,
-                    n: int, heads: int, dv: int) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """All-gather packed ``[o ‖ lse]`` of every head over the DCP group, merge every head; the
-    merged output keeps ``read``'s output dtype, the exchange and merge run in fp32 or wider."""
-    out_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+def merge_all_heads(graph: torch.fx.Graph, e, o_c: torch.fx.Node, lse_c: torch.fx.Node, n: int, heads: int,
+                    dv: int, out_dtype: torch.dtype, lse_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """All-gather packed ``[o ‖ lse]`` (``[T, heads, Dv]`` and ``[T, heads]``, of dtypes
+    ``out_dtype``/``lse_dtype``) of every head over the DCP group and merge every head: returns
+    ``(out [T, heads, Dv] in out_dtype, lse [T, heads])``; exchange and merge run in fp32 or wider."""
     acc = torch.promote_types(torch.float32, out_dtype)
     o_acc = o_c if out_dtype == acc else e(aten._to_copy.default, o_c, dtype=acc)
     lse_acc = lse_c if lse_dtype == acc else e(aten._to_copy.default, lse_c, dtype=acc)

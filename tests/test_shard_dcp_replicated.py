@@ -71,6 +71,15 @@ def test_ag_generates_hf_tokens_with_one_gather_per_layer(model):
     assert torch.equal(state[q_index], full["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_ag_with_sliding_windows_and_softcap_generates_hf_tokens():
+    from sliding_models import build
+
+    model = build("gemma2")  # alternating sliding/full layers, logit softcap, 1 KV head
+    prompts = [list(range(5, 23)), [7, 3, 9]]  # the first is longer than the window of 5
+    engine = dcpgraph.compile(model, tp=2, dcp=2, comm="ag", block_size=4)
+    assert engine.generate(prompts, 10) == [hf_greedy(model, p, 10) for p in prompts]
+
+
 @pytest.mark.parametrize("tp, dcp", [(4, 2)])
 def test_ag_needs_the_dcp_group_to_be_the_tp_group(tp, dcp):
     with pytest.raises(dcpgraph.ConfigError, match=r"comm='ag' needs dcp == tp.*tp=4, dcp=2.*'a2a' or 'ag_rs'"):
@@ -91,6 +100,24 @@ def test_ag_refuses_an_output_projection_without_its_own_all_reduce():
     replicate_projections(gm.graph, read, specs, rules)
     assert len(rules) == 2 and set(rules.values()) == {REPLICATE}
     with pytest.raises(UnsupportedModelError, match=r"one TP all-reduce of its own.*'a2a' or 'ag_rs'"):
+        replicate_projections(gm.graph, read, specs, {})
+
+
+def test_ag_refuses_a_head_sharded_parameter_between_the_projections():
+    import dataclasses
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.passes.shard_dcp_replicated import replicate_projections
+
+    program = dcpgraph.compile(build_model("qwen3"), tp=2, dcp=1, block_size=BLOCK_SIZE).program
+    gm = program.copy_graph()
+    read = nodes_calling(gm.graph, torch.ops.dcpgraph.paged_attention.default)[0]
+    specs = {s.name: s for s in program.inputs}
+    # Qwen3's q_norm weight lies between q_proj and the attention; replicated it is fine (as in
+    # the e2e runs), sharded per head (as a sink logit would be) it would hold half the heads.
+    (norm,) = [s for s in program.inputs if s.target == "model.layers.0.self_attn.q_norm.weight"]
+    specs[norm.name] = dataclasses.replace(norm, shard=ShardRule(0))
+    with pytest.raises(UnsupportedModelError, match=r"q_norm.weight, sharded by .* between its projections"):
         replicate_projections(gm.graph, read, specs, {})
 
 

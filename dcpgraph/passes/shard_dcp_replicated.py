@@ -20,7 +20,7 @@ The projections are found from each context attention: the query projection is t
 reached walking back from its query (stopping at linears), column-parallel; the output projection
 is the one linear reached walking forward from its result, row-parallel, whose only user is a TP
 all-reduce. Anything else (a fused QKV or packed projection, an all-reduce shared with another
-branch, a sparse read) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming ``a2a`` and
+branch, a sparse read, a head-sharded parameter such as sink logits between the two) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming ``a2a`` and
 ``ag_rs``, which need neither.
 """
 
@@ -31,7 +31,7 @@ import torch.fx
 
 from ..collectives import ALL_REDUCE, WAIT, collective_of
 from ..errors import UnsupportedModelError
-from ..program import PARAM, REPLICATE, InputSpec, ShardRule
+from ..program import PARAM, REPLICATE, STATE_KINDS, InputSpec, ShardRule
 from . import collectives as coll
 
 aten = torch.ops.aten
@@ -39,9 +39,10 @@ dcp_ops = torch.ops.dcpgraph
 _ROWWISE, _COLWISE = ShardRule(1), ShardRule(0)
 
 
-def _linears(start: torch.fx.Node, forward: bool) -> set[torch.fx.Node]:
-    """The ``aten.linear`` nodes first reached from ``start`` (not walking past them); a
-    collective on the way raises, since the projections would then not see one rank's values."""
+def _linears(start: torch.fx.Node, forward: bool) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+    """``(linears, walked)``: the ``aten.linear`` nodes first reached from ``start`` (not walking
+    past them) and the nodes walked on the way; a collective on the way raises, since the
+    projections would then not see one rank's values."""
     seen, stack, found = {start}, [start], set()
     while stack:
         node = stack.pop()
@@ -58,7 +59,19 @@ def _linears(start: torch.fx.Node, forward: bool) -> set[torch.fx.Node]:
                     "use comm='a2a' or 'ag_rs'")
             else:
                 stack.append(n)
-    return found
+    return found, seen
+
+
+def _refuse_head_sharded_state(walked: set[torch.fx.Node], specs: dict[str, InputSpec], read: torch.fx.Node) -> None:
+    """Every head now lives on every rank: a sharded parameter used between the projections (a
+    per-head sink logit, say) would still hold only this rank's heads."""
+    for node in walked:
+        for i in node.all_input_nodes:
+            spec = specs.get(i.name) if i.op == "placeholder" else None
+            if spec is not None and spec.kind in STATE_KINDS and spec.shard.dim is not None:
+                raise UnsupportedModelError(
+                    f"comm='ag': {read.name}'s attention uses {spec.target}, sharded by {spec.shard}, between its "
+                    "projections; use comm='a2a' or 'ag_rs'")
 
 
 def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[str, ShardRule],
@@ -81,8 +94,9 @@ def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dic
     if read.target is not dcp_ops.paged_attention.default:
         raise UnsupportedModelError(f"comm='ag' shards paged context attention only, not {read.target}; "
                                     "use comm='a2a' or 'ag_rs'")
-    q_linears = _linears(read.args[0], forward=False)
-    o_linears = _linears(read, forward=True)
+    q_linears, q_walked = _linears(read.args[0], forward=False)
+    o_linears, o_walked = _linears(read, forward=True)
+    _refuse_head_sharded_state((q_walked - q_linears) | (o_walked - o_linears), specs, read)
     if len(q_linears) != 1 or len(o_linears) != 1:
         raise UnsupportedModelError(
             f"comm='ag': {read.name} has query projections {sorted(n.name for n in q_linears)} and output "

@@ -22,7 +22,9 @@ Three meshes, all tp=2 in the same processes (``VARIANTS``): ``dcp1``; ``dcp2``,
 lowering ``comm="a2a"`` (per layer: query all-gather, all-to-all of packed partials, the output
 projection's all-reduce, the MLP's all-reduce); ``dcp2-ag``, ``comm="ag"`` (per layer: one
 all-gather of packed partials of every head and the MLP's all-reduce, the attention projections
-replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`). dcp1 has two collectives per layer.
+replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`); on request (``--variants``)
+``dcp2-ag_rs`` (query all-gather, LSE all-gather, reduce-scatter, two all-reduces). dcp1 has two
+collectives per layer.
 
 Per context length ``C`` (16K…128K; ``--quick``: 4K and 16K) the meshes take turns step by step,
 each with its own request (the logical group names are re-registered for the engine about to run,
@@ -79,7 +81,8 @@ PARTS = ("query all-gather launch", "query all-gather wait", "merge exchange lau
 # The compared meshes, all tp=2 in the same two processes: name -> (dcp, comm). "dcp2" is the
 # default lowering (a2a: query all-gather, packed all-to-all, output all-reduce), "dcp2-ag" the
 # replicated-projection one (one all-gather of packed partials per layer, see shard_dcp_replicated).
-VARIANTS = {"dcp1": (1, "auto"), "dcp2": (2, "a2a"), "dcp2-ag": (2, "ag")}
+VARIANTS = {"dcp1": (1, "auto"), "dcp2": (2, "a2a"), "dcp2-ag": (2, "ag"), "dcp2-ag_rs": (2, "ag_rs")}
+DEFAULT_VARIANTS = ("dcp1", "dcp2", "dcp2-ag")  # ag_rs (3 DCP collectives per layer) on request
 BASELINE = "dcp1"
 
 
@@ -299,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                        help=f"meshes to compare (default: all; {BASELINE} is always run)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS),
+                        help=f"meshes to compare (default: {' '.join(DEFAULT_VARIANTS)}; {BASELINE} is always run)")
     args = parser.parse_args(argv)
     from dcpgraph.runtime.distributed import spawn
 

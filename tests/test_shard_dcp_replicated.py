@@ -1,10 +1,11 @@
-"""``comm="ag"`` (``dcp == tp``, attention projections replicated, one collective per attention).
+"""``comm="ag"``: every rank computes its DCP group's query heads; one DCP collective per attention.
 
-Proven against HF ``generate`` on the same weights (emulated ranks, and two real gloo processes),
-against the ``a2a`` lowering's tokens, and by the graph's shape: per layer one DCP all-gather (of
-packed partials), no query gather and no all-reduce of the output projection; the query and
-output projections' weights are whole on every rank. Models it cannot lower, and meshes where the
-DCP group is not the TP group, are refused with errors that name ``a2a``/``ag_rs``. The exchange
+Proven against HF ``generate`` on the same weights (emulated ranks, and real gloo processes at
+tp=dcp=2 and tp=4, dcp=2), against the ``a2a`` lowering's tokens, and by the graph's shape: per
+layer one DCP all-gather (of packed partials) and no query gather; at ``dcp == tp`` no all-reduce
+of the output projection and both projections whole on every rank, at ``dcp < tp`` the query
+projection split by DCP group and the output projection still TP-sharded. Models it cannot lower
+are refused with errors that name ``a2a``/``ag_rs``. The exchange
 alone (``merge_all_heads``: all-gather of packed partials, merge of every head) is checked against
 dense attention over all keys, from partials computed by hand per rank over interleaved key shards
 (one shard empty), in the emulator and on gloo.
@@ -19,7 +20,7 @@ from test_e2e_gqa import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model
 import dcpgraph
 from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE
 from dcpgraph.passes.collectives import collective_group
-from dcpgraph.passes.graph_edit import nodes_calling
+from dcpgraph.passes.graph_edit import Emitter, nodes_calling
 from dcpgraph.program import REPLICATE, ShardRule
 from dcpgraph.runtime.distributed import spawn
 from dcpgraph.testing.generation import hf_greedy
@@ -80,10 +81,28 @@ def test_ag_with_sliding_windows_and_softcap_generates_hf_tokens():
     assert engine.generate(prompts, 10) == [hf_greedy(model, p, 10) for p in prompts]
 
 
-@pytest.mark.parametrize("tp, dcp", [(4, 2)])
-def test_ag_needs_the_dcp_group_to_be_the_tp_group(tp, dcp):
-    with pytest.raises(dcpgraph.ConfigError, match=r"comm='ag' needs dcp == tp.*tp=4, dcp=2.*'a2a' or 'ag_rs'"):
-        dcpgraph.compile(build_model("llama"), tp=tp, dcp=dcp, comm="ag", block_size=BLOCK_SIZE)
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_ag_inside_a_larger_tp_group_keeps_o_proj_sharded(name):
+    """tp=4, dcp=2: each DCP group's ranks compute the group's 4 query heads (q_proj split in two,
+    not four); o_proj keeps its TP shard and its all-reduce, reading this rank's heads of the
+    merge. Qwen3 has 2 KV heads, so the groups {0,1} and {2,3} shard different KV heads."""
+    m = build_model(name)
+    layers = m.config.num_hidden_layers
+    engine = dcpgraph.compile(m, tp=4, dcp=2, comm="ag", interleave=2, block_size=BLOCK_SIZE,
+                              max_batched_tokens=MAX_BATCHED)
+    assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == [hf_greedy(m, p, MAX_NEW) for p in PROMPTS]
+    program = engine.program
+    assert _collectives(program, ALL_GATHER.op).get("dcp") == layers
+    a2a = dcpgraph.compile(m, tp=4, dcp=2, comm="a2a", interleave=2, block_size=BLOCK_SIZE).program
+    assert _collectives(program, ALL_REDUCE.op) == _collectives(a2a, ALL_REDUCE.op)  # o_proj's stays
+    assert _collectives(a2a, ALL_GATHER.op).get("dcp") == layers  # a2a's is the query gather
+    rules = {s.target: s.shard for s in program.inputs}
+    assert rules["model.layers.0.self_attn.q_proj.weight"] == ShardRule(0, 2)
+    assert rules["model.layers.0.self_attn.o_proj.weight"] == ShardRule(1)
+    full = m.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    q_index = [s.target for s in program.inputs if s.kind == "param"].index("model.layers.0.self_attn.q_proj.weight")
+    for rank in range(4):  # ranks 0, 1 hold the first half of the heads, ranks 2, 3 the second
+        assert torch.equal(program.local_state(rank)[q_index], full.chunk(2)[rank // 2])
 
 
 def test_ag_refuses_an_output_projection_without_its_own_all_reduce():
@@ -97,10 +116,11 @@ def test_ag_refuses_an_output_projection_without_its_own_all_reduce():
     gm = program.copy_graph()
     read = nodes_calling(gm.graph, torch.ops.dcpgraph.paged_attention.default)[0]
     rules: dict = {}
-    replicate_projections(gm.graph, read, specs, rules)
+    e = Emitter(gm.graph)
+    replicate_projections(gm.graph, e, read, specs, rules, 2, 2, None)
     assert len(rules) == 2 and set(rules.values()) == {REPLICATE}
     with pytest.raises(UnsupportedModelError, match=r"one TP all-reduce of its own.*'a2a' or 'ag_rs'"):
-        replicate_projections(gm.graph, read, specs, {})
+        replicate_projections(gm.graph, e, read, specs, {}, 2, 2, None)
 
 
 def test_ag_refuses_a_head_sharded_parameter_between_the_projections():
@@ -118,28 +138,31 @@ def test_ag_refuses_a_head_sharded_parameter_between_the_projections():
     (norm,) = [s for s in program.inputs if s.target == "model.layers.0.self_attn.q_norm.weight"]
     specs[norm.name] = dataclasses.replace(norm, shard=ShardRule(0))
     with pytest.raises(UnsupportedModelError, match=r"q_norm.weight, sharded by .* between its projections"):
-        replicate_projections(gm.graph, read, specs, {})
+        replicate_projections(gm.graph, Emitter(gm.graph), read, specs, {}, 2, 2, None)
 
 
-def _gloo_rank(rank: int, world: int, comm: str):
-    model = build_model("llama")
-    engine = dcpgraph.compile(model, tp=world, dcp=world, comm=comm, block_size=BLOCK_SIZE,
+def _gloo_rank(rank: int, world: int, name: str, dcp: int):
+    model = build_model(name)
+    engine = dcpgraph.compile(model, tp=world, dcp=dcp, comm="ag", block_size=BLOCK_SIZE,
                               max_batched_tokens=MAX_BATCHED)
     return {"tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW), "report": engine.report()}
 
 
 @pytest.mark.gloo
-def test_ag_on_gloo_ranks_generates_hf_tokens():
-    results = spawn(_gloo_rank, 2, "ag", timeout_s=120)
-    model = build_model("llama")
+@pytest.mark.parametrize("world, name, dcp", [
+    (2, "llama", 2),  # the DCP group is the TP group: o_proj whole, no attention all-reduce
+    pytest.param(4, "qwen3", 2, marks=pytest.mark.slow),  # two DCP groups, each its own KV head
+])
+def test_ag_on_gloo_ranks_generates_hf_tokens(world, name, dcp):
+    results = spawn(_gloo_rank, world, name, dcp, timeout_s=180)
+    model = build_model(name)
     assert all(r["report"]["executor"] == "distributed" and r["report"]["comm"] == "ag" for r in results)
-    assert results[1]["tokens"] == results[0]["tokens"]
+    assert all(r["tokens"] == results[0]["tokens"] for r in results)
     assert results[0]["tokens"] == [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
 
 
 # -- the exchange alone: each rank's partial over its KV shard, merged, against dense attention --
 def _exchange_graph(n: int, heads: int, dv: int) -> torch.fx.GraphModule:
-    from dcpgraph.passes.graph_edit import Emitter
     from dcpgraph.passes.shard_dcp_replicated import merge_all_heads
 
     graph = torch.fx.Graph()

@@ -7,9 +7,9 @@ For each paged (context) attention of a layer, on every rank of a DCP group of `
     o, lse         = merge over the group, back to this rank's H heads:
         comm="a2a":   all_to_all of packed [o_c ‖ lse_c] by head block, then merge_attention
         comm="ag_rs": all_gather(lse_c); rescale_to_global; reduce_scatter(sum) by head block
-        comm="ag":    (dcp == tp) no query gather: q_proj and o_proj are replicated, every rank
-                      all-gathers packed [o_c ‖ lse_c] of every head, merges every head, and the
-                      output projection's all-reduce goes (:mod:`.shard_dcp_replicated`)
+        comm="ag":    no query gather: q_proj holds the group's heads on every rank, which
+                      all-gathers packed [o_c ‖ lse_c] of every head and merges every head; at
+                      dcp == tp o_proj is whole and its all-reduce goes (:mod:`.shard_dcp_replicated`)
 
 A sliding window's per-query start ``kv_start`` (a global position, from ``insert_kv_cache``)
 becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitted in the graph
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import ALL_GATHER, WAIT
-from ..errors import ConfigError, VerificationError
+from ..errors import VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
@@ -79,9 +79,6 @@ def shard_dcp(program: Program, comm: str = "auto"):
         raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
     if n == 1:
         return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
-    if comm == "ag" and n != mesh.tp:
-        raise ConfigError(f"comm='ag' needs dcp == tp (the DCP group is the TP group), got tp={mesh.tp}, dcp={n}; "
-                         "use comm='a2a' or 'ag_rs'")
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
@@ -104,7 +101,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
         heads = q.meta["val"].shape[1]
         dv = node.meta["val"][0].shape[-1]
         if comm == "ag":
-            replicate_projections(graph, node, specs, rules)
+            replicate_projections(graph, e, node, specs, rules, n, mesh.tp, dcp_rank)
             q_all = q  # now every head of the group, computed here
         else:
             with graph.inserting_before(node):
@@ -150,7 +147,7 @@ def shard_dcp(program: Program, comm: str = "auto"):
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
-        + (f"; {len(rules)} projection weights replicated, {rewritten} output all-reduces removed" if rules else "")
+        + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
         + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )

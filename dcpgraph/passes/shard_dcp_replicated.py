@@ -1,19 +1,21 @@
-"""``comm="ag"``: DCP over the whole TP group with the attention projections held whole.
+"""``comm="ag"``: DCP where each rank computes every query head of its DCP group itself.
 
-When the DCP group is the TP group (``dcp == tp``) every rank can compute every query head and
-finish every head's attention itself, so per layer and rank::
+Every rank of a DCP group (``N`` of the ``tp`` ranks) holds the query projection of the whole
+group's heads, so per layer and rank::
 
-    q          = q_proj(x)                            # all heads: q_proj replicated, no query gather
+    q          = q_proj(x)                            # the group's N·H heads: no query gather
     o_c, lse_c = paged_attention(q, local cache, local_context_lens)
-    parts      = all_gather([o_c ‖ lse_c])            # [N, T, heads, Dv+1], the only collective
-    o, lse     = merge_attention(parts)               # exact, every head, on every rank
-    y          = o_proj(o)                            # o_proj replicated: y is already complete
+    parts      = all_gather([o_c ‖ lse_c])            # [N, T, N·H, Dv+1] over the DCP group
+    o, lse     = merge_attention(parts)               # exact, every head of the group, on every rank
+    y          = o_proj(o)                            # dcp == tp: o_proj whole, y complete, no all-reduce
+    y          = all_reduce(o_proj(o[my heads]))      # dcp < tp: o_proj keeps its TP shard
 
-One collective for the layer's attention instead of three (query all-gather, merge exchange, the
-output projection's all-reduce); the KV cache is sharded by sequence exactly as for ``a2a``. The
-price is the query and output projections held whole on every rank (``N`` times their TP-sharded
-bytes, read once per step), worth it where collectives cost more than those bytes, as on a host
-link (``benchmarks/decode_scaling.py``). Every rank computes the same values for every head, so
+With ``dcp == tp`` that is one collective for the layer's attention instead of three (query
+all-gather, merge exchange, the output projection's all-reduce); with ``dcp < tp``, two instead of
+three. The KV cache is sharded by sequence exactly as for ``a2a``. The price is ``N`` times the
+query projection's TP-sharded bytes (and the output projection's, at ``dcp == tp``) on every
+rank, read once per step: worth it where collectives cost more than those bytes, as on a host link
+(``benchmarks/decode_scaling.py``). The group's ranks compute the same values for its heads, so
 the hidden state stays replicated as the rest of the TP graph expects.
 
 The projections are found from each context attention: the query projection is the one linear
@@ -87,10 +89,12 @@ def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[
     return weight.name
 
 
-def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dict[str, InputSpec],
-                          rules: dict[str, ShardRule]) -> None:
-    """Make ``read``'s query and output projections whole on every rank: their weights (and
-    biases) become replicated in ``rules``, and the output projection's all-reduce is removed."""
+def replicate_projections(graph: torch.fx.Graph, e, read: torch.fx.Node, specs: dict[str, InputSpec],
+                          rules: dict[str, ShardRule], n: int, tp: int, dcp_rank: torch.fx.Node) -> None:
+    """Give ``read``'s query projection every head of this rank's DCP group (``n`` of ``tp``
+    ranks), recording the new weight (and bias) rules in ``rules``. With ``n == tp`` the output
+    projection becomes whole too and its all-reduce is removed; otherwise it keeps its TP shard
+    and reads only this rank's heads of the merged result (``dcp_rank``-th of ``n`` head blocks)."""
     if read.target is not dcp_ops.paged_attention.default:
         raise UnsupportedModelError(f"comm='ag' shards paged context attention only, not {read.target}; "
                                     "use comm='a2a' or 'ag_rs'")
@@ -102,10 +106,18 @@ def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dic
             f"comm='ag': {read.name} has query projections {sorted(n.name for n in q_linears)} and output "
             f"projections {sorted(n.name for n in o_linears)}, expected one each; use comm='a2a' or 'ag_rs'")
     (q_proj,), (o_proj,) = q_linears, o_linears
-    changed = [_param_rule(q_proj, specs, rules, _COLWISE, "query")]
+    group_heads = REPLICATE if n == tp else ShardRule(0, tp // n)  # rank r: chunk r // n, its group's
+    rules[_param_rule(q_proj, specs, rules, _COLWISE, "query")] = group_heads
     if len(q_proj.args) > 2 and q_proj.args[2] is not None:
-        changed.append(q_proj.args[2].name)
-    changed.append(_param_rule(o_proj, specs, rules, _ROWWISE, "output"))
+        rules[q_proj.args[2].name] = group_heads
+    o_weight = _param_rule(o_proj, specs, rules, _ROWWISE, "output")
+    if n != tp:
+        with graph.inserting_before(o_proj):  # [..., n·H·Dv] -> this rank's [..., H·Dv]
+            blocks = e(aten.unflatten.int, o_proj.args[0], -1, [n, -1])
+            mine = e(aten.squeeze.dim, e(aten.index_select.default, blocks, -2,
+                                         e(aten.view.default, dcp_rank, [1])), -2)
+        o_proj.args = (mine, *o_proj.args[1:])
+        return
     (reduce,) = o_proj.users if len(o_proj.users) == 1 else (None,)
     if reduce is None or collective_of(reduce.target) is not ALL_REDUCE or coll.collective_group(reduce)[0] != "tp" \
             or len(reduce.users) != 1 or next(iter(reduce.users)).target is not WAIT:
@@ -116,8 +128,7 @@ def replicate_projections(graph: torch.fx.Graph, read: torch.fx.Node, specs: dic
     wait.replace_all_uses_with(o_proj)
     graph.erase_node(wait)
     graph.erase_node(reduce)
-    for name in changed:
-        rules[name] = REPLICATE
+    rules[o_weight] = REPLICATE
 
 
 def merge_all_heads(graph: torch.fx.Graph, e, o_c: torch.fx.Node, lse_c: torch.fx.Node, n: int, heads: int,

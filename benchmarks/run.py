@@ -171,32 +171,43 @@ def plot_decode_scaling(records: list[dict], path: Path) -> bool:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return False
 
-    def series(metric: str, dcp: int):
+    def series(metric: str, dcp: int, comm: str | None):
         pts = []
         for r in records:
-            if r["metric"] == metric and f" dcp={dcp} " in r["config"]:
+            if r["metric"] == metric and f" dcp={dcp} " in r["config"] and (comm is None or f" comm={comm} " in r["config"]):
                 ctx = int(r["config"].split(" ctx=")[1].split()[0])
                 pts.append((ctx, r["value"]))
         return sorted(pts)
 
-    if not series("decode_attention_time", 1):
+    if not series("decode_attention_time", 1, None):
         return False
+    layers = next((c.split("=")[1] for c in records[0]["config"].split() if c.startswith("L=")), "?")
+    comms = sorted({c.split("=")[1] for r in records for c in r["config"].split() if c.startswith("comm=")} - {"auto"})
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for dcp, color in ((1, "tab:blue"), (2, "tab:orange")):
-        pts = series("decode_attention_time", dcp)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color,
-                label=f"paged attention, 1 layer (dcp={dcp})")
-        pts = series("decode_step_time", dcp)
+    pts = series("decode_attention_time", 1, None)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue", label="paged attention, 1 layer (dcp=1)")
+    pts = series("decode_step_time", 1, None)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", color="tab:blue", alpha=0.6,
+            label=f"decode step, {layers} layers + collectives (dcp=1)")
+    for comm, color in zip(comms or [None], ("tab:orange", "tab:green", "tab:red")):
+        name = f"dcp=2{'' if comm is None else ' ' + comm}"
+        if comm == (comms[0] if comms else None):
+            pts = series("decode_attention_time", 2, comm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label="paged attention, 1 layer (dcp=2)")
+        pts = series("decode_step_time", 2, comm)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", color=color, alpha=0.6,
-                label=f"decode step, 2 layers + collectives (dcp={dcp})")
+                label=f"decode step, {layers} layers + collectives ({name})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("time (ms)")
-    tgt = [r for r in records if r["metric"] == "decode_attention_time" and "target" in r]
+    tgt = [r for r in records if r["metric"] == "decode_step_time" and "target" in r]
     title = "decode time vs context: tp=2, dcp=1 vs dcp=2 (gloo, CPU)"
     if tgt:
-        title += f"\nattention dcp2/dcp1 at longest context = {tgt[0]['ratio']:.2f} (target ≤ 0.6)"
+        longest = max(tgt, key=lambda r: int(r["config"].split(" ctx=")[1].split()[0]))
+        best = min((r for r in tgt if r["config"].split(" ctx=")[1].split()[0] == longest["config"].split(" ctx=")[1].split()[0]),
+                   key=lambda r: r["ratio"])
+        title += f"\nbest step dcp2/dcp1 at the longest context = {best['ratio']:.2f} ({best['target']})"
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dcp", type=int, default=2)
     parser.add_argument("--interleave", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--comm", default="auto", choices=["auto", "a2a", "ag_rs"])
+    parser.add_argument("--comm", default="auto", choices=["auto", "a2a", "ag_rs", "ag"])
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="token ids: '1,2,3;4,5' (';' separates prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--layers", type=int, default=2, help="layers of a random-weight model")

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-COMMS = ("auto", "a2a", "ag_rs")
+COMMS = ("auto", "a2a", "ag_rs", "ag")
 EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
@@ -70,7 +70,7 @@ def compile_options(**given: Any) -> dict[str, Any]:
         raise ConfigError(f"give at most one of {list(CACHE_SIZE_OPTIONS)}, got {sizes}")
     comm = given.get("comm", "auto")
     if comm not in COMMS:
-        raise ConfigError(f"comm must be 'auto', 'a2a' or 'ag_rs', got {comm!r}")
+        raise ConfigError(f"comm must be 'auto', 'a2a', 'ag_rs' or 'ag', got {comm!r}")
     executor = given.get("executor", "auto")
     if executor not in EXECUTORS:
         raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {executor!r}")

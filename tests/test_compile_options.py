@@ -59,7 +59,7 @@ BAD = [
      r"give at most one of \['num_blocks', 'kv_cache_tokens', 'kv_cache_bytes_per_rank'\]"),
     ({"verify": "yes"}, ConfigError, r"verify must be True or False"),
     ({"enable_prefix_caching": 1}, ConfigError, r"enable_prefix_caching must be True or False"),
-    ({"comm": "ring"}, ConfigError, r"comm must be 'auto', 'a2a' or 'ag_rs', got 'ring'"),
+    ({"comm": "ring"}, ConfigError, r"comm must be 'auto', 'a2a', 'ag_rs' or 'ag', got 'ring'"),
     ({"executor": "gpu"}, ConfigError, r"executor must be 'auto', 'emulated' or 'distributed'"),
     ({"backend": "tpu-magic"}, ConfigError, r"unknown backend 'tpu-magic'; choose from"),
     ({"plan": ["colwise"]}, ConfigError, r"plan must be None or a dict"),

@@ -25,31 +25,31 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
     """Copy of ``lse`` (at least fp32) with NaN and +inf mapped to −inf (an empty shard)."""
-    lse = lse.to(acc_dtype(lse.dtype))
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), NEG_INF, lse)
+    return torch.nan_to_num(lse.to(acc_dtype(lse.dtype)), nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
 
 
 def merge_weights(lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights ``exp(lse_i − lse)`` along ``dim`` and the merged ``lse`` (fp32).
 
-    Rows where every entry is −inf get weights 0 and ``lse = −inf``.
+    Rows where every entry is −inf get weights 0 and ``lse = −inf``. With ``peak`` the row's
+    largest LSE (0 for an empty row), ``total = Σ exp(lse_i − peak)`` is 0 for an empty row and
+    at least 1 otherwise (the peak's own term is exactly 1), so ``scaled / max(total, 1)`` and
+    ``peak + log(total)`` need no masks: they give 0 and −inf for empty rows by themselves.
     """
     lses = sanitize_lse(lses)
-    peak = lses.amax(dim, keepdim=True)
-    peak = torch.where(peak == NEG_INF, 0.0, peak)
-    scaled = torch.exp(lses - peak)
+    peak = torch.nan_to_num(lses.amax(dim, keepdim=True), neginf=0.0)
+    scaled = torch.sub(lses, peak).exp_()
     total = scaled.sum(dim, keepdim=True)
-    nonempty = total > 0
-    weights = torch.where(nonempty, scaled / torch.where(nonempty, total, 1.0), 0.0)
-    lse = torch.where(nonempty, peak + torch.log(torch.where(nonempty, total, 1.0)), NEG_INF)
+    weights = scaled.div_(total.clamp(min=1.0))
+    lse = peak.add_(total.log_())
     return weights, lse.squeeze(dim)
 
 
 def weighted_sum(outs: torch.Tensor, weights: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``Σ w_i·o_i`` in fp32 where a zero weight contributes exactly nothing (NaN cannot leak)."""
     acc = torch.promote_types(weights.dtype, outs.dtype)
-    contrib = torch.where(weights.unsqueeze(-1) > 0, weights.unsqueeze(-1) * outs.to(acc), 0.0)
-    return contrib.sum(dim)
+    w = weights.unsqueeze(-1)
+    return torch.where(w > 0, w * outs.to(acc), 0.0).sum(dim)
 
 
 def merge_attention_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,14 @@ Everything about each op (schema, arguments, semantics) lives in
 under the names passes use. Graphs name groups logically (``dcpgraph.tp``, ``dcpgraph.dcp``; see
 :mod:`dcpgraph.collectives.groups`), so one graph serves every rank. ``kind`` is ``"tp"`` or
 ``"dcp"``; anything else raises ``ValueError`` before a node is inserted.
+
+:func:`overlap_wait` moves independent work in between a collective and its ``wait_tensor``, so a
+rank computes while the transfer (and the other ranks) catch up.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch.fx
 
@@ -16,6 +21,7 @@ from ..collectives import (
     ALL_REDUCE,
     ALL_TO_ALL,
     REDUCE_SCATTER,
+    WAIT,
     bind,
     collective_of,
     group_kind,
@@ -52,3 +58,44 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, size: int, kind: str = "
     of the result came from group rank ``i``. Split sizes are the constant ``[1]*size``, so the
     graph stays valid for any token count."""
     return ALL_TO_ALL.emit(graph, x, size, kind)
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """A call that neither mutates its inputs nor is a collective: safe to run earlier."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.is_mutable and collective_of(node.target) is None and node.target is not WAIT
+
+
+def overlap_wait(wait: torch.fx.Node) -> int:
+    """Move the calls after ``wait`` that do not depend on it to just before it; return how many.
+
+    The scan stops at the first call that is not pure (a collective, another wait, an in-place
+    write such as a cache write, the output): moving work across one of those could change what
+    it reads or the order in which ranks issue collectives. Moved calls keep their relative
+    order, and each one's inputs are defined before ``wait`` or are moved calls themselves, so
+    the graph computes the same values; every rank runs the same graph, so they move alike.
+    """
+    if wait.target is not WAIT:
+        raise ValueError(f"{wait.name} is not a wait_tensor")
+    dependent, movable = {wait}, []
+    earlier = set()
+    for node in wait.graph.nodes:
+        if node is wait:
+            break
+        earlier.add(node)
+    node = wait.next
+    while _pure(node):
+        inputs = node.all_input_nodes
+        if any(i in dependent for i in inputs) or not all(i in earlier for i in inputs):
+            dependent.add(node)
+        else:
+            movable.append(node)
+            earlier.add(node)
+        node = node.next
+    for node in movable:
+        wait.prepend(node)
+    return len(movable)

@@ -7,6 +7,9 @@ For each paged (context) attention of a layer, on every rank of a DCP group of `
     o, lse         = merge over the group, back to this rank's H heads:
         comm="a2a":   all_to_all of packed [o_c ‖ lse_c] by head block, then merge_attention
         comm="ag_rs": all_gather(lse_c); rescale_to_global; reduce_scatter(sum) by head block
+        comm="ag":    no query gather: q_proj holds the group's heads on every rank, which
+                      all-gathers packed [o_c ‖ lse_c] of every head and merges every head; at
+                      dcp == tp o_proj is whole and its all-reduce goes (:mod:`.shard_dcp_replicated`)
 
 A sliding window's per-query start ``kv_start`` (a global position, from ``insert_kv_cache``)
 becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitted in the graph
@@ -26,24 +29,27 @@ Cost model for ``comm="auto"``: both move the same output bytes; a2a adds one fp
 (token, head) and needs one collective after the query gather, ag_rs needs two plus an LSE
 all-gather that grows as N². a2a is chosen unless the value dim is so small that the extra lane
 dominates (Dv < 4), where ag_rs's N·H·4 bytes per token is cheaper than (Dv+1)/Dv more output.
+``ag`` is only ever chosen by name: it trades the projections' memory for two fewer collectives
+per layer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..collectives import ALL_GATHER
+from ..collectives import ALL_GATHER, WAIT
 from ..errors import VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
 from .manager import program_pass
+from .shard_dcp_replicated import merge_all_heads, replicate_projections
 from .shard_dcp_sparse import shard_indexer
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
-COMMS = ("a2a", "ag_rs")
+COMMS = ("a2a", "ag_rs", "ag")
 
 
 def choose_comm(v_head_dim: int) -> str:
@@ -81,6 +87,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     interleave = int(program.options.get("interleave", 1))
     local_starts: dict = {}  # global kv_start node -> this rank's local index
     indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
+    specs = {s.name: s for s in program.inputs}
+    rules: dict = {}  # comm="ag": parameters that become replicated
     for indexer in indexers:
         shard_indexer(graph, e, indexer, dcp_rank, n, interleave, _emit_local_len)
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
@@ -92,9 +100,14 @@ def shard_dcp(program: Program, comm: str = "auto"):
         q = node.args[0]
         heads = q.meta["val"].shape[1]
         dv = node.meta["val"][0].shape[-1]
-        with graph.inserting_before(node):
-            q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
-            q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
+        if comm == "ag":
+            replicate_projections(graph, e, node, specs, rules, n, mesh.tp, dcp_rank)
+            q_all = q  # now every head of the group, computed here
+        else:
+            with graph.inserting_before(node):
+                q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1),
+                                  memory_format=torch.contiguous_format)
+                q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
         if node.target is dcp_ops.paged_sparse_attention.default:  # reads its own selection, no lengths
             node.args = (q_all, *node.args[1:])
         else:
@@ -109,8 +122,11 @@ def shard_dcp(program: Program, comm: str = "auto"):
         anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
-            if comm == "a2a":
-                out, lse = _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q)
+            if comm == "ag":
+                out, lse = merge_all_heads(graph, e, o_c, lse_c, n, n * heads, dv,
+                                           *(v.dtype for v in node.meta["val"][:2]))
+            elif comm == "a2a":
+                out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q)
             else:
                 out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank)
         for index, result in ((0, out), (1, lse)):
@@ -119,9 +135,11 @@ def shard_dcp(program: Program, comm: str = "auto"):
                 graph.erase_node(u)
         rewritten += 1
     graph.eliminate_dead_code()
+    overlapped = sum(coll.overlap_wait(w) for w in list(nodes_calling(graph, WAIT))
+                     if coll.collective_group(w.args[0])[0] == "dcp")
     gm.recompile()
     inputs = (
-        *program.inputs,
+        *(InputSpec(s.name, s.kind, s.target, rules[s.name]) if s.name in rules else s for s in program.inputs),
         InputSpec("local_context_lens", META, "local_context_lens"),
         InputSpec("dcp_rank", RANK, "dcp_rank"),
     )
@@ -129,6 +147,8 @@ def shard_dcp(program: Program, comm: str = "auto"):
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
+        + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
+        + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
     )
 
@@ -142,19 +162,27 @@ def _emit_local_len(e: Emitter, length, rank, n: int, interleave: int):
     return e(aten.add.Tensor, base, e(aten.clamp.default, rem, 0, interleave))
 
 
-def _merge_a2a(graph, e, o_c, lse_c, n, heads, dv, q):
-    """Pack ``[o ‖ lse]`` per (token, head), exchange head blocks, merge locally."""
-    acc = e(aten.cat.default, [
-        e(aten._to_copy.default, o_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)),
-        e(aten.unsqueeze.default, e(aten._to_copy.default, lse_c, dtype=torch.promote_types(torch.float32, q.meta["val"].dtype)), -1),
-    ], -1)  # [T, N·H, Dv+1]
-    blocks = e(aten.clone.default, e(aten.permute.default, e(aten.view.default, acc, [-1, n, heads, dv + 1]), [1, 0, 2, 3]),
-               memory_format=torch.contiguous_format)  # [N, T, H, Dv+1]
+def _to(e, x, have: torch.dtype, want: torch.dtype):
+    """``x`` converted to ``want``, or ``x`` itself when it already is (no copy)."""
+    return x if have == want else e(aten._to_copy.default, x, dtype=want)
+
+
+def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q):
+    """Pack ``[o ‖ lse]`` per (token, head) straight into head-block order, exchange head blocks,
+    merge locally. The ``cat`` writes the all-to-all's contiguous ``[N, T, H, Dv+1]`` input in one
+    copy from the permuted views of the attention's outputs."""
+    dtype = q.meta["val"].dtype
+    acc = torch.promote_types(torch.float32, dtype)
+    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+    o_blocks = e(aten.permute.default, e(aten.view.default, o_c, [-1, n, heads, dv]), [1, 0, 2, 3])
+    lse_blocks = e(aten.permute.default, e(aten.view.default, lse_c, [-1, n, heads]), [1, 0, 2])
+    blocks = e(aten.cat.default, [_to(e, o_blocks, o_dtype, acc),
+                                  e(aten.unsqueeze.default, _to(e, lse_blocks, lse_dtype, acc), -1)], -1)
     received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
     outs = e(aten.slice.Tensor, received, -1, 0, dv)
     lses = e(aten.select.int, received, -1, dv)
     merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
-    return e(aten._to_copy.default, merged, dtype=q.meta["val"].dtype), lse
+    return _to(e, merged, acc, dtype), lse
 
 
 def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):
@@ -166,4 +194,5 @@ def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):
     mine = e(aten.select.int, coll.reduce_scatter(graph, blocks, n, "dcp"), 0, 0)  # [T, H, Dv]
     lse = e(aten.squeeze.dim, e(aten.index_select.default, e(aten.view.default, lse_global, [-1, n, heads]), 1,
                                 e(aten.view.default, dcp_rank, [1])), 1)
-    return e(aten._to_copy.default, mine, dtype=q.meta["val"].dtype), lse
+    dtype = q.meta["val"].dtype
+    return _to(e, mine, torch.promote_types(torch.float32, dtype), dtype), lse

@@ -57,7 +57,7 @@ def test_invalid_dcp_listed_with_the_rule():
         assert not row.valid and "tp % dcp == 0" in row.rule and "[1, 2, 4, 8]" in row.rule
     q = plan("qwen3-235b-a22b", world_size=8, hardware="h200", kv_cache_memory_bytes=20 << 30,
              max_model_len=32768, weight_dtype_bytes=1)
-    assert [r.dcp for r in q.rows if r.tp == 8 and r.valid] == [1, 2, 2, 2, 2]
+    assert [r.dcp for r in q.rows if r.tp == 8 and r.valid] == [1] + [2] * 6  # 2 interleaves x 3 comms
     bad = _row(q, 8, 4)
     assert not bad.valid and "(tp // num_kv_heads) % dcp == 0" in bad.rule
     assert "tp=4 <= num_kv_heads=4" in _row(q, 4, 2).rule
@@ -241,3 +241,55 @@ def test_measure_links_times_both_collectives_between_two_gloo_ranks():
         assert set(links) == {"all_gather", "all_to_all"}
         for latency, bandwidth in links.values():
             assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e12
+
+
+# -- comm="ag": the replicated-query-projection lowering ------------------------------------------
+def test_ag_collectives_and_allreduces_follow_shard_dcp_replicated():
+    from dcpgraph.plan.cost import tp_allreduces_per_layer
+
+    shape = load_model_shape("qwen3-235b-a22b")  # GQA: 64 query heads of 128
+    n, t, h = 4, 3, 64 // 8
+    [gather] = dcp_collectives(shape, 8, n, "ag", t)
+    assert gather.bytes_per_rank == (n - 1) * t * n * h * (128 + 1) * 4  # [o ‖ lse] of the group's heads
+    assert [tp_allreduces_per_layer(8, d, c) for d, c in ((1, "none"), (4, "a2a"), (4, "ag"), (8, "ag"))] == [2, 2, 2, 1]
+    assert tp_allreduces_per_layer(1, 1, "ag") == 0
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 2), (4, 2), (4, 4)])
+def test_ag_weights_per_rank_equal_the_compiled_program(tp, dcp):
+    """The planner's formula against what the compiled program holds per rank (tp_styles' count)."""
+    import torch
+
+    import dcpgraph
+    from dcpgraph.models import build_model
+
+    model = build_model("llama", dtype=torch.float32)  # 8 query heads, 1 KV head: dcp up to tp
+    shape = load_model_shape(model.config, dtype="float32")
+    buffers = 4 * sum(b.numel() for b in model.buffers())  # rotary tables: the program counts them
+    for comm in ("a2a", "ag"):
+        engine = dcpgraph.compile(model, tp=tp, dcp=dcp, comm=comm, block_size=16, num_blocks=8, max_model_len=64)
+        held = engine.memory_report()["weight_bytes_per_rank"]
+        assert set(held) == {4 * shape.weight_params_per_rank(tp, dcp=dcp, comm=comm) + buffers}, (comm, held)
+
+
+def test_planner_offers_ag_for_gqa_only_and_picks_it_where_collectives_are_dear():
+
+
+    gqa = plan("qwen3-235b-a22b", world_size=8, hardware="h200", gpu_memory_utilization=0.9, max_model_len=32768)
+    assert {r.comm for r in gqa.rows if r.dcp > 1 and r.valid} == {"a2a", "ag_rs", "ag"}
+    a2a, ag = _row(gqa, 8, 2, "a2a"), _row(gqa, 8, 2, "ag")
+    assert ag.weight_bytes_per_rank > a2a.weight_bytes_per_rank  # dcp× q_proj, o_proj whole
+    mla = _kimi_plan()
+    assert "ag" not in {r.comm for r in mla.rows}
+    # decode_scaling.py's model on a host link (1 ms per collective, as gloo on this loaded 2-core
+    # machine): at tp=2, two fewer collectives per layer make ag the fastest dcp=2 lowering, and
+    # at 128K it beats dcp=1 (the benchmark measured ag/dcp1 = 0.36-0.65 there).
+    from dcpgraph.plan import Hardware
+
+    host = Hardware("loaded-cpu", 24 << 30, 10e9, 50e9, 1e9, 1e-3, compute_overlaps_memory=False)
+    spec = ("llama-3.1-70b:num_hidden_layers=8,hidden_size=256,intermediate_size=512,num_attention_heads=8,"
+            "num_key_value_heads=1,head_dim=128,vocab_size=1000,torch_dtype=float32")
+    p = plan(spec, world_size=2, hardware=host, kv_cache_memory_bytes=4 << 30, max_model_len=131072, concurrency=1)
+    steps = {(r.dcp, r.comm): r.cost.step_s for r in p.rows if r.tp == 2 and r.interleave == 1 and r.cost}
+    assert min(steps, key=steps.get) == (2, "ag"), steps
+    assert steps[(2, "ag")] < 0.75 * steps[(1, "none")] and steps[(2, "a2a")] > steps[(2, "ag")] + 0.005

@@ -16,10 +16,13 @@ each, on a mesh (tp, dcp), per layer and per rank:
   ``N = dcp``, activations of ``b`` bytes and fp32 partials (the merge accumulates in fp32):
   query all-gather ``(N−1)·T·H·Dq·b`` bytes out of each rank; then ``comm="a2a"``: one all-to-all
   of packed ``[o ‖ lse]``, ``(N−1)·T·H·(Dv+1)·4``; ``comm="ag_rs"``: an LSE all-gather
-  ``(N−1)·T·N·H·4`` and a reduce-scatter ``(N−1)·T·H·Dv·4``. Each collective costs
-  ``latency + bytes / link_bandwidth``.
+  ``(N−1)·T·N·H·4`` and a reduce-scatter ``(N−1)·T·H·Dv·4``; ``comm="ag"`` (GQA only: every
+  rank computes its group's ``N·H`` query heads, :mod:`dcpgraph.passes.shard_dcp_replicated`):
+  no query gather, one all-gather of packed ``[o ‖ lse]`` for all of them,
+  ``(N−1)·T·N·H·(Dv+1)·4``. Each collective costs ``latency + bytes / link_bandwidth``.
 * **TP all-reduces**: two per layer (after attention and MLP) of ``T·hidden·b``; a ring moves
-  ``2·(tp−1)/tp`` of that per rank.
+  ``2·(tp−1)/tp`` of that per rank. ``comm="ag"`` at ``dcp == tp`` holds the output projection
+  whole, which removes the attention's all-reduce (one per layer).
 * **weights**: every weight byte of the rank is read once per step (``weight_bytes / bw``).
 """
 
@@ -50,6 +53,8 @@ def dcp_collectives(shape: ModelShape, tp: int, dcp: int, comm: str, batch: int,
         return []
     n, t, h = dcp, batch, shape.q_heads_per_rank(tp)
     dq, dv = shape.head_dim, shape.v_head_dim
+    if comm == "ag":
+        return [Collective("all_gather([o‖lse])", (n - 1) * t * n * h * (dv + 1) * ACC_BYTES)]
     out = [Collective("all_gather(q)", (n - 1) * t * h * dq * activation_bytes)]
     if comm == "a2a":
         out.append(Collective("all_to_all([o‖lse])", (n - 1) * t * h * (dv + 1) * ACC_BYTES))
@@ -57,7 +62,7 @@ def dcp_collectives(shape: ModelShape, tp: int, dcp: int, comm: str, batch: int,
         out.append(Collective("all_gather(lse)", (n - 1) * t * n * h * ACC_BYTES))
         out.append(Collective("reduce_scatter(o)", (n - 1) * t * h * dv * ACC_BYTES))
     else:
-        raise ValueError(f"comm must be 'a2a' or 'ag_rs' at dcp > 1, got {comm!r}")
+        raise ValueError(f"comm must be 'a2a', 'ag_rs' or 'ag' at dcp > 1, got {comm!r}")
     return out
 
 
@@ -88,12 +93,21 @@ def attention_seconds(read_bytes: float, flops: float, hw: Hardware, working_set
     return hw.attention_overhead_s + core
 
 
-def tp_allreduce_seconds(shape: ModelShape, tp: int, batch: int, hw: Hardware, activation_bytes: int = 2) -> float:
-    """Both TP all-reduces of one layer (zero at tp=1)."""
+def tp_allreduces_per_layer(tp: int, dcp: int, comm: str) -> int:
+    """TP all-reduces of one layer: after the attention and after the MLP, except that
+    ``comm="ag"`` at ``dcp == tp`` holds the output projection whole (no attention all-reduce)."""
+    if tp == 1:
+        return 0
+    return 1 if comm == "ag" and dcp == tp else 2
+
+
+def tp_allreduce_seconds(shape: ModelShape, tp: int, batch: int, hw: Hardware, activation_bytes: int = 2,
+                         count: int = 2) -> float:
+    """``count`` TP all-reduces of one layer (zero at tp=1)."""
     if tp == 1:
         return 0.0
     wire = 2 * (tp - 1) / tp * batch * shape.hidden_size * activation_bytes
-    return 2 * (hw.link_latency_s + wire / hw.link_bandwidth)
+    return count * (hw.link_latency_s + wire / hw.link_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,7 @@ def decode_step(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, comm: str
         attention_s=layers * attention_seconds(read, flops, hw, layers * read + weight_bytes),
         collective_s=layers * sum(c.seconds(hw) for c in colls),
         collective_bytes_per_layer=sum(c.bytes_per_rank for c in colls),
-        tp_allreduce_s=layers * tp_allreduce_seconds(shape, tp, batch, hw, shape.dtype_bytes),
+        tp_allreduce_s=layers * tp_allreduce_seconds(shape, tp, batch, hw, shape.dtype_bytes,
+                                                     tp_allreduces_per_layer(tp, dcp, comm)),
         weights_s=weight_bytes / hw.memory_bandwidth,
     )

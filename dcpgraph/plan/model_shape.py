@@ -104,8 +104,10 @@ class ModelShape:
         return self.num_q_heads // tp
 
     # -- weights -----------------------------------------------------------------------------
-    def weight_params_per_rank(self, tp: int, experts: str = "sharded") -> int:
-        """Parameters held by one rank at tensor parallel ``tp`` (sharding: module docstring)."""
+    def weight_params_per_rank(self, tp: int, experts: str = "sharded", dcp: int = 1, comm: str = "a2a") -> int:
+        """Parameters held by one rank at tensor parallel ``tp`` (sharding: module docstring).
+        ``comm="ag"`` (GQA) holds the query projection of its DCP group's heads (``dcp`` times its
+        TP shard) and, at ``dcp == tp``, the whole output projection."""
         if experts not in ("sharded", "replicated"):
             raise ValueError(f"experts must be 'sharded' or 'replicated', got {experts!r}")
         hid, hq = self.hidden_size, self.num_q_heads
@@ -125,9 +127,11 @@ class ModelShape:
         else:
             hkv = self.kv_heads_per_rank(tp)
             d, dv = self.head_dim, self.v_head_dim
-            per_layer += split(hq * d) * (hid + self.attention_bias)
+            group = dcp if comm == "ag" else 1  # query heads computed here: the DCP group's
+            per_layer += group * split(hq * d) * (hid + self.attention_bias)
             per_layer += hkv * (d + dv) * (hid + self.attention_bias)
-            per_layer += split(hq * dv) * hid + (2 * d if self.qk_norm else 0)
+            o_proj = hq * dv if comm == "ag" and dcp == tp else split(hq * dv)
+            per_layer += o_proj * hid + (2 * d if self.qk_norm else 0)
         dense_layers = self.num_layers - self.moe_layers
         total += per_layer * self.num_layers + dense_layers * split(3 * hid * self.intermediate_size)
         if self.moe_layers:

@@ -22,6 +22,7 @@ from .hardware import Hardware
 from .model_shape import ModelShape, load_model_shape
 
 TIE = 0.02  # throughputs within 2 % count as equal: the smaller dcp (fewer collectives) wins
+COMM_PREFERENCE = {"a2a": 0, "ag_rs": 1, "ag": 2}  # among equals: ag holds dcp× the query projection
 
 
 @dataclass
@@ -86,8 +87,9 @@ def routed_fraction_read(shape: ModelShape, batch: int) -> float:
     return 1.0 - (1.0 - shape.experts_per_token / shape.n_routed_experts) ** batch
 
 
-def weight_read_bytes(shape: ModelShape, tp: int, batch: int, weight_bytes: float, experts: str) -> int:
-    full = shape.weight_params_per_rank(tp, experts)
+def weight_read_bytes(shape: ModelShape, tp: int, batch: int, weight_bytes: float, experts: str,
+                      dcp: int = 1, comm: str = "a2a") -> int:
+    full = shape.weight_params_per_rank(tp, experts, dcp, comm)
     routed = shape.routed_expert_params_per_rank(tp, experts)
     return int((full - routed + routed * routed_fraction_read(shape, batch)) * weight_bytes)
 
@@ -121,7 +123,8 @@ def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_
     for tp in sorted(_divisors(world_size), reverse=True):
         for dcp in range(1, tp + 1):
             interleaves = (1,) if dcp == 1 else tuple(sorted({1, block_size}))
-            comms = ("none",) if dcp == 1 else ("a2a", "ag_rs")
+            # comm="ag" replicates the query projection, which only GQA's lowering finds.
+            comms = ("none",) if dcp == 1 else ("a2a", "ag_rs", "ag") if shape.attention == "gqa" else ("a2a", "ag_rs")
             try:
                 Mesh(tp, dcp).validate(attention=shape.attention, num_q_heads=shape.num_q_heads,
                                        num_kv_heads=shape.num_kv_heads, block_size=block_size)
@@ -149,7 +152,7 @@ def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_
 def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size, max_model_len, context,
               concurrency, wbytes, experts, kv_bytes, utilization) -> PlanRow:
     row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True)
-    row.weight_bytes_per_rank = int(shape.weight_params_per_rank(tp, experts) * wbytes)
+    row.weight_bytes_per_rank = int(shape.weight_params_per_rank(tp, experts, dcp, comm) * wbytes)
     caches = shape.cache_shapes(tp, kv_dtype)
     row.bytes_per_block = capacity.bytes_per_block(caches, block_size)
     row.kv_bytes_per_token = float(capacity.bytes_per_token(caches, block_size, dcp))
@@ -174,7 +177,7 @@ def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size,
     per_layer = sum(c.bytes_per_token for c in caches) / shape.num_layers
     row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=comm, context=context, batch=row.batch,
                            kv_bytes_per_token_layer=per_layer,
-                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts))
+                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, comm))
     row.tokens_per_s = row.replicas * row.batch / row.cost.step_s
     return row
 
@@ -185,7 +188,8 @@ def _recommend(rows: list[PlanRow], context: int, concurrency: int | None) -> tu
         return None, "no valid layout holds one max_model_len sequence in the KV budget"
     top = max(r.tokens_per_s for r in fitting)
     near = [r for r in fitting if r.tokens_per_s >= (1 - TIE) * top]
-    best = min(near, key=lambda r: (r.dcp, -r.tp, r.interleave, r.comm != "a2a"))
+    # Ties go to fewer ranks sharing the KV, then to the lowering holding the fewest weights.
+    best = min(near, key=lambda r: (r.dcp, -r.tp, r.interleave, COMM_PREFERENCE.get(r.comm, 0)))
     base = max((r for r in fitting if r.dcp == 1), key=lambda r: r.tokens_per_s, default=None)
     want = f"{concurrency:,} requests" if concurrency else "as many requests as fit"
     head = (f"tp={best.tp} dcp={best.dcp}" + (f" comm={best.comm}" if best.dcp > 1 else "") +

@@ -20,6 +20,8 @@ softcap,k_scales?,v_scales?)``        window start (local key index) per query; 
 ``kv_cache_write_(cache,new,slots)``   in-place write of new K/V into their slots; slot −1 skips
 ``kv_cache_write_fp8_(cache,new,       the same into an fp8 cache, quantised with one fp32 scale
 slots,scales)``                        per (token, head, 128 elements) written to ``scales``
+``linear_bf16(input,weight,bias?)``     ``aten.linear``'s meaning; bf16 CPU calls of few rows run
+                                       natively (:mod:`dcpgraph.ops.linear`)
 ``mla_preprocess(x, weights…, w_uk,    MLA's query/KV projections, norms, rotary and latent cache
 rotary, rotary_sin, cache, slots,      write in one op → ``(q_lat, kv, q_c)``
 q_eps, kv_eps, rotary_kind)``          (:mod:`dcpgraph.ops.mla_preprocess`)
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, mla_preprocess, paged, quant
+from . import kernels, linear, mla_preprocess, paged, quant
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -73,6 +75,7 @@ _SCHEMAS = {
         "Tensor(a!) cache, Tensor slot_mapping, float q_eps, float kv_eps, str rotary_kind) "
         "-> (Tensor, Tensor, Tensor)"
     ),
+    "linear_bf16": "linear_bf16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -185,6 +188,7 @@ _register("rescale_to_global", _rescale_to_global, _rescale_to_global_fake)
 _register("kv_cache_write_", _kv_cache_write_, _kv_cache_write_fake)
 _register("kv_cache_write_fp8_", _kv_cache_write_fp8_, _kv_cache_write_fp8_fake)
 _register("mla_preprocess", mla_preprocess.mla_preprocess_reference, mla_preprocess.mla_preprocess_fake)
+_register("linear_bf16", linear.linear_bf16, linear.linear_bf16_fake)
 
 ops = torch.ops.dcpgraph
 attention = ops.attention
@@ -195,4 +199,5 @@ rescale_to_global = ops.rescale_to_global
 kv_cache_write_ = ops.kv_cache_write_
 kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
 mla_preprocess_op = ops.mla_preprocess
+linear_bf16 = ops.linear_bf16
 from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

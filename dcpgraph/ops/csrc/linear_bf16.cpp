@@ -1,0 +1,176 @@
+// y = x @ W^T (+ b) for bf16 x [M, K] and bf16 W [N, K] (nn.Linear's layout), fp32 accumulation,
+// bf16 output, for few rows (decode: M = batch). Built by dcpgraph/ops/linear.py.
+//
+// A decode step's linears read every weight once and do M multiply-adds per weight, so for small M
+// they are bound by how fast W streams from memory. AVX512-BF16's vdpbf16ps multiplies 32 bf16
+// pairs into 16 fp32 sums: one 64-byte load of a W row (32 consecutive k) against the same 32 k of
+// an x row, which is W's natural row-major layout, so W is read exactly once, straight from where
+// nn.Linear keeps it. A register block of MB x rows by NB W rows keeps MB*NB accumulators
+// (MB*NB + NB + 1 <= 32 vector registers), each W line feeding MB dot products and each x line NB;
+// a block's partial sums are reduced horizontally once per K. The K tail (K % 32) uses masked loads
+// (zeros add nothing). Threads split N (at::parallel_for), so each streams its own rows of W.
+// Software prefetch `prefetch` bytes ahead on every W row it streams (0: none).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+#include <cstdint>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DCP_HAVE_BF16_DOT 1
+#else
+#define DCP_HAVE_BF16_DOT 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+#if DCP_HAVE_BF16_DOT
+
+inline __m512bh load_bf16(const bf16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+inline __m512bh load_bf16_masked(const bf16* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
+}
+
+// sums[i * NB + j] = dot(x row i, W row j) over K.
+template <int MB, int NB>
+inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, int64_t prefetch,
+                      float* sums) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = load_bf16(w + j * ldw + k);
+      if (prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + prefetch, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = load_bf16(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16_masked(w + j * ldw + k, mask);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = load_bf16_masked(x + i * ldx + k, mask);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) sums[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+using BlockFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*);
+
+// dot_block<mb, NB> for a runtime mb in 1..4 (the M tail of a block of 4 rows).
+template <int NB>
+BlockFn block_for_rows(int64_t mb) {
+  switch (mb) {
+    case 1: return &dot_block<1, NB>;
+    case 2: return &dot_block<2, NB>;
+    case 3: return &dot_block<3, NB>;
+    default: return &dot_block<4, NB>;
+  }
+}
+
+// Rows of x per register block, and W rows per block for that many x rows: MB*NB accumulators.
+constexpr int kMaxRowsPerBlock = 4;
+inline int w_rows_per_block(int64_t mb) { return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 5 : 4; }
+
+BlockFn block_fn(int64_t mb, int nb) {
+  switch (nb) {
+    case 8: return block_for_rows<8>(mb);
+    case 6: return block_for_rows<6>(mb);
+    case 5: return block_for_rows<5>(mb);
+    case 4: return block_for_rows<4>(mb);
+    default: return block_for_rows<1>(mb);
+  }
+}
+
+void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_t n0, bf16* y, int64_t ldy) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) {
+      const float b = bias ? bias[n0 + j] : 0.0f;
+      y[i * ldy + n0 + j] = bf16(sums[i * nb + j] + b);  // round to nearest even
+    }
+}
+
+#endif  // DCP_HAVE_BF16_DOT
+
+bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                 int64_t prefetch) {
+#if DCP_HAVE_BF16_DOT
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2, "linear_bf16: x, W and y must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
+              "linear_bf16: x, W and y must be bf16");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16: rows must be dense");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, "linear_bf16: shapes do not match");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_bf16: bias must be a dense fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+  const int64_t mb_full = M < kMaxRowsPerBlock ? M : kMaxRowsPerBlock;
+  const int nb = w_rows_per_block(mb_full);
+  const int64_t blocks = (N + nb - 1) / nb;
+  // ~64 KiB of W per task at least, so small layers do not pay for waking threads.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, nb * K * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float sums[kMaxRowsPerBlock * 8];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * nb;
+      const int rows = static_cast<int>(std::min<int64_t>(nb, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += mb_full) {
+        const int64_t mb = std::min<int64_t>(mb_full, M - m0);
+        if (rows == nb) {
+          block_fn(mb, nb)(xp + m0 * ldx, ldx, wp + n0 * ldw, ldw, K, prefetch, sums);
+          store_rows(sums, mb, nb, b, n0, yp + m0 * ldy, ldy);
+        } else {
+          for (int r = 0; r < rows; ++r) {  // the last, partial block of W rows: one at a time
+            block_fn(mb, 1)(xp + m0 * ldx, ldx, wp + (n0 + r) * ldw, ldw, K, prefetch, sums);
+            store_rows(sums, mb, 1, b, n0 + r, yp + m0 * ldy, ldy);
+          }
+        }
+      }
+    }
+  });
+  return true;
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)prefetch;
+  return false;  // built for a CPU without AVX512-BF16
+#endif
+}
+
+bool has_bf16_dot() { return DCP_HAVE_BF16_DOT != 0; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b), bf16 in and out, fp32 accumulation");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the AVX512-BF16 kernel");
+}

@@ -1,0 +1,145 @@
+"""``dcpgraph.linear_bf16`` and the ``native_linear`` pass (:mod:`dcpgraph.ops.linear`).
+
+The native kernel is checked against an fp32 reference (``x.float() @ W.float().T + b``), with
+torch's own bf16 linear as the yardstick for the error bf16 allows: both round an fp32 sum once,
+so each output is within half a bf16 ulp of the reference, plus fp32 summation-order error.
+Without an AVX512-BF16 CPU (or with ``DCPGRAPH_NATIVE=0``) the kernel tests skip, naming why;
+the fallback and pass-skipping tests still run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.ops import library, linear
+from dcpgraph.testing.checkpoints import tiny_model
+from dcpgraph.testing.generation import teacher_forced_logits
+
+
+def _need_native():
+    if not linear.native_enabled():
+        pytest.skip(f"native bf16 linear unavailable: {linear.reason()} (runs on an AVX512-BF16 CPU)")
+
+
+def _reference(x, w, b):
+    ref = x.float() @ w.float().T
+    bound = x.float().abs() @ w.float().abs().T  # scale of the fp32 summation error
+    return (ref if b is None else ref + b.float()), bound
+
+
+def _assert_bf16_close(got, ref, bound):
+    half_ulp = ref.abs() * 2.0**-8  # bf16 keeps 8 significant bits: round-to-nearest errs ≤ 2^-9 relative
+    err = (got.float() - ref).abs()
+    assert bool((err <= half_ulp + 1e-5 * bound + 1e-30).all()), f"max error {float(err.max())}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_op_matches_an_fp32_reference_within_bf16_rounding(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    k, n = 211, 45  # neither a multiple of 32 (nor of any register block)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    ref, bound = _reference(x, w, b)
+    got = library.linear_bf16(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    _assert_bf16_close(got, ref, bound)
+    _assert_bf16_close(torch.nn.functional.linear(x, w, b), ref, bound)  # the yardstick holds for torch too
+
+
+def test_native_kernel_runs_for_decode_rows_and_torch_beyond(monkeypatch):
+    _need_native()
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 99, generator=gen).bfloat16()
+    calls = []
+    real = linear.EXTENSION.module.linear_bf16
+
+    class Spy:
+        def linear_bf16(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(linear.EXTENSION, "module", Spy())
+    for rows in (1, 5, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+        x = torch.randn(1, rows, 99, generator=gen).bfloat16()  # the graph's [1, T, K]
+        ref, bound = _reference(x, w, None)
+        _assert_bf16_close(library.linear_bf16(x, w), ref, bound)
+    assert calls == [1, 5, linear.MAX_ROWS]
+
+
+def test_native_kernel_reads_strided_rows():
+    _need_native()
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 300, generator=gen).bfloat16()
+    x = base[:, 10:110]  # rows 300 apart
+    w_base = torch.randn(33, 256, generator=gen).bfloat16()
+    w = w_base[:, :100]  # a column slice of a weight: rows 256 apart
+    ref, bound = _reference(x, w, None)
+    _assert_bf16_close(library.linear_bf16(x, w), ref, bound)
+
+
+def test_checker_declines_what_the_kernel_does_not_run():
+    x = torch.randn(2, 64).bfloat16()
+    w = torch.randn(8, 64).bfloat16()
+    assert not linear.native_applies(x.float(), w.float())
+    assert not linear.native_applies(x, w.float())
+    assert not linear.native_applies(torch.randn(linear.MAX_ROWS + 1, 64).bfloat16(), w)
+    assert not linear.native_applies(x, w.t().contiguous().t())  # columns not dense
+    assert not linear.native_applies(x, w, torch.randn(8))  # an fp32 bias: torch would refuse it
+    # fp32 through the op is torch's linear exactly
+    xf, wf = x.float(), w.float()
+    assert torch.equal(library.linear_bf16(xf, wf), torch.nn.functional.linear(xf, wf))
+
+
+def test_fake_kernel_gives_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        y = library.linear_bf16(torch.empty(1, 3, 40, dtype=torch.bfloat16), torch.empty(7, 40, dtype=torch.bfloat16))
+    assert y.shape == (1, 3, 7) and y.dtype == torch.bfloat16
+
+
+def _targets(engine):
+    return [str(n.target) for n in engine.program.graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_pass_rewrites_bf16_linears_only_and_leaves_fp32_programs_unchanged():
+    _need_native()
+    model = tiny_model("qwen3", layers=2)
+    fp32 = dcpgraph.compile(model, backend="eager", max_num_seqs=2)
+    assert "dcpgraph.linear_bf16.default" not in _targets(fp32)
+    assert fp32.program.provenance[-1].summary == "no linear by a bf16 CPU parameter"
+    bf16 = dcpgraph.compile(model.to(torch.bfloat16), backend="eager", max_num_seqs=2)
+    targets = _targets(bf16)
+    assert "aten.linear.default" not in targets
+    assert targets.count("dcpgraph.linear_bf16.default") == 7 * 2 + 1  # q,k,v,o,gate,up,down per layer + LM head
+
+
+def test_pass_keeps_torch_linears_when_the_kernel_is_off(monkeypatch):
+    monkeypatch.setenv("DCPGRAPH_NATIVE", "0")
+    engine = dcpgraph.compile(tiny_model("qwen3", layers=1).to(torch.bfloat16), backend="eager", max_num_seqs=1)
+    assert "dcpgraph.linear_bf16.default" not in _targets(engine)
+    assert "DCPGRAPH_NATIVE=0" in engine.program.provenance[-1].summary
+
+
+def test_bf16_engine_logits_stay_as_close_to_fp32_as_torch_bf16(monkeypatch):
+    """Teacher-forced decode logits (every step one row, so every linear runs natively) of the
+    bf16 engine against the fp32 model's: no further from them than the same engine on torch's
+    bf16 linear is."""
+    _need_native()
+    tokens = [5, 17, 99, 3, 42, 8, 120, 64, 7, 11]
+    model = tiny_model("qwen3", layers=2)
+    ref = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens)
+    model = model.to(torch.bfloat16)
+    native = dcpgraph.compile(model, backend="eager", max_batched_tokens=1)
+    assert "dcpgraph.linear_bf16.default" in _targets(native)
+    got = teacher_forced_logits(native, tokens).float()
+    monkeypatch.setenv("DCPGRAPH_NATIVE", "0")
+    torch_bf16 = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens).float()
+    native_err = float((got - ref).abs().max())
+    torch_err = float((torch_bf16 - ref).abs().max())
+    assert native_err <= 1.5 * torch_err + 1e-3, (native_err, torch_err)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

@@ -37,9 +37,10 @@ def _assert_bf16_close(got, ref, bound):
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_op_matches_an_fp32_reference_within_bf16_rounding(rows, with_bias):
+@pytest.mark.parametrize("k", [211, 212])  # neither a multiple of 32; odd K is not for AMX
+def test_op_matches_an_fp32_reference_within_bf16_rounding(rows, with_bias, k):
     gen = torch.Generator().manual_seed(rows)
-    k, n = 211, 45  # neither a multiple of 32 (nor of any register block)
+    n = 45  # not a multiple of 16 (AMX's rows) nor of any register block
     x = torch.randn(rows, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
@@ -50,24 +51,60 @@ def test_op_matches_an_fp32_reference_within_bf16_rounding(rows, with_bias):
     _assert_bf16_close(torch.nn.functional.linear(x, w, b), ref, bound)  # the yardstick holds for torch too
 
 
-def test_native_kernel_runs_for_decode_rows_and_torch_beyond(monkeypatch):
+def _kernels():
     _need_native()
+    mod = linear.EXTENSION.module
+    kernels = {"dot": mod.linear_bf16}
+    if linear._state.get("amx"):
+        kernels["amx"] = mod.linear_bf16_amx
+    return kernels
+
+
+@pytest.mark.parametrize("kernel", ["dot", "amx"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("shape", [(100, 45), (1024, 70), (66, 16)])
+def test_each_kernel_matches_an_fp32_reference(kernel, rows, shape):
+    run = _kernels().get(kernel)
+    if run is None:
+        pytest.skip(f"no AMX here: {linear._state.get('amx_reason') or 'CPU/OS without AMX-BF16'}")
+    k, n = shape
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    ref, bound = _reference(x, w, b)
+    got = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    assert run(x, w, b, got, 256)
+    _assert_bf16_close(got, ref, bound)
+
+
+def test_native_kernel_runs_for_decode_rows_and_torch_beyond(monkeypatch):
+    kernels = _kernels()
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(70, 99, generator=gen).bfloat16()
+    w = torch.randn(70, 98, generator=gen).bfloat16()
     calls = []
-    real = linear.EXTENSION.module.linear_bf16
 
     class Spy:
-        def linear_bf16(self, *args):
-            calls.append(args[0].shape[0])
-            return real(*args)
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args[0].shape[0]))
+                return kernels["amx" if name.endswith("amx") else "dot"](*args)
+            return call
 
     monkeypatch.setattr(linear.EXTENSION, "module", Spy())
     for rows in (1, 5, linear.MAX_ROWS, linear.MAX_ROWS + 1):
-        x = torch.randn(1, rows, 99, generator=gen).bfloat16()  # the graph's [1, T, K]
+        x = torch.randn(1, rows, 98, generator=gen).bfloat16()  # the graph's [1, T, K]
         ref, bound = _reference(x, w, None)
         _assert_bf16_close(library.linear_bf16(x, w), ref, bound)
-    assert calls == [1, 5, linear.MAX_ROWS]
+    if "amx" in kernels:
+        assert calls == [("linear_bf16_amx", r) for r in (1, 5, linear.MAX_ROWS)]
+    else:
+        assert calls == [("linear_bf16", 1)]
+    calls.clear()
+    w_odd = torch.randn(70, 99, generator=gen).bfloat16()  # odd K: the dot kernel, up to DOT_MAX_ROWS
+    for rows in (1, linear.DOT_MAX_ROWS, linear.DOT_MAX_ROWS + 1):
+        library.linear_bf16(torch.randn(rows, 99, generator=gen).bfloat16(), w_odd)
+    assert calls == [("linear_bf16", 1), ("linear_bf16", linear.DOT_MAX_ROWS)]
 
 
 def test_native_kernel_reads_strided_rows():

@@ -10,12 +10,30 @@
 // a block's partial sums are reduced horizontally once per K. The K tail (K % 32) uses masked loads
 // (zeros add nothing). Threads split N (at::parallel_for), so each streams its own rows of W.
 // Software prefetch `prefetch` bytes ahead on every W row it streams (0: none).
+//
+// For more rows (M up to 16) each W byte feeds M multiply-adds, more than vdpbf16ps keeps up with
+// at memory speed on one core, so linear_bf16_amx uses AMX instead, as Y^T = W . X^T: the A tile
+// is 16 W rows x 32 k loaded straight from W (row stride = W's), the B tile is X^T for those 32 k
+// in AMX's pair-interleaved (VNNI) layout, 16 k-pairs x 16 m x 2, built once per call into a
+// zero-padded buffer (rows m >= M and k >= K are zeros), and the C tile holds 16 n x 16 m fp32
+// sums. Two W row blocks share each B tile (tiles 0,1: C; 2,3: A; 4: B; 5,6,7: A and B of the
+// K % 32 tail, configured with that width). K must be even (a tail pair never reads past a row);
+// W rows beyond the last multiple of 16 use the vdpbf16ps kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
 #include <cstdint>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define DCP_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define DCP_HAVE_AMX 0
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DCP_HAVE_BF16_DOT 1
@@ -166,11 +184,153 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 #endif
 }
 
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+
+// Linux keeps AMX state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int tail_pairs) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  if (tail_pairs > 0) {
+    for (int t = 5; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = static_cast<uint16_t>(tail_pairs * 4); }
+    cfg.rows[7] = static_cast<uint8_t>(tail_pairs);
+    cfg.colsb[7] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// X [M, K] (M <= 16) as B tiles: chunk c, pair p, row m, t -> x[m, 32c + 2p + t], zeros beyond.
+std::vector<bf16> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t chunks = (K + 31) / 32;
+  std::vector<bf16> b(static_cast<size_t>(chunks * 512), bf16(0.0f));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) b[(k / 32) * 512 + ((k % 32) / 2) * 32 + m * 2 + (k % 2)] = x[m * ldx + k];
+  return b;
+}
+
+// C (+ bias) of one 16-row W block, transposed into y's rows.
+void store_tile(const float* c, int64_t M, const float* bias, int64_t n0, bf16* y, int64_t ldy) {
+  for (int64_t i = 0; i < 16; ++i) {
+    const float b = bias ? bias[n0 + i] : 0.0f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n0 + i] = bf16(c[i * 16 + m] + b);
+  }
+}
+
+#endif
+
+bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                     int64_t prefetch) {
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+  if (!amx_permitted()) return false;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && w.size(1) == K && y.size(0) == M && y.size(1) == N,
+              "linear_bf16_amx: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
+              "linear_bf16_amx: x, W and y must be bf16");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16_amx: rows must be dense");
+  TORCH_CHECK(M >= 1 && M <= 16 && K % 2 == 0, "linear_bf16_amx: needs 1 <= M <= 16 and an even K");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_bf16_amx: bias must be a dense fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+  const std::vector<bf16> btiles = vnni_b_tiles(xp, ldx, M, K);
+  const bf16* bt = btiles.data();
+  const int64_t full = K / 32;
+  const int tail_pairs = static_cast<int>((K % 32) / 2);
+  const int64_t stride = ldw * static_cast<int64_t>(sizeof(bf16));
+  const int64_t pf = prefetch / static_cast<int64_t>(sizeof(bf16));
+  const int64_t groups = (N / 16 + 1) / 2;  // pairs of 16-row blocks (the last may be a single block)
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, 32 * K * 2));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles(tail_pairs);
+    alignas(64) float c[2 * 256];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * 32;
+      const bool two = n0 + 32 <= N;
+      const bf16* w0 = wp + n0 * ldw;
+      const bf16* w1 = w0 + 16 * ldw;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t ch = 0; ch < full; ++ch) {
+        const int64_t k = ch * 32;
+        if (pf > 0)
+          for (int r = 0; r < (two ? 32 : 16); ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(w0 + r * ldw + k + pf), _MM_HINT_T0);
+        _tile_loadd(4, bt + ch * 512, 64);
+        _tile_loadd(2, w0 + k, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(3, w1 + k, stride);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      if (tail_pairs > 0) {
+        const int64_t k = full * 32;
+        _tile_loadd(7, bt + full * 512, 64);
+        _tile_loadd(5, w0 + k, stride);
+        _tile_dpbf16ps(0, 5, 7);
+        if (two) {
+          _tile_loadd(6, w1 + k, stride);
+          _tile_dpbf16ps(1, 6, 7);
+        }
+      }
+      _tile_stored(0, c, 64);
+      store_tile(c, M, b, n0, yp, ldy);
+      if (two) {
+        _tile_stored(1, c + 256, 64);
+        store_tile(c + 256, M, b, n0 + 16, yp, ldy);
+      }
+    }
+    _tile_release();
+  });
+  // W rows past the last multiple of 16: the vdpbf16ps kernel, a row at a time.
+  float sums[16];
+  for (int64_t n = (N / 16) * 16; n < N; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerBlock) {
+      const int64_t mb = std::min<int64_t>(kMaxRowsPerBlock, M - m0);
+      block_fn(mb, 1)(xp + m0 * ldx, ldx, wp + n * ldw, ldw, K, 0, sums);
+      store_rows(sums, mb, 1, b, n, yp + m0 * ldy, ldy);
+    }
+  return true;
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)prefetch;
+  return false;  // built without AMX-BF16, or not on Linux
+#endif
+}
+
+bool has_amx() {
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool has_bf16_dot() { return DCP_HAVE_BF16_DOT != 0; }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b), bf16 in and out, fp32 accumulation");
+  m.def("linear_bf16_amx", &linear_bf16_amx, "the same for 1 <= M <= 16 and even K, on AMX tiles");
+  m.def("has_amx", &has_amx, "whether this build has AMX-BF16 and the OS granted it");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the AVX512-BF16 kernel");
 }

@@ -78,33 +78,31 @@ def test_each_kernel_matches_an_fp32_reference(kernel, rows, shape):
     _assert_bf16_close(got, ref, bound)
 
 
-def test_native_kernel_runs_for_decode_rows_and_torch_beyond(monkeypatch):
+def _calls():
+    return dict(zip(("amx", "dot", "torch"), linear.EXTENSION.module.kernel_calls()))
+
+
+def test_native_kernel_runs_for_decode_rows_and_torch_beyond():
+    """The op's C++ CPU kernel applies native_kernel's rule: its per-kernel call counts move as
+    the rule says, and each result is right."""
     kernels = _kernels()
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(70, 98, generator=gen).bfloat16()
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append((name, args[0].shape[0]))
-                return kernels["amx" if name.endswith("amx") else "dot"](*args)
-            return call
-
-    monkeypatch.setattr(linear.EXTENSION, "module", Spy())
-    for rows in (1, 5, linear.MAX_ROWS, linear.MAX_ROWS + 1):
-        x = torch.randn(1, rows, 98, generator=gen).bfloat16()  # the graph's [1, T, K]
-        ref, bound = _reference(x, w, None)
-        _assert_bf16_close(library.linear_bf16(x, w), ref, bound)
-    if "amx" in kernels:
-        assert calls == [("linear_bf16_amx", r) for r in (1, 5, linear.MAX_ROWS)]
-    else:
-        assert calls == [("linear_bf16", 1)]
-    calls.clear()
-    w_odd = torch.randn(70, 99, generator=gen).bfloat16()  # odd K: the dot kernel, up to DOT_MAX_ROWS
-    for rows in (1, linear.DOT_MAX_ROWS, linear.DOT_MAX_ROWS + 1):
-        library.linear_bf16(torch.randn(rows, 99, generator=gen).bfloat16(), w_odd)
-    assert calls == [("linear_bf16", 1), ("linear_bf16", linear.DOT_MAX_ROWS)]
+    for k in (98, 99):  # even K: AMX where present; odd K: the dot kernel up to DOT_MAX_ROWS
+        w = torch.randn(70, k, generator=gen).bfloat16()
+        for rows in (1, linear.DOT_MAX_ROWS, linear.DOT_MAX_ROWS + 1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+            x = torch.randn(1, rows, k, generator=gen).bfloat16()  # the graph's [1, T, K]
+            expected = linear.native_kernel(x, w) or "torch"
+            before = _calls()
+            got = library.linear_bf16(x, w)
+            after = _calls()
+            assert {name: after[name] - before[name] for name in after} == {
+                name: int(name == expected) for name in after}, (k, rows)
+            ref, bound = _reference(x, w, None)
+            _assert_bf16_close(got, ref, bound)
+            amx = "amx" in kernels and k % 2 == 0
+            want = ("amx" if amx else "dot" if rows <= linear.DOT_MAX_ROWS else "torch") \
+                if rows <= linear.MAX_ROWS else "torch"
+            assert expected == want, (k, rows)
 
 
 def test_native_kernel_reads_strided_rows():

@@ -19,11 +19,18 @@
 // sums. Two W row blocks share each B tile (tiles 0,1: C; 2,3: A; 4: B; 5,6,7: A and B of the
 // K % 32 tail, configured with that width). K must be even (a tail pair never reads past a row);
 // W rows beyond the last multiple of 16 use the vdpbf16ps kernel.
+//
+// linear_bf16_op is the CPU kernel of the op dcpgraph::linear_bf16 (schema in dcpgraph/ops/library.py),
+// registered when this module loads, so a call costs what torch's linear does to dispatch: it
+// applies the same rule as dcpgraph.ops.linear.native_kernel (parameters set by configure() once
+// the Python side's self-check passed) and runs at::linear for everything else.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -326,9 +333,62 @@ bool has_amx() {
 
 bool has_bf16_dot() { return DCP_HAVE_BF16_DOT != 0; }
 
+// What linear_bf16_op dispatches on; off until configure() is called after the self-check.
+struct OpConfig {
+  bool enabled = false;
+  bool amx = false;
+  int64_t max_rows = 0;
+  int64_t dot_max_rows = 0;
+  int64_t prefetch_amx = 0;
+  int64_t prefetch_dot = 0;
+};
+OpConfig g_config;
+std::atomic<int64_t> g_calls[3];  // amx, dot, torch
+
+void configure(bool enabled, bool amx, int64_t max_rows, int64_t dot_max_rows, int64_t prefetch_amx,
+               int64_t prefetch_dot) {
+  g_config = OpConfig{enabled, amx, max_rows, dot_max_rows, prefetch_amx, prefetch_dot};
+}
+
+std::vector<int64_t> kernel_calls() { return {g_calls[0].load(), g_calls[1].load(), g_calls[2].load()}; }
+
+at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const OpConfig cfg = g_config;
+  int kernel = 2;  // 0: amx, 1: dot, 2: torch
+  if (cfg.enabled && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+      w.device().is_cpu() && w.dim() == 2 && w.stride(1) == 1 && x.dim() > 0 && x.size(-1) == w.size(1) &&
+      w.size(1) > 0 &&
+      (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->device().is_cpu() && bias->dim() == 1 &&
+                             bias->numel() == w.size(0)))) {
+    const int64_t rows = x.numel() / w.size(1);
+    if (rows > 0 && rows <= cfg.max_rows) {
+      if (w.size(1) % 2 == 0 && cfg.amx) kernel = 0;
+      else if (rows <= cfg.dot_max_rows) kernel = 1;
+    }
+  }
+  g_calls[kernel].fetch_add(1, std::memory_order_relaxed);
+  if (kernel == 2) return at::linear(x, w, bias);
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());
+  c10::optional<at::Tensor> fbias;
+  if (bias.has_value()) fbias = bias->to(at::kFloat).contiguous();
+  const bool ok = kernel == 0 ? linear_bf16_amx(x2, w, fbias, y, cfg.prefetch_amx)
+                              : linear_bf16(x2, w, fbias, y, cfg.prefetch_dot);
+  TORCH_CHECK(ok, "dcpgraph::linear_bf16: the native kernel declined a call its rule accepted");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
 }  // namespace
 
+TORCH_LIBRARY_IMPL(dcpgraph, CPU, m) { m.impl("linear_bf16", &linear_bf16_op); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("configure", &configure, "enable the op's CPU kernel with its rule's parameters");
+  m.def("kernel_calls", &kernel_calls, "calls of the op's CPU kernel so far: [amx, dot, torch]");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b), bf16 in and out, fp32 accumulation");
   m.def("linear_bf16_amx", &linear_bf16_amx, "the same for 1 <= M <= 16 and even K, on AMX tiles");
   m.def("has_amx", &has_amx, "whether this build has AMX-BF16 and the OS granted it");

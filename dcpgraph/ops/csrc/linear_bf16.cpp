@@ -32,6 +32,7 @@
 #include <immintrin.h>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -218,12 +219,20 @@ void configure_tiles(int tail_pairs) {
   _tile_loadconfig(&cfg);
 }
 
-// X [M, K] (M <= 16) as B tiles: chunk c, pair p, row m, t -> x[m, 32c + 2p + t], zeros beyond.
-std::vector<bf16> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+// X [M, K] (M <= 16, K even) as B tiles: chunk c, pair p, row m -> the bf16 pair x[m, 32c + 2p : +2],
+// zeros beyond. Moved as 32-bit pairs (a pair is contiguous in x and in the tile).
+std::vector<uint32_t> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t chunks = (K + 31) / 32;
-  std::vector<bf16> b(static_cast<size_t>(chunks * 512), bf16(0.0f));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) b[(k / 32) * 512 + ((k % 32) / 2) * 32 + m * 2 + (k % 2)] = x[m * ldx + k];
+  const int64_t pairs = K / 2;
+  std::vector<uint32_t> b(static_cast<size_t>(chunks * 256), 0u);
+  for (int64_t m = 0; m < M; ++m) {
+    const bf16* row = x + m * ldx;
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t pair;
+      std::memcpy(&pair, row + 2 * p, sizeof(pair));
+      b[(p >> 4) * 256 + (p & 15) * 16 + m] = pair;
+    }
+  }
   return b;
 }
 
@@ -258,8 +267,8 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
-  const std::vector<bf16> btiles = vnni_b_tiles(xp, ldx, M, K);
-  const bf16* bt = btiles.data();
+  const std::vector<uint32_t> btiles = vnni_b_tiles(xp, ldx, M, K);
+  const uint32_t* bt = btiles.data();  // 256 pairs (1 KiB) per chunk
   const int64_t full = K / 32;
   const int tail_pairs = static_cast<int>((K % 32) / 2);
   const int64_t stride = ldw * static_cast<int64_t>(sizeof(bf16));
@@ -281,7 +290,7 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
         if (pf > 0)
           for (int r = 0; r < (two ? 32 : 16); ++r)
             _mm_prefetch(reinterpret_cast<const char*>(w0 + r * ldw + k + pf), _MM_HINT_T0);
-        _tile_loadd(4, bt + ch * 512, 64);
+        _tile_loadd(4, bt + ch * 256, 64);
         _tile_loadd(2, w0 + k, stride);
         _tile_dpbf16ps(0, 2, 4);
         if (two) {
@@ -291,7 +300,7 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
       }
       if (tail_pairs > 0) {
         const int64_t k = full * 32;
-        _tile_loadd(7, bt + full * 512, 64);
+        _tile_loadd(7, bt + full * 256, 64);
         _tile_loadd(5, w0 + k, stride);
         _tile_dpbf16ps(0, 5, 7);
         if (two) {

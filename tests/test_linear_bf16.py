@@ -178,3 +178,35 @@ def test_bf16_engine_logits_stay_as_close_to_fp32_as_torch_bf16(monkeypatch):
     torch_err = float((torch_bf16 - ref).abs().max())
     assert native_err <= 1.5 * torch_err + 1e-3, (native_err, torch_err)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_inductor_compiles_programs_with_the_op_and_matches_eager():
+    """The op's fake kernel lets inductor compile the bf16 program (no eager fallback), and the
+    compiled graph calls the same kernel: teacher-forced logits equal eager's within bf16 noise."""
+    _need_native()
+    tokens = [5, 17, 99, 3, 42, 8]
+    model = tiny_model("qwen3", layers=1).to(torch.bfloat16)
+    eager = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens).float()
+    engine = dcpgraph.compile(model, backend="inductor", max_batched_tokens=1, max_num_seqs=1)
+    assert "dcpgraph.linear_bf16.default" in _targets(engine)
+    compiled = teacher_forced_logits(engine, tokens).float()
+    graphs = engine.report()["graphs"]
+    assert graphs and all(g["backend"] == "inductor" and g["fallback"] is None for g in graphs.values()), graphs
+    assert float((compiled - eager).abs().max()) <= 0.05 * float(eager.abs().max())
+
+
+def test_a_missing_kernel_source_leaves_torch_linears_and_says_why(monkeypatch, tmp_path):
+    from dcpgraph.ops.native_build import NativeExtension
+
+    missing = tmp_path / "csrc" / "linear_bf16.cpp"
+    fresh = NativeExtension(linear.EXTENSION.name, missing, linear.EXTENSION.what, linear.EXTENSION.fallback)
+    monkeypatch.setattr(linear, "EXTENSION", fresh)
+    monkeypatch.setattr(linear, "_state", {})
+    monkeypatch.delenv("DCPGRAPH_NATIVE", raising=False)
+    with pytest.warns(RuntimeWarning, match="is missing from this installation"):
+        assert not linear.native_enabled()
+    assert str(missing) in linear.reason() and "torch's kernel" in linear.reason()
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert linear.native_kernel(x, w) is None
+    assert torch.equal(linear.linear_bf16(x, w), torch.nn.functional.linear(x, w))

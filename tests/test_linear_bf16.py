@@ -215,3 +215,12 @@ def test_a_missing_kernel_source_leaves_torch_linears_and_says_why(monkeypatch, 
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     assert linear.native_kernel(x, w) is None
     assert torch.equal(linear.linear_bf16(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_opcheck_with_and_without_the_native_kernel():
+    """Schema, fake kernel and AOT dispatch hold for the op, whichever CPU kernel serves it."""
+    linear.native_enabled()  # registers the C++ kernel where it builds
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(1, 3, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    for args in ((x.bfloat16(), w.bfloat16()), (x.bfloat16(), w.bfloat16(), b.bfloat16()), (x, w, b)):
+        torch.library.opcheck(library.linear_bf16.default, args)

@@ -85,3 +85,11 @@ def test_a_chain_whose_intermediate_is_read_elsewhere_is_not_fused(escape):
             exported.graph.erase_node(node)
     matches = [m for n in exported.graph.nodes if (m := match_rms_norm(n, params))]
     assert len(matches) == (0 if escape else 1)
+
+
+def test_opcheck_with_and_without_the_native_kernel():
+    rms_norm.native_enabled()  # registers the C++ kernel where it builds
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1, 3, 64, generator=gen), torch.randn(64, generator=gen)
+    for args in ((x.bfloat16(), w.bfloat16(), 1e-6), (x, w, 1e-5)):
+        torch.library.opcheck(library.rms_norm_bf16.default, args)

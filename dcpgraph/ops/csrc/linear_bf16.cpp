@@ -236,11 +236,23 @@ std::vector<uint32_t> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_
   return b;
 }
 
-// C (+ bias) of one 16-row W block, transposed into y's rows.
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion, 16 at a time.
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// C (+ bias) of one 16-row W block, c[n * 16 + m], transposed into y's rows: row m gathers its 16 n.
 void store_tile(const float* c, int64_t M, const float* bias, int64_t n0, bf16* y, int64_t ldy) {
-  for (int64_t i = 0; i < 16; ++i) {
-    const float b = bias ? bias[n0 + i] : 0.0f;
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n0 + i] = bf16(c[i * 16 + m] + b);
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + m, 4), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n0), to_bf16_bits(v));
   }
 }
 

@@ -15,6 +15,17 @@ machine, process and thread count (1; the machine is shared):
 * ``bandwidth_fraction`` = (bytes per step ÷ step time) ÷ read: the share of the read bandwidth
   the step achieves (target ≥ 0.70), and the engine's decode tokens/s ÷ HF's (target ≥ 1.5).
 
+Linears: the engine's bf16 program runs them through ``dcpgraph.linear_bf16`` (pass
+``native_linear``: AMX or AVX512-BF16 kernels for ≤ 16 rows, :mod:`dcpgraph.ops.linear`); HF keeps
+torch's own linear, which is the comparison. The config string says which (``linear=``). fp32 is
+untouched. fp32 at batch 16 is bound by multiply-adds, not bytes: at memory speed a step would
+need (read GB/s ÷ 4 bytes) × 16 MACs per weight, ≈ 52 GMAC/s at 13 GB/s, while torch's fp32
+few-row GEMM sustains ~21 GMAC/s on one core while streaming (85 GMAC/s cache-resident peak), so
+it stays near 40%.
+
+``--profile N``: after measuring, a ``torch.profiler`` table (self CPU time per op) of N engine
+decode steps per configuration, to show what besides the linears a step spends time on.
+
 The model is Qwen3-shaped with random weights and no EOS: 12 layers, hidden 1024, 16 query / 4 KV
 heads of 64, MLP 2816, vocab 32000, untied (≈ 200M parameters). ``--quick``: 4 layers, hidden 512,
 vocab 8192 (≈ 25M), for the default ``benchmarks/run.py`` run. Greedy tokens of both are compared.
@@ -22,7 +33,7 @@ vocab 8192 (≈ 25M), for the default ``benchmarks/run.py`` run. Greedy tokens o
 ``--device cuda``: the model, caches and the read buffer on the GPU, wall-clock timing with
 ``torch.cuda.synchronize()`` (no GPU figures exist yet: none was available where this was written).
 
-    python3 benchmarks/decode_step.py [--quick] [--device cuda]
+    python3 benchmarks/decode_step.py [--quick] [--device cuda] [--profile N]
 """
 
 from __future__ import annotations
@@ -92,7 +103,34 @@ def read_bandwidth(nbytes: int, rounds: int, device: str, clock: Clock) -> float
     return buf.numel() * 4 / best
 
 
-def measure(model, dtype_name: str, batch: int, new: int, rounds: int, shape_name: str, device: str) -> list[dict]:
+def linear_path(engine) -> str:
+    """How the engine's program runs its linears: ``torch``, or ``native-amx``/``native-dot``
+    (the kernel ``dcpgraph.linear_bf16`` picks for decode rows on this machine)."""
+    targets = {str(n.target) for n in engine.program.graph_module.graph.nodes if n.op == "call_function"}
+    if "dcpgraph.linear_bf16.default" not in targets:
+        return "torch"
+    from dcpgraph.ops import linear
+
+    return "native-amx" if linear._state.get("amx") else "native-dot"
+
+
+def profile_steps(engine, prompts: list[list[int]], steps: int) -> None:
+    """Print a torch.profiler table of ``steps`` decode steps (prefill run before profiling)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=steps + 1)
+    engine.step()  # prefill (and the first token), outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.scheduler.has_work():
+        engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+
+
+def measure(model, dtype_name: str, batch: int, new: int, rounds: int, shape_name: str, device: str,
+            profile: int = 0) -> list[dict]:
     clock = Clock(device)
     program = dcpgraph.trace(model)
     engine = dcpgraph.compile(program, backend="eager", max_num_seqs=batch, max_batched_tokens=PROMPT * batch,
@@ -131,7 +169,11 @@ def measure(model, dtype_name: str, batch: int, new: int, rounds: int, shape_nam
     moved = weights + batch * (mean_context + 1) * kv_token
     frac = {s: moved / step[s] / read_bw for s in step}
     clock_name = "cuda-wall" if clock.cuda else "cpu"
+    if profile:
+        print(f"{shape_name} {dtype_name} batch {batch}: {profile} decode steps profiled", flush=True)
+        profile_steps(engine, prompts.tolist(), profile)
     config = (f"{shape_name} {dtype_name} {device} tp=1 eager batch={batch} prompt={PROMPT} new={new} threads=1 clock={clock_name} "
+              f"linear={linear_path(engine)} "
               f"min-of-{rounds} weights={weights / 2**20:.0f}MiB greedy-match={same}/{batch * new} "
               f"{common.load_note()}")
     rec = common.record(NAME, config, "bandwidth_fraction", frac["engine"], "fraction", baseline=frac["hf"],
@@ -158,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print a torch.profiler table of N decode steps per configuration")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -172,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         params = sum(p.numel() for p in model.parameters())
         print(f"{shape_name}: {params / 1e6:.0f}M parameters, {dtype_name}", flush=True)
         for batch in args.batches:
-            records += measure(model, dtype_name, batch, new, rounds, shape_name, args.device)
+            records += measure(model, dtype_name, batch, new, rounds, shape_name, args.device, args.profile)
         del model
     common.print_records(records)
     met = [r["met"] for r in records if "target" in r]

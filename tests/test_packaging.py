@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from dcpgraph.ops import native, paged
+from dcpgraph.ops.native_build import NativeExtension
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_IN_WHEEL = "dcpgraph/ops/csrc/paged_decode.cpp"
@@ -97,8 +98,8 @@ def test_wheel_ships_the_kernel_source_and_the_installed_copy_builds_it(tmp_path
 def test_a_missing_kernel_source_is_reported_not_silent(monkeypatch, tmp_path):
     missing = tmp_path / "csrc" / "paged_decode.cpp"
     monkeypatch.setattr(native, "_SRC", missing)
-    for name, fresh in (("_tried", False), ("_module", None), ("reason", None), ("build_seconds", None)):
-        monkeypatch.setattr(native, name, fresh)
+    fresh = NativeExtension(native.EXTENSION.name, missing, native.EXTENSION.what, native.EXTENSION.fallback)
+    monkeypatch.setattr(native, "EXTENSION", fresh)
     monkeypatch.setattr(paged, "_native_state", {})
     monkeypatch.delenv("DCPGRAPH_NATIVE", raising=False)
     with pytest.warns(RuntimeWarning, match="is missing from this installation"):

@@ -11,158 +11,52 @@ query heads of the KV head are processed together, so every K/V row is read once
 with an online softmax over key blocks; chunks of one request are merged by LSE (split-K, so one
 long request still uses every thread). Source: ``csrc/paged_decode.cpp``.
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) the
-first time :func:`available` (or the kernel) is called, into a persistent directory:
-``$DCPGRAPH_NATIVE_BUILD_DIR`` or ``~/.cache/dcpgraph/native/<hash>``. The hash covers the
-source's bytes, the flags, the torch version and the CPU's feature flags, never where dcpgraph is
-installed: the source is compiled from a copy inside that directory, so every installation with
-the same source (a checkout, an installed wheel, another worktree) shares one build and none of
-them makes ninja rebuild it for the others; a change to any hashed input gets a fresh directory.
-Nothing is built or registered at import. Any failure makes :func:`available` return ``False``
-with the reason in :data:`reason`; it never raises. A source missing from the installation is a
-packaging error, so it also emits a ``RuntimeWarning`` naming the path.
+The extension is built lazily by :class:`~dcpgraph.ops.native_build.NativeExtension` (persistent
+build directory keyed by the source and flags, never raises, ``reason`` when unavailable);
+:data:`reason`, :data:`build_seconds` and :func:`build_dir` are this kernel's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from .native_build import STALE_LOCK_SECONDS, NativeExtension, clear_stale_lock
+
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-_LAYOUT = b"build-from-copy-1"  # how a build directory is laid out; part of its hash
-# Reassociation for vector reductions, but never "finite math only": empty rows and the merge
-# rely on -inf and NaN keeping their IEEE meaning.
-# Tuples: torch's load() appends its own flags to the lists it is given, which would change
-# build_dir()'s hash after the first build; it gets fresh lists.
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
+EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode kernel", "decode runs on the torch path")
+_clear_stale_lock = clear_stale_lock
+__all__ = ["STALE_LOCK_SECONDS", "available", "build_dir", "kv_dtypes", "native_paged_decode", "supports"]
 
 # Keys per split-K chunk when a request is split across threads (a multiple of the block size).
 CHUNK_TOKENS = 1024
 # Software prefetch distance in blocks (0: none); ``DCPGRAPH_NATIVE_PREFETCH`` overrides.
 PREFETCH_BLOCKS = 4
 
-reason: str | None = None  # why the native kernel is unavailable (None: not tried yet, or fine)
-build_seconds: float | None = None  # wall time of the build/load on first use in this process
-_module = None
-_tried = False
-_lock = threading.Lock()
 
-
-def _cpu_id() -> bytes:
-    """What ``-march=native`` depends on: a build is only reused on a CPU with the same flags."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith((b"flags", b"Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor().encode() + platform.machine().encode()
+def __getattr__(name: str):
+    """``reason`` (why the kernel is unavailable, None if fine or not tried), ``build_seconds``
+    (its build/load time in this process) and ``_module``: the extension's current state."""
+    attr = {"reason": "reason", "build_seconds": "build_seconds", "_module": "module"}.get(name)
+    if attr is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(EXTENSION, attr)
 
 
 def build_dir() -> Path:
     """The persistent build directory (created on demand by the build)."""
-    tag = hashlib.sha256(
-        _LAYOUT + _SRC.read_bytes() + " ".join((*_CFLAGS, *_LDFLAGS)).encode()
-        + torch.__version__.encode() + _cpu_id()
-    ).hexdigest()[:16]
-    base = os.environ.get("DCPGRAPH_NATIVE_BUILD_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "dcpgraph" / "native"
-    return root / tag
-
-
-def _source_copy(directory: Path) -> Path:
-    """``_SRC`` copied into ``directory``: written only when absent or different, so its mtime
-    (which ninja compares) changes only with its content."""
-    source = _SRC.read_bytes()
-    copy = directory / _SRC.name
-    if not copy.is_file() or copy.read_bytes() != source:
-        staging = directory / f".{_SRC.name}.{os.getpid()}.tmp"
-        staging.write_bytes(source)
-        os.replace(staging, copy)
-    return copy
-
-
-def _missing_source() -> str | None:
-    """Why the kernel cannot be built from this installation, if its source is not there."""
-    if _SRC.is_file():
-        return None
-    return (
-        f"native paged-decode kernel unavailable: its source {_SRC} is missing from this "
-        "installation (dcpgraph was packaged without dcpgraph/ops/csrc/*.cpp); decode runs on the "
-        "torch path"
-    )
-
-
-# A build takes one to three minutes here; torch's build lock (a plain file, waited on forever)
-# older than this was left by a process killed mid-build.
-STALE_LOCK_SECONDS = 15 * 60
-
-
-def _clear_stale_lock(directory: Path) -> None:
-    """Remove ``directory/lock`` if it is older than :data:`STALE_LOCK_SECONDS`: torch's
-    ``FileBaton`` waits for it to vanish with no timeout, so a build killed while holding it would
-    hang every later process that loads the kernel."""
-    import time
-
-    lock = directory / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink()
-            warnings.warn(f"removed a stale native-kernel build lock {lock}", RuntimeWarning, stacklevel=4)
-    except FileNotFoundError:
-        pass
+    return EXTENSION.build_dir()
 
 
 def _load():
-    global _module, _tried, reason, build_seconds
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        import time
-
-        start = time.perf_counter()
-        missing = _missing_source()
-        if missing is not None:
-            reason, build_seconds = missing, 0.0
-            warnings.warn(missing, RuntimeWarning, stacklevel=3)
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            path = build_dir()
-            path.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock(path)
-            _module = load(
-                name="dcpgraph_paged_decode",
-                sources=[str(_source_copy(path))],
-                extra_cflags=list(_CFLAGS),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(path),
-                verbose=False,
-            )
-            reason = None
-        except Exception as exc:  # noqa: BLE001 - any build/load failure only disables the kernel
-            _module = None
-            reason = f"native paged-decode kernel unavailable: {type(exc).__name__}: {exc}"
-        build_seconds = time.perf_counter() - start
-        return _module
+    return EXTENSION.load()
 
 
 def available() -> bool:
     """Whether the native kernel is built and loadable (tries the build once per process)."""
-    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
-        return False
-    return _load() is not None
+    return EXTENSION.available()
 
 
 def kv_dtypes() -> tuple[torch.dtype, ...]:
@@ -207,7 +101,7 @@ def native_paged_decode(
     Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
     mod = _load()
     if mod is None:
-        raise RuntimeError(reason or "native kernel unavailable")
+        raise RuntimeError(EXTENSION.reason or "native kernel unavailable")
     tq, hq, _ = q.shape
     dv = v_cache.shape[-1]
     out = torch.zeros(tq, hq, dv, dtype=torch.float32)

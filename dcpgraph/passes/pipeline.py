@@ -9,7 +9,9 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 4. ``shard_tp``         tensor parallelism from the TP plan (collectives, sharded state);
 5. ``shard_dcp``        context attention sharded over DCP groups (LSE merge across ranks);
 6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens;
-7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``.
+7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
+8. ``native_linear``    linears by bf16 CPU weights → ``linear_bf16`` (native for decode rows);
+9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``.
 
 With ``return_hidden=True`` (MTP speculation), ``return_hidden_states`` runs right after
 ``select_logits``: the program also returns the final hidden states of every token (output 1).
@@ -24,6 +26,8 @@ from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
 from .manager import ProgramPass, run_passes
+from .native_linear import native_linear
+from .native_rms_norm import native_rms_norm
 from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
@@ -37,6 +41,8 @@ PIPELINE: tuple[ProgramPass, ...] = (
     shard_dcp,
     fuse_new_tokens,
     fuse_mla_preprocess,
+    native_linear,
+    native_rms_norm,
 )
 
 

@@ -85,7 +85,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     so far) feed the penalties."""
     logits = apply_penalties(logits, params, prompt, output)
     if params.greedy:
-        return int(torch.argmax(logits))
+        # bf16 -> fp32 is exact, so the same index (ties included); torch's CPU argmax over a bf16
+        # row of 32K is ~3x slower than the cast and an fp32 argmax (16 rows a step at batch 16)
+        return int(torch.argmax(logits.float() if logits.dtype == torch.bfloat16 else logits))
     scores = logits.double() / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]

@@ -1,0 +1,422 @@
+// y = x @ W^T (+ b) for bf16 x [M, K] and bf16 W [N, K] (nn.Linear's layout), fp32 accumulation,
+// bf16 output, for few rows (decode: M = batch). Built by dcpgraph/ops/linear.py.
+//
+// A decode step's linears read every weight once and do M multiply-adds per weight, so for small M
+// they are bound by how fast W streams from memory. AVX512-BF16's vdpbf16ps multiplies 32 bf16
+// pairs into 16 fp32 sums: one 64-byte load of a W row (32 consecutive k) against the same 32 k of
+// an x row, which is W's natural row-major layout, so W is read exactly once, straight from where
+// nn.Linear keeps it. A register block of MB x rows by NB W rows keeps MB*NB accumulators
+// (MB*NB + NB + 1 <= 32 vector registers), each W line feeding MB dot products and each x line NB;
+// a block's partial sums are reduced horizontally once per K. The K tail (K % 32) uses masked loads
+// (zeros add nothing). Threads split N (at::parallel_for), so each streams its own rows of W.
+// Software prefetch `prefetch` bytes ahead on every W row it streams (0: none).
+//
+// For more rows (M up to 16) each W byte feeds M multiply-adds, more than vdpbf16ps keeps up with
+// at memory speed on one core, so linear_bf16_amx uses AMX instead, as Y^T = W . X^T: the A tile
+// is 16 W rows x 32 k loaded straight from W (row stride = W's), the B tile is X^T for those 32 k
+// in AMX's pair-interleaved (VNNI) layout, 16 k-pairs x 16 m x 2, built once per call into a
+// zero-padded buffer (rows m >= M and k >= K are zeros), and the C tile holds 16 n x 16 m fp32
+// sums. Two W row blocks share each B tile (tiles 0,1: C; 2,3: A; 4: B; 5,6,7: A and B of the
+// K % 32 tail, configured with that width). K must be even (a tail pair never reads past a row);
+// W rows beyond the last multiple of 16 use the vdpbf16ps kernel.
+//
+// linear_bf16_op is the CPU kernel of the op dcpgraph::linear_bf16 (schema in dcpgraph/ops/library.py),
+// registered when this module loads, so a call costs what torch's linear does to dispatch: it
+// applies the same rule as dcpgraph.ops.linear.native_kernel (parameters set by configure() once
+// the Python side's self-check passed) and runs at::linear for everything else.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define DCP_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define DCP_HAVE_AMX 0
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DCP_HAVE_BF16_DOT 1
+#else
+#define DCP_HAVE_BF16_DOT 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+#if DCP_HAVE_BF16_DOT
+
+inline __m512bh load_bf16(const bf16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+inline __m512bh load_bf16_masked(const bf16* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
+}
+
+// sums[i * NB + j] = dot(x row i, W row j) over K.
+template <int MB, int NB>
+inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, int64_t prefetch,
+                      float* sums) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = load_bf16(w + j * ldw + k);
+      if (prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + prefetch, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = load_bf16(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = load_bf16_masked(w + j * ldw + k, mask);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = load_bf16_masked(x + i * ldx + k, mask);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) sums[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+using BlockFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*);
+
+// dot_block<mb, NB> for a runtime mb in 1..4 (the M tail of a block of 4 rows).
+template <int NB>
+BlockFn block_for_rows(int64_t mb) {
+  switch (mb) {
+    case 1: return &dot_block<1, NB>;
+    case 2: return &dot_block<2, NB>;
+    case 3: return &dot_block<3, NB>;
+    default: return &dot_block<4, NB>;
+  }
+}
+
+// Rows of x per register block, and W rows per block for that many x rows: MB*NB accumulators.
+constexpr int kMaxRowsPerBlock = 4;
+inline int w_rows_per_block(int64_t mb) { return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 5 : 4; }
+
+BlockFn block_fn(int64_t mb, int nb) {
+  switch (nb) {
+    case 8: return block_for_rows<8>(mb);
+    case 6: return block_for_rows<6>(mb);
+    case 5: return block_for_rows<5>(mb);
+    case 4: return block_for_rows<4>(mb);
+    default: return block_for_rows<1>(mb);
+  }
+}
+
+void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_t n0, bf16* y, int64_t ldy) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) {
+      const float b = bias ? bias[n0 + j] : 0.0f;
+      y[i * ldy + n0 + j] = bf16(sums[i * nb + j] + b);  // round to nearest even
+    }
+}
+
+#endif  // DCP_HAVE_BF16_DOT
+
+bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                 int64_t prefetch) {
+#if DCP_HAVE_BF16_DOT
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2, "linear_bf16: x, W and y must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
+              "linear_bf16: x, W and y must be bf16");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16: rows must be dense");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, "linear_bf16: shapes do not match");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_bf16: bias must be a dense fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+  const int64_t mb_full = M < kMaxRowsPerBlock ? M : kMaxRowsPerBlock;
+  const int nb = w_rows_per_block(mb_full);
+  const int64_t blocks = (N + nb - 1) / nb;
+  // ~64 KiB of W per task at least, so small layers do not pay for waking threads.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, nb * K * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float sums[kMaxRowsPerBlock * 8];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * nb;
+      const int rows = static_cast<int>(std::min<int64_t>(nb, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += mb_full) {
+        const int64_t mb = std::min<int64_t>(mb_full, M - m0);
+        if (rows == nb) {
+          block_fn(mb, nb)(xp + m0 * ldx, ldx, wp + n0 * ldw, ldw, K, prefetch, sums);
+          store_rows(sums, mb, nb, b, n0, yp + m0 * ldy, ldy);
+        } else {
+          for (int r = 0; r < rows; ++r) {  // the last, partial block of W rows: one at a time
+            block_fn(mb, 1)(xp + m0 * ldx, ldx, wp + (n0 + r) * ldw, ldw, K, prefetch, sums);
+            store_rows(sums, mb, 1, b, n0 + r, yp + m0 * ldy, ldy);
+          }
+        }
+      }
+    }
+  });
+  return true;
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)prefetch;
+  return false;  // built for a CPU without AVX512-BF16
+#endif
+}
+
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+
+// Linux keeps AMX state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int tail_pairs) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  if (tail_pairs > 0) {
+    for (int t = 5; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = static_cast<uint16_t>(tail_pairs * 4); }
+    cfg.rows[7] = static_cast<uint8_t>(tail_pairs);
+    cfg.colsb[7] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// X [M, K] (M <= 16, K even) as B tiles: chunk c, pair p, row m -> the bf16 pair x[m, 32c + 2p : +2],
+// zeros beyond. Moved as 32-bit pairs (a pair is contiguous in x and in the tile).
+std::vector<uint32_t> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t chunks = (K + 31) / 32;
+  const int64_t pairs = K / 2;
+  std::vector<uint32_t> b(static_cast<size_t>(chunks * 256), 0u);
+  const __m512i slot = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < M; ++m) {
+    const bf16* row = x + m * ldx;
+    int64_t p = 0;
+    for (; p + 16 <= pairs; p += 16)  // a chunk's 16 pairs of row m, one 64-byte load, 16 slots 64 bytes apart
+      _mm512_i32scatter_epi32(b.data() + (p >> 4) * 256 + m, slot, _mm512_loadu_si512(row + 2 * p), 4);
+    for (; p < pairs; ++p) {
+      uint32_t pair;
+      std::memcpy(&pair, row + 2 * p, sizeof(pair));
+      b[(p >> 4) * 256 + (p & 15) * 16 + m] = pair;
+    }
+  }
+  return b;
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion, 16 at a time.
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// C (+ bias) of one 16-row W block, c[n * 16 + m], transposed into y's rows: row m gathers its 16 n.
+void store_tile(const float* c, int64_t M, const float* bias, int64_t n0, bf16* y, int64_t ldy) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + m, 4), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n0), to_bf16_bits(v));
+  }
+}
+
+#endif
+
+bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                     int64_t prefetch) {
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+  if (!amx_permitted()) return false;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && w.size(1) == K && y.size(0) == M && y.size(1) == N,
+              "linear_bf16_amx: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
+              "linear_bf16_amx: x, W and y must be bf16");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16_amx: rows must be dense");
+  TORCH_CHECK(M >= 1 && M <= 16 && K % 2 == 0, "linear_bf16_amx: needs 1 <= M <= 16 and an even K");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_bf16_amx: bias must be a dense fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+  const std::vector<uint32_t> btiles = vnni_b_tiles(xp, ldx, M, K);
+  const uint32_t* bt = btiles.data();  // 256 pairs (1 KiB) per chunk
+  const int64_t full = K / 32;
+  const int tail_pairs = static_cast<int>((K % 32) / 2);
+  const int64_t stride = ldw * static_cast<int64_t>(sizeof(bf16));
+  const int64_t pf = prefetch / static_cast<int64_t>(sizeof(bf16));
+  const int64_t groups = (N / 16 + 1) / 2;  // pairs of 16-row blocks (the last may be a single block)
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, 32 * K * 2));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles(tail_pairs);
+    alignas(64) float c[2 * 256];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * 32;
+      const bool two = n0 + 32 <= N;
+      const bf16* w0 = wp + n0 * ldw;
+      const bf16* w1 = w0 + 16 * ldw;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t ch = 0; ch < full; ++ch) {
+        const int64_t k = ch * 32;
+        if (pf > 0)
+          for (int r = 0; r < (two ? 32 : 16); ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(w0 + r * ldw + k + pf), _MM_HINT_T0);
+        _tile_loadd(4, bt + ch * 256, 64);
+        _tile_loadd(2, w0 + k, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(3, w1 + k, stride);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      if (tail_pairs > 0) {
+        const int64_t k = full * 32;
+        _tile_loadd(7, bt + full * 256, 64);
+        _tile_loadd(5, w0 + k, stride);
+        _tile_dpbf16ps(0, 5, 7);
+        if (two) {
+          _tile_loadd(6, w1 + k, stride);
+          _tile_dpbf16ps(1, 6, 7);
+        }
+      }
+      _tile_stored(0, c, 64);
+      store_tile(c, M, b, n0, yp, ldy);
+      if (two) {
+        _tile_stored(1, c + 256, 64);
+        store_tile(c + 256, M, b, n0 + 16, yp, ldy);
+      }
+    }
+    _tile_release();
+  });
+  // W rows past the last multiple of 16: the vdpbf16ps kernel, a row at a time.
+  float sums[16];
+  for (int64_t n = (N / 16) * 16; n < N; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerBlock) {
+      const int64_t mb = std::min<int64_t>(kMaxRowsPerBlock, M - m0);
+      block_fn(mb, 1)(xp + m0 * ldx, ldx, wp + n * ldw, ldw, K, 0, sums);
+      store_rows(sums, mb, 1, b, n, yp + m0 * ldy, ldy);
+    }
+  return true;
+#else
+  (void)x; (void)w; (void)bias; (void)y; (void)prefetch;
+  return false;  // built without AMX-BF16, or not on Linux
+#endif
+}
+
+bool has_amx() {
+#if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool has_bf16_dot() { return DCP_HAVE_BF16_DOT != 0; }
+
+// What linear_bf16_op dispatches on; off until configure() is called after the self-check.
+struct OpConfig {
+  bool enabled = false;
+  bool amx = false;
+  int64_t max_rows = 0;
+  int64_t dot_max_rows = 0;
+  int64_t prefetch_amx = 0;
+  int64_t prefetch_dot = 0;
+};
+OpConfig g_config;
+std::atomic<int64_t> g_calls[3];  // amx, dot, torch
+
+void configure(bool enabled, bool amx, int64_t max_rows, int64_t dot_max_rows, int64_t prefetch_amx,
+               int64_t prefetch_dot) {
+  g_config = OpConfig{enabled, amx, max_rows, dot_max_rows, prefetch_amx, prefetch_dot};
+}
+
+std::vector<int64_t> kernel_calls() { return {g_calls[0].load(), g_calls[1].load(), g_calls[2].load()}; }
+
+at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const OpConfig cfg = g_config;
+  int kernel = 2;  // 0: amx, 1: dot, 2: torch
+  if (cfg.enabled && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+      w.device().is_cpu() && w.dim() == 2 && w.stride(1) == 1 && x.dim() > 0 && x.size(-1) == w.size(1) &&
+      w.size(1) > 0 &&
+      (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->device().is_cpu() && bias->dim() == 1 &&
+                             bias->numel() == w.size(0)))) {
+    const int64_t rows = x.numel() / w.size(1);
+    if (rows > 0 && rows <= cfg.max_rows) {
+      if (w.size(1) % 2 == 0 && cfg.amx) kernel = 0;
+      else if (rows <= cfg.dot_max_rows) kernel = 1;
+    }
+  }
+  g_calls[kernel].fetch_add(1, std::memory_order_relaxed);
+  if (kernel == 2) return at::linear(x, w, bias);
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());
+  c10::optional<at::Tensor> fbias;
+  if (bias.has_value()) fbias = bias->to(at::kFloat).contiguous();
+  const bool ok = kernel == 0 ? linear_bf16_amx(x2, w, fbias, y, cfg.prefetch_amx)
+                              : linear_bf16(x2, w, fbias, y, cfg.prefetch_dot);
+  TORCH_CHECK(ok, "dcpgraph::linear_bf16: the native kernel declined a call its rule accepted");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dcpgraph, CPU, m) { m.impl("linear_bf16", &linear_bf16_op); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("configure", &configure, "enable the op's CPU kernel with its rule's parameters");
+  m.def("kernel_calls", &kernel_calls, "calls of the op's CPU kernel so far: [amx, dot, torch]");
+  m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b), bf16 in and out, fp32 accumulation");
+  m.def("linear_bf16_amx", &linear_bf16_amx, "the same for 1 <= M <= 16 and even K, on AMX tiles");
+  m.def("has_amx", &has_amx, "whether this build has AMX-BF16 and the OS granted it");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the AVX512-BF16 kernel");
+}

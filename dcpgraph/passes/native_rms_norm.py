@@ -1,0 +1,113 @@
+"""``native_rms_norm``: HF's RMSNorm of bf16 activations → one ``dcpgraph.rms_norm_bf16`` op.
+
+The traced chain, every intermediate used only inside it::
+
+    h = to(x, float32); m = mean(pow(h, 2), [-1], keepdim=True); r = rsqrt(add(m, eps))
+    y = mul(weight, to(mul(h, r), bfloat16))        (or mul(to(...), weight))
+
+with ``x`` bf16, ``eps`` a number and ``weight`` a 1-D bf16 program parameter of ``x.shape[-1]``
+elements, becomes ``y = rms_norm_bf16(x, weight, eps)``: the same two roundings in one pass over
+each row (:mod:`dcpgraph.ops.rms_norm`). It applies only where that kernel is built and past its
+self-check in this process; fp32/fp64 programs never match (``x`` must be bf16), so their tokens
+are unchanged. It runs after ``fuse_mla_preprocess``, whose patterns contain this chain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..program import STATE_KINDS, Program
+from .manager import program_pass, ran
+
+aten = torch.ops.aten
+
+
+def _call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _only_user(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+    return set(node.users) == {user}
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def match_rms_norm(out: torch.fx.Node, state_names: set[str]):
+    """``(x, weight, eps, chain)`` if ``out`` ends the chain in the module docstring, else None;
+    ``chain`` lists the nodes the op replaces (``out`` last)."""
+    if not _call(out, aten.mul.Tensor) or len(out.args) != 2:
+        return None
+    for weight, down in (out.args, out.args[::-1]):
+        if not (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and weight.name in state_names):
+            continue
+        if not (_call(down, aten.to.dtype) and down.args[1] == torch.bfloat16 and _only_user(down, out)
+                and not down.kwargs):
+            continue
+        scaled = down.args[0]
+        if not (_call(scaled, aten.mul.Tensor) and _only_user(scaled, down)):
+            continue
+        h, rsqrt = scaled.args
+        if not (_call(rsqrt, aten.rsqrt.default) and _only_user(rsqrt, scaled)):
+            continue
+        add = rsqrt.args[0]
+        if not (_call(add, aten.add.Tensor) and _only_user(add, rsqrt) and isinstance(add.args[1], float)):
+            continue
+        mean = add.args[0]
+        if not (_call(mean, aten.mean.dim) and _only_user(mean, add) and list(mean.args[1]) == [-1]
+                and len(mean.args) > 2 and mean.args[2] is True and not mean.kwargs):
+            continue
+        square = mean.args[0]
+        if not (_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2 and _only_user(square, mean)):
+            continue
+        up = square.args[0]
+        if not (up is h and _call(up, aten.to.dtype) and up.args[1] == torch.float32 and not up.kwargs
+                and set(up.users) == {square, scaled}):
+            continue
+        x = up.args[0]
+        w_val = weight.meta.get("val")
+        x_val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not (isinstance(w_val, torch.Tensor) and isinstance(x_val, torch.Tensor)):
+            continue
+        if not (x_val.dtype == w_val.dtype == torch.bfloat16 and w_val.dim() == 1
+                and x_val.device.type == w_val.device.type == "cpu" and w_val.shape[0] == x_val.shape[-1]):
+            continue
+        return x, weight, float(add.args[1]), [up, square, mean, add, rsqrt, scaled, down, out]
+    return None
+
+
+@program_pass(
+    "native_rms_norm",
+    requires=[ran("fuse_mla_preprocess", "its MLA preprocess patterns contain RMSNorm chains")],
+)
+def native_rms_norm(program: Program, enabled: bool = True):
+    from ..ops import rms_norm as rms_norm_ops
+
+    if not enabled:
+        return program, "disabled"
+    state_names = {s.name for s in program.inputs if s.kind in STATE_KINDS}
+    found = [n for n in program.graph_module.graph.nodes if match_rms_norm(n, state_names)]
+    if not found:
+        return program, "no bf16 RMSNorm chain"
+    if not rms_norm_ops.native_enabled():
+        return program, f"{len(found)} bf16 RMSNorms kept as torch ops: {rms_norm_ops.reason()}"
+    gm = program.copy_graph()
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        match = match_rms_norm(node, state_names)
+        if match is None:
+            continue
+        x, weight, eps, chain = match
+        with graph.inserting_before(node):
+            fused = graph.call_function(torch.ops.dcpgraph.rms_norm_bf16.default, (x, weight, eps))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        for dead in reversed(chain):
+            graph.erase_node(dead)
+        count += 1
+    gm.recompile()
+    return program.replace(graph_module=gm), f"{count} bf16 RMSNorms → dcpgraph.rms_norm_bf16"

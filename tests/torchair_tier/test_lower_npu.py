@@ -185,3 +185,20 @@ def test_lowered_graphs_are_generic_in_sizes():
     ops.kv_cache_write_(want, new, slots)
     lowered(got, new, slots)
     assert torch.equal(got, want)
+
+
+def test_native_cpu_ops_lower_to_their_aten_meaning():
+    """linear_bf16 / rms_norm_bf16 (emitted for bf16 CPU weights) lower to aten and compute what
+    torch's linear and HF's RMSNorm chain compute, bit for bit."""
+    def f(x, w, b, g):
+        y = ops.linear_bf16.default(x, w, b)
+        return ops.rms_norm_bf16.default(y, g, 1e-6)
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, g = (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in ((3, 40), (24, 40), (24,), (24,)))
+    lowered = lower_npu(_trace(f), [x, w, b, g])
+    assert lowered.meta["lower_npu"] == {"linear_bf16->linear": 1, "rms_norm_bf16->aten": 1}
+    y = torch.nn.functional.linear(x, w, b)
+    h = y.float()
+    want = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(lowered(x, w, b, g), want)

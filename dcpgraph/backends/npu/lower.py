@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import rules_attention, rules_cache, rules_merge, rules_mlapo, rules_sparse  # noqa: F401 - they register their rules
+from . import rules_attention, rules_cache, rules_merge, rules_mlapo, rules_native, rules_sparse  # noqa: F401 - they register their rules
 from .ascend import GE_DECOMPOSITIONS
 from .rules import TABLE, NpuLoweringError, Rule, Site
 from .trace import LoweringTracer, splice

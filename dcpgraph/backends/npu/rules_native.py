@@ -1,0 +1,27 @@
+"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` → its aten chain.
+
+Both ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`);
+the passes that emit them (``native_linear``, ``native_rms_norm``) only fire for bf16 CPU
+parameters, which an Ascend program meets when it is traced on the CPU before its weights move.
+On Ascend they become the aten ops GE converts (``MatMulV2``/``BiasAdd`` and the RMSNorm chain),
+so a program that went through those passes lowers exactly as one that did not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ops.rms_norm import rms_norm_reference
+from .rules import register
+
+dcp_ops = torch.ops.dcpgraph
+
+
+@register(dcp_ops.linear_bf16.default, "linear_bf16->linear")
+def linear_bf16_as_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@register(dcp_ops.rms_norm_bf16.default, "rms_norm_bf16->aten")
+def rms_norm_bf16_as_aten(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_reference(x, weight, eps)

@@ -214,6 +214,11 @@ def amx_enabled(kv_dtype: torch.dtype) -> bool:
     if mod is None or kv_dtype not in kv_dtypes():
         amx_reason = reason or f"this native build reads {kv_dtypes()} KV caches only"
         return False
+    from .quant import FP8_SCALE_GROUP, is_fp8
+
+    if is_fp8(kv_dtype) and FP8_SCALE_GROUP % 64:
+        amx_reason = f"the AMX path needs an fp8 scale group that is a multiple of 64, not {FP8_SCALE_GROUP}"
+        return False
     status = mod.amx_status()
     if status:
         amx_reason = f"the AMX path is unavailable: {status}"
@@ -228,8 +233,8 @@ def amx_enabled(kv_dtype: torch.dtype) -> bool:
 
 # The AMX path's stated accuracy against fp32 attention on the same bf16/fp8 values: the output
 # carries the bf16 rounding of the softmax weights, the LSE only fp32 accumulation order.
-AMX_OUT_TOL = 1e-2
-AMX_LSE_TOL = 1e-3
+AMX_OUT_TOL = 2e-2
+AMX_LSE_TOL = 1e-4
 
 
 def dense_reference(q, k_values, v_values, block_table, cu_seqlens_q, kv_lens, scale):

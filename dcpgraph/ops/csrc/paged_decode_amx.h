@@ -31,7 +31,15 @@
 
 namespace amx {
 
-constexpr int64_t TOK = 32;   // tokens per key group (one value-product step)
+#ifdef AMX_PROFILE
+
+inline uint64_t prof_cycles[8];
+#define PROF(i, stmt) do { const uint64_t t0_ = __builtin_ia32_rdtsc(); stmt; prof_cycles[i] += __builtin_ia32_rdtsc() - t0_; } while (0)
+#else
+#define PROF(i, stmt) stmt
+#endif
+
+constexpr int64_t TOK = 64;   // tokens per key group (two 32-token value-product steps)
 constexpr int64_t COLS = 16;  // query rows per query-row group (a tile's fp32 columns)
 constexpr int64_t TILE_ELEMS = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
@@ -89,40 +97,64 @@ struct Caches {
   int64_t prefetch_blocks;
 };
 
-// Per-thread buffers and the item loop body. ``T``: uint16_t (bf16 cache) or uint8_t (fp8).
+// 32 e4m3fn bytes (masked lanes zero) as 32 bf16, exactly: normals move their exponent and
+// mantissa bits into bf16's fields (bias 7 -> 127), subnormals m * 2^-9 come from a table.
+inline __m512i fp8_to_bf16(const uint8_t* src, __mmask32 mk) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, src));
+  const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+  const __m512i sub_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                             0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __m512i sub = _mm512_permutexvar_epi16(em, sub_table);
+  const __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)), normal, sub);
+  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+inline __mmask32 mask32(int64_t width, int64_t x) {
+  return x >= width ? 0 : width - x >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (width - x)) - 1u);
+}
+
+// Per-thread buffers and the item loop body. ``T``: uint16_t (bf16 cache) or uint8_t (fp8: the
+// stored bytes become bf16 exactly; each scale group's scale multiplies its partial scores
+// (keys) or the softmax weights before their bf16 rounding (values), so no value is rounded
+// twice).
 template <class T>
 class Decoder {
  public:
   static constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
+  static constexpr int64_t KS = TOK / 32;  // value-product steps (32 tokens) per key group
 
   Decoder(const Caches<T>& c, int64_t max_m)
-      : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), mgroups_((max_m + COLS - 1) / COLS),
-        qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS), kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0),
-        vst_((dvp_ / 16) * TILE_ELEMS), pt_(mgroups_ * TILE_ELEMS), s_(TOK * COLS),
-        o_(mgroups_ * COLS * dvp_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS) {}
+      : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
+        mgroups_((max_m + COLS - 1) / COLS), kgroups_(kFp8 ? (c.d + c.group - 1) / c.group : 1),
+        vgroups_(kFp8 ? (c.dv + c.group - 1) / c.group : 1), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
+        kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0), vst_(4 * KS * TILE_ELEMS),
+        pt_(mgroups_ * vgroups_ * KS * TILE_ELEMS), s_(TOK * COLS), part_(kFp8 ? TOK * COLS : 0), pf_(COLS * TOK),
+        ksc_(kFp8 ? TOK * kgroups_ : 0), vsc_(kFp8 ? vgroups_ * TOK : 0), o_(mgroups_ * COLS * ostride_),
+        mx_(mgroups_ * COLS), sm_(mgroups_ * COLS) {}
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
     const int64_t lq = c_.cu[r + 1] - c_.cu[r], m = lq * c_.g, mg = (m + COLS - 1) / COLS;
     build_queries(r, h, lq, mg);
-    std::fill(o_.begin(), o_.begin() + mg * COLS * dvp_, 0.f);
+    std::fill(o_.begin(), o_.begin() + mg * COLS * ostride_, 0.f);
     std::fill(mx_.begin(), mx_.begin() + mg * COLS, -INFINITY);
     std::fill(sm_.begin(), sm_.begin() + mg * COLS, 0.f);
     for (int64_t t = t0; t < t1; t += TOK) {
       const int64_t nt = std::min(TOK, t1 - t);
-      prefetch(r, h, t, t1);
-      const uint16_t* krow[2];
-      int64_t kstride[2];
-      key_rows(r, h, t, nt, krow, kstride);
+      PROF(0, prefetch(r, h, t, t1));
+      const uint16_t* krow[TOK / 16];
+      int64_t kstride[TOK / 16];
+      PROF(1, key_rows(r, h, t, nt, krow, kstride));
+      PROF(2, value_rows(r, h, t, nt, krow, kstride));
       for (int64_t j = 0; j < mg; ++j) {
-        scores(krow, kstride, nt, j);
-        softmax(nt, j);
+        PROF(3, scores(krow, kstride, nt, j));
+        PROF(4, softmax(nt, j));
       }
-      stage_values(r, h, t, nt, krow, kstride);
-      values(mg);
+      PROF(5, values(mg));
     }
     for (int64_t i = 0; i < m; ++i) {
-      const float* src = o_.data() + (i / COLS) * COLS * dvp_ + (i % COLS) * dvp_;
+      const float* src = o_.data() + (i / COLS) * COLS * ostride_ + (i % COLS) * ostride_;
       std::copy(src, src + c_.dv, acc + i * c_.dv);
       mx[i] = mx_[i];
       sm[i] = sm_[i];
@@ -145,85 +177,107 @@ class Decoder {
       }
   }
 
+  int64_t slot(int64_t r, int64_t u) const { return c_.table[r * c_.width + u / c_.bsz]; }
   const T* key_ptr(int64_t r, int64_t h, int64_t u) const {
-    const int64_t blk = c_.table[r * c_.width + u / c_.bsz];
-    return c_.kp + blk * c_.ks0 + (u % c_.bsz) * c_.ks1 + h * c_.ks2;
+    return c_.kp + slot(r, u) * c_.ks0 + (u % c_.bsz) * c_.ks1 + h * c_.ks2;
   }
   const T* value_ptr(int64_t r, int64_t h, int64_t u) const {
-    const int64_t blk = c_.table[r * c_.width + u / c_.bsz];
-    return c_.vp + blk * c_.vs0 + (u % c_.bsz) * c_.vs1 + h * c_.vs2;
-  }
-  const float* scale_ptr(const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t r, int64_t h,
-                         int64_t u) const {
-    const int64_t blk = c_.table[r * c_.width + u / c_.bsz];
-    return base + blk * s0 + (u % c_.bsz) * s1 + h * s2;
+    return c_.vp + slot(r, u) * c_.vs0 + (u % c_.bsz) * c_.vs1 + h * c_.vs2;
   }
 
-  // Row u of a cache as dp-wide bf16 (fp8: times its scales, rounded to bf16), zero padded.
-  void to_bf16(const T* row, const float* sc, int64_t width, int64_t padded, uint16_t* dst) const {
-    for (int64_t x = 0; x < padded; x += 16) {
-      const __mmask16 mk = x >= width ? 0 : width - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - x)) - 1u);
-      if constexpr (kFp8) {
-        const __m512 v = LoadFP8::load(row, sc, x, mk, c_.group);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x), (__m256i)_mm512_cvtneps_pbh(v));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x), _mm256_maskz_loadu_epi16(mk, row + x));
-      }
+  // ``width`` elements of a cache row as ``padded`` bf16 (fp8: exact, unscaled), zero padded.
+  static void to_bf16(const T* row, int64_t width, int64_t padded, uint16_t* dst) {
+    for (int64_t x = 0; x < padded; x += 32) {
+      const __mmask32 mk = mask32(width, x);
+      __m512i v;
+      if constexpr (kFp8) v = fp8_to_bf16(row + x, mk);
+      else v = _mm512_maskz_loadu_epi16(mk, row + x);
+      _mm512_storeu_si512(dst + x, v);
     }
   }
 
-  // The key rows of tokens [t, t + nt) as two 16-row A operands (base, byte stride): in place when
+  // The key rows of tokens [t, t + nt) as 16-row A operands (base, byte stride): in place when
   // 16 rows of one block are bf16 and 32-multiple wide (rows past nt are read but masked),
-  // otherwise staged as bf16 (rows past nt zero).
+  // otherwise staged as bf16 (rows past nt zero). fp8: the rows' scales go to ksc_[t][group].
   void key_rows(int64_t r, int64_t h, int64_t t, int64_t nt, const uint16_t** krow, int64_t* kstride) {
-    for (int half = 0; half < 2; ++half) {
-      const int64_t u0 = t + half * 16, cnt = std::max<int64_t>(0, std::min<int64_t>(16, t + nt - u0));
-      krow[half] = nullptr;
-      kstride[half] = 0;
+    for (int64_t qi = 0; qi < TOK / 16; ++qi) {
+      const int64_t u0 = t + qi * 16, cnt = std::max<int64_t>(0, std::min<int64_t>(16, t + nt - u0));
+      krow[qi] = nullptr;
+      kstride[qi] = 0;
       if (cnt == 0) continue;
       if constexpr (!kFp8) {
         if (c_.d % 32 == 0 && u0 % c_.bsz + 16 <= c_.bsz) {
-          krow[half] = reinterpret_cast<const uint16_t*>(key_ptr(r, h, u0));
-          kstride[half] = c_.ks1 * 2;
+          krow[qi] = reinterpret_cast<const uint16_t*>(key_ptr(r, h, u0));
+          kstride[qi] = c_.ks1 * 2;
           continue;
         }
       }
-      uint16_t* dst = kst_.data() + half * 16 * dp_;
+      uint16_t* dst = kst_.data() + qi * 16 * dp_;
       for (int64_t i = 0; i < 16; ++i) {
         if (i < cnt) {
-          const float* sc = kFp8 ? scale_ptr(c_.ksp, c_.kss0, c_.kss1, c_.kss2, r, h, u0 + i) : nullptr;
-          to_bf16(key_ptr(r, h, u0 + i), sc, c_.d, dp_, dst + i * dp_);
+          to_bf16(key_ptr(r, h, u0 + i), c_.d, dp_, dst + i * dp_);
+          if constexpr (kFp8) {
+            const int64_t u = u0 + i;
+            const float* sc = c_.ksp + slot(r, u) * c_.kss0 + (u % c_.bsz) * c_.kss1 + h * c_.kss2;
+            std::copy(sc, sc + kgroups_, ksc_.data() + (u - t) * kgroups_);
+          }
         } else {
           std::fill(dst + i * dp_, dst + (i + 1) * dp_, uint16_t(0));
+          if constexpr (kFp8) std::fill_n(ksc_.data() + (u0 + i - t) * kgroups_, kgroups_, 0.f);
         }
       }
-      krow[half] = dst;
-      kstride[half] = dp_ * 2;
+      krow[qi] = dst;
+      kstride[qi] = dp_ * 2;
     }
   }
 
-  // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, 32 x 16).
+  // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, 64 x 16). fp8: per scale group
+  // g the partial product over its columns, times the key row's scale for g.
   void scores(const uint16_t* const* krow, const int64_t* kstride, int64_t nt, int64_t j) {
-    const int64_t ksteps = dp_ / 32;
+    const int64_t ksteps = dp_ / 32, per = kFp8 ? c_.group / 32 : ksteps;
     const uint16_t* qb = qv_.data() + j * ksteps * TILE_ELEMS;
-    const bool two = nt > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t kk = 0; kk < ksteps; ++kk) {
-      _tile_loadd(4, qb + kk * TILE_ELEMS, 64);
-      _tile_loadd(2, krow[0] + kk * 32, kstride[0]);
-      _tile_dpbf16ps(0, 2, 4);
-      if (two) {
-        _tile_loadd(3, krow[1] + kk * 32, kstride[1]);
-        _tile_dpbf16ps(1, 3, 4);
+    const int64_t nq = (nt + 15) / 16;
+    for (int64_t g = 0; g < kgroups_; ++g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kk = g * per; kk < std::min(ksteps, (g + 1) * per); ++kk) {
+        _tile_loadd(4, qb + kk * TILE_ELEMS, 64);
+        _tile_loadd(5, krow[0] + kk * 32, kstride[0]);
+        _tile_dpbf16ps(0, 5, 4);
+        if (nq > 1) {
+          _tile_loadd(6, krow[1] + kk * 32, kstride[1]);
+          _tile_dpbf16ps(1, 6, 4);
+        }
+        if (nq > 2) {
+          _tile_loadd(5, krow[2] + kk * 32, kstride[2]);
+          _tile_dpbf16ps(2, 5, 4);
+        }
+        if (nq > 3) {
+          _tile_loadd(6, krow[3] + kk * 32, kstride[3]);
+          _tile_dpbf16ps(3, 6, 4);
+        }
+      }
+      float* dst = kFp8 ? part_.data() : s_.data();
+      _tile_stored(0, dst, 64);
+      _tile_stored(1, dst + 16 * COLS, 64);
+      _tile_stored(2, dst + 32 * COLS, 64);
+      _tile_stored(3, dst + 48 * COLS, 64);
+      if constexpr (kFp8) {
+        for (int64_t t = 0; t < nt; ++t) {
+          const __m512 w = _mm512_set1_ps(ksc_[t * kgroups_ + g]);
+          const __m512 p = _mm512_loadu_ps(part_.data() + t * COLS);
+          const __m512 prev = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(s_.data() + t * COLS);
+          _mm512_storeu_ps(s_.data() + t * COLS, _mm512_fmadd_ps(p, w, prev));
+        }
       }
     }
-    _tile_stored(0, s_.data(), 64);
-    _tile_stored(1, s_.data() + 16 * COLS, 64);
   }
 
   // Online softmax of the key group for query-row group j (lanes = query rows), then P^T as the
-  // bf16 A operand pt_[j] ([16 rows][32 tokens], tokens past nt zero).
+  // bf16 A operands pt_[j][vg][ks] ([16 rows][32 tokens], tokens past nt zero; fp8: the weights
+  // times the value rows' scales of value group vg, before rounding).
   void softmax(int64_t nt, int64_t j) {
     float* s = s_.data();
     const __m512 sc = _mm512_set1_ps(c_.scale);
@@ -237,18 +291,18 @@ class Decoder {
     float* smp = sm_.data() + j * COLS;
     const __m512 old = _mm512_loadu_ps(mxp);
     const __m512 nm = _mm512_max_ps(old, bm);
-    const __mmask16 grew = _mm512_cmp_ps_mask(nm, old, _CMP_GT_OQ) & _mm512_cmp_ps_mask(old, old, _CMP_ORD_Q) &
+    const __mmask16 grew = _mm512_cmp_ps_mask(nm, old, _CMP_GT_OQ) &
                            _mm512_cmp_ps_mask(old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
     if (grew) {  // rescale the rows whose running max rose (rows that had no keys yet hold zeros)
       const __m512 alpha = exp512(_mm512_sub_ps(old, nm));
       alignas(64) float a[COLS];
       _mm512_store_ps(a, alpha);
       _mm512_storeu_ps(smp, _mm512_mask_mul_ps(_mm512_loadu_ps(smp), grew, _mm512_loadu_ps(smp), alpha));
-      float* o = o_.data() + j * COLS * dvp_;
+      float* o = o_.data() + j * COLS * ostride_;
       for (int n = 0; n < COLS; ++n) {
         if (!((grew >> n) & 1)) continue;
         const __m512 an = _mm512_set1_ps(a[n]);
-        float* on = o + n * dvp_;
+        float* on = o + n * ostride_;
         for (int64_t x = 0; x < dvp_; x += 16) _mm512_storeu_ps(on + x, _mm512_mul_ps(_mm512_loadu_ps(on + x), an));
       }
     }
@@ -261,23 +315,33 @@ class Decoder {
       tot = _mm512_add_ps(tot, p);
     }
     _mm512_storeu_ps(smp, _mm512_add_ps(_mm512_loadu_ps(smp), tot));
-    // Transpose [32 t][16 n] fp32 -> [16 n][32 t] bf16: row n gathers column n of both halves.
+    // Transpose [64 t][16 n] -> pf_[16 n][64 t] (fp32), then round to the bf16 A operands.
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(COLS));
-    uint16_t* pt = pt_.data() + j * TILE_ELEMS;
-    for (int n = 0; n < COLS; ++n) {
-      const __m512 lo = _mm512_i32gather_ps(idx, s + n, 4);
-      const __m512 hi = _mm512_i32gather_ps(idx, s + 16 * COLS + n, 4);
-      _mm512_storeu_si512(pt + n * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    for (int n = 0; n < COLS; ++n)
+      for (int64_t q = 0; q < TOK / 16; ++q)
+        _mm512_storeu_ps(pf_.data() + n * TOK + q * 16, _mm512_i32gather_ps(idx, s + q * 16 * COLS + n, 4));
+    for (int64_t vg = 0; vg < vgroups_; ++vg) {
+      uint16_t* pt = pt_.data() + (j * vgroups_ + vg) * KS * TILE_ELEMS;
+      for (int n = 0; n < COLS; ++n)
+        for (int64_t ks = 0; ks < KS; ++ks) {
+          __m512 lo = _mm512_loadu_ps(pf_.data() + n * TOK + ks * 32);
+          __m512 hi = _mm512_loadu_ps(pf_.data() + n * TOK + ks * 32 + 16);
+          if constexpr (kFp8) {
+            lo = _mm512_mul_ps(lo, _mm512_loadu_ps(vsc_.data() + vg * TOK + ks * 32));
+            hi = _mm512_mul_ps(hi, _mm512_loadu_ps(vsc_.data() + vg * TOK + ks * 32 + 16));
+          }
+          _mm512_storeu_si512(pt + ks * TILE_ELEMS + n * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
   }
 
-  // V rows of the key group as B tiles vst_[c] ([16 token pairs][16 columns x 2], columns 16 c..):
-  // element (p, 2 x + e) = V[2 p + e, 16 c + x]; rows past nt zero. MLA's values are the first dv
-  // columns of the key rows (in place or as staged); fp8 values are dequantised to bf16 first.
-  void stage_values(int64_t r, int64_t h, int64_t t, int64_t nt, const uint16_t* const* krow,
-                    const int64_t* kstride) {
-    const uint16_t* rows[TOK];
+  // The value rows of the key group as bf16 rows rows_[t] (null past nt): MLA's values are the
+  // first dv columns of the key rows (in place or as staged); fp8 values are converted to bf16
+  // rows first, and their scales go to vsc_[group][t].
+  void value_rows(int64_t r, int64_t h, int64_t t, int64_t nt, const uint16_t* const* krow,
+                  const int64_t* kstride) {
+    const uint16_t** rows = rows_;
     for (int64_t i = 0; i < TOK; ++i) {
       if (i >= nt) {
         rows[i] = nullptr;
@@ -286,41 +350,106 @@ class Decoder {
                                                     (i % 16) * kstride[i / 16]);
       } else if constexpr (kFp8) {
         uint16_t* dst = vrows_.data() + i * dvp_;
-        to_bf16(value_ptr(r, h, t + i), scale_ptr(c_.vsp, c_.vss0, c_.vss1, c_.vss2, r, h, t + i), c_.dv, dvp_, dst);
+        to_bf16(value_ptr(r, h, t + i), c_.dv, dvp_, dst);
         rows[i] = dst;
       } else {
         rows[i] = reinterpret_cast<const uint16_t*>(value_ptr(r, h, t + i));
       }
     }
+    if constexpr (kFp8) {
+      for (int64_t i = 0; i < TOK; ++i)
+        for (int64_t vg = 0; vg < vgroups_; ++vg) {
+          float w = 0.f;
+          if (i < nt && c_.value_prefix) {
+            w = ksc_[i * kgroups_ + vg];
+          } else if (i < nt) {
+            const int64_t u = t + i;
+            w = c_.vsp[slot(r, u) * c_.vss0 + (u % c_.bsz) * c_.vss1 + h * c_.vss2 + vg];
+          }
+          vsc_[vg * TOK + i] = w;
+        }
+    }
+  }
+
+  // Columns [16 c0, 16 (c0 + n)) of the value rows as B tiles vst_[c][ks] ([16 token pairs][16
+  // columns x 2], tokens 32 ks..): element (p, 2 x + e) = V[32 ks + 2 p + e, 16 (c0 + c) + x];
+  // rows past nt zero. A chunk (at most 8 tiles, 8 KiB) stays in L1 for its products.
+  void stage_chunk(int64_t c0, int64_t n) {
     const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-    for (int64_t p = 0; p < TOK / 2; ++p) {
-      const uint16_t* a = rows[2 * p];
-      const uint16_t* b = rows[2 * p + 1];
-      for (int64_t x = 0; x < dvp_; x += 32) {
-        const __mmask32 mk = x >= c_.dv ? 0 : c_.dv - x >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (c_.dv - x)) - 1u);
+    const int64_t dv = c_.dv;
+    uint16_t* vst = vst_.data();
+    for (int64_t pr = 0; pr < TOK / 2; ++pr) {
+      const uint16_t* a = rows_[2 * pr];
+      const uint16_t* b = rows_[2 * pr + 1];
+      const int64_t ks = pr / 16, p = pr % 16;
+      for (int64_t c = 0; c < n; c += 2) {
+        const int64_t x = (c0 + c) * 16;
+        const __mmask32 mk = mask32(dv, x);
         const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + x) : _mm512_setzero_si512();
         const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + x) : _mm512_setzero_si512();
-        uint16_t* dst = vst_.data() + (x / 16) * TILE_ELEMS + p * 32;
+        uint16_t* dst = vst + (c * KS + ks) * TILE_ELEMS + p * 32;
         _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo_idx, vb));
-        _mm512_storeu_si512(dst + TILE_ELEMS, _mm512_permutex2var_epi16(va, hi_idx, vb));
+        _mm512_storeu_si512(dst + KS * TILE_ELEMS, _mm512_permutex2var_epi16(va, hi_idx, vb));
       }
     }
   }
 
-  // O[j][n, 16 c ..] += P[j][n, :] . V[:, 16 c ..] for every query-row group j and column tile c.
-  void values(int64_t mg) {
-    const int64_t ctiles = dvp_ / 16, ostride = dvp_ * 4;
-    for (int64_t j = 0; j < mg; ++j) {
-      _tile_loadd(5, pt_.data() + j * TILE_ELEMS, 64);
-      float* o = o_.data() + j * COLS * dvp_;
-      for (int64_t c = 0; c < ctiles; ++c) {
-        _tile_loadd(7, o + c * 16, ostride);
-        _tile_loadd(6, vst_.data() + c * TILE_ELEMS, 64);
-        _tile_dpbf16ps(7, 5, 6);
-        _tile_stored(7, o + c * 16, ostride);
+  // O[j][n, 16 c ..] += P[j][n, :] . V[:, 16 c ..]: column tiles four at a time (tiles 2-5 hold
+  // four independent accumulators, 0-1 the two 32-token steps of P, 6-7 alternate values).
+  template <int N>
+  void value_tiles(float* o, int64_t c0) {  // columns of tiles c0.. staged as vst_[0..N)
+    const int64_t st = ostride_ * 4;
+    _tile_loadd(2, o + (c0 + 0) * 16, st);
+    if (N > 1) _tile_loadd(3, o + (c0 + 1) * 16, st);
+    if (N > 2) _tile_loadd(4, o + (c0 + 2) * 16, st);
+    if (N > 3) _tile_loadd(5, o + (c0 + 3) * 16, st);
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      const uint16_t* v = vst_.data() + ks * TILE_ELEMS;
+      _tile_loadd(6, v + 0 * KS * TILE_ELEMS, 64);
+      if (ks == 0) _tile_dpbf16ps(2, 0, 6);
+      else _tile_dpbf16ps(2, 1, 6);
+      if (N > 1) {
+        _tile_loadd(7, v + 1 * KS * TILE_ELEMS, 64);
+        if (ks == 0) _tile_dpbf16ps(3, 0, 7);
+        else _tile_dpbf16ps(3, 1, 7);
       }
+      if (N > 2) {
+        _tile_loadd(6, v + 2 * KS * TILE_ELEMS, 64);
+        if (ks == 0) _tile_dpbf16ps(4, 0, 6);
+        else _tile_dpbf16ps(4, 1, 6);
+      }
+      if (N > 3) {
+        _tile_loadd(7, v + 3 * KS * TILE_ELEMS, 64);
+        if (ks == 0) _tile_dpbf16ps(5, 0, 7);
+        else _tile_dpbf16ps(5, 1, 7);
+      }
+    }
+    _tile_stored(2, o + (c0 + 0) * 16, st);
+    if (N > 1) _tile_stored(3, o + (c0 + 1) * 16, st);
+    if (N > 2) _tile_stored(4, o + (c0 + 2) * 16, st);
+    if (N > 3) _tile_stored(5, o + (c0 + 3) * 16, st);
+  }
+
+  // Column chunks of up to four tiles inside one value scale group: stage, then every query-row
+  // group's product (P tiles of that scale group).
+  void values(int64_t mg) {
+    static_assert(KS == 2, "value_tiles holds the two 32-token steps of P in tiles 0 and 1");
+    const int64_t ctiles = dvp_ / 16;
+    const int64_t per_group = kFp8 ? c_.group / 16 : ctiles;  // column tiles per value scale group
+    for (int64_t c = 0; c < ctiles;) {
+      const int64_t n = std::min<int64_t>({4, ctiles - c, (c / per_group + 1) * per_group - c});
+      stage_chunk(c, n);
+      for (int64_t j = 0; j < mg; ++j) {
+        const uint16_t* pt = pt_.data() + (j * vgroups_ + c / per_group) * KS * TILE_ELEMS;
+        _tile_loadd(0, pt, 64);
+        _tile_loadd(1, pt + TILE_ELEMS, 64);
+        float* o = o_.data() + j * COLS * ostride_;
+        if (n == 4) value_tiles<4>(o, c);
+        else value_tiles<2>(o, c);
+      }
+      c += n;
     }
   }
 
@@ -340,9 +469,10 @@ class Decoder {
   }
 
   const Caches<T>& c_;
-  const int64_t dp_, dvp_, mgroups_;
+  const int64_t dp_, dvp_, ostride_, mgroups_, kgroups_, vgroups_;
   std::vector<uint16_t> qv_, kst_, vrows_, vst_, pt_;
-  std::vector<float> s_, o_, mx_, sm_;
+  std::vector<float> s_, part_, pf_, ksc_, vsc_, o_, mx_, sm_;
+  const uint16_t* rows_[TOK];
 };
 
 }  // namespace amx

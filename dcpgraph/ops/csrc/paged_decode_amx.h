@@ -129,7 +129,7 @@ class Decoder {
         mgroups_((max_m + COLS - 1) / COLS), kgroups_(kFp8 ? (c.d + c.group - 1) / c.group : 1),
         vgroups_(kFp8 ? (c.dv + c.group - 1) / c.group : 1), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
         kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0), vst_(4 * KS * TILE_ELEMS),
-        pt_(mgroups_ * vgroups_ * KS * TILE_ELEMS), s_(TOK * COLS), part_(kFp8 ? TOK * COLS : 0), pf_(COLS * TOK),
+        pt_(mgroups_ * vgroups_ * KS * TILE_ELEMS), s_(TOK * COLS), part_(kFp8 ? TOK * COLS : 0), 
         ksc_(kFp8 ? TOK * kgroups_ : 0), vsc_(kFp8 ? vgroups_ * TOK : 0), o_(mgroups_ * COLS * ostride_),
         mx_(mgroups_ * COLS), sm_(mgroups_ * COLS) {}
 
@@ -142,20 +142,39 @@ class Decoder {
     std::fill(sm_.begin(), sm_.begin() + mg * COLS, 0.f);
     for (int64_t t = t0; t < t1; t += TOK) {
       const int64_t nt = std::min(TOK, t1 - t);
+#ifndef SKIP_PREFETCH
       PROF(0, prefetch(r, h, t, t1));
+#endif
       const uint16_t* krow[TOK / 16];
       int64_t kstride[TOK / 16];
       PROF(1, key_rows(r, h, t, nt, krow, kstride));
       PROF(2, value_rows(r, h, t, nt, krow, kstride));
       for (int64_t j = 0; j < mg; ++j) {
+#ifndef SKIP_SCORES
         PROF(3, scores(krow, kstride, nt, j));
+#endif
+#ifndef SKIP_SOFTMAX
         PROF(4, softmax(nt, j));
+#endif
       }
+#ifndef SKIP_VALUES
       PROF(5, values(mg));
+#endif
     }
-    for (int64_t i = 0; i < m; ++i) {
+    for (int64_t i = 0; i < m; ++i) {  // undo the staging's column order (stage_chunk)
       const float* src = o_.data() + (i / COLS) * COLS * ostride_ + (i % COLS) * ostride_;
-      std::copy(src, src + c_.dv, acc + i * c_.dv);
+      float* dst = acc + i * c_.dv;
+      // column x + 8 a + 4 b + c of the output sits at x + 16 b + 4 a + c of the accumulator
+      const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+      for (int64_t x = 0; x < c_.dv; x += 32) {
+        const __m512 a = _mm512_loadu_ps(src + x), b = _mm512_loadu_ps(src + x + 16);
+        const int64_t left = c_.dv - x;
+        const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+        const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
+        _mm512_mask_storeu_ps(dst + x, m0, _mm512_permutex2var_ps(a, lo, b));
+        _mm512_mask_storeu_ps(dst + x + 16, m1, _mm512_permutex2var_ps(a, hi, b));
+      }
       mx[i] = mx_[i];
       sm[i] = sm_[i];
     }
@@ -171,9 +190,14 @@ class Decoder {
       for (int64_t gi = 0; gi < c_.g; ++gi) {
         const int64_t i = jr * c_.g + gi, n = i % COLS;
         const uint16_t* src = c_.q + ((c_.cu[r] + jr) * c_.hq + h * c_.g + gi) * c_.d;
-        uint16_t* dst = qv_.data() + (i / COLS) * ksteps * TILE_ELEMS;
-        for (int64_t x = 0; x < c_.d; ++x)
-          dst[(x / 32) * TILE_ELEMS + ((x % 32) / 2) * 32 + n * 2 + (x % 2)] = src[x];
+        int32_t* dst = reinterpret_cast<int32_t*>(qv_.data() + (i / COLS) * ksteps * TILE_ELEMS);
+        // dword (2 elements) p of each 32-element step goes to row p, column n of its tile
+        const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                                 12, 13, 14, 15),
+                                                               _mm512_set1_epi32(16)),
+                                            _mm512_set1_epi32(static_cast<int32_t>(n)));
+        for (int64_t x = 0; x < c_.d; x += 32)
+          _mm512_i32scatter_epi32(dst + (x / 32) * (TILE_ELEMS / 2), at, _mm512_maskz_loadu_epi16(mask32(c_.d, x), src + x), 4);
       }
   }
 
@@ -275,7 +299,7 @@ class Decoder {
     }
   }
 
-  // Online softmax of the key group for query-row group j (lanes = query rows), then P^T as the
+  // Online softmax of the key group for query-row group j (lanes = query rows), then P as the
   // bf16 A operands pt_[j][vg][ks] ([16 rows][32 tokens], tokens past nt zero; fp8: the weights
   // times the value rows' scales of value group vg, before rounding).
   void softmax(int64_t nt, int64_t j) {
@@ -315,24 +339,56 @@ class Decoder {
       tot = _mm512_add_ps(tot, p);
     }
     _mm512_storeu_ps(smp, _mm512_add_ps(_mm512_loadu_ps(smp), tot));
-    // Transpose [64 t][16 n] -> pf_[16 n][64 t] (fp32), then round to the bf16 A operands.
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(COLS));
-    for (int n = 0; n < COLS; ++n)
-      for (int64_t q = 0; q < TOK / 16; ++q)
-        _mm512_storeu_ps(pf_.data() + n * TOK + q * 16, _mm512_i32gather_ps(idx, s + q * 16 * COLS + n, 4));
-    for (int64_t vg = 0; vg < vgroups_; ++vg) {
-      uint16_t* pt = pt_.data() + (j * vgroups_ + vg) * KS * TILE_ELEMS;
-      for (int n = 0; n < COLS; ++n)
-        for (int64_t ks = 0; ks < KS; ++ks) {
-          __m512 lo = _mm512_loadu_ps(pf_.data() + n * TOK + ks * 32);
-          __m512 hi = _mm512_loadu_ps(pf_.data() + n * TOK + ks * 32 + 16);
-          if constexpr (kFp8) {
-            lo = _mm512_mul_ps(lo, _mm512_loadu_ps(vsc_.data() + vg * TOK + ks * 32));
-            hi = _mm512_mul_ps(hi, _mm512_loadu_ps(vsc_.data() + vg * TOK + ks * 32 + 16));
-          }
-          _mm512_storeu_si512(pt + ks * TILE_ELEMS + n * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    for (int64_t vg = 0; vg < vgroups_; ++vg)
+      weights_as_tiles(s, kFp8 ? vsc_.data() + vg * TOK : nullptr, pt_.data() + (j * vgroups_ + vg) * KS * TILE_ELEMS);
+  }
+
+  // The A operands P[n, t] (two tiles of [16 rows][32 tokens] bf16) from p [64 t][16 n] fp32,
+  // each token's weights times w[t] first when given: token pairs rounded and interleaved into
+  // dwords (one row of 16 per pair), then two 16 x 16 dword transposes.
+  static void weights_as_tiles(const float* p, const float* w, uint16_t* pt) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t t = ks * 32 + 2 * i;
+        __m512 a = _mm512_loadu_ps(p + t * COLS), b = _mm512_loadu_ps(p + (t + 1) * COLS);
+        if (w) {
+          a = _mm512_mul_ps(a, _mm512_set1_ps(w[t]));
+          b = _mm512_mul_ps(b, _mm512_set1_ps(w[t + 1]));
         }
+        r[i] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      }
+      transpose16_epi32(r);
+      for (int n = 0; n < 16; ++n) _mm512_storeu_si512(pt + ks * TILE_ELEMS + n * 32, r[n]);
+    }
+  }
+
+  // r[i][c] -> r[c][i] for a 16 x 16 matrix of 32-bit elements: 32-bit and 64-bit interleaves
+  // leave u[4 g + k] with columns 4 L + k of rows 4 g .. 4 g + 3 in 128-bit lane L; a 4 x 4
+  // transpose of 128-bit lanes then gathers each column.
+  static void transpose16_epi32(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {
+      u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+      r[k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0));
+      r[4 + k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
+      r[8 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
+      r[12 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
     }
   }
 
@@ -372,12 +428,11 @@ class Decoder {
   }
 
   // Columns [16 c0, 16 (c0 + n)) of the value rows as B tiles vst_[c][ks] ([16 token pairs][16
-  // columns x 2], tokens 32 ks..): element (p, 2 x + e) = V[32 ks + 2 p + e, 16 (c0 + c) + x];
-  // rows past nt zero. A chunk (at most 8 tiles, 8 KiB) stays in L1 for its products.
+  // columns x 2], tokens 32 ks..; rows past nt zero). One 128-bit-lane interleave per 32
+  // columns x: element (p, 2 i + e) of the tile 2 c' (+1) holds V[32 ks + 2 p + e, x + 8 (i / 4)
+  // (+ 4) + i % 4], so the output's columns come out in that order (run() undoes it once per item).
+  // A chunk (at most 8 tiles, 8 KiB) stays in L1 for its products.
   void stage_chunk(int64_t c0, int64_t n) {
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
     const int64_t dv = c_.dv;
     uint16_t* vst = vst_.data();
     for (int64_t pr = 0; pr < TOK / 2; ++pr) {
@@ -390,8 +445,8 @@ class Decoder {
         const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + x) : _mm512_setzero_si512();
         const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + x) : _mm512_setzero_si512();
         uint16_t* dst = vst + (c * KS + ks) * TILE_ELEMS + p * 32;
-        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo_idx, vb));
-        _mm512_storeu_si512(dst + KS * TILE_ELEMS, _mm512_permutex2var_epi16(va, hi_idx, vb));
+        _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(va, vb));
+        _mm512_storeu_si512(dst + KS * TILE_ELEMS, _mm512_unpackhi_epi16(va, vb));
       }
     }
   }
@@ -440,14 +495,18 @@ class Decoder {
     const int64_t per_group = kFp8 ? c_.group / 16 : ctiles;  // column tiles per value scale group
     for (int64_t c = 0; c < ctiles;) {
       const int64_t n = std::min<int64_t>({4, ctiles - c, (c / per_group + 1) * per_group - c});
+#ifndef SKIP_STAGE
       stage_chunk(c, n);
+#endif
       for (int64_t j = 0; j < mg; ++j) {
         const uint16_t* pt = pt_.data() + (j * vgroups_ + c / per_group) * KS * TILE_ELEMS;
         _tile_loadd(0, pt, 64);
         _tile_loadd(1, pt + TILE_ELEMS, 64);
         float* o = o_.data() + j * COLS * ostride_;
+#ifndef SKIP_TILES
         if (n == 4) value_tiles<4>(o, c);
         else value_tiles<2>(o, c);
+#endif
       }
       c += n;
     }
@@ -471,7 +530,7 @@ class Decoder {
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_, kgroups_, vgroups_;
   std::vector<uint16_t> qv_, kst_, vrows_, vst_, pt_;
-  std::vector<float> s_, part_, pf_, ksc_, vsc_, o_, mx_, sm_;
+  std::vector<float> s_, part_, ksc_, vsc_, o_, mx_, sm_;
   const uint16_t* rows_[TOK];
 };
 

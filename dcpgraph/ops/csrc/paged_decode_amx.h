@@ -1,24 +1,29 @@
 // AMX-BF16 paged decode for bf16 queries over bf16 or fp8 KV caches (one work item at a time).
 //
-// Included by paged_decode.cpp after its AVX-512 loaders (LoadFP8) and exp512; compiled only when
-// the compiler targets AMX-BF16 (DCPGRAPH_HAVE_AMX). The process must have been granted the AMX
-// tile state (permission_error() asks the OS once); every thread loads its tile configuration
-// before its first item (configure()) and releases it after its last.
+// Included by paged_decode.cpp (outside its anonymous namespace, after the AVX-512 helpers exp512
+// and Item); compiled only when the compiler targets AMX-BF16 (DCPGRAPH_HAVE_AMX). The process
+// must have been granted the AMX tile state (permission_error() asks the OS once); every thread
+// loads its tile configuration before its first item (configure()) and releases it after its
+// last. One file over the project's ~450-line guide: the Decoder's phases share its per-thread
+// buffers and the tile-register roles, which splitting would scatter.
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 columns
-// (a query-row group "mg"), over key groups of 32 tokens:
+// (a query-row group), over key groups of 64 tokens:
 //   scores   S^T[t, n] = K[t, :] . Q[n, :]            (A = 16 key rows read in place from the
 //            cache with its row stride, or staged as bf16 when they are not 16 rows of one block,
 //            the width is not a multiple of 32, or the cache is fp8; B = the queries in VNNI
-//            layout, built once per item)
+//            layout, built once per item; four 16-token score tiles per step)
 //   softmax  online, per query column, in fp32: m' = max(m, max_t s), p = exp(s - m'),
 //            l' = l e^(m - m') + sum_t p, O <- O e^(m - m')
 //   values   O[n, :] += P[n, t] V[t, :]                 (A = P rounded to bf16, transposed to
-//            [n, t]; B = V rows staged token-pair interleaved (VNNI), 32 tokens per step)
+//            [n, t] in registers; B = 64 columns of V rows at a time, token pairs interleaved,
+//            staged in an 8 KiB L1 buffer; four independent output tiles)
 // P is rounded to bf16 for the value product only (as flash attention does for bf16 models); the
 // normaliser l sums the fp32 p. Scores accumulate in fp32 from exact bf16 products, so the LSE
 // matches an fp32 reference on the same bf16 values to fp32 rounding; the output carries P's
-// bf16 rounding (relative error ~2^-9 per weight, averaged over the keys).
+// bf16 rounding (relative error ~2^-9 per weight, averaged over the keys). fp8 bytes become bf16
+// exactly; their scales multiply the fp32 partial scores of their group (keys) and the weights
+// before rounding (values), so fp8 costs no precision beyond bf16's.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -30,14 +35,6 @@
 #include <cstring>
 
 namespace amx {
-
-#ifdef AMX_PROFILE
-
-inline uint64_t prof_cycles[8];
-#define PROF(i, stmt) do { const uint64_t t0_ = __builtin_ia32_rdtsc(); stmt; prof_cycles[i] += __builtin_ia32_rdtsc() - t0_; } while (0)
-#else
-#define PROF(i, stmt) stmt
-#endif
 
 constexpr int64_t TOK = 64;   // tokens per key group (two 32-token value-product steps)
 constexpr int64_t COLS = 16;  // query rows per query-row group (a tile's fp32 columns)
@@ -142,24 +139,17 @@ class Decoder {
     std::fill(sm_.begin(), sm_.begin() + mg * COLS, 0.f);
     for (int64_t t = t0; t < t1; t += TOK) {
       const int64_t nt = std::min(TOK, t1 - t);
-#ifndef SKIP_PREFETCH
-      PROF(0, prefetch(r, h, t, t1));
-#endif
+      prefetch(r, h, t, t1);
       const uint16_t* krow[TOK / 16];
       int64_t kstride[TOK / 16];
-      PROF(1, key_rows(r, h, t, nt, krow, kstride));
-      PROF(2, value_rows(r, h, t, nt, krow, kstride));
+      locate(r, t, nt);
+      key_rows(r, h, t, nt, krow, kstride);
+      value_rows(r, h, t, nt, krow, kstride);
       for (int64_t j = 0; j < mg; ++j) {
-#ifndef SKIP_SCORES
-        PROF(3, scores(krow, kstride, nt, j));
-#endif
-#ifndef SKIP_SOFTMAX
-        PROF(4, softmax(nt, j));
-#endif
+        scores(krow, kstride, nt, j);
+        softmax(nt, j);
       }
-#ifndef SKIP_VALUES
-      PROF(5, values(mg));
-#endif
+      values(mg);
     }
     for (int64_t i = 0; i < m; ++i) {  // undo the staging's column order (stage_chunk)
       const float* src = o_.data() + (i / COLS) * COLS * ostride_ + (i % COLS) * ostride_;
@@ -201,13 +191,22 @@ class Decoder {
       }
   }
 
-  int64_t slot(int64_t r, int64_t u) const { return c_.table[r * c_.width + u / c_.bsz]; }
-  const T* key_ptr(int64_t r, int64_t h, int64_t u) const {
-    return c_.kp + slot(r, u) * c_.ks0 + (u % c_.bsz) * c_.ks1 + h * c_.ks2;
+  // blk_[i], off_[i]: physical block and slot of token t + i (i < n), walking the table with one
+  // division per call (a division per token cost more than the rest of the bookkeeping).
+  void locate(int64_t r, int64_t t, int64_t n) {
+    int64_t b = t / c_.bsz, off = t % c_.bsz;
+    const int32_t* row = c_.table + r * c_.width;
+    for (int64_t i = 0; i < n; ++i) {
+      blk_[i] = row[b];
+      off_[i] = off;
+      if (++off == c_.bsz) {
+        off = 0;
+        ++b;
+      }
+    }
   }
-  const T* value_ptr(int64_t r, int64_t h, int64_t u) const {
-    return c_.vp + slot(r, u) * c_.vs0 + (u % c_.bsz) * c_.vs1 + h * c_.vs2;
-  }
+  const T* key_at(int64_t h, int64_t i) const { return c_.kp + blk_[i] * c_.ks0 + off_[i] * c_.ks1 + h * c_.ks2; }
+  const T* value_at(int64_t h, int64_t i) const { return c_.vp + blk_[i] * c_.vs0 + off_[i] * c_.vs1 + h * c_.vs2; }
 
   // ``width`` elements of a cache row as ``padded`` bf16 (fp8: exact, unscaled), zero padded.
   static void to_bf16(const T* row, int64_t width, int64_t padded, uint16_t* dst) {
@@ -230,8 +229,8 @@ class Decoder {
       kstride[qi] = 0;
       if (cnt == 0) continue;
       if constexpr (!kFp8) {
-        if (c_.d % 32 == 0 && u0 % c_.bsz + 16 <= c_.bsz) {
-          krow[qi] = reinterpret_cast<const uint16_t*>(key_ptr(r, h, u0));
+        if (c_.d % 32 == 0 && off_[qi * 16] + 16 <= c_.bsz) {
+          krow[qi] = reinterpret_cast<const uint16_t*>(key_at(h, qi * 16));
           kstride[qi] = c_.ks1 * 2;
           continue;
         }
@@ -239,15 +238,15 @@ class Decoder {
       uint16_t* dst = kst_.data() + qi * 16 * dp_;
       for (int64_t i = 0; i < 16; ++i) {
         if (i < cnt) {
-          to_bf16(key_ptr(r, h, u0 + i), c_.d, dp_, dst + i * dp_);
+          to_bf16(key_at(h, qi * 16 + i), c_.d, dp_, dst + i * dp_);
           if constexpr (kFp8) {
-            const int64_t u = u0 + i;
-            const float* sc = c_.ksp + slot(r, u) * c_.kss0 + (u % c_.bsz) * c_.kss1 + h * c_.kss2;
-            std::copy(sc, sc + kgroups_, ksc_.data() + (u - t) * kgroups_);
+            const int64_t e = qi * 16 + i;
+            const float* sc = c_.ksp + blk_[e] * c_.kss0 + off_[e] * c_.kss1 + h * c_.kss2;
+            std::copy(sc, sc + kgroups_, ksc_.data() + e * kgroups_);
           }
         } else {
           std::fill(dst + i * dp_, dst + (i + 1) * dp_, uint16_t(0));
-          if constexpr (kFp8) std::fill_n(ksc_.data() + (u0 + i - t) * kgroups_, kgroups_, 0.f);
+          if constexpr (kFp8) std::fill_n(ksc_.data() + (qi * 16 + i) * kgroups_, kgroups_, 0.f);
         }
       }
       krow[qi] = dst;
@@ -406,10 +405,10 @@ class Decoder {
                                                     (i % 16) * kstride[i / 16]);
       } else if constexpr (kFp8) {
         uint16_t* dst = vrows_.data() + i * dvp_;
-        to_bf16(value_ptr(r, h, t + i), c_.dv, dvp_, dst);
+        to_bf16(value_at(h, i), c_.dv, dvp_, dst);
         rows[i] = dst;
       } else {
-        rows[i] = reinterpret_cast<const uint16_t*>(value_ptr(r, h, t + i));
+        rows[i] = reinterpret_cast<const uint16_t*>(value_at(h, i));
       }
     }
     if constexpr (kFp8) {
@@ -419,8 +418,7 @@ class Decoder {
           if (i < nt && c_.value_prefix) {
             w = ksc_[i * kgroups_ + vg];
           } else if (i < nt) {
-            const int64_t u = t + i;
-            w = c_.vsp[slot(r, u) * c_.vss0 + (u % c_.bsz) * c_.vss1 + h * c_.vss2 + vg];
+            w = c_.vsp[blk_[i] * c_.vss0 + off_[i] * c_.vss1 + h * c_.vss2 + vg];
           }
           vsc_[vg * TOK + i] = w;
         }
@@ -495,18 +493,14 @@ class Decoder {
     const int64_t per_group = kFp8 ? c_.group / 16 : ctiles;  // column tiles per value scale group
     for (int64_t c = 0; c < ctiles;) {
       const int64_t n = std::min<int64_t>({4, ctiles - c, (c / per_group + 1) * per_group - c});
-#ifndef SKIP_STAGE
       stage_chunk(c, n);
-#endif
       for (int64_t j = 0; j < mg; ++j) {
         const uint16_t* pt = pt_.data() + (j * vgroups_ + c / per_group) * KS * TILE_ELEMS;
         _tile_loadd(0, pt, 64);
         _tile_loadd(1, pt + TILE_ELEMS, 64);
         float* o = o_.data() + j * COLS * ostride_;
-#ifndef SKIP_TILES
         if (n == 4) value_tiles<4>(o, c);
         else value_tiles<2>(o, c);
-#endif
       }
       c += n;
     }
@@ -517,12 +511,18 @@ class Decoder {
   void prefetch(int64_t r, int64_t h, int64_t t, int64_t t1) const {
     if (c_.prefetch_blocks <= 0) return;
     const int64_t ahead = t + c_.prefetch_blocks * std::max<int64_t>(c_.bsz, TOK);
+    const int32_t* row = c_.table + r * c_.width;
+    int64_t blk = ahead / c_.bsz, off = ahead % c_.bsz;
     for (int64_t u = ahead; u < std::min(ahead + TOK, t1); ++u) {
-      const char* pk = reinterpret_cast<const char*>(key_ptr(r, h, u));
+      const char* pk = reinterpret_cast<const char*>(c_.kp + row[blk] * c_.ks0 + off * c_.ks1 + h * c_.ks2);
       for (int64_t b = 0; b < c_.d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(pk + b, 0, 2);
       if (!c_.value_prefix) {
-        const char* pv = reinterpret_cast<const char*>(value_ptr(r, h, u));
+        const char* pv = reinterpret_cast<const char*>(c_.vp + row[blk] * c_.vs0 + off * c_.vs1 + h * c_.vs2);
         for (int64_t b = 0; b < c_.dv * int64_t(sizeof(T)); b += 64) __builtin_prefetch(pv + b, 0, 2);
+      }
+      if (++off == c_.bsz) {
+        off = 0;
+        ++blk;
       }
     }
   }
@@ -532,6 +532,7 @@ class Decoder {
   std::vector<uint16_t> qv_, kst_, vrows_, vst_, pt_;
   std::vector<float> s_, part_, ksc_, vsc_, o_, mx_, sm_;
   const uint16_t* rows_[TOK];
+  int64_t blk_[TOK], off_[TOK];
 };
 
 }  // namespace amx

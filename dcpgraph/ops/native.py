@@ -3,13 +3,17 @@
 :func:`native_paged_decode` computes what :func:`dcpgraph.ops.paged.paged_partial_attention`
 does without ``kv_bound`` (row ``r``'s queries attend to its first ``kv_lens[r]`` cached tokens),
 reading K and V **in place through the block table** (no gather copy, so a scattered table costs
-what a contiguous one does). KV caches of fp32, bf16 or float8_e4m3fn with its per-128-element
-scales (:mod:`dcpgraph.ops.quant`) are read as stored and converted to fp32 in registers (bf16/fp8
-need an AVX-512 build: :func:`kv_dtypes`); queries of any float dtype are computed in fp32 and the
-output is returned in the query's dtype, the LSE in fp32. For each (request, KV head, key chunk) the ``G``
+what a contiguous one does). KV caches of fp32, bf16 or float8_e4m3fn with its per-group scales
+(:mod:`dcpgraph.ops.quant`; the group size is passed to the kernel) are read as stored (bf16/fp8
+need an AVX-512 build: :func:`kv_dtypes`). fp32 queries are computed in fp32, stored elements
+converted in registers. bf16 queries (a bf16 model) over a bf16/fp8 cache take the AMX-BF16 path
+(``csrc/paged_decode_amx.h``: bf16 products with fp32 accumulation and softmax, the softmax weights
+rounded to bf16 for the value product, within :data:`AMX_OUT_TOL` / :data:`AMX_LSE_TOL` of fp32)
+when :func:`amx_enabled`, else they are computed in fp32 as well. The output is returned in the
+query's dtype, the LSE in fp32. For each (request, KV head, key chunk) the ``G``
 query heads of the KV head are processed together, so every K/V row is read once per KV head,
 with an online softmax over key blocks; chunks of one request are merged by LSE (split-K, so one
-long request still uses every thread). Source: ``csrc/paged_decode.cpp``.
+long request still uses every thread). Source: ``csrc/paged_decode.cpp`` (and its AMX header).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` (``-O3 -march=native``) the
 first time :func:`available` (or the kernel) is called, into a persistent directory:

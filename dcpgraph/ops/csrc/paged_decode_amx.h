@@ -125,7 +125,7 @@ class Decoder {
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), kgroups_(kFp8 ? (c.d + c.group - 1) / c.group : 1),
         vgroups_(kFp8 ? (c.dv + c.group - 1) / c.group : 1), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
-        kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0), vst_(4 * KS * TILE_ELEMS),
+        kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0), vst_(2 * 4 * KS * TILE_ELEMS),
         pt_(mgroups_ * vgroups_ * KS * TILE_ELEMS), s_(TOK * COLS), part_(kFp8 ? TOK * COLS : 0), 
         ksc_(kFp8 ? TOK * kgroups_ : 0), vsc_(kFp8 ? vgroups_ * TOK : 0), o_(mgroups_ * COLS * ostride_),
         mx_(mgroups_ * COLS), sm_(mgroups_ * COLS) {}
@@ -425,14 +425,13 @@ class Decoder {
     }
   }
 
-  // Columns [16 c0, 16 (c0 + n)) of the value rows as B tiles vst_[c][ks] ([16 token pairs][16
+  // Columns [16 c0, 16 (c0 + n)) of the value rows as B tiles vst[c][ks] ([16 token pairs][16
   // columns x 2], tokens 32 ks..; rows past nt zero). One 128-bit-lane interleave per 32
   // columns x: element (p, 2 i + e) of the tile 2 c' (+1) holds V[32 ks + 2 p + e, x + 8 (i / 4)
   // (+ 4) + i % 4], so the output's columns come out in that order (run() undoes it once per item).
-  // A chunk (at most 8 tiles, 8 KiB) stays in L1 for its products.
-  void stage_chunk(int64_t c0, int64_t n) {
+  // A chunk (at most 8 tiles, 8 KiB; two buffers) stays in L1 for its products.
+  void stage_chunk(int64_t c0, int64_t n, uint16_t* vst) {
     const int64_t dv = c_.dv;
-    uint16_t* vst = vst_.data();
     for (int64_t pr = 0; pr < TOK / 2; ++pr) {
       const uint16_t* a = rows_[2 * pr];
       const uint16_t* b = rows_[2 * pr + 1];
@@ -452,14 +451,14 @@ class Decoder {
   // O[j][n, 16 c ..] += P[j][n, :] . V[:, 16 c ..]: column tiles four at a time (tiles 2-5 hold
   // four independent accumulators, 0-1 the two 32-token steps of P, 6-7 alternate values).
   template <int N>
-  void value_tiles(float* o, int64_t c0) {  // columns of tiles c0.. staged as vst_[0..N)
+  void value_tiles(float* o, int64_t c0, const uint16_t* vst) {  // columns of tiles c0.. staged in vst
     const int64_t st = ostride_ * 4;
     _tile_loadd(2, o + (c0 + 0) * 16, st);
     if (N > 1) _tile_loadd(3, o + (c0 + 1) * 16, st);
     if (N > 2) _tile_loadd(4, o + (c0 + 2) * 16, st);
     if (N > 3) _tile_loadd(5, o + (c0 + 3) * 16, st);
     for (int64_t ks = 0; ks < KS; ++ks) {
-      const uint16_t* v = vst_.data() + ks * TILE_ELEMS;
+      const uint16_t* v = vst + ks * TILE_ELEMS;
       _tile_loadd(6, v + 0 * KS * TILE_ELEMS, 64);
       if (ks == 0) _tile_dpbf16ps(2, 0, 6);
       else _tile_dpbf16ps(2, 1, 6);
@@ -491,16 +490,21 @@ class Decoder {
     static_assert(KS == 2, "value_tiles holds the two 32-token steps of P in tiles 0 and 1");
     const int64_t ctiles = dvp_ / 16;
     const int64_t per_group = kFp8 ? c_.group / 16 : ctiles;  // column tiles per value scale group
-    for (int64_t c = 0; c < ctiles;) {
-      const int64_t n = std::min<int64_t>({4, ctiles - c, (c / per_group + 1) * per_group - c});
-      stage_chunk(c, n);
+    auto width = [&](int64_t c) { return std::min<int64_t>({4, ctiles - c, (c / per_group + 1) * per_group - c}); };
+    // Double-buffered: chunk c + n is staged before chunk c's tile loads, so the tile unit never
+    // waits for vector stores it would read right after they were issued.
+    stage_chunk(0, width(0), vst_.data());
+    for (int64_t c = 0, buf = 0; c < ctiles; buf ^= 1) {
+      const int64_t n = width(c);
+      const uint16_t* vst = vst_.data() + buf * 4 * KS * TILE_ELEMS;
+      if (c + n < ctiles) stage_chunk(c + n, width(c + n), vst_.data() + (buf ^ 1) * 4 * KS * TILE_ELEMS);
       for (int64_t j = 0; j < mg; ++j) {
         const uint16_t* pt = pt_.data() + (j * vgroups_ + c / per_group) * KS * TILE_ELEMS;
         _tile_loadd(0, pt, 64);
         _tile_loadd(1, pt + TILE_ELEMS, 64);
         float* o = o_.data() + j * COLS * ostride_;
-        if (n == 4) value_tiles<4>(o, c);
-        else value_tiles<2>(o, c);
+        if (n == 4) value_tiles<4>(o, c, vst);
+        else value_tiles<2>(o, c, vst);
       }
       c += n;
     }

@@ -125,7 +125,7 @@ class Decoder {
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), kgroups_(kFp8 ? (c.d + c.group - 1) / c.group : 1),
         vgroups_(kFp8 ? (c.dv + c.group - 1) / c.group : 1), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
-        kst_(TOK * dp_), vrows_(kFp8 && !c.value_prefix ? TOK * dvp_ : 0), vst_(2 * 4 * KS * TILE_ELEMS),
+        kst_(TOK * dp_), vst_(2 * 4 * KS * TILE_ELEMS),
         pt_(mgroups_ * vgroups_ * KS * TILE_ELEMS), s_(TOK * COLS), part_(kFp8 ? TOK * COLS : 0), 
         ksc_(kFp8 ? TOK * kgroups_ : 0), vsc_(kFp8 ? vgroups_ * TOK : 0), o_(mgroups_ * COLS * ostride_),
         mx_(mgroups_ * COLS), sm_(mgroups_ * COLS) {}
@@ -391,9 +391,9 @@ class Decoder {
     }
   }
 
-  // The value rows of the key group as bf16 rows rows_[t] (null past nt): MLA's values are the
-  // first dv columns of the key rows (in place or as staged); fp8 values are converted to bf16
-  // rows first, and their scales go to vsc_[group][t].
+  // The value rows of the key group rows_[t] (null past nt): bf16 rows, MLA's values being the
+  // first dv columns of the key rows (in place or as staged); a separate fp8 value cache's rows
+  // as stored (load_values converts them), their scales in vsc_[group][t].
   void value_rows(int64_t r, int64_t h, int64_t t, int64_t nt, const uint16_t* const* krow,
                   const int64_t* kstride) {
     const uint16_t** rows = rows_;
@@ -403,10 +403,8 @@ class Decoder {
       } else if (c_.value_prefix) {
         rows[i] = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(krow[i / 16]) +
                                                     (i % 16) * kstride[i / 16]);
-      } else if constexpr (kFp8) {
-        uint16_t* dst = vrows_.data() + i * dvp_;
-        to_bf16(value_at(h, i), c_.dv, dvp_, dst);
-        rows[i] = dst;
+      } else if constexpr (kFp8) {  // stored bytes, converted as stage_chunk loads them
+        rows[i] = reinterpret_cast<const uint16_t*>(value_at(h, i));
       } else {
         rows[i] = reinterpret_cast<const uint16_t*>(value_at(h, i));
       }
@@ -430,6 +428,15 @@ class Decoder {
   // columns x: element (p, 2 i + e) of the tile 2 c' (+1) holds V[32 ks + 2 p + e, x + 8 (i / 4)
   // (+ 4) + i % 4], so the output's columns come out in that order (run() undoes it once per item).
   // A chunk (at most 8 tiles, 8 KiB; two buffers) stays in L1 for its products.
+  // 32 elements from column x of a value row as bf16: fp8 rows that are not a prefix of the
+  // (staged) key rows hold the cache's bytes, converted here.
+  __m512i load_values(const uint16_t* row, int64_t x, __mmask32 mk) const {
+    if constexpr (kFp8) {
+      if (!c_.value_prefix) return fp8_to_bf16(reinterpret_cast<const uint8_t*>(row) + x, mk);
+    }
+    return _mm512_maskz_loadu_epi16(mk, row + x);
+  }
+
   void stage_chunk(int64_t c0, int64_t n, uint16_t* vst) {
     const int64_t dv = c_.dv;
     for (int64_t pr = 0; pr < TOK / 2; ++pr) {
@@ -439,8 +446,8 @@ class Decoder {
       for (int64_t c = 0; c < n; c += 2) {
         const int64_t x = (c0 + c) * 16;
         const __mmask32 mk = mask32(dv, x);
-        const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + x) : _mm512_setzero_si512();
-        const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + x) : _mm512_setzero_si512();
+        const __m512i va = a ? load_values(a, x, mk) : _mm512_setzero_si512();
+        const __m512i vb = b ? load_values(b, x, mk) : _mm512_setzero_si512();
         uint16_t* dst = vst + (c * KS + ks) * TILE_ELEMS + p * 32;
         _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(va, vb));
         _mm512_storeu_si512(dst + KS * TILE_ELEMS, _mm512_unpackhi_epi16(va, vb));
@@ -533,7 +540,7 @@ class Decoder {
 
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_, kgroups_, vgroups_;
-  std::vector<uint16_t> qv_, kst_, vrows_, vst_, pt_;
+  std::vector<uint16_t> qv_, kst_, vst_, pt_;
   std::vector<float> s_, part_, ksc_, vsc_, o_, mx_, sm_;
   const uint16_t* rows_[TOK];
   int64_t blk_[TOK], off_[TOK];

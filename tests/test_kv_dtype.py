@@ -167,7 +167,7 @@ def test_fp8_paged_attention_equals_attention_over_dequantised_cache(latent, dty
     v8, vs = (k8[..., :dv], None) if latent else (shape(vq), shape(vs))
     # The native kernel converts fp8 to fp32 in registers and rounds only its output to q's dtype;
     # the torch path dequantises into q's dtype. The reference reads the values the same way.
-    from dcpgraph.ops import paged
+    from dcpgraph.ops import native, paged
 
     exact = torch.float32 if paged.native_enabled(torch.float8_e4m3fn) else dtype
     k_ref = quant.dequantize_fp8(k8, ks, exact)
@@ -180,8 +180,12 @@ def test_fp8_paged_attention_equals_attention_over_dequantised_cache(latent, dty
         want = (want[0].to(dtype), want[1])
         got = ops.paged_attention(q, k8, v8, table, cu, lens, None, 0.3, k_scales=ks, v_scales=vs)
         assert got[1].dtype == torch.float32
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        # bf16 queries on the native AMX path round the softmax weights to bf16 for the value
+        # product: equal within its stated tolerance; every other path exactly.
+        amx = dtype == torch.bfloat16 and exact == torch.float32 and native.amx_enabled(torch.float8_e4m3fn)
+        out_tol, lse_tol = (native.AMX_OUT_TOL, native.AMX_LSE_TOL) if amx else (0, 0)
+        torch.testing.assert_close(got[0], want[0], rtol=out_tol, atol=out_tol)
+        torch.testing.assert_close(got[1], want[1], rtol=lse_tol, atol=lse_tol)
 
 
 def test_fp8_cache_without_scales_is_refused():

@@ -226,7 +226,9 @@ def test_every_fp8_byte_decodes_exactly():
     assert torch.equal(out.view(-1), expected) and float(lse) == 0.0
 
 
-def test_bf16_queries_get_bf16_output_from_fp32_arithmetic(kv_dtype):
+def test_bf16_queries_get_bf16_output_from_fp32_arithmetic(kv_dtype, monkeypatch):
+    """With the AMX path off (tests/test_native_amx.py covers it), bf16 queries are computed in fp32."""
+    monkeypatch.setenv("DCPGRAPH_NATIVE_AMX", "0")
     q, (k, v, ks, vs), (k_exact, v_exact), table = _typed(11, kv_dtype, 8, 2, 64, 64, False)
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     lens = torch.tensor([3, 70, 0, 16, 150], dtype=torch.int32)

@@ -66,8 +66,9 @@ class NativeExtension:
     messages (``"native paged-decode kernel"``), ``fallback`` says what runs without it."""
 
     def __init__(self, name: str, source: Path, what: str, fallback: str,
-                 cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS):
+                 cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS, headers: tuple[Path, ...] = ()):
         self.name, self.source, self.what, self.fallback = name, Path(source), what, fallback
+        self.headers = tuple(Path(h) for h in headers)  # included by the source: copied and hashed with it
         self.cflags, self.ldflags = tuple(cflags), tuple(ldflags)
         self.reason: str | None = None  # why it is unavailable (None: not tried yet, or fine)
         self.build_seconds: float | None = None  # wall time of the build/load in this process
@@ -78,7 +79,8 @@ class NativeExtension:
     def build_dir(self) -> Path:
         """The persistent build directory (created on demand by the build)."""
         tag = hashlib.sha256(
-            LAYOUT + self.source.read_bytes() + " ".join((*self.cflags, *self.ldflags)).encode()
+            LAYOUT + b"".join(p.read_bytes() for p in (self.source, *self.headers))
+            + " ".join((*self.cflags, *self.ldflags)).encode()
             + torch.__version__.encode() + cpu_id()
         ).hexdigest()[:16]
         base = os.environ.get("DCPGRAPH_NATIVE_BUILD_DIR")
@@ -86,22 +88,24 @@ class NativeExtension:
         return root / tag
 
     def _source_copy(self, directory: Path) -> Path:
-        """The source copied into ``directory``: written only when absent or different, so its
-        mtime (which ninja compares) changes only with its content."""
-        text = self.source.read_bytes()
-        copy = directory / self.source.name
-        if not copy.is_file() or copy.read_bytes() != text:
-            staging = directory / f".{self.source.name}.{os.getpid()}.tmp"
-            staging.write_bytes(text)
-            os.replace(staging, copy)
-        return copy
+        """The source (and its headers) copied into ``directory``, each written only when absent
+        or different, so its mtime (which ninja compares) changes only with its content."""
+        for original in (*self.headers, self.source):
+            text = original.read_bytes()
+            copy = directory / original.name
+            if not copy.is_file() or copy.read_bytes() != text:
+                staging = directory / f".{original.name}.{os.getpid()}.tmp"
+                staging.write_bytes(text)
+                os.replace(staging, copy)
+        return directory / self.source.name
 
     def _missing_source(self) -> str | None:
-        if self.source.is_file():
+        missing = [p for p in (self.source, *self.headers) if not p.is_file()]
+        if not missing:
             return None
         return (
-            f"{self.what} unavailable: its source {self.source} is missing from this installation "
-            f"(dcpgraph was packaged without dcpgraph/ops/csrc/*.cpp); {self.fallback}"
+            f"{self.what} unavailable: its source {missing[0]} is missing from this installation "
+            f"(dcpgraph was packaged without dcpgraph/ops/csrc/*.cpp, *.h); {self.fallback}"
         )
 
     def load(self):

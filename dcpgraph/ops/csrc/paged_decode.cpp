@@ -8,11 +8,13 @@
 // When the values are a prefix of the key rows (MLA's latent: v = k[..., :dv]) they are read from
 // the key rows themselves.
 //
-// KV element types: fp32; bf16 and float8_e4m3fn (with fp32 scales [NB, B, H, ceil(D/128)], one
-// per 128 elements of a row) are converted to fp32 in registers as they are loaded (AVX-512
-// builds only). Queries are fp32 (the caller converts); all arithmetic is fp32. Outputs out
-// [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as the caller
-// initialised them ((0, -inf)).
+// KV element types: fp32; bf16 and float8_e4m3fn (with fp32 scales [NB, B, H, ceil(D/group)], one
+// per ``scale_group`` elements of a row) are converted to fp32 in registers as they are loaded
+// (AVX-512 builds only). fp32 queries: all arithmetic is fp32. bf16 queries (a bf16 model) over a
+// bf16/fp8 cache: the AMX-BF16 path of paged_decode_amx.h (bf16 products, fp32 accumulation and
+// softmax, P rounded to bf16 for the value product), on builds and processes that have AMX.
+// Outputs out [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as
+// the caller initialised them ((0, -inf)).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -137,20 +139,19 @@ inline void block_values(const float* p, int64_t ps, int64_t m, const float* vb,
 
 #ifdef __AVX512F__
 // KV element loaders: 16 consecutive elements of one cache row as fp32 in a register (masked
-// lanes are zero). ``sc`` is that row's fp32 scales (one per FP8_GROUP elements; fp8 only) and
-// ``x`` the offset of the first element in the row, a multiple of 16.
-constexpr int64_t FP8_GROUP = 128;
+// lanes are zero). ``sc`` is that row's fp32 scales (one per ``grp`` elements, a multiple of 16;
+// fp8 only) and ``x`` the offset of the first element in the row, a multiple of 16.
 
 struct LoadF32 {
   using T = float;
-  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk) {
+  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk, int64_t = 0) {
     return _mm512_maskz_loadu_ps(mk, row + x);
   }
 };
 
 struct LoadBF16 {  // bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 word
   using T = uint16_t;
-  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk) {
+  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk, int64_t = 0) {
     const __m256i h = _mm256_maskz_loadu_epi16(mk, row + x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
@@ -158,7 +159,7 @@ struct LoadBF16 {  // bf16 -> fp32 is exact: the 16 bits become the high half of
 
 struct LoadFP8 {  // float8_e4m3fn bytes s.eeee.mmm, times the row's scale for this group
   using T = uint8_t;
-  static inline __m512 load(const T* row, const float* sc, int64_t x, __mmask16 mk) {
+  static inline __m512 load(const T* row, const float* sc, int64_t x, __mmask16 mk, int64_t grp) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, row + x));
     const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
     // Normal (e > 0): exponent and mantissa bits moved into fp32's fields, bias 7 -> 127.
@@ -170,7 +171,7 @@ struct LoadFP8 {  // float8_e4m3fn bytes s.eeee.mmm, times the row's scale for t
     __m512 v = _mm512_mask_blend_ps(is_normal, sub, normal);
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
     v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-    return _mm512_mul_ps(v, _mm512_set1_ps(sc[x / FP8_GROUP]));
+    return _mm512_mul_ps(v, _mm512_set1_ps(sc[x / grp]));
   }
 };
 
@@ -186,7 +187,7 @@ template <class T> using LoaderFor = typename LoaderForT<T>::type;
 // stay in registers. K/V rows are ``ks`` elements apart and their scale rows ``kss`` floats apart.
 template <class L, int RR, int TT>
 inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
-                       int64_t kss, float* s, int64_t ss) {
+                       int64_t kss, int64_t grp, float* s, int64_t ss) {
   __m512 acc[RR][TT];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
@@ -196,7 +197,7 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
     const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
     __m512 kv[TT];
     #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk);
+    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk, grp);
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
       const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i * d + x);
@@ -236,8 +237,9 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
 
 template <class L>
 inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
-                             const float* ksc, int64_t kss, int64_t nt, float* s, int64_t ss) {
-  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, float*, int64_t);
+                             const float* ksc, int64_t kss, int64_t grp, int64_t nt, float* s, int64_t ss) {
+  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, float*,
+                      int64_t);
   static const Fn table[4][4] = {
       {score_tile<L, 1, 1>, score_tile<L, 1, 2>, score_tile<L, 1, 3>, score_tile<L, 1, 4>},
       {score_tile<L, 2, 1>, score_tile<L, 2, 2>, score_tile<L, 2, 3>, score_tile<L, 2, 4>},
@@ -248,7 +250,7 @@ inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typenam
     const int64_t rr = std::min<int64_t>(4, m - i);
     for (int64_t t = 0; t < nt; t += 4) {
       const int64_t tt = std::min<int64_t>(4, nt - t);
-      table[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss, s + i * ss + t, ss);
+      table[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss, grp, s + i * ss + t, ss);
     }
   }
 }
@@ -256,7 +258,7 @@ inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typenam
 // acc[i, x0 : x0 + 16 NV] += sum_t p[i * ps + t] * v_t[x0 : ...] (the last vector masked by ``last``).
 template <class L, int RR, int NV>
 inline void value_tile(const float* p, int64_t ps, const typename L::T* v, int64_t vs, const float* vsc,
-                       int64_t vss, int64_t x0, int64_t nt, float* acc, int64_t dv, __mmask16 last) {
+                       int64_t vss, int64_t grp, int64_t x0, int64_t nt, float* acc, int64_t dv, __mmask16 last) {
   __m512 a[RR][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
@@ -267,7 +269,7 @@ inline void value_tile(const float* p, int64_t ps, const typename L::T* v, int64
     __m512 vv[NV];
     #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c)
-      vv[c] = L::load(v + t * vs, vsc + t * vss, x0 + 16 * c, c == NV - 1 ? last : 0xFFFF);
+      vv[c] = L::load(v + t * vs, vsc + t * vss, x0 + 16 * c, c == NV - 1 ? last : 0xFFFF, grp);
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
       const __m512 w = _mm512_set1_ps(p[i * ps + t]);
@@ -285,29 +287,29 @@ inline void value_tile(const float* p, int64_t ps, const typename L::T* v, int64
 // dst[t * d + x] = row t of a block, converted to fp32 (t < nt, x < d): a stored block staged
 // once when several register blocks of query rows would otherwise each convert it again.
 template <class L>
-inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc, int64_t scs, int64_t nt,
-                       int64_t d, float* dst) {
+inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc, int64_t scs, int64_t grp,
+                       int64_t nt, int64_t d, float* dst) {
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t x = 0; x < d; x += 16) {
       const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
-      _mm512_mask_storeu_ps(dst + t * d + x, mk, L::load(src + t * stride, sc + t * scs, x, mk));
+      _mm512_mask_storeu_ps(dst + t * d + x, mk, L::load(src + t * stride, sc + t * scs, x, mk, grp));
     }
 }
 
 template <class L>
 inline void block_values_avx(const float* p, int64_t ps, int64_t m, const typename L::T* vb, int64_t vs,
-                             const float* vsc, int64_t vss, int64_t nt, int64_t dv, float* acc) {
-  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t,
+                             const float* vsc, int64_t vss, int64_t grp, int64_t nt, int64_t dv, float* acc) {
+  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, int64_t,
                       int64_t, float*, int64_t, __mmask16);
   static const Fn four[4] = {value_tile<L, 1, 4>, value_tile<L, 2, 4>, value_tile<L, 3, 4>, value_tile<L, 4, 4>};
   static const Fn one[4] = {value_tile<L, 1, 1>, value_tile<L, 2, 1>, value_tile<L, 3, 1>, value_tile<L, 4, 1>};
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rr = std::min<int64_t>(4, m - i);
     int64_t x = 0;
-    for (; x + 64 <= dv; x += 64) four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, x, nt, acc + i * dv, dv, 0xFFFF);
+    for (; x + 64 <= dv; x += 64) four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, 0xFFFF);
     for (; x < dv; x += 16) {
       const __mmask16 mk = dv - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - x)) - 1u);
-      one[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, x, nt, acc + i * dv, dv, mk);
+      one[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, mk);
     }
   }
 }
@@ -360,15 +362,29 @@ struct Item {
 
 }  // namespace
 
+#include "paged_decode_amx.h"
+
+// Empty when bf16 queries over bf16/fp8 caches can take the AMX path; otherwise why not.
+std::string amx_status() {
+#ifdef DCPGRAPH_HAVE_AMX
+  return amx::permission_error();
+#else
+  return "this build has no AMX-BF16 code (the compiler or CPU lacks -mamx-bf16)";
+#endif
+}
+
 // Returns false (and writes nothing) if a block table row is too short or holds an out-of-range
 // id where a real block is needed: the caller then takes its checked path, which raises.
 template <class T>
 bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const float* ksp, const float* vsp, int64_t kgroups, int64_t vgroups,
+                        const float* ksp, const float* vsp, int64_t kgroups, int64_t vgroups, int64_t group,
                         const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
                         double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
                         int64_t prefetch_blocks) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: fp32 queries");
+  const bool bf16_queries = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat || (bf16_queries && !std::is_same_v<T, float>),
+              "paged_decode: fp32 queries, or bf16 queries over a bf16/fp8 cache");
+  TORCH_CHECK(!bf16_queries || amx_status().empty(), "paged_decode: bf16 queries need AMX: ", amx_status());
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "paged_decode: layout");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: K/V rows must be dense");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table int32");
@@ -391,7 +407,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t vss2 = vsp ? vgroups : 0, vss1 = hkv * vss2, vss0 = vss1 * bsz;
   if (!ksp) ksp = &kNoScale;
   if (!vsp) vsp = &kNoScale;
-  const float* qp = q.data_ptr<float>();
+  const float* qp = bf16_queries ? nullptr : q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -427,7 +443,29 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   std::vector<float> pacc(static_cast<size_t>(slots) * max_m * dv);
   std::vector<float> pmax(static_cast<size_t>(slots) * max_m), psum(static_cast<size_t>(slots) * max_m);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+#ifdef DCPGRAPH_HAVE_AMX
+  if constexpr (!std::is_same_v<T, float>) {
+    if (bf16_queries) {
+      constexpr bool fp8 = std::is_same_v<T, uint8_t>;
+      TORCH_CHECK(!fp8 || (group > 0 && group % 64 == 0),
+                  "paged_decode: the AMX path needs an fp8 scale group that is a multiple of 64, not ", group);
+      const amx::Caches<T> caches{reinterpret_cast<const uint16_t*>(q.data_ptr()), hq, g, d, dv, bsz, width, table,
+                                  cu, kp, vp, ks0, ks1, ks2, vs0, vs1, vs2, ksp, vsp, kss0, kss1, kss2, vss0, vss1,
+                                  vss2, group, value_prefix, sc, prefetch_blocks};
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        amx::configure();
+        amx::Decoder<T> decoder(caches, max_m);
+        for (int64_t it = begin; it < end; ++it) {
+          const Item& w = items[it];
+          decoder.run(w.r, w.h, w.t0, w.t1, pacc.data() + w.slot * max_m * dv, pmax.data() + w.slot * max_m,
+                      psum.data() + w.slot * max_m);
+        }
+        _tile_release();
+      });
+    }
+  }
+#endif
+  if (!bf16_queries) at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t ss = (bsz + 15) / 16 * 16;  // score row stride (whole vectors)
     std::vector<float> qbuf(max_m * d), sbuf(max_m * ss);
     // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
@@ -479,10 +517,10 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         // benchmarks/attention_bandwidth.py, MLA 16 heads fp8 0.76 -> 1.24 GB/s, bf16 2.6 -> 2.2).
         const bool staged = std::is_same_v<T, uint8_t> && m > 4;
         if (staged) {
-          stage_rows<LoaderFor<T>>(kb, ks1, ksb, kss1, nt, d, kstage.data());
-          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, nt, s, ss);
+          stage_rows<LoaderFor<T>>(kb, ks1, ksb, kss1, group, nt, d, kstage.data());
+          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, 0, nt, s, ss);
         } else {
-          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, nt, s, ss);
+          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, group, nt, s, ss);
         }
 #else
         if constexpr (std::is_same_v<T, float>) block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
@@ -520,12 +558,12 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         started = true;
 #ifdef __AVX512F__
         if (staged && value_prefix) {
-          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, nt, dv, acc);
+          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, 0, nt, dv, acc);
         } else if (staged) {
-          stage_rows<LoaderFor<T>>(vb, vs1, vsb, vss1, nt, dv, vstage.data());
-          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, nt, dv, acc);
+          stage_rows<LoaderFor<T>>(vb, vs1, vsb, vss1, group, nt, dv, vstage.data());
+          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, 0, nt, dv, acc);
         } else {
-          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, nt, dv, acc);
+          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, group, nt, dv, acc);
         }
 #else
         if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);
@@ -578,24 +616,26 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                   const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
                   double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
-                  int64_t prefetch_blocks) {
+                  int64_t prefetch_blocks, int64_t scale_group) {
   const auto kind = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kind, "paged_decode: K and V caches of one dtype");
   if (kind == at::kFloat)
-    return paged_decode_typed<float>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, block_table, cu_seqlens_q, kv_lens,
+    return paged_decode_typed<float>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q, kv_lens,
                                      scale, out, lse, chunk_tokens, prefetch_blocks);
 #ifdef __AVX512F__
   if (kind == at::kBFloat16)
-    return paged_decode_typed<uint16_t>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, block_table, cu_seqlens_q,
+    return paged_decode_typed<uint16_t>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q,
                                         kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
   if (kind == at::kFloat8_e4m3fn) {
     TORCH_CHECK(k_scales.has_value(), "paged_decode: fp8 K needs its scales");
     const at::Tensor& ks = *k_scales;
-    auto check_scales = [](const at::Tensor& sc, const at::Tensor& cache, const char* name) {
-      const int64_t groups = (cache.size(3) + FP8_GROUP - 1) / FP8_GROUP;
+    TORCH_CHECK(scale_group > 0 && scale_group % 16 == 0, "paged_decode: the fp8 scale group (", scale_group,
+                ") must be a positive multiple of 16");
+    auto check_scales = [&](const at::Tensor& sc, const at::Tensor& cache, const char* name) {
+      const int64_t groups = (cache.size(3) + scale_group - 1) / scale_group;
       TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 4 && sc.size(3) == groups &&
                       sc.size(0) == cache.size(0) && sc.size(1) == cache.size(1) && sc.size(2) == cache.size(2),
-                  "paged_decode: ", name, " must be contiguous fp32 [NB, B, H, ceil(D/128)]");
+                  "paged_decode: ", name, " must be contiguous fp32 [NB, B, H, ceil(D/", scale_group, ")]");
       return groups;
     };
     const int64_t kgroups = check_scales(ks, k_cache, "k_scales");
@@ -604,7 +644,8 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     // A prefix of the key rows reads the key rows' scales (its groups are their first groups).
     const int64_t vgroups = prefix ? kgroups : check_scales(*v_scales, v_cache, "v_scales");
     const float* vsp = prefix ? ks.data_ptr<float>() : v_scales->data_ptr<float>();
-    return paged_decode_typed<uint8_t>(q, k_cache, v_cache, ks.data_ptr<float>(), vsp, kgroups, vgroups, block_table,
+    return paged_decode_typed<uint8_t>(q, k_cache, v_cache, ks.data_ptr<float>(), vsp, kgroups, vgroups, scale_group,
+                                       block_table,
                                        cu_seqlens_q, kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
   }
 #endif
@@ -623,4 +664,5 @@ std::vector<std::string> kv_dtypes() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32/bf16/fp8 KV, in-place block-table reads)");
   m.def("kv_dtypes", &kv_dtypes, "KV cache dtypes this build reads");
+  m.def("amx_status", &amx_status, "empty if bf16 queries can take the AMX path, else why not");
 }

@@ -1,0 +1,146 @@
+"""The native kernel's AMX-BF16 path (bf16 queries over bf16/fp8 KV caches) against fp32 attention.
+
+The reference is the torch path (:func:`dcpgraph.ops.paged._paged_partial_attention_torch`) run in
+fp32 on the same bf16 queries and the caches' exact values (fp8: dequantised by
+:mod:`dcpgraph.ops.quant`). Stated accuracy (:data:`native.AMX_OUT_TOL`, :data:`native.AMX_LSE_TOL`):
+the output carries the bf16 rounding of the softmax weights (the value product's operand), the
+LSE only fp32 accumulation order. Skipped, with the reason, where the build or the OS has no AMX.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcpgraph.ops import native, paged
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+KV_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.fixture(params=KV_DTYPES, ids=["bf16", "fp8"])
+def kv_dtype(request, monkeypatch):
+    monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason}")
+    if not native.amx_enabled(request.param):
+        pytest.skip(f"AMX path off for {request.param}: {native.amx_reason}")
+    return request.param
+
+
+def _cache(seed, kv_dtype, nb, block, hkv, d, dv, prefix):
+    """``(k, v, k_scales, v_scales)`` stored as ``kv_dtype`` and their exact fp32 values."""
+    gen = torch.Generator().manual_seed(seed)
+    k, ks, k_exact = paged._stored_as(2 * torch.randn(nb, block, hkv, d, generator=gen), kv_dtype)
+    if prefix:
+        v, vs, v_exact = k[..., :dv], None, k_exact[..., :dv]
+    else:
+        v, vs, v_exact = paged._stored_as(torch.randn(nb, block, hkv, dv, generator=gen), kv_dtype)
+    return (k, v, ks, vs), (k_exact, v_exact)
+
+
+def _check(kv_dtype, *, hq, hkv, d, dv, prefix=False, block=16, lens=(0, 5, 16, 37, 150), lq=1,
+           chunk_tokens=None, seed=0):
+    rows = len(lens)
+    width = -(-max(lens) // block) + 1
+    nb = rows * width + 3
+    (k, v, ks, vs), (k_exact, v_exact) = _cache(seed, kv_dtype, nb, block, hkv, d, dv, prefix)
+    gen = torch.Generator().manual_seed(seed + 1)
+    table = torch.randperm(nb, generator=gen)[: rows * width].view(rows, width).to(torch.int32)  # scattered
+    q = torch.randn(rows * lq, hq, d, generator=gen).to(torch.bfloat16)
+    cu = torch.arange(rows + 1, dtype=torch.int32) * lq
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_exact, v_exact, table, cu, lens_t, None, 0.2)
+    got = native.native_paged_decode(q, k, v, table, cu, lens_t, 0.2, k_scales=ks, v_scales=vs,
+                                     chunk_tokens=chunk_tokens)
+    assert got is not None
+    out, lse = got
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.shape == ref_o.shape
+    torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l))
+    torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
+    empty = [i for i, n in enumerate(lens) for _ in range(lq) if n == 0]
+    assert torch.all(out[empty] == 0) and torch.all(lse[empty] == float("-inf"))
+    return out, ref_o
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv", [
+    (2, 2, 128, 128),  # g = 1
+    (8, 2, 128, 128),  # g = 4
+    (8, 1, 128, 128),  # g = 8
+    (32, 1, 64, 64),  # g = 32: two query-row groups of 16
+    (6, 3, 40, 24),  # widths off the 32-column tile grid: staged, zero padded
+])
+@pytest.mark.parametrize("block", [16, 32, 8])
+def test_gqa_matches_fp32_reference(kv_dtype, hq, hkv, d, dv, block):
+    _check(kv_dtype, hq=hq, hkv=hkv, d=d, dv=dv, block=block)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("chunk_tokens", [None, 64])
+def test_mla_values_read_from_the_latent_rows(kv_dtype, block, chunk_tokens):
+    """MLA 576/512, 16 heads: values are the latent's first 512 columns (a prefix view)."""
+    _check(kv_dtype, hq=16, hkv=1, d=576, dv=512, prefix=True, block=block, chunk_tokens=chunk_tokens,
+           lens=(0, 1, 63, 64, 65, 200))
+
+
+def test_verification_rows_of_several_queries(kv_dtype):
+    """Three query tokens per request with g = 8: 24 query rows per KV head (two groups of 16)."""
+    _check(kv_dtype, hq=8, hkv=1, d=128, dv=128, lq=3, lens=(0, 70, 129))
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 48, 4096])
+def test_split_k_chunks_merge(kv_dtype, chunk_tokens):
+    _check(kv_dtype, hq=8, hkv=2, d=64, dv=64, chunk_tokens=chunk_tokens, lens=(3, 300, 0, 129))
+
+
+def test_bad_block_table_falls_back_to_the_checked_path(kv_dtype):
+    (k, v, ks, vs), _ = _cache(3, kv_dtype, 8, 16, 1, 64, 64, False)
+    q = torch.randn(1, 4, 64).to(torch.bfloat16)
+    table = torch.tensor([[0, 99]], dtype=torch.int32)  # 99: outside the cache's 8 blocks
+    got = native.native_paged_decode(q, k, v, table, torch.tensor([0, 1]), torch.tensor([20]), 0.2,
+                                     k_scales=ks, v_scales=vs)
+    assert got is None
+
+
+def test_dispatch_sends_bf16_queries_to_the_amx_path(kv_dtype, monkeypatch):
+    """``paged_partial_attention`` with bf16 queries hands them to the kernel as bf16 (the AMX
+    path); fp32 queries still go in as fp32."""
+    if not paged.native_enabled(kv_dtype):
+        pytest.skip(f"native {kv_dtype} off: {paged._native_state.get(('reason', kv_dtype))}")
+    seen = []
+    real = native._module.paged_decode
+    monkeypatch.setattr(native._module, "paged_decode", lambda q, *a: seen.append(q.dtype) or real(q, *a))
+    (k, v, ks, vs), _ = _cache(4, kv_dtype, 12, 16, 1, 128, 128, False)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([40, 90], dtype=torch.int32)
+    q = torch.randn(2, 8, 128)
+    for dtype in (torch.bfloat16, torch.float32):
+        paged.paged_partial_attention(q.to(dtype), k, v, table, cu, lens, None, 0.2, k_scales=ks, v_scales=vs)
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_disabled_amx_falls_back_to_fp32_and_says_why(monkeypatch):
+    """``DCPGRAPH_NATIVE_AMX=0``: bf16 queries take the fp32 path (bit for bit the kernel's result
+    for the same queries in fp32, rounded once to bf16; within fp32 rounding of the torch path)
+    and :data:`native.amx_reason` names the switch."""
+    if not native.available() or torch.bfloat16 not in native.kv_dtypes():
+        pytest.skip(f"native bf16 KV unavailable: {native.reason or native.kv_dtypes()}")
+    monkeypatch.setenv("DCPGRAPH_NATIVE_AMX", "0")
+    assert not native.amx_enabled(torch.bfloat16)
+    assert "DCPGRAPH_NATIVE_AMX=0" in native.amx_reason
+    (k, v, _, _), (k_exact, v_exact) = _cache(5, torch.bfloat16, 12, 16, 2, 64, 64, False)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([40, 90], dtype=torch.int32)
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2)
+    fp32_out, fp32_lse = native.native_paged_decode(q.float(), k, v, table, cu, lens, 0.2)
+    assert torch.equal(out, fp32_out.to(torch.bfloat16)) and torch.equal(lse, fp32_lse)
+    ref = paged._paged_partial_attention_torch(q.float(), k_exact, v_exact, table, cu, lens, None, 0.2)
+    torch.testing.assert_close(fp32_out, ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref[1], atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_kv_is_not_an_amx_cache():
+    assert not native.amx_enabled(torch.float32)
+    assert "float32" in native.amx_reason

@@ -72,11 +72,18 @@ def available() -> bool:
 
 
 def kv_dtypes() -> tuple[torch.dtype, ...]:
-    """KV cache dtypes the built kernel reads (empty when it is unavailable)."""
+    """KV cache dtypes the built kernel reads (empty when it is unavailable); asked of a module
+    once (it is called on every decode dispatch)."""
     mod = _load()
     if mod is None:
         return ()
-    return tuple(getattr(torch, name) for name in mod.kv_dtypes())
+    cached = _kv_dtypes_of.get(id(mod))
+    if cached is None:
+        cached = _kv_dtypes_of[id(mod)] = tuple(getattr(torch, name) for name in mod.kv_dtypes())
+    return cached
+
+
+_kv_dtypes_of: dict[int, tuple[torch.dtype, ...]] = {}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -111,6 +118,8 @@ def amx_enabled(kv_dtype: torch.dtype) -> bool:
     if mod is None or kv_dtype not in kv_dtypes():
         amx_reason = EXTENSION.reason or f"this native build reads {kv_dtypes()} KV caches only"
         return False
+    if _amx_state.get(kv_dtype):  # passed everything below once in this process
+        return True
     from .quant import FP8_SCALE_GROUP, is_fp8
 
     if is_fp8(kv_dtype) and FP8_SCALE_GROUP % 64:
@@ -220,30 +229,46 @@ def native_paged_decode(
     dv = v_cache.shape[-1]
     out = torch.zeros(tq, hq, dv, dtype=torch.float32)
     lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32)
-    lens = kv_lens.to(torch.int64).contiguous()
+    lens = _as(kv_lens, torch.int64)
     if chunk_tokens is None:
         # Split each request's keys so that the (request, KV head, chunk) items keep every thread
-        # busy; with one thread (or enough requests x heads) a request is one chunk.
+        # busy; with one thread (or enough requests x heads) a request is one chunk (no length
+        # needs reading then: the kernel clamps a chunk to its request).
         threads = torch.get_num_threads()
         items = max(1, len(lens)) * k_cache.shape[2]
-        longest = int(lens.max()) if lens.numel() else 0
-        if threads <= 1 or items >= 4 * threads or longest == 0:
-            chunk_tokens = max(longest, 1)
+        if threads <= 1 or items >= 4 * threads:
+            chunk_tokens = WHOLE_REQUEST
         else:
+            longest = int(lens.max()) if lens.numel() else 0
             splits = -(-4 * threads // items)
-            chunk_tokens = max(CHUNK_TOKENS // 4, -(-longest // splits))
-    def scales(x):
-        return None if x is None else x.to(torch.float32).contiguous()
-
+            chunk_tokens = max(CHUNK_TOKENS // 4, -(-longest // splits), 1)
     from .quant import FP8_SCALE_GROUP
 
     if amx is None:
         amx = q.dtype == torch.bfloat16 and amx_enabled(k_cache.dtype)
-    queries = q.contiguous() if amx and q.dtype == torch.bfloat16 else q.to(torch.float32).contiguous()
+    queries = _as(q, torch.bfloat16 if amx and q.dtype == torch.bfloat16 else torch.float32)
     ok = mod.paged_decode(
-        queries, k_cache, v_cache, scales(k_scales), scales(v_scales),
-        block_table.to(torch.int32).contiguous(),
-        cu_seqlens_q.to(torch.int64).contiguous(), lens, float(scale), out, lse, int(chunk_tokens),
-        int(os.environ.get("DCPGRAPH_NATIVE_PREFETCH", PREFETCH_BLOCKS)), FP8_SCALE_GROUP,
+        queries, k_cache, v_cache,
+        None if k_scales is None else _as(k_scales, torch.float32),
+        None if v_scales is None else _as(v_scales, torch.float32),
+        _as(block_table, torch.int32), _as(cu_seqlens_q, torch.int64), lens, float(scale), out, lse,
+        int(chunk_tokens), _prefetch_blocks(), FP8_SCALE_GROUP,
     )
-    return (out.to(q.dtype), lse) if ok else None
+    if not ok:
+        return None
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+
+
+# A chunk no request reaches: every request is one chunk (the kernel clamps chunks to requests).
+WHOLE_REQUEST = 1 << 40
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor, itself when it already is one (decode calls this
+    a dozen times a layer; a no-op ``.to().contiguous()`` costs microseconds each)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
+def _prefetch_blocks() -> int:
+    value = os.environ.get("DCPGRAPH_NATIVE_PREFETCH")
+    return PREFETCH_BLOCKS if value is None else int(value)

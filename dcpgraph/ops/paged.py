@@ -222,6 +222,11 @@ def _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound):
     shares its request's table row, with length ``min(kv_lens[row], kv_bound[t])`` — the same keys,
     so the same result. ``None`` for rows of more than :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries
     (prefill chunks), where re-reading the context per token would cost more than the torch path."""
+    rows = kv_lens.shape[0]
+    if (cu_seqlens_q.shape[0] == block_table.shape[0] + 1 == rows + 1 == kv_bound.shape[0] + 1
+            and torch.equal(cu_seqlens_q, torch.arange(rows + 1, dtype=cu_seqlens_q.dtype))):
+        # One query per row (decode): the rows already are one-query rows.
+        return block_table, cu_seqlens_q, torch.minimum(kv_lens.to(torch.int64), kv_bound.to(torch.int64))
     cu = cu_seqlens_q.to(torch.int64)
     counts = cu[1:] - cu[:-1]
     if counts.numel() and int(counts.max()) > MAX_BOUNDED_QUERIES_PER_ROW:

@@ -231,7 +231,9 @@ def test_explain_final_program(compiled):
     lines = text.splitlines()
     assert lines[0].startswith("# LM: gqa attention, 2 layers, 4 q heads / 2 kv heads, head dim 16")
     assert "# mesh: Mesh(tp=4, dcp=2; dcp groups {0,1} {2,3})" in lines
-    assert f"# stage: {compiled.stages[-1][0]}" in lines and compiled.stages[-1][0] == "fuse_mla_preprocess"
+    from dcpgraph.passes.pipeline import PIPELINE
+
+    assert f"# stage: {compiled.stages[-1][0]}" in lines and compiled.stages[-1][0] == PIPELINE[-1].name
     assert "  caches (4):" in lines and any(line.strip().startswith("%k_cache_0: layer 0 k, [blocks, 8, 1, 16]") for line in lines)
     assert any("rank 0 holds" in line for line in lines if "params:" in line)
     assert "  rank: %tp_rank, %dcp_rank" in lines

@@ -37,7 +37,9 @@ def merge_weights(lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch
     ``peak + log(total)`` need no masks: they give 0 and −inf for empty rows by themselves.
     """
     lses = sanitize_lse(lses)
-    peak = torch.nan_to_num(lses.amax(dim, keepdim=True), neginf=0.0)
+    # Every value given explicitly (a sanitized max is never NaN or +inf): torchair's NanToNum
+    # converter takes numbers only, and the aten merge is what Ascend runs past its own op's limits.
+    peak = torch.nan_to_num(lses.amax(dim, keepdim=True), nan=0.0, posinf=0.0, neginf=0.0)
     scaled = torch.sub(lses, peak).exp_()
     total = scaled.sum(dim, keepdim=True)
     weights = scaled.div_(total.clamp(min=1.0))

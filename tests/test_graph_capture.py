@@ -42,6 +42,7 @@ def serve(engine, arrivals):
 ARRIVALS = {0: [PROMPTS[0]], 2: PROMPTS[1:3], 3: [PROMPTS[3]], 7: PROMPTS[4:6], 9: PROMPTS[:5]}
 
 
+@pytest.mark.slow  # ~70 s for both: an aot_eager capture of every bucket, then a serving run
 @pytest.mark.parametrize("speculative_tokens", [0, 2])
 def test_serving_after_capture_compiles_nothing(program, speculative_tokens, caplog):
     options = dict(block_size=4, capture_limit=4, max_num_seqs=8, speculative_tokens=speculative_tokens)

@@ -249,6 +249,7 @@ def test_gloo_workers_tp2_dcp2_mtp(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
 
 
+@pytest.mark.slow  # ~30 s: captures the target's and the MTP module's graphs at start-up
 def test_mtp_graphs_are_captured_at_start_up_and_serving_compiles_nothing_after(checkpoint):
     """With a compiling backend the MTP program's buckets and mixed graph are compiled with the
     target's before any request (zero hidden-state rows, nothing written), so serving compiles

@@ -79,6 +79,15 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 QUICK_CASES = (*CASES[:2], ("mla 8x4k hq=16 latent=576/512", 8, 4096, 16, 1, 576, 512, True))
 
 
+def request_tables(nreq: int, seq: int, nb: int, gen: torch.Generator):
+    """``(cu_seqlens_q, kv_lens, contiguous table, scattered table)`` for ``nreq`` one-query
+    requests of ``seq`` keys over ``nb`` blocks (the scattered table a random permutation)."""
+    cu = torch.arange(nreq + 1, dtype=torch.int32)
+    lens = torch.full((nreq,), seq, dtype=torch.int32)
+    contiguous = torch.arange(nb, dtype=torch.int32).view(nreq, -1)
+    scattered = torch.randperm(nb, generator=gen).to(torch.int32).view(nreq, -1)
+    return cu, lens, contiguous, scattered
+
 def chunked_decode_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale,
                              chunk_tokens: int = CHUNK_TOKENS):
     """Prototype of a faster paged decode path (no ``kv_bound``): ``(out, lse)`` like the op.
@@ -165,10 +174,7 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     src = torch.randn(kv_bytes // 4, generator=gen)
     dst = torch.empty_like(src)
     q = torch.randn(nreq, hq, d, generator=gen)
-    cu = torch.arange(nreq + 1, dtype=torch.int32)
-    lens = torch.full((nreq,), seq, dtype=torch.int32)
-    contiguous = torch.arange(nb, dtype=torch.int32).view(nreq, -1)
-    scattered = torch.randperm(nb, generator=gen).to(torch.int32).view(nreq, -1)
+    cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
     scale = d ** -0.5
     op = torch.ops.dcpgraph.paged_attention
 
@@ -286,10 +292,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     src = torch.randn(kv_bytes // 4, generator=gen)
     q32 = torch.randn(nreq, hq, d, generator=gen).to(torch.bfloat16).float()
     q = q32.to(torch.bfloat16)
-    cu = torch.arange(nreq + 1, dtype=torch.int32)
-    lens = torch.full((nreq,), seq, dtype=torch.int32)
-    contiguous = torch.arange(nb, dtype=torch.int32).view(nreq, -1)
-    scattered = torch.randperm(nb, generator=gen).to(torch.int32).view(nreq, -1)
+    cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
     scale = d ** -0.5
     op = torch.ops.dcpgraph.paged_attention
     fp8 = kv_name == "fp8"

@@ -88,3 +88,15 @@ def print_records(records: list[dict]) -> None:
         if "target" in r:
             tgt = f"  [{'MET' if r['met'] else 'MISSED'}: {r['target']}{'; ' + r['miss'] if r['miss'] else ''}]"
         print(f"  {r['metric']:<28} {r['value']:>14} {r['unit']:<8} {r['config']}{extra}{tgt}")
+
+
+def finish(name: str, records: list[dict], start: float) -> int:
+    """A benchmark's last lines: print its records and the targets met, write them, say where."""
+    import time
+
+    print_records(records)
+    met = [r["met"] for r in records if "target" in r]
+    print(f"targets: {sum(met)}/{len(met)} met")
+    out = write(name, records)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    return 0

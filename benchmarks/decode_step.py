@@ -218,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             records += measure(model, dtype_name, batch, new, rounds, shape_name, args.device, args.profile)
         del model
-    common.print_records(records)
-    met = [r["met"] for r in records if "target" in r]
-    print(f"targets: {sum(met)}/{len(met)} met")
-    out = common.write(NAME, records)
-    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
-    return 0
+    return common.finish(NAME, records, start)
 
 
 if __name__ == "__main__":

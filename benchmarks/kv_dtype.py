@@ -185,12 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "next_token_agreement", res["agreement"], "fraction",
                                  max_logit_error=res["max_logit_error"], mean_logit_error=res["mean_logit_error"],
                                  logit_scale=res["logit_scale"]))
-    common.print_records(records)
-    met = [r["met"] for r in records if "target" in r]
-    print(f"targets: {sum(met)}/{len(met)} met")
-    out = common.write(NAME, records)
-    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
-    return 0
+    return common.finish(NAME, records, start)
 
 
 if __name__ == "__main__":

@@ -144,8 +144,11 @@ AMX_LSE_TOL = 1e-4
 
 
 def dense_reference(q, k_values, v_values, block_table, cu_seqlens_q, kv_lens, scale):
-    """fp32 ``(out, lse)`` by a per-row gather and a plain softmax: the independent reference the
-    AMX path is checked against (``k_values``/``v_values``: the caches' exact values in fp32)."""
+    """fp32 ``(out, lse)``: each row's keys gathered through its table and attended by the
+    project's dense reference (:func:`dcpgraph.testing.reference.dense_attention`, float64) — the
+    independent check of the AMX path (``k_values``/``v_values``: the caches' exact values)."""
+    from ..testing.reference import dense_attention
+
     tq, hq, _ = q.shape
     block, hkv = k_values.shape[1], k_values.shape[2]
     out = torch.zeros(tq, hq, v_values.shape[-1])
@@ -155,11 +158,10 @@ def dense_reference(q, k_values, v_values, block_table, cu_seqlens_q, kv_lens, s
         if n <= 0 or cu[r + 1] == cu[r]:
             continue
         ids = block_table[r, : -(-n // block)].to(torch.int64)
-        k = k_values[ids].reshape(-1, hkv, k_values.shape[-1])[:n].repeat_interleave(hq // hkv, 1)
-        v = v_values[ids].reshape(-1, hkv, v_values.shape[-1])[:n].repeat_interleave(hq // hkv, 1)
-        s = torch.einsum("qhd,khd->hqk", q[cu[r] : cu[r + 1]].float(), k.float()) * scale
-        lse[cu[r] : cu[r + 1]] = torch.logsumexp(s, -1).transpose(0, 1)
-        out[cu[r] : cu[r + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.float())
+        k = k_values[ids].reshape(-1, hkv, k_values.shape[-1])[:n]
+        v = v_values[ids].reshape(-1, hkv, v_values.shape[-1])[:n]
+        o, l_ = dense_attention(q[cu[r] : cu[r + 1]], k, v, scale)
+        out[cu[r] : cu[r + 1]], lse[cu[r] : cu[r + 1]] = o.float(), l_.float()
     return out, lse
 
 

@@ -142,21 +142,27 @@ void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_
 
 #endif  // DCP_HAVE_BF16_DOT
 
+// The checks both kernels make on y = x·Wᵀ (+ b); returns the bias's data (nullptr without one).
+[[maybe_unused]] const float* checked_args(const at::Tensor& x, const at::Tensor& w,
+                                           const c10::optional<at::Tensor>& bias, const at::Tensor& y,
+                                           const char* who) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2, who, ": x, W and y must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
+              who, ": x, W and y must be bf16");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, who, ": rows must be dense");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, who, ": shapes do not match");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              who, ": bias must be a dense fp32 [N]");
+  return bias->data_ptr<float>();
+}
+
 bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
                  int64_t prefetch) {
 #if DCP_HAVE_BF16_DOT
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2, "linear_bf16: x, W and y must be 2-D");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
-              "linear_bf16: x, W and y must be bf16");
-  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16: rows must be dense");
+  const float* b = checked_args(x, w, bias, y, "linear_bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, "linear_bf16: shapes do not match");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "linear_bf16: bias must be a dense fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
@@ -267,19 +273,9 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
                      int64_t prefetch) {
 #if DCP_HAVE_AMX && DCP_HAVE_BF16_DOT
   if (!amx_permitted()) return false;
+  const float* b = checked_args(x, w, bias, y, "linear_bf16_amx");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && w.size(1) == K && y.size(0) == M && y.size(1) == N,
-              "linear_bf16_amx: shapes do not match");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
-              "linear_bf16_amx: x, W and y must be bf16");
-  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1, "linear_bf16_amx: rows must be dense");
   TORCH_CHECK(M >= 1 && M <= 16 && K % 2 == 0, "linear_bf16_amx: needs 1 <= M <= 16 and an even K");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "linear_bf16_amx: bias must be a dense fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();

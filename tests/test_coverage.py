@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 from dcpgraph import coverage  # noqa: E402
 
 
+@pytest.mark.slow  # ~10-20 s: kept out of the default tier's time budget
 def test_fast_subset_has_no_crash_and_no_silent_mismatch(tmp_path):
     out = tmp_path / "coverage.md"
     rows = {}

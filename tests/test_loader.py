@@ -195,6 +195,7 @@ def test_fused_experts_need_every_per_expert_tensor(tmp_path):
 # -- a rank's peak memory while loading ----------------------------------------------------------
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                     reason="peak-RSS reset needs Linux /proc/self/clear_refs; run on Linux to measure")
+@pytest.mark.slow  # ~10-20 s: kept out of the default tier's time budget
 def test_a_rank_at_tp2_peaks_at_about_half_the_weights():
     """``benchmarks/loader_memory.py --quick``: each case a fresh process, peak-RSS growth while
     rank 0 reads (and touches) its state, against the checkpoint's weight bytes."""

@@ -134,6 +134,14 @@ def test_quantize_roundtrip_error_is_e4m3s():
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (7, 3, 2) and scales.dtype == torch.float32
     back = quant.dequantize_fp8(q, scales, torch.float32)
     assert torch.equal(back[0, 0], torch.zeros(200)) and torch.all(scales[0, 0] == 1)
+    # powers of two (frexp's mantissa 0.5), the smallest that keeps every group within e4m3's 448
+    assert torch.all(torch.frexp(scales)[0] == 0.5)
+    group_amax = torch.nn.functional.pad(x.abs(), (0, 56)).view(7, 3, 2, 128).amax(-1)
+    nonzero = group_amax > 0
+    assert torch.all(group_amax[nonzero] / scales[nonzero] <= 448)
+    assert torch.all(group_amax[nonzero] / scales[nonzero] > 224)
+    # exact in bf16: e4m3's 4 significant bits times a power of two
+    assert torch.equal(back, back.to(torch.bfloat16).float())
     group_max = torch.stack([x[..., :128].abs().amax(-1), x[..., 128:].abs().amax(-1)], -1)
     bound = group_max.repeat_interleave(128, -1)[..., :200] * 2.0**-4
     assert torch.all((back - x).abs() <= bound + 1e-30)

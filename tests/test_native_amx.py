@@ -144,3 +144,32 @@ def test_disabled_amx_falls_back_to_fp32_and_says_why(monkeypatch):
 def test_fp32_kv_is_not_an_amx_cache():
     assert not native.amx_enabled(torch.float32)
     assert "float32" in native.amx_reason
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
+def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
+    """A cache written elsewhere with arbitrary fp32 scales (``quantize_fp8`` writes powers of two):
+    the AMX path multiplies in fp32 and rounds each element to bf16 once, which is what the torch
+    path's dequantisation to bf16 gives, so it matches the reference read through that rounding."""
+    monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
+    if not native.available() or not native.amx_enabled(torch.float8_e4m3fn):
+        pytest.skip(f"AMX fp8 path off: {native.amx_reason or native.reason}")
+    from dcpgraph.ops import quant
+
+    gen = torch.Generator().manual_seed(7)
+    nb, block, hq, d, dv = 12, 16, (16 if latent else 8), (576 if latent else 128), (512 if latent else 128)
+    (k, v, ks, vs), _ = _cache(7, torch.float8_e4m3fn, nb, block, 1, d, dv, latent)
+    odd = 1.0 + torch.rand(ks.shape, generator=gen)  # mantissas all over [1, 2)
+    ks = ks * odd
+    if not latent:
+        vs = vs * (1.0 + torch.rand(vs.shape, generator=gen))
+    assert torch.any(torch.frexp(ks)[0] != 0.5)
+    k_bf16 = quant.dequantize_fp8(k, ks, torch.bfloat16).float()
+    v_bf16 = k_bf16[..., :dv] if latent else quant.dequantize_fp8(v, vs, torch.bfloat16).float()
+    table = torch.randperm(nb, generator=gen).to(torch.int32).view(2, 6)
+    cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([75, 96], dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=gen).to(torch.bfloat16)
+    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_bf16, v_bf16, table, cu, lens, None, 0.2)
+    out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=None if latent else vs)
+    torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+    torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)

@@ -2,10 +2,17 @@
 
 Scale scheme (per token, per head, per group of ``FP8_SCALE_GROUP`` = 128 elements): a cache
 ``[NB, B, H, D]`` of fp8 has a companion scale cache ``[NB, B, H, G]`` of fp32 with
-``G = ceil(D / 128)``; element ``d`` of row ``(slot, h)`` is ``fp8[slot, h, d] · scale[slot, h, d // 128]``
-and a row's scale is ``amax(|x|) / 448`` over its group (448 is e4m3fn's largest finite value;
-an all-zero group gets scale 1). For a head of ≤ 128 elements this is one scale per
-(token, KV head). Why per token rather than per tensor:
+``G = ceil(D / 128)``; element ``d`` of row ``(slot, h)`` is ``fp8[slot, h, d] · scale[slot, h, d // 128]``.
+A group's scale is the smallest power of two ``2^k ≥ amax(|x|) / 448`` (448 is e4m3fn's largest
+finite value; an all-zero group gets scale 1), as OCP's MX formats do with their E8M0 scales:
+
+* a dequantised element ``m · 2^k`` has e4m3's 4 significant bits, so it is exact in bf16 and the
+  native AMX kernel makes it by moving an exponent, not by a multiply and a rounding;
+* the cost in precision is nil for normal e4m3 values (its relative step is 2^-3 whatever the
+  scale) and at most one binade of range at the bottom (amax lands in (224, 448], not on 448);
+* ``k`` is clamped to [-117, 119] so every ``m · 2^k`` is a normal bf16/fp32 number.
+
+Why per token rather than per tensor:
 
 * exact under paged writes: a slot's scale is computed from that slot's own values when it is
   written, so writing token ``t`` never changes how an earlier token is read (a per-tensor scale
@@ -40,6 +47,9 @@ from ..capacity import FP8_SCALE_GROUP, scale_groups
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Scale exponents: every e4m3 value times 2^k stays a normal bf16/fp32 number (the native kernel
+# moves exponents; see the module docstring).
+MIN_SCALE_EXP, MAX_SCALE_EXP = -117, 119
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -53,9 +63,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * FP8_SCALE_GROUP - d))
     grouped = padded.view(t, h, groups, FP8_SCALE_GROUP)
     amax = grouped.abs().amax(-1)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = torch.where(amax > 0, _power_of_two_at_least(amax / FP8_MAX), torch.ones_like(amax))
     q = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(t, h, -1)[..., :d]
     return q.to(FP8_DTYPE), scales
+
+
+def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
+    """``2^k`` with ``k = ceil(log2 x)`` clamped to ``[MIN_SCALE_EXP, MAX_SCALE_EXP]`` (fp32, exact)."""
+    mantissa, exponent = torch.frexp(x)  # x = m 2^e, 0.5 <= m < 1
+    k = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(MIN_SCALE_EXP, MAX_SCALE_EXP)
+    return torch.ldexp(torch.ones_like(x), k)
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

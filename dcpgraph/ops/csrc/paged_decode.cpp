@@ -447,8 +447,8 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   if constexpr (!std::is_same_v<T, float>) {
     if (bf16_queries) {
       constexpr bool fp8 = std::is_same_v<T, uint8_t>;
-      TORCH_CHECK(!fp8 || (group > 0 && group % 64 == 0),
-                  "paged_decode: the AMX path needs an fp8 scale group that is a multiple of 64, not ", group);
+      TORCH_CHECK(!fp8 || (group > 0 && group % 32 == 0),
+                  "paged_decode: the AMX path needs an fp8 scale group that is a multiple of 32, not ", group);
       const amx::Caches<T> caches{reinterpret_cast<const uint16_t*>(q.data_ptr()), hq, g, d, dv, bsz, width, table,
                                   cu, kp, vp, ks0, ks1, ks2, vs0, vs1, vs2, ksp, vsp, kss0, kss1, kss2, vss0, vss1,
                                   vss2, group, value_prefix, sc, prefetch_blocks};

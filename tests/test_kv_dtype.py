@@ -72,6 +72,33 @@ def test_bf16_logits_within_bf16_tolerance_of_hf(qwen3_pair, tp, dcp):
     assert err.mean() <= 2 * hf_err.mean(), (err.mean(), hf_err.mean())
 
 
+def test_bf16_chunked_prefill_reads_the_cache_in_place(qwen3_pair, monkeypatch):
+    """A 70-token prompt in 32-token chunks (dcp=1): each chunk's context attention has 32 causal
+    query rows, which the native kernel's AMX path reads through the block table with their bounds
+    (no gathered copy). The logits after each chunk stay within bf16's tolerance of HF's fp32
+    forward, as HF's own bf16 forward does."""
+    from dcpgraph.ops import native
+
+    fp32, bf16 = qwen3_pair
+    if not native.available() or not native.amx_enabled(torch.bfloat16):
+        pytest.skip(f"AMX bf16 path off: {native.amx_reason or native.reason}")
+    prompt = torch.randint(1, 256, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    bounded = []
+    real = native._module.paged_decode
+    monkeypatch.setattr(native._module, "paged_decode", lambda *a: bounded.append(a[-1] is not None) or real(*a))
+    engine = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_batched_tokens=32)
+    steps = record_logits(engine)
+    engine.generate([prompt], 1)
+    assert any(bounded), "no chunk's context attention reached the kernel with its bounds"
+    with torch.no_grad():
+        truth = fp32(torch.tensor([prompt])).logits[0]
+        hf = bf16(torch.tensor([prompt])).logits[0].float()
+    ends = [31, 63, 69]  # the last position of each chunk: the logits each prefill step returns
+    got = torch.stack([s[0].float().reshape(-1, truth.shape[-1])[-1] for s in steps[: len(ends)]])
+    err, hf_err = (got - truth[ends]).abs(), (hf[ends] - truth[ends]).abs()
+    assert err.max() <= 2 * hf_err.max(), (err.max(), hf_err.max())
+
+
 def test_bf16_lse_and_merge_accumulate_in_fp32():
     q = torch.randn(3, 4, 16).bfloat16()
     k, v = torch.randn(5, 2, 16).bfloat16(), torch.randn(5, 2, 16).bfloat16()

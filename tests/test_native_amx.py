@@ -173,3 +173,55 @@ def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
     out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=None if latent else vs)
     torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
     torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
+
+
+def _bounded_case(kv_dtype, hq, hkv, d, dv, prefix, seed=11):
+    """Two requests mid chunked prefill: 70 query tokens at the end of a 300-token context, and a
+    fresh 40-token prompt; query token t sees keys j < bound[t] (causal), one row sees none."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, block = 60, 16
+    (k, v, ks, vs), (k_exact, v_exact) = _cache(seed, kv_dtype, nb, block, hkv, d, dv, prefix)
+    table = torch.randperm(nb, generator=gen)[:60].view(2, 30).to(torch.int32)
+    lens = torch.tensor([300, 40], dtype=torch.int32)
+    cu = torch.tensor([0, 70, 110], dtype=torch.int32)
+    bound = torch.cat([torch.arange(231, 301), torch.arange(1, 41)]).to(torch.int32)
+    bound[5] = 0
+    q = torch.randn(110, hq, d, generator=gen).to(torch.bfloat16)
+    ref = paged._paged_partial_attention_torch(q.float(), k_exact, v_exact, table, cu, lens, bound, 0.2)
+    return (q, k, v, ks, vs, table, cu, lens, bound), ref
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv,prefix", [(8, 2, 128, 128, False), (16, 1, 576, 512, True), (6, 3, 40, 24, False)],
+                         ids=["gqa", "mla", "off-grid"])
+@pytest.mark.parametrize("chunk_tokens", [None, 64])
+def test_causal_chunk_rows_match_the_reference(kv_dtype, hq, hkv, d, dv, prefix, chunk_tokens):
+    """A chunked prefill's context attention (per-token bounds) on the AMX path, keys split into
+    items or not: within the path's tolerance of fp32 attention, a row bounded to no key (0, -inf)."""
+    (q, k, v, ks, vs, table, cu, lens, bound), (ref_o, ref_l) = _bounded_case(kv_dtype, hq, hkv, d, dv, prefix)
+    out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs,
+                                          chunk_tokens=chunk_tokens, kv_bound=bound)
+    torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_l)) and torch.all(out[5] == 0)
+    finite = torch.isfinite(ref_l)
+    torch.testing.assert_close(lse[finite], ref_l[finite], atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
+
+
+def test_long_bounded_rows_take_the_kernel_not_a_gathered_copy(kv_dtype, monkeypatch):
+    """``paged_partial_attention`` hands a chunked prefill's bounded rows (more than
+    MAX_BOUNDED_QUERIES_PER_ROW queries) with bf16 queries to the kernel with their bounds, and
+    never calls the torch path; fp32 queries keep the torch path (the bound needs the AMX path)."""
+    if not paged.native_enabled(kv_dtype):
+        pytest.skip(f"native {kv_dtype} off: {paged._native_state.get(('reason', kv_dtype))}")
+    args, (ref_o, _) = _bounded_case(kv_dtype, 8, 2, 128, 128, False)
+    q, k, v, ks, vs, table, cu, lens, bound = args
+    bounds_seen, torch_calls = [], []
+    real_kernel, real_torch = native._module.paged_decode, paged._paged_partial_attention_torch
+    monkeypatch.setattr(native._module, "paged_decode", lambda *a: bounds_seen.append(a[-1] is not None) or real_kernel(*a))
+    monkeypatch.setattr(paged, "_paged_partial_attention_torch", lambda *a, **kw: torch_calls.append(1) or real_torch(*a, **kw))
+    out, _ = paged.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.2, k_scales=ks, v_scales=vs)
+    assert bounds_seen == [True] and torch_calls == []
+    torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+    paged.paged_partial_attention(q.float(), k, v, table, cu, lens, bound, 0.2, k_scales=ks, v_scales=vs)
+    assert torch_calls == [1]
+    with pytest.raises(ValueError, match="kv_bound needs bf16 queries"):
+        native.native_paged_decode(q.float(), k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs, kv_bound=bound)

@@ -216,12 +216,15 @@ def native_paged_decode(
     v_scales: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     amx: bool | None = None,
+    kv_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)``, or ``None`` when the block table does
     not cover a row's keys (too short, or an out-of-range id): the caller's checked path then raises.
     fp8 caches need ``k_scales`` (and ``v_scales`` unless the values are a prefix of the keys).
     bf16 queries take the AMX path when :func:`amx_enabled` (``amx=True`` forces it, ``False``
-    forbids it), else they are converted to fp32 and computed exactly in fp32.
+    forbids it), else they are converted to fp32 and computed exactly in fp32. ``kv_bound`` (one
+    per query token: it sees keys ``j < kv_bound[t]``, a chunked prefill's causal mask) needs the
+    AMX path: the rows of a request are processed in blocks of 64 over the keys any of them sees.
 
     Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
     mod = _load()
@@ -248,6 +251,10 @@ def native_paged_decode(
 
     if amx is None:
         amx = q.dtype == torch.bfloat16 and amx_enabled(k_cache.dtype)
+    if kv_bound is not None and not amx:
+        raise ValueError("native_paged_decode: kv_bound needs bf16 queries on the AMX path "
+                         f"({amx_reason or 'queries are ' + str(q.dtype)}); bound rows otherwise go "
+                         "through ops.paged's one-query rows or its torch path")
     queries = _as(q, torch.bfloat16 if amx and q.dtype == torch.bfloat16 else torch.float32)
     ok = mod.paged_decode(
         queries, k_cache, v_cache,
@@ -255,6 +262,7 @@ def native_paged_decode(
         None if v_scales is None else _as(v_scales, torch.float32),
         _as(block_table, torch.int32), _as(cu_seqlens_q, torch.int64), lens, float(scale), out, lse,
         int(chunk_tokens), _prefetch_blocks(), FP8_SCALE_GROUP,
+        None if kv_bound is None else _as(kv_bound, torch.int64),
     )
     if not ok:
         return None

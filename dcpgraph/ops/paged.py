@@ -189,7 +189,9 @@ def paged_partial_attention(
     fp32/bf16 queries without ``kv_start`` and ``softcap``, and without ``kv_bound`` or with it on
     rows of at most :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries (decode, speculative verification),
     run the native kernel when it is enabled for the cache's dtype (:func:`native_enabled`), which
-    reads fp32, bf16 and fp8 caches in place and knows neither a window nor a cap. Everything else,
+    reads fp32, bf16 and fp8 caches in place and knows neither a window nor a cap. Longer bounded
+    rows (chunked prefill) run it too with bf16 queries on the AMX path, which applies the bound
+    per query row (:func:`native.native_paged_decode`'s ``kv_bound``): no gathered copy. Everything else,
     and a block table that does not cover a row, takes the checked torch path, which reads an fp8
     cache through :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses,
     dequantised).
@@ -197,10 +199,16 @@ def paged_partial_attention(
     if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16):
         from . import native
 
-        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None else _bound_as_lengths(
-            block_table, cu_seqlens_q, kv_lens, kv_bound)
+        bound = None
+        if kv_bound is None:
+            args = (block_table, cu_seqlens_q, kv_lens)
+        elif q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype) and _long_rows(cu_seqlens_q):
+            args, bound = (block_table, cu_seqlens_q, kv_lens), kv_bound  # the AMX path's causal rows
+        else:
+            args = _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound)
         if args is not None and native.supports(q, k_cache, v_cache) and native_enabled(k_cache.dtype):
-            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales)
+            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales,
+                                             kv_bound=bound)
             if res is not None:
                 return res
     if k_scales is not None:
@@ -215,6 +223,12 @@ def paged_partial_attention(
 
 
 MAX_BOUNDED_QUERIES_PER_ROW = 16  # speculative verification sizes; longer rows keep the torch path
+
+
+def _long_rows(cu_seqlens_q) -> bool:
+    """Whether some request has more than :data:`MAX_BOUNDED_QUERIES_PER_ROW` query tokens."""
+    counts = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    return bool(counts.numel()) and int(counts.max()) > MAX_BOUNDED_QUERIES_PER_ROW
 
 
 def _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound):

@@ -380,8 +380,9 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const float* ksp, const float* vsp, int64_t kgroups, int64_t vgroups, int64_t group,
                         const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
                         double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
-                        int64_t prefetch_blocks) {
+                        int64_t prefetch_blocks, const int64_t* bound) {
   const bool bf16_queries = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!bound || bf16_queries, "paged_decode: per-query bounds (kv_bound) need bf16 queries on the AMX path");
   TORCH_CHECK(q.scalar_type() == at::kFloat || (bf16_queries && !std::is_same_v<T, float>),
               "paged_decode: fp32 queries, or bf16 queries over a bf16/fp8 cache");
   TORCH_CHECK(!bf16_queries || amx_status().empty(), "paged_decode: bf16 queries need AMX: ", amx_status());
@@ -431,7 +432,13 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   int64_t max_m = 1;
   for (int64_t r = 0; r < rows; ++r) {
     first[r] = static_cast<int64_t>(items.size());
-    const int64_t n = lens[r], lq = cu[r + 1] - cu[r];
+    const int64_t lq = cu[r + 1] - cu[r];
+    int64_t n = lens[r];
+    if (bound && lq > 0) {  // the keys any of the request's query tokens sees
+      int64_t most = 0;
+      for (int64_t t = cu[r]; t < cu[r + 1]; ++t) most = std::max(most, bound[t]);
+      n = std::min(n, most);
+    }
     if (n <= 0 || lq <= 0) continue;
     max_m = std::max(max_m, lq * g);
     for (int64_t h = 0; h < hkv; ++h)
@@ -451,7 +458,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
                   "paged_decode: the AMX path needs an fp8 scale group that is a multiple of 32, not ", group);
       const amx::Caches<T> caches{reinterpret_cast<const uint16_t*>(q.data_ptr()), hq, g, d, dv, bsz, width, table,
                                   cu, kp, vp, ks0, ks1, ks2, vs0, vs1, vs2, ksp, vsp, kss0, kss1, kss2, vss0, vss1,
-                                  vss2, group, value_prefix, sc, prefetch_blocks};
+                                  vss2, group, value_prefix, sc, prefetch_blocks, bound};
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
         amx::configure();
         amx::Decoder<T> decoder(caches, max_m);
@@ -589,6 +596,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         const int64_t s0 = items[first[r] + h * nchunks].slot;
         float gm = pmax[s0 * max_m + i];
         for (int64_t c = 1; c < nchunks; ++c) gm = std::max(gm, pmax[(s0 + c) * max_m + i]);
+        if (gm == -INFINITY) continue;  // a row bounded to no keys: (0, -inf) as well
         std::fill(o.begin(), o.end(), 0.f);
         float tot = 0.f;
         for (int64_t c = 0; c < nchunks; ++c) {
@@ -616,16 +624,23 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                   const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
                   double scale, at::Tensor& out, at::Tensor& lse, int64_t chunk_tokens,
-                  int64_t prefetch_blocks, int64_t scale_group) {
+                  int64_t prefetch_blocks, int64_t scale_group, const c10::optional<at::Tensor>& kv_bound) {
   const auto kind = k_cache.scalar_type();
+  const int64_t* bound = nullptr;
+  if (kv_bound.has_value()) {
+    TORCH_CHECK(kv_bound->scalar_type() == at::kLong && kv_bound->is_contiguous() && kv_bound->dim() == 1 &&
+                    kv_bound->size(0) == q.size(0),
+                "paged_decode: kv_bound must be contiguous int64 [T] (one bound per query token)");
+    bound = kv_bound->data_ptr<int64_t>();
+  }
   TORCH_CHECK(v_cache.scalar_type() == kind, "paged_decode: K and V caches of one dtype");
   if (kind == at::kFloat)
     return paged_decode_typed<float>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q, kv_lens,
-                                     scale, out, lse, chunk_tokens, prefetch_blocks);
+                                     scale, out, lse, chunk_tokens, prefetch_blocks, bound);
 #ifdef __AVX512F__
   if (kind == at::kBFloat16)
     return paged_decode_typed<uint16_t>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q,
-                                        kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
+                                        kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks, bound);
   if (kind == at::kFloat8_e4m3fn) {
     TORCH_CHECK(k_scales.has_value(), "paged_decode: fp8 K needs its scales");
     const at::Tensor& ks = *k_scales;
@@ -646,7 +661,7 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     const float* vsp = prefix ? ks.data_ptr<float>() : v_scales->data_ptr<float>();
     return paged_decode_typed<uint8_t>(q, k_cache, v_cache, ks.data_ptr<float>(), vsp, kgroups, vgroups, scale_group,
                                        block_table,
-                                       cu_seqlens_q, kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks);
+                                       cu_seqlens_q, kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks, bound);
   }
 #endif
   TORCH_CHECK(false, "paged_decode: KV dtype ", kind, " is not supported by this build");

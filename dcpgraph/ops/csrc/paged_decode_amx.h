@@ -19,6 +19,11 @@
 //            and zero in the other, so one product picks the even columns and the other the odd
 //            ones (twice the tile products of a token-pair interleave, none of its copying).
 //            Even columns accumulate at o[32 c + i], odd at o[32 c + 16 + i]; run() interleaves.
+// Query rows are processed in blocks of JB row groups (64 rows), each block over the keys any of
+// its rows sees, so a long chunk's output accumulators stay in L1/L2 while its keys stream past
+// (flash attention's order); decode has one block. With per-token bounds (a chunked prefill's
+// causal mask) a row's scores past its bound are -inf and its weights 0, and a row group stops
+// at the largest bound of its rows.
 // P is rounded to bf16 for the value product only (as flash attention does for bf16 models); the
 // normaliser l sums the fp32 p. Scores accumulate in fp32 from exact bf16 products.
 //
@@ -41,6 +46,7 @@ namespace amx {
 constexpr int64_t TOK = 64;              // tokens per key group (four 16-token tiles)
 constexpr int64_t QT = TOK / 16;         // token tiles per key group
 constexpr int64_t COLS = 16;             // query rows per query-row group (a tile's fp32 columns)
+constexpr int64_t JB = 16;               // query-row groups per block (one pass over the keys)
 constexpr int64_t TILE_ELEMS = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
 // Empty when this process may use AMX tiles; otherwise why not (asked once per process).
@@ -95,6 +101,7 @@ struct Caches {
   bool value_prefix;
   float scale;
   int64_t prefetch_blocks;
+  const int64_t* bound;  // per query token: it sees keys j < bound[token] (causal chunks); null: all
 };
 
 inline __mmask32 mask32(int64_t width, int64_t x) {
@@ -230,7 +237,8 @@ class Decoder {
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
         kst_(TOK * dp_), vst_(TOK * dvp_), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
-        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c) {}
+        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c),
+        jb_(mgroups_ * COLS), jmax_(mgroups_), jmin_(mgroups_) {}
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
@@ -239,19 +247,28 @@ class Decoder {
     std::fill(o_.begin(), o_.begin() + mg * COLS * ostride_, 0.f);
     std::fill(mx_.begin(), mx_.begin() + mg * COLS, -INFINITY);
     std::fill(sm_.begin(), sm_.begin() + mg * COLS, 0.f);
-    for (int64_t t = t0; t < t1; t += TOK) {
-      const int64_t nt = std::min(TOK, t1 - t);
-      locate(r, t, nt);
-      pf_.start(r, h, t, t1, calls_per_group(mg));
-      Rows keys, values;
-      key_rows(h, nt, keys);
-      value_rows(h, nt, keys, values);
-      for (int64_t j = 0; j < mg; ++j) {
-        scores(keys, nt, j);
-        softmax(nt, j);
+    row_bounds(r, m, mg, t1);
+    for (int64_t j0 = 0; j0 < mg; j0 += JB) {
+      const int64_t j1 = std::min(mg, j0 + JB);
+      int64_t end = t0;  // the block's last key + 1
+      for (int64_t j = j0; j < j1; ++j) end = std::max(end, jmax_[j]);
+      for (int64_t t = t0; t < end; t += TOK) {
+        const int64_t nt = std::min(TOK, end - t);
+        locate(r, t, nt);
+        pf_.start(r, h, t, end, calls_per_group(j1 - j0));
+        Rows keys, values;
+        key_rows(h, nt, keys);
+        value_rows(h, nt, keys, values);
+        int64_t active = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+          if (t >= jmax_[j]) continue;  // every row of group j has seen all its keys
+          scores(keys, nt, j);
+          softmax(t, nt, j);
+          active_[active++] = j;
+        }
+        this->values(values, (nt + 15) / 16, active);
+        pf_.finish();
       }
-      this->values(values, (nt + 15) / 16, mg);
-      pf_.finish();
     }
     // column 32 c + 2 i + e of the output sits at 32 c + 16 e + i of the accumulator
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -273,6 +290,24 @@ class Decoder {
   }
 
  private:
+  // Per query row (column n of group j) the number of keys it sees in [0, t1): jb_[16 j + n];
+  // jmax_[j] / jmin_[j] over the group's rows. Unbounded rows see all t1 keys; padding columns none.
+  void row_bounds(int64_t r, int64_t m, int64_t mg, int64_t t1) {
+    for (int64_t j = 0; j < mg; ++j) {
+      int64_t hi = 0, lo = t1;
+      for (int64_t n = 0; n < COLS; ++n) {
+        const int64_t i = j * COLS + n;
+        int64_t b = 0;
+        if (i < m) b = c_.bound ? std::min(t1, c_.bound[c_.cu[r] + i / c_.g]) : t1;
+        jb_[i] = static_cast<int32_t>(std::max<int64_t>(b, 0));
+        hi = std::max(hi, b);
+        lo = std::min(lo, b);
+      }
+      jmax_[j] = hi;
+      jmin_[j] = c_.bound ? std::max<int64_t>(lo, 0) : t1;
+    }
+  }
+
   // Queries of (r, h) as B tiles: qv[j][kk] is [16 pairs of d][16 columns x 2] bf16, column n of
   // group j holding query row 16 j + n (row jr * g + gi: token jr, head h * g + gi); zero padded.
   void build_queries(int64_t r, int64_t h, int64_t lq, int64_t mg) {
@@ -437,11 +472,23 @@ class Decoder {
   // Online softmax of the key group for query-row group j (lanes = query rows), then P as the A
   // operands pt_[j][q][e] ([16 rows n][16 tokens] dwords, P[n, t] in the low (e = 0) or high
   // (e = 1) half, tokens past nt zero).
-  void softmax(int64_t nt, int64_t j) {
+  void softmax(int64_t t0, int64_t nt, int64_t j) {
     float* s = s_.data();
     const __m512 sc = _mm512_set1_ps(c_.scale);
     __m512 bm = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < nt; ++t) bm = _mm512_max_ps(bm, _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc));
+    // Rows whose bound falls inside this key group: scores past it become -inf (weights 0 below).
+    const bool masked = t0 + nt > jmin_[j];
+    const __m512i bound = _mm512_loadu_si512(jb_.data() + j * COLS);
+    if (masked) {
+      for (int64_t t = 0; t < nt; ++t) {
+        const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s + t * COLS), sc);
+        _mm512_storeu_ps(s + t * COLS, x);
+        bm = _mm512_max_ps(bm, x);
+      }
+    } else {
+      for (int64_t t = 0; t < nt; ++t) bm = _mm512_max_ps(bm, _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc));
+    }
     float* mxp = mx_.data() + j * COLS;
     float* smp = sm_.data() + j * COLS;
     const __m512 old = _mm512_loadu_ps(mxp);
@@ -471,7 +518,12 @@ class Decoder {
       for (int i = 0; i < 16; ++i) {
         const int64_t t = q * 16 + i;
         __m512 p = _mm512_setzero_ps();
-        if (t < nt) p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc), nm));
+        if (t < nt && masked) {
+          const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
+          p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t * COLS), nm)));
+        } else if (t < nt) {
+          p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc), nm));
+        }
         tot = _mm512_add_ps(tot, p);
         r[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
       }
@@ -524,9 +576,10 @@ class Decoder {
     return QT + mg * (QT * dp_ / 32 + 2 * QT + QT * ((dvp_ / 32 + 1) / 2));
   }
 
-  void values(const Rows& values, int64_t nq, int64_t mg) {
+  void values(const Rows& values, int64_t nq, int64_t active) {
     const int64_t chunks = dvp_ / 32;
-    for (int64_t j = 0; j < mg; ++j) {
+    for (int64_t a = 0; a < active; ++a) {
+      const int64_t j = active_[a];
       pcur_ = pt_.data() + j * QT * 2 * TILE_ELEMS;
       float* o = o_.data() + j * COLS * ostride_;
       int64_t c = 0;
@@ -540,8 +593,11 @@ class Decoder {
   std::vector<uint16_t> qv_, kst_, vst_, pt_;
   std::vector<float> s_, o_, mx_, sm_;
   const uint16_t* pcur_ = nullptr;
-  int64_t blk_[TOK], off_[TOK];
   Prefetcher<T> pf_;
+  std::vector<int32_t> jb_;           // keys each query row sees (see row_bounds)
+  std::vector<int64_t> jmax_, jmin_;  // per query-row group
+  int64_t active_[JB];                // the block's groups that still have keys in this key group
+  int64_t blk_[TOK], off_[TOK];
 };
 
 }  // namespace amx

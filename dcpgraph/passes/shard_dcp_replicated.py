@@ -22,8 +22,10 @@ The projections are found from each context attention: the query projection is t
 reached walking back from its query (stopping at linears), column-parallel; the output projection
 is the one linear reached walking forward from its result, row-parallel, whose only user is a TP
 all-reduce. Anything else (a fused QKV or packed projection, an all-reduce shared with another
-branch, a sparse read, a head-sharded parameter such as sink logits between the two) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming ``a2a`` and
-``ag_rs``, which need neither.
+branch, a sparse read, a head-sharded parameter such as sink logits feeding any node computed
+from the query before the output projection) raises :class:`~dcpgraph.errors.UnsupportedModelError`
+naming ``a2a`` and ``ag_rs``, which need neither. :func:`ag_rules` makes the same checks without
+rewriting the graph (``comm="auto"`` offers ``ag`` only where they pass).
 """
 
 from __future__ import annotations
@@ -65,15 +67,39 @@ def _linears(start: torch.fx.Node, forward: bool) -> tuple[set[torch.fx.Node], s
 
 
 def _refuse_head_sharded_state(walked: set[torch.fx.Node], specs: dict[str, InputSpec], read: torch.fx.Node) -> None:
-    """Every head now lives on every rank: a sharded parameter used between the projections (a
-    per-head sink logit, say) would still hold only this rank's heads."""
-    for node in walked:
-        for i in node.all_input_nodes:
-            spec = specs.get(i.name) if i.op == "placeholder" else None
-            if spec is not None and spec.kind in STATE_KINDS and spec.shard.dim is not None:
-                raise UnsupportedModelError(
-                    f"comm='ag': {read.name}'s attention uses {spec.target}, sharded by {spec.shard}, between its "
-                    "projections; use comm='a2a' or 'ag_rs'")
+    """Every head now lives on every rank: a sharded parameter feeding a node of ``walked`` (the
+    nodes computed from the query projection before the output projection), directly or through
+    ops that are not linears (a per-head sink logit cast to the activations' dtype, say), would
+    still hold only this rank's heads."""
+    seen: set[torch.fx.Node] = set()
+    stack = [i for node in walked for i in node.all_input_nodes if i not in walked]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if i.op == "call_function" and i.target is not aten.linear.default and i.target is not WAIT \
+                and collective_of(i.target) is None:  # linears and collectives bound the attention
+            stack.extend(x for x in i.all_input_nodes if x not in walked)
+            continue
+        spec = specs.get(i.name) if i.op == "placeholder" else None
+        if spec is not None and spec.kind in STATE_KINDS and spec.shard.dim is not None:
+            raise UnsupportedModelError(
+                f"comm='ag': {read.name}'s attention uses {spec.target}, sharded by {spec.shard}, between its "
+                "projections; use comm='a2a' or 'ag_rs'")
+
+
+def _between(q_proj: torch.fx.Node, o_proj: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes computed from ``q_proj``'s output before ``o_proj`` (the context read, the
+    new-token attention, their merge and everything on the way)."""
+    seen: set[torch.fx.Node] = set()
+    stack = [q_proj]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen and user is not o_proj and user.op == "call_function":
+                seen.add(user)
+                stack.append(user)
+    return seen
 
 
 def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[str, ShardRule],
@@ -106,6 +132,7 @@ def _check_projections(read: torch.fx.Node, specs: dict[str, InputSpec], rules: 
             f"comm='ag': {read.name} has query projections {sorted(n.name for n in q_linears)} and output "
             f"projections {sorted(n.name for n in o_linears)}, expected one each; use comm='a2a' or 'ag_rs'")
     (q_proj,), (o_proj,) = q_linears, o_linears
+    _refuse_head_sharded_state(_between(q_proj, o_proj), specs, read)
     group_heads = REPLICATE if n == tp else ShardRule(0, tp // n)  # rank r: chunk r // n, its group's
     q_weight = _param_rule(q_proj, specs, rules, _COLWISE, "query")
     o_weight = _param_rule(o_proj, specs, rules, _ROWWISE, "output")

@@ -158,6 +158,21 @@ def test_a_70b_model_on_h200s_keeps_a2a_at_dcp_eq_tp():
     assert choice(2).comm == "ag"
 
 
+def test_a_lowering_refused_after_pricing_hands_the_choice_to_the_next_cheapest():
+    """What shard_dcp does when ag passed its checks but its rewritten graph fails verification
+    (decode_scaling.py's shape on the host link, where ag is cheapest)."""
+    shape = load_model_shape("llama-3.1-70b:hidden_size=256,num_hidden_layers=8,num_attention_heads=8,"
+                             "num_key_value_heads=1,intermediate_size=512,vocab_size=512")
+    weights = {c: int(shape.weight_params_per_rank(8, dcp=2, comm=c) * 2) for c in ("a2a", "ag_rs", "ag")}
+    host = dataclasses.replace(link_hardware("gloo"), memory_bytes=1 << 40)
+    first = choose_comm(shape, host, tp=8, dcp=2, context=1024, batch=4, kv_bytes_per_token_layer=4096,
+                        kv_bytes_per_rank=0, weight_bytes=weights, refused={})
+    assert first.comm == "ag"
+    second = first.refuse("ag", "its lowering failed: shape propagation failed at %add")
+    assert second.comm == "a2a" and "ag refused: its lowering failed: shape propagation failed" in second.reason
+    assert second.reason.startswith("a2a: cheapest predicted decode step")
+
+
 def test_mla_is_never_given_ag():
     from test_e2e_mla import build as build_mla
 

@@ -28,7 +28,8 @@ values are inputs (``dcp_rank``, lengths, slots), never control flow.
 Cost model for ``comm="auto"`` (:mod:`.shard_dcp_auto`, :mod:`dcpgraph.plan.comm_choice`): the
 lowering whose decode step the planner's cost model (:func:`dcpgraph.plan.cost.decode_step`)
 predicts cheapest, among those valid for the program (``ag``: GQA reads that
-:func:`.shard_dcp_replicated.ag_rules` accepts), over the link of the collective backend in use,
+:func:`.shard_dcp_replicated.ag_rules` accepts, and only if its rewritten graph then passes shape
+verification; otherwise the next cheapest), over the link of the collective backend in use,
 at ``max_model_len // 2`` tokens of context and ``max_num_seqs`` requests. a2a and ag_rs move the
 same output bytes, a2a one fp32 lane more per (token, head) in one collective where ag_rs needs two
 (its LSE all-gather growing as N²), so a2a wins wherever a collective costs any latency. ag trades
@@ -44,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import ALL_GATHER, WAIT
-from ..errors import VerificationError
+from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
@@ -53,6 +54,7 @@ from .manager import program_pass
 from .shard_dcp_auto import auto_comm
 from .shard_dcp_replicated import merge_all_heads, replicate_projections
 from .shard_dcp_sparse import shard_indexer
+from .verify import propagate_shapes
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -82,10 +84,29 @@ def shard_dcp(program: Program, comm: str = "auto", workload=None):
         raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
     if n == 1:
         return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
-    choice = None
-    if comm == "auto":
-        choice = auto_comm(program, workload)
-        comm = choice.comm
+    if comm != "auto":
+        return _lower(program, comm)
+    choice = auto_comm(program, workload)
+    if choice.comm == "ag":  # its checks passed; its graph must also verify, else the next cheapest
+        try:
+            lowered, summary = _lower(program, "ag")
+            propagate_shapes(lowered)
+        except (UnsupportedModelError, VerificationError) as err:
+            choice = choice.refuse("ag", f"its lowering failed: {err}")
+        else:
+            return _with_choice(lowered, summary, choice)
+    return _with_choice(*_lower(program, choice.comm), choice)
+
+
+def _with_choice(program: Program, summary: str, choice) -> tuple[Program, str]:
+    return (program.replace(options={**program.options, "comm_choice": choice.reason}),
+            f"{summary}; comm=auto chose {choice.reason}")
+
+
+def _lower(program: Program, comm: str) -> tuple[Program, str]:
+    """``program`` lowered with ``comm`` (one of :data:`COMMS`) at its mesh's dcp > 1."""
+    mesh: Mesh = program.mesh
+    n = mesh.dcp
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
@@ -150,11 +171,10 @@ def shard_dcp(program: Program, comm: str = "auto", workload=None):
         InputSpec("local_context_lens", META, "local_context_lens"),
         InputSpec("dcp_rank", RANK, "dcp_rank"),
     )
-    options = {**program.options, "comm": comm, **({"comm_choice": choice.reason} if choice else {})}
+    options = {**program.options, "comm": comm}
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
         f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
-        + (f"; comm=auto chose {choice.reason}" if choice else "")
         + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
         + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),

@@ -40,6 +40,13 @@ def collective_backend(distributed: bool, device: torch.device, backend) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _weights_device(program: Program) -> torch.device:
+    """Where the ranks will run: a CUDA device if any state tensor is on one, else the host (a
+    checkpoint traced on the meta device, :mod:`dcpgraph.serving.loader`, counts as the host)."""
+    devices = {t.device for t in program.state.values() if isinstance(t, torch.Tensor)}
+    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+
+
 def _device_name(link: str, device: torch.device) -> str:
     if link == "nccl" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device if torch.device(device).type == "cuda" else None)
@@ -51,9 +58,8 @@ def compile_workload(program: Program, *, tp: int, distributed: bool, backend, m
     """The :class:`~dcpgraph.plan.comm_choice.CommWorkload` of an engine ``dcpgraph.compile``
     builds: ranks of one host share it (``LOCAL_WORLD_SIZE`` of them under torchrun, else ``tp``)."""
     from ..plan.comm_choice import CommWorkload, link_hardware
-    from ..runtime.executors import state_device
 
-    device = state_device(list(program.state.values()))
+    device = _weights_device(program)
     link = collective_backend(distributed, device, backend)
     hw = link_hardware(link, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", tp)),
                        device_name=_device_name(link, device))

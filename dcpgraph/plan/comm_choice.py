@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from .cost import StepCost, decode_step
 from .hardware import GB, PRESETS, Hardware, physical_memory
 from .model_shape import ModelShape
+from .planner import COMM_PREFERENCE
 
 LINK_BACKENDS = ("gloo", "nccl", "hccl")
 
@@ -98,6 +99,16 @@ class CommChoice:
     comm: str
     reason: str
     candidates: tuple[CommCandidate, ...]
+    hardware: Hardware
+    context: int
+    batch: int
+    layers: int
+
+    def refuse(self, comm: str, why: str) -> CommChoice:
+        """This choice with ``comm`` refused for ``why`` (e.g. its lowering failed to verify)."""
+        marked = tuple(CommCandidate(c.comm, why, None, c.weight_bytes_per_rank) if c.comm == comm else c
+                       for c in self.candidates)
+        return _select(marked, self.hardware, self.context, self.batch, self.layers)
 
 
 def choose_comm(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, context: int, batch: int,
@@ -105,8 +116,6 @@ def choose_comm(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, context: 
                 refused: dict[str, str]) -> CommChoice:
     """The cheapest lowering of ``weight_bytes``' keys (each: that lowering's weight bytes per
     rank) not in ``refused`` (lowering -> why it is invalid), priced as the module docstring says."""
-    from .planner import COMM_PREFERENCE
-
     comms = sorted(weight_bytes, key=COMM_PREFERENCE.__getitem__)
     candidates = []
     for comm in comms:
@@ -122,22 +131,27 @@ def choose_comm(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, context: 
         cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=comm, context=context, batch=batch,
                            kv_bytes_per_token_layer=kv_bytes_per_token_layer, weight_bytes=weights)
         candidates.append(CommCandidate(comm, cost=cost, weight_bytes_per_rank=weights))
+    return _select(tuple(candidates), hw, context, batch, shape.num_layers)
+
+
+def _select(candidates: tuple[CommCandidate, ...], hw: Hardware, context: int, batch: int,
+            layers: int) -> CommChoice:
     priced = [c for c in candidates if c.cost is not None]
     if priced:
         best = min(priced, key=lambda c: (c.cost.step_s, COMM_PREFERENCE[c.comm])).comm
         why = "cheapest predicted decode step"
-    else:  # nothing fits: the fewest weights, and the engine's own allocation will say what is short
-        best = next(c.comm for c in candidates if not refused.get(c.comm))
+    else:  # nothing fits: a2a (the fewest weights, always valid); the engine's allocation says what is short
+        best = "a2a"
         why = "no lowering fits the memory; the fewest weights"
     parts = []
     for c in candidates:
         if c.cost is None:
             parts.append(f"{c.comm} refused: {c.refused}")
         else:
-            parts.append(f"{c.comm} {c.collective_s_per_layer(shape.num_layers) * 1e3:.3f} ms collectives per "
+            parts.append(f"{c.comm} {c.collective_s_per_layer(layers) * 1e3:.3f} ms collectives per "
                          f"layer, {c.weight_bytes_per_rank / 2**20:.2f} MiB weights per rank, step "
                          f"{c.cost.step_s * 1e3:.3f} ms")
     reason = (f"{best}: {why} on {hw.name} (link {hw.link_latency_s * 1e6:.0f} us + "
               f"{hw.link_bandwidth / 1e9:.3g} GB/s per collective) at context {context}, batch {batch}: "
               + "; ".join(parts))
-    return CommChoice(best, reason, tuple(candidates))
+    return CommChoice(best, reason, candidates, hw, context, batch, layers)

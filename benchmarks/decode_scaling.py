@@ -18,13 +18,14 @@ except the last (``request.computed = C − 1``): the first ``step()`` is then a
 context ``C − 1`` whose token is written to its slot as usual, and every later step is an ordinary
 decode step. Block tables come from the engine's own block manager (consecutive blocks here).
 
-Three meshes, all tp=2 in the same processes (``VARIANTS``): ``dcp1``; ``dcp2``, the default
-lowering ``comm="a2a"`` (per layer: query all-gather, all-to-all of packed partials, the output
-projection's all-reduce, the MLP's all-reduce); ``dcp2-ag``, ``comm="ag"`` (per layer: one
-all-gather of packed partials of every head and the MLP's all-reduce, the attention projections
-replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`); on request (``--variants``)
-``dcp2-ag_rs`` (query all-gather, LSE all-gather, reduce-scatter, two all-reduces). dcp1 has two
-collectives per layer.
+Three meshes by default, all tp=2 in the same processes (``VARIANTS``): ``dcp1``; ``dcp2``, the
+default ``comm="auto"`` (what users get: the lowering the cost model predicts cheapest, recorded in
+each row's config as ``comm=<chosen> requested=auto`` and its reason printed); ``dcp2-a2a``,
+``comm="a2a"`` (per layer: query all-gather, all-to-all of packed partials, the output projection's
+all-reduce, the MLP's all-reduce). On request (``--variants``): ``dcp2-ag``, ``comm="ag"`` (per
+layer: one all-gather of packed partials of every head and the MLP's all-reduce, the attention
+projections replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`), and ``dcp2-ag_rs`` (query
+all-gather, LSE all-gather, reduce-scatter, two all-reduces). dcp1 has two collectives per layer.
 
 Per context length ``C`` (16K…128K; ``--quick``: 4K and 16K) the meshes take turns step by step,
 each with its own request (the logical group names are re-registered for the engine about to run,
@@ -78,11 +79,13 @@ QUICK_CONTEXTS = (4096, 16384)
 PARTS = ("query all-gather launch", "query all-gather wait", "merge exchange launch", "merge exchange wait",
          "tp all-reduce launch", "tp all-reduce wait", "local attention", "new-token attention", "merge",
          "layout copies", "other ops", "engine")
-# The compared meshes, all tp=2 in the same two processes: name -> (dcp, comm). "dcp2" is the
-# default lowering (a2a: query all-gather, packed all-to-all, output all-reduce), "dcp2-ag" the
-# replicated-projection one (one all-gather of packed partials per layer, see shard_dcp_replicated).
-VARIANTS = {"dcp1": (1, "auto"), "dcp2": (2, "a2a"), "dcp2-ag": (2, "ag"), "dcp2-ag_rs": (2, "ag_rs")}
-DEFAULT_VARIANTS = ("dcp1", "dcp2", "dcp2-ag")  # ag_rs (3 DCP collectives per layer) on request
+# The compared meshes, all tp=2 in the same two processes: name -> (dcp, comm). "dcp2" is what
+# users get (comm="auto", the cost model's choice); the others pin a lowering: a2a (query all-gather,
+# packed all-to-all, output all-reduce), ag (one all-gather of packed partials per layer, see
+# shard_dcp_replicated), ag_rs (query all-gather, LSE all-gather, reduce-scatter).
+VARIANTS = {"dcp1": (1, "auto"), "dcp2": (2, "auto"), "dcp2-a2a": (2, "a2a"), "dcp2-ag": (2, "ag"),
+            "dcp2-ag_rs": (2, "ag_rs")}
+DEFAULT_VARIANTS = ("dcp1", "dcp2", "dcp2-a2a")  # ag and ag_rs pinned on request
 BASELINE = "dcp1"
 
 
@@ -202,6 +205,8 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
         for cache in engines[name].executor.caches.values():
             cache.normal_()
     heads = {name: _attention_query_heads(e.program) for name, e in engines.items()}
+    chosen = {name: e.program.options["comm"] for name, e in engines.items()}
+    reasons = {name: e.program.options["comm_choice"] for name, e in engines.items() if "comm_choice" in e.program.options}
     gen = torch.Generator().manual_seed(0)
     prompt_all = torch.randint(0, 512, (longest,), generator=gen).tolist()
 
@@ -216,7 +221,7 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
         engine.scheduler.get(rid).computed = ctx - 1  # the context is "in the cache" (random values)
         return rid
 
-    results: dict = {"heads": heads, "contexts": {}}
+    results: dict = {"heads": heads, "comm": chosen, "comm_choice": reasons, "contexts": {}}
     for ctx in contexts:
         step_wall = {name: [] for name in engines}
         step_cpu = {name: [] for name in engines}
@@ -319,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     load = common.load_note()
     records = []
     print(f"query heads per rank in the attention op: {r0['heads']}  (load before: {load_before}, after: {load})")
+    print(f"lowering built per mesh: {r0['comm']}")
+    for name, reason in r0["comm_choice"].items():
+        print(f"{name}: comm=auto chose {reason}")
     print(f"{'context':>8} " + " ".join(f"{'step ' + n:>14}" for n in names) + "  ratios to dcp1   "
           + " ".join(f"{'attn ' + n:>14}" for n in names))
     for ctx in contexts:
@@ -329,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         attn_r1 = {n: statistics.median(ranks[1]["contexts"][ctx]["attn"][n]) * 1e3 for n in names}
         for n in names:
             dcp, comm = variants[n]
-            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 fp32 tp={TP} dcp={dcp} comm={comm} gloo ctx={ctx} "
+            built = r0["comm"][n]
+            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 fp32 tp={TP} dcp={dcp} comm={built} requested={comm} gloo ctx={ctx} "
                       f"local_len={c['local_len'][n]} heads_in_op={r0['heads'][n]} {load}")
             base = {} if n == BASELINE else {"baseline": step[BASELINE]}
             rec = common.record(NAME, config, "decode_step_time", step[n], "ms", digits=4, **base)

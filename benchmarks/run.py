@@ -182,7 +182,7 @@ def plot_decode_scaling(records: list[dict], path: Path) -> bool:
     if not series("decode_attention_time", 1, None):
         return False
     layers = next((c.split("=")[1] for c in records[0]["config"].split() if c.startswith("L=")), "?")
-    comms = sorted({c.split("=")[1] for r in records for c in r["config"].split() if c.startswith("comm=")} - {"auto"})
+    comms = sorted({c.split("=")[1] for r in records for c in r["config"].split() if c.startswith("comm=")} - {"auto", "none"})
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     pts = series("decode_attention_time", 1, None)
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue", label="paged attention, 1 layer (dcp=1)")

@@ -154,10 +154,18 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         from .passes.tp_styles import with_expert_parallel
 
         program = with_expert_parallel(program)
+    sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
+    comm_workload = None
+    if comm == "auto" and mesh.dcp > 1:
+        from .passes.shard_dcp_auto import compile_workload
+
+        comm_workload = compile_workload(program, tp=mesh.tp, distributed=executor_cls is DistributedExecutor,
+                                         backend=backend, max_model_len=max_model_len,
+                                         max_num_seqs=opts["max_num_seqs"], cache_size=sizes)
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
-        return_hidden=mtp_checkpoint is not None,
+        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload,
     )
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import layer_group_tables
@@ -181,7 +189,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     if draft_program is not None:
         draft_program = compile_program(
             draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,
-            verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"],
+            verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
         )
         draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
     return Engine(

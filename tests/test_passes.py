@@ -82,7 +82,7 @@ def traced():
 
 @pytest.fixture(scope="module")
 def compiled(traced):
-    return compile_program(traced["tril"], Mesh(4, 2), block_size=8)
+    return compile_program(traced["tril"], Mesh(4, 2), block_size=8, comm="a2a")  # tests read a2a's structure
 
 
 def run(program: Program, tokens: int) -> torch.Tensor:

@@ -46,13 +46,14 @@ PIPELINE: tuple[ProgramPass, ...] = (
 )
 
 
-def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
-                   kv_cache_dtype: str = "auto", mlapo: bool = True, return_hidden: bool = False) -> list[ProgramPass]:
-    """:data:`PIPELINE` with the configuration's options bound to the passes that take them."""
+def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cache_dtype: str = "auto",
+                   mlapo: bool = True, return_hidden: bool = False, comm_workload=None) -> list[ProgramPass]:
+    """:data:`PIPELINE` with the configuration's options bound to the passes that take them
+    (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`)."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
-        shard_dcp.name: {"comm": comm},
+        shard_dcp.name: {"comm": comm, "workload": comm_workload},
         fuse_mla_preprocess.name: {"enabled": mlapo},
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
@@ -64,7 +65,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None,
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
-    return_hidden: bool = False,
+    return_hidden: bool = False, comm_workload=None,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
     if not isinstance(program, Program):
@@ -73,5 +74,5 @@ def compile_program(
         )
     program = program.replace(options={**program.options, "interleave": interleave})
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
-                            mlapo=mlapo, return_hidden=return_hidden)
+                            mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload)
     return run_passes(program, passes, verify=verify)

@@ -25,12 +25,19 @@ rank does not own. The context length input becomes ``local_context_lens`` (per 
 ``layout.local_len``). Every rank issues the same collectives in the same order; the only per-rank
 values are inputs (``dcp_rank``, lengths, slots), never control flow.
 
-Cost model for ``comm="auto"``: both move the same output bytes; a2a adds one fp32 lane per
-(token, head) and needs one collective after the query gather, ag_rs needs two plus an LSE
-all-gather that grows as N². a2a is chosen unless the value dim is so small that the extra lane
-dominates (Dv < 4), where ag_rs's N·H·4 bytes per token is cheaper than (Dv+1)/Dv more output.
-``ag`` is only ever chosen by name: it trades the projections' memory for two fewer collectives
-per layer.
+Cost model for ``comm="auto"`` (:mod:`.shard_dcp_auto`, :mod:`dcpgraph.plan.comm_choice`): the
+lowering whose decode step the planner's cost model (:func:`dcpgraph.plan.cost.decode_step`)
+predicts cheapest, among those valid for the program (``ag``: GQA reads that
+:func:`.shard_dcp_replicated.ag_rules` accepts, and only if its rewritten graph then passes shape
+verification; otherwise the next cheapest), over the link of the collective backend in use,
+at ``max_model_len // 2`` tokens of context and ``max_num_seqs`` requests. a2a and ag_rs move the
+same output bytes, a2a one fp32 lane more per (token, head) in one collective where ag_rs needs two
+(its LSE all-gather growing as N²), so a2a wins wherever a collective costs any latency. ag trades
+the query gather (and at ``dcp == tp`` the output projection's all-reduce) for ``dcp`` times the
+query projection's weight bytes and an ``N``-times larger merge gather: it wins on a
+high-latency link (gloo) and loses where collectives are cheap next to the extra weight read.
+The choice, with every candidate's predicted per-layer collective time, is recorded in the
+program's ``options["comm_choice"]`` and this pass's provenance.
 """
 
 from __future__ import annotations
@@ -38,22 +45,20 @@ from __future__ import annotations
 import torch
 
 from ..collectives import ALL_GATHER, WAIT
-from ..errors import VerificationError
+from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
 from .manager import program_pass
+from .shard_dcp_auto import auto_comm
 from .shard_dcp_replicated import merge_all_heads, replicate_projections
 from .shard_dcp_sparse import shard_indexer
+from .verify import propagate_shapes
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 COMMS = ("a2a", "ag_rs", "ag")
-
-
-def choose_comm(v_head_dim: int) -> str:
-    return "ag_rs" if v_head_dim < 4 else "a2a"
 
 
 def _ensures_dcp(program: Program) -> None:
@@ -70,15 +75,38 @@ def _ensures_dcp(program: Program) -> None:
 
 
 @program_pass("shard_dcp", requires=["insert_kv_cache", "shard_tp"], ensures=[_ensures_dcp])
-def shard_dcp(program: Program, comm: str = "auto"):
+def shard_dcp(program: Program, comm: str = "auto", workload=None):
+    """``workload``: what ``comm="auto"`` prices for (:class:`dcpgraph.plan.comm_choice.CommWorkload`;
+    None: :mod:`.shard_dcp_auto`'s default engine)."""
     mesh: Mesh = program.mesh
     n = mesh.dcp
-    if comm == "auto":
-        comm = choose_comm(program.facts.v_head_dim)
-    if comm not in COMMS:
+    if comm != "auto" and comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
     if n == 1:
         return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
+    if comm != "auto":
+        return _lower(program, comm)
+    choice = auto_comm(program, workload)
+    if choice.comm == "ag":  # its checks passed; its graph must also verify, else the next cheapest
+        try:
+            lowered, summary = _lower(program, "ag")
+            propagate_shapes(lowered)
+        except (UnsupportedModelError, VerificationError) as err:
+            choice = choice.refuse("ag", f"its lowering failed: {err}")
+        else:
+            return _with_choice(lowered, summary, choice)
+    return _with_choice(*_lower(program, choice.comm), choice)
+
+
+def _with_choice(program: Program, summary: str, choice) -> tuple[Program, str]:
+    return (program.replace(options={**program.options, "comm_choice": choice.reason}),
+            f"{summary}; comm=auto chose {choice.reason}")
+
+
+def _lower(program: Program, comm: str) -> tuple[Program, str]:
+    """``program`` lowered with ``comm`` (one of :data:`COMMS`) at its mesh's dcp > 1."""
+    mesh: Mesh = program.mesh
+    n = mesh.dcp
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)

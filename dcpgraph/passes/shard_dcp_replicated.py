@@ -22,8 +22,10 @@ The projections are found from each context attention: the query projection is t
 reached walking back from its query (stopping at linears), column-parallel; the output projection
 is the one linear reached walking forward from its result, row-parallel, whose only user is a TP
 all-reduce. Anything else (a fused QKV or packed projection, an all-reduce shared with another
-branch, a sparse read, a head-sharded parameter such as sink logits between the two) raises :class:`~dcpgraph.errors.UnsupportedModelError` naming ``a2a`` and
-``ag_rs``, which need neither.
+branch, a sparse read, a head-sharded parameter such as sink logits feeding any node computed
+from the query before the output projection) raises :class:`~dcpgraph.errors.UnsupportedModelError`
+naming ``a2a`` and ``ag_rs``, which need neither. :func:`ag_rules` makes the same checks without
+rewriting the graph (``comm="auto"`` offers ``ag`` only where they pass).
 """
 
 from __future__ import annotations
@@ -65,15 +67,39 @@ def _linears(start: torch.fx.Node, forward: bool) -> tuple[set[torch.fx.Node], s
 
 
 def _refuse_head_sharded_state(walked: set[torch.fx.Node], specs: dict[str, InputSpec], read: torch.fx.Node) -> None:
-    """Every head now lives on every rank: a sharded parameter used between the projections (a
-    per-head sink logit, say) would still hold only this rank's heads."""
-    for node in walked:
-        for i in node.all_input_nodes:
-            spec = specs.get(i.name) if i.op == "placeholder" else None
-            if spec is not None and spec.kind in STATE_KINDS and spec.shard.dim is not None:
-                raise UnsupportedModelError(
-                    f"comm='ag': {read.name}'s attention uses {spec.target}, sharded by {spec.shard}, between its "
-                    "projections; use comm='a2a' or 'ag_rs'")
+    """Every head now lives on every rank: a sharded parameter feeding a node of ``walked`` (the
+    nodes computed from the query projection before the output projection), directly or through
+    ops that are not linears (a per-head sink logit cast to the activations' dtype, say), would
+    still hold only this rank's heads."""
+    seen: set[torch.fx.Node] = set()
+    stack = [i for node in walked for i in node.all_input_nodes if i not in walked]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if i.op == "call_function" and i.target is not aten.linear.default and i.target is not WAIT \
+                and collective_of(i.target) is None:  # linears and collectives bound the attention
+            stack.extend(x for x in i.all_input_nodes if x not in walked)
+            continue
+        spec = specs.get(i.name) if i.op == "placeholder" else None
+        if spec is not None and spec.kind in STATE_KINDS and spec.shard.dim is not None:
+            raise UnsupportedModelError(
+                f"comm='ag': {read.name}'s attention uses {spec.target}, sharded by {spec.shard}, between its "
+                "projections; use comm='a2a' or 'ag_rs'")
+
+
+def _between(q_proj: torch.fx.Node, o_proj: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes computed from ``q_proj``'s output before ``o_proj`` (the context read, the
+    new-token attention, their merge and everything on the way)."""
+    seen: set[torch.fx.Node] = set()
+    stack = [q_proj]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen and user is not o_proj and user.op == "call_function":
+                seen.add(user)
+                stack.append(user)
+    return seen
 
 
 def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[str, ShardRule],
@@ -89,12 +115,12 @@ def _param_rule(linear: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[
     return weight.name
 
 
-def replicate_projections(graph: torch.fx.Graph, e, read: torch.fx.Node, specs: dict[str, InputSpec],
-                          rules: dict[str, ShardRule], n: int, tp: int, dcp_rank: torch.fx.Node) -> None:
-    """Give ``read``'s query projection every head of this rank's DCP group (``n`` of ``tp``
-    ranks), recording the new weight (and bias) rules in ``rules``. With ``n == tp`` the output
-    projection becomes whole too and its all-reduce is removed; otherwise it keeps its TP shard
-    and reads only this rank's heads of the merged result (``dcp_rank``-th of ``n`` head blocks)."""
+def _check_projections(read: torch.fx.Node, specs: dict[str, InputSpec], rules: dict[str, ShardRule], n: int,
+                       tp: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
+    """``(q_proj, o_proj, reduce)`` of ``read`` after every check :func:`replicate_projections`
+    makes (``reduce``: the output projection's TP all-reduce, removed at ``n == tp``, else None),
+    recording the new parameter rules in ``rules``; the graph is not changed. Raises
+    :class:`UnsupportedModelError` naming ``a2a``/``ag_rs`` where ``comm="ag"`` cannot lower."""
     if read.target is not dcp_ops.paged_attention.default:
         raise UnsupportedModelError(f"comm='ag' shards paged context attention only, not {read.target}; "
                                     "use comm='a2a' or 'ag_rs'")
@@ -106,29 +132,58 @@ def replicate_projections(graph: torch.fx.Graph, e, read: torch.fx.Node, specs: 
             f"comm='ag': {read.name} has query projections {sorted(n.name for n in q_linears)} and output "
             f"projections {sorted(n.name for n in o_linears)}, expected one each; use comm='a2a' or 'ag_rs'")
     (q_proj,), (o_proj,) = q_linears, o_linears
+    _refuse_head_sharded_state(_between(q_proj, o_proj), specs, read)
     group_heads = REPLICATE if n == tp else ShardRule(0, tp // n)  # rank r: chunk r // n, its group's
-    rules[_param_rule(q_proj, specs, rules, _COLWISE, "query")] = group_heads
+    q_weight = _param_rule(q_proj, specs, rules, _COLWISE, "query")
+    o_weight = _param_rule(o_proj, specs, rules, _ROWWISE, "output")
+    rules[q_weight] = group_heads
     if len(q_proj.args) > 2 and q_proj.args[2] is not None:
         rules[q_proj.args[2].name] = group_heads
-    o_weight = _param_rule(o_proj, specs, rules, _ROWWISE, "output")
     if n != tp:
-        with graph.inserting_before(o_proj):  # [..., n·H·Dv] -> this rank's [..., H·Dv]
-            blocks = e(aten.unflatten.int, o_proj.args[0], -1, [n, -1])
-            mine = e(aten.squeeze.dim, e(aten.index_select.default, blocks, -2,
-                                         e(aten.view.default, dcp_rank, [1])), -2)
-        o_proj.args = (mine, *o_proj.args[1:])
-        return
+        return q_proj, o_proj, None
     (reduce,) = o_proj.users if len(o_proj.users) == 1 else (None,)
     if reduce is None or collective_of(reduce.target) is not ALL_REDUCE or coll.collective_group(reduce)[0] != "tp" \
             or len(reduce.users) != 1 or next(iter(reduce.users)).target is not WAIT:
         raise UnsupportedModelError(
             f"comm='ag': the output projection {o_proj.name} must feed one TP all-reduce of its own; "
             "use comm='a2a' or 'ag_rs'")
+    rules[o_weight] = REPLICATE
+    return q_proj, o_proj, reduce
+
+
+def ag_rules(graph: torch.fx.Graph, specs: dict[str, InputSpec], n: int, tp: int) -> tuple[dict[str, ShardRule], str]:
+    """``(rules, refusal)`` for lowering this TP-sharded graph with ``comm="ag"``: the parameter
+    rules :func:`replicate_projections` would give, and ``""``; or ``({}, message)`` with the
+    message it would raise for the first context read it refuses. The graph is not changed."""
+    reads = [x for x in graph.nodes if x.op == "call_function"
+             and x.target in (dcp_ops.paged_attention.default, dcp_ops.paged_sparse_attention.default)]
+    rules: dict[str, ShardRule] = {}
+    try:
+        for read in reads:
+            _check_projections(read, specs, rules, n, tp)
+    except UnsupportedModelError as err:
+        return {}, str(err)
+    return rules, ""
+
+
+def replicate_projections(graph: torch.fx.Graph, e, read: torch.fx.Node, specs: dict[str, InputSpec],
+                          rules: dict[str, ShardRule], n: int, tp: int, dcp_rank: torch.fx.Node) -> None:
+    """Give ``read``'s query projection every head of this rank's DCP group (``n`` of ``tp``
+    ranks), recording the new weight (and bias) rules in ``rules``. With ``n == tp`` the output
+    projection becomes whole too and its all-reduce is removed; otherwise it keeps its TP shard
+    and reads only this rank's heads of the merged result (``dcp_rank``-th of ``n`` head blocks)."""
+    _, o_proj, reduce = _check_projections(read, specs, rules, n, tp)
+    if reduce is None:
+        with graph.inserting_before(o_proj):  # [..., n·H·Dv] -> this rank's [..., H·Dv]
+            blocks = e(aten.unflatten.int, o_proj.args[0], -1, [n, -1])
+            mine = e(aten.squeeze.dim, e(aten.index_select.default, blocks, -2,
+                                         e(aten.view.default, dcp_rank, [1])), -2)
+        o_proj.args = (mine, *o_proj.args[1:])
+        return
     wait = next(iter(reduce.users))
     wait.replace_all_uses_with(o_proj)
     graph.erase_node(wait)
     graph.erase_node(reduce)
-    rules[o_weight] = REPLICATE
 
 
 def merge_all_heads(graph: torch.fx.Graph, e, o_c: torch.fx.Node, lse_c: torch.fx.Node, n: int, heads: int,

@@ -83,9 +83,9 @@ def _state_bytes(program: Program, name: str, rule) -> int:
 def auto_comm(program: Program, workload=None):
     """The :class:`~dcpgraph.plan.comm_choice.CommChoice` for ``program`` (TP-sharded, dcp > 1)."""
     from ..capacity import max_sequences
+    from ..kv_budget import blocks_for_budget, kv_bytes_per_block
     from ..plan.comm_choice import choose_comm
     from ..plan.model_shape import ModelShape
-    from ..runtime.engine import blocks_for_budget, kv_bytes_per_block
     from .tp_styles import weight_bytes_per_rank
 
     workload = workload or _default_workload(program)

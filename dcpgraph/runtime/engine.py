@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import RequestError
+from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program
 from ..speculative.build import make_proposer
 from ..speculative.config import speculative_config as speculative_config_of
@@ -24,13 +25,6 @@ from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, StepEvent
 from .verify_buckets import VerifyBuckets
-
-
-def kv_bytes_per_block(program: Program) -> int:
-    """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
-    from ..capacity import bytes_per_block, cache_shapes  # one formula, shared with the planner
-
-    return bytes_per_block(cache_shapes(program.caches), int(program.options["block_size"]))
 
 
 class Engine:
@@ -366,32 +360,6 @@ class Engine:
             "prefix_cache": self.prefix_cache_report(),
             **backend,
         }
-
-
-def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None, kv_cache_bytes_per_rank=None,
-                      max_model_len: int, max_num_seqs: int, decode_tokens: int = 1, step_tokens: int = 1) -> int:
-    """Cache size in blocks from whichever budget the user gave (default: every sequence slot
-    at ``max_model_len``). For a ``hybrid_kv_cache`` program these are the full group's blocks;
-    a byte budget is split with the sliding pool (``decode_tokens``: 1 + draft tokens,
-    ``step_tokens``: one step's token budget; see :func:`~.layer_groups.split_byte_budget`)."""
-    per_block = kv_bytes_per_block(program)
-    tokens_per_block = int(program.options["block_size"]) * program.mesh.dcp
-    given = [x is not None for x in (num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank)]
-    if sum(given) > 1:
-        raise ValueError("give at most one of num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank")
-    if num_blocks is not None:
-        return int(num_blocks)
-    if kv_cache_bytes_per_rank is not None and program.options.get("sliding_caches"):
-        from .layer_groups import group_bytes_per_block, split_byte_budget
-
-        full_bpb, sliding_bpb = group_bytes_per_block(program)
-        return split_byte_budget(int(kv_cache_bytes_per_rank), full_bpb, sliding_bpb, int(program.options["sliding_window"]),
-                                 decode_tokens=decode_tokens, step_tokens=step_tokens,
-                                 tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
-    if kv_cache_bytes_per_rank is not None:
-        return max(1, int(kv_cache_bytes_per_rank) // per_block)
-    tokens = kv_cache_tokens if kv_cache_tokens is not None else max_model_len * max_num_seqs
-    return max(1, math.ceil(tokens / tokens_per_block))
 
 
 def _weight_bytes_per_rank(program) -> list[int]:

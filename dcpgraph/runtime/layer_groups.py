@@ -34,42 +34,19 @@ allocation, and KV transfer between engines.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 
 from ..errors import ConfigError
+from ..kv_budget import (  # noqa: F401  (re-exported: the engine sizes pools with them)
+    group_bytes_per_block,
+    sliding_pool_blocks,
+    split_byte_budget,
+    window_blocks,
+)
 from .blocks import BlockManager
 
 NULL_BLOCK = 0
-
-
-def window_blocks(window: int, chunk_tokens: int, tokens_per_block: int) -> int:
-    """Most sliding blocks one request holds: the ``window − 1`` keys before its first new token,
-    a chunk of ``chunk_tokens`` new tokens (drafts included), and one block of misalignment."""
-    return math.ceil((window - 1 + chunk_tokens) / tokens_per_block) + 1
-
-
-def sliding_pool_blocks(full_blocks: int, window: int, *, decode_tokens: int, step_tokens: int,
-                        tokens_per_block: int, max_num_seqs: int) -> int:
-    """Sliding-pool size: ``max_num_seqs`` requests' :func:`window_blocks` for a decode row of
-    ``decode_tokens`` (1 + draft tokens), ``ceil(step_tokens / tokens_per_block)`` blocks for one
-    step's token budget, and the null block; at most the full pool's size plus the null block
-    (what uniform sizing gives every layer). It is at least ``window_blocks(W, step_tokens) + 1``,
-    so any one request fits alone."""
-    wanted = (max_num_seqs * window_blocks(window, decode_tokens, tokens_per_block)
-              + math.ceil(step_tokens / tokens_per_block) + 1)
-    return min(wanted, full_blocks + 1)
-
-
-def split_byte_budget(budget: int, full_bytes_per_block: int, sliding_bytes_per_block: int, window: int, *,
-                      decode_tokens: int, step_tokens: int, tokens_per_block: int, max_num_seqs: int) -> int:
-    """Full-pool blocks for a per-rank byte budget, the sliding pool taking
-    :func:`sliding_pool_blocks` of it (at least one full block)."""
-    uniform = max(1, budget // (full_bytes_per_block + sliding_bytes_per_block))
-    sliding = sliding_pool_blocks(uniform, window, decode_tokens=decode_tokens, step_tokens=step_tokens,
-                                  tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
-    return max(1, (budget - sliding * sliding_bytes_per_block) // full_bytes_per_block)
 
 
 def check_hybrid_options(*, enable_prefix_caching: bool, kv_allocation: str, draft_model: bool = False) -> None:
@@ -163,16 +140,6 @@ class HybridBlockManager(BlockManager):
                 self._sliding_free.append(block)
         self._dead.pop(request_id, None)
         super().release(request_id)
-
-
-def group_bytes_per_block(program) -> tuple[int, int]:
-    """Bytes of one physical block of the full group's caches and of the sliding group's, per rank."""
-    from ..capacity import bytes_per_block, cache_shapes
-
-    sliding = set(program.options.get("sliding_caches", ()))
-    block = int(program.options["block_size"])
-    full = bytes_per_block(cache_shapes(c for c in program.caches if c.name not in sliding), block)
-    return full, bytes_per_block(cache_shapes(c for c in program.caches if c.name in sliding), block)
 
 
 def make_block_manager(program, num_blocks: int, *, enable_prefix_caching: bool, kv_allocation: str,

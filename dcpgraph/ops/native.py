@@ -30,7 +30,7 @@ import torch
 from .native_build import STALE_LOCK_SECONDS, NativeExtension, clear_stale_lock
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-_HEADERS = (_SRC.parent / "paged_decode_amx.h",)  # included by the source
+_HEADERS = tuple(_SRC.parent / h for h in ("paged_decode_amx.h", "amx_registers.h", "amx_prefetch.h"))  # included
 EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode kernel", "decode runs on the torch path",
                             headers=_HEADERS)
 _clear_stale_lock = clear_stale_lock

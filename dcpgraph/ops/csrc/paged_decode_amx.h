@@ -3,7 +3,10 @@
 // Included by paged_decode.cpp (outside its anonymous namespace, after the AVX-512 helper exp512);
 // compiled only when the compiler targets AMX-BF16 (DCPGRAPH_HAVE_AMX). The process must have
 // been granted the AMX tile state (permission_error() asks the OS once); every thread loads its
-// tile configuration before its first item (configure()) and releases it after its last.
+// tile configuration before its first item (configure()) and releases it after its last. One
+// file over the project's ~450-line guide: the Decoder's phases share its per-thread buffers and
+// the tile-register roles, which splitting would scatter (register helpers: amx_registers.h;
+// prefetch schedule: amx_prefetch.h).
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 (a
 // query-row group j), over key groups of 64 tokens (four 16-token tiles q):
@@ -19,8 +22,8 @@
 //            and zero in the other, so one product picks the even columns and the other the odd
 //            ones (twice the tile products of a token-pair interleave, none of its copying).
 //            Even columns accumulate at o[32 c + i], odd at o[32 c + 16 + i]; run() interleaves.
-// Query rows are processed in blocks of JB row groups (64 rows), each block over the keys any of
-// its rows sees, so a long chunk's output accumulators stay in L1/L2 while its keys stream past
+// Query rows are processed in blocks of JB row groups (256 rows), each block over the keys any of
+// its rows sees, so a long chunk's output accumulators stay in L2 while its keys stream past
 // (flash attention's order); decode has one block. With per-token bounds (a chunked prefill's
 // causal mask) a row's scores past its bound are -inf and its weights 0, and a row group stops
 // at the largest bound of its rows.
@@ -40,6 +43,8 @@
 
 #include <cerrno>
 #include <cstring>
+
+#include "amx_registers.h"
 
 namespace amx {
 
@@ -103,123 +108,11 @@ struct Caches {
   int64_t prefetch_blocks;
   const int64_t* bound;  // per query token: it sees keys j < bound[token] (causal chunks); null: all
 };
+}  // namespace amx
 
-inline __mmask32 mask32(int64_t width, int64_t x) {
-  return x >= width ? 0 : width - x >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (width - x)) - 1u);
-}
+#include "amx_prefetch.h"
 
-// 32 e4m3fn bytes (masked lanes zero) as 32 bf16, exactly: normals move their exponent and
-// mantissa bits into bf16's fields (bias 7 -> 127), subnormals m * 2^-9 come from a table.
-inline __m512i fp8_to_bf16(const uint8_t* src, __mmask32 mk) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, src));
-  const __m512i sub_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                             0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x7F0)),
-                                          _mm512_set1_epi16(120 << 7));
-  const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));  // exponent field 0
-  const __m512i v = _mm512_mask_permutexvar_epi16(normal, sub, x, sub_table);  // index: low 5 bits
-  // sign: bit 7 of the byte to bit 15
-  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
-}
-
-// How one scale group of a row becomes bf16: a power of two 2^k within [2^-117, 2^119] is an
-// exponent step k << 7 (nonzero lanes only; the exact bf16 forms' exponents 118..135 stay normal);
-// any other scale multiplies in fp32.
-struct RowScale {
-  bool exact;
-  int16_t step;
-  float value;
-};
-inline RowScale row_scale(float s) {
-  uint32_t b;
-  std::memcpy(&b, &s, 4);
-  const int32_t k = static_cast<int32_t>((b >> 23) & 0xFF) - 127;
-  if ((b & 0x807FFFFFu) == 0 && k >= -117 && k <= 119) return {true, static_cast<int16_t>(k * 128), s};
-  return {false, 0, s};
-}
-inline __m512i fp8_scaled(const uint8_t* src, __mmask32 mk, const RowScale& s) {
-  const __m512i v = fp8_to_bf16(src, mk);
-  if (s.exact) return _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
-                                            _mm512_set1_epi16(s.step));
-  const __m512 f = _mm512_set1_ps(s.value);
-  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, f), _mm512_mul_ps(lo, f));
-}
-
-// r[i][c] -> r[c][i] for a 16 x 16 matrix of 32-bit elements: 32-bit and 64-bit interleaves
-// leave u[4 g + k] with columns 4 L + k of rows 4 g .. 4 g + 3 in 128-bit lane L; a 4 x 4
-// transpose of 128-bit lanes then gathers each column.
-inline void transpose16_epi32(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
-    r[k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(2, 0, 2, 0));
-    r[4 + k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
-    r[8 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
-// Software prefetch (into L2) spread through a key group's work: the lines of the tokens
-// prefetch_blocks blocks ahead, rounded up to whole key groups (K rows, then V rows unless they
-// are a prefix of K's), a few lines per step(). A scattered table hides the next address from the
-// hardware prefetcher, and a burst of prefetches finds every fill buffer busy: most are dropped
-// (measured: a per-group burst changed nothing, the same lines spread over the group's work made
-// GQA 8:1 decode from DRAM ~1.7x faster).
-template <class T>
-class Prefetcher {
- public:
-  explicit Prefetcher(const Caches<T>& c) : c_(c) {
-    krow_ = (c.d * int64_t(sizeof(T)) + 63) / 64;
-    vrow_ = c.value_prefix ? 0 : (c.dv * int64_t(sizeof(T)) + 63) / 64;
-  }
-  // Start the group at token t of request r (item end t1), expecting ``calls`` step() calls.
-  void start(int64_t r, int64_t h, int64_t t, int64_t t1, int64_t calls) {
-    u_ = t + (c_.prefetch_blocks * c_.bsz + TOK - 1) / TOK * TOK;
-    end_ = c_.prefetch_blocks > 0 ? std::min(u_ + TOK, t1) : u_;
-    line_ = 0;
-    table_ = c_.table + r * c_.width;
-    h_ = h;
-    const int64_t lines = std::max<int64_t>(0, end_ - u_) * (krow_ + vrow_);
-    per_ = calls > 0 ? (lines + calls - 1) / calls : lines;
-  }
-  inline void step() {
-    for (int64_t i = 0; i < per_ && u_ < end_; ++i) {
-      const int64_t blk = table_[u_ / c_.bsz], off = u_ % c_.bsz;
-      const char* p = line_ < krow_
-                          ? reinterpret_cast<const char*>(c_.kp + blk * c_.ks0 + off * c_.ks1 + h_ * c_.ks2) + line_ * 64
-                          : reinterpret_cast<const char*>(c_.vp + blk * c_.vs0 + off * c_.vs1 + h_ * c_.vs2) + (line_ - krow_) * 64;
-      __builtin_prefetch(p, 0, 2);
-      if (++line_ == krow_ + vrow_) {
-        line_ = 0;
-        ++u_;
-      }
-    }
-  }
-  void finish() {
-    per_ = int64_t(1) << 40;
-    step();
-  }
-
- private:
-  const Caches<T>& c_;
-  int64_t krow_, vrow_, u_ = 0, end_ = 0, line_ = 0, per_ = 0, h_ = 0;
-  const int32_t* table_ = nullptr;
-};
+namespace amx {
 
 // 16-row operands of one key group: base and byte stride of each 16-token tile.
 struct Rows {

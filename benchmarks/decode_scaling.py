@@ -2,7 +2,8 @@
 with a per-layer breakdown of where the step's time goes.
 
 Model: a Qwen3 with 8 query heads and **1 KV head** of dim 128 (so tp=2 replicates the KV head
-and dcp=2 is valid), hidden 256, ``--layers`` layers (8 by default), fp32, random weights. The
+and dcp=2 is valid), hidden 256, ``--layers`` layers (8 by default), fp32 (``--dtype bf16``: a bf16
+model, whose bf16 queries take the native kernel's AMX path), random weights. The
 meshes compared are compiled in the same two ``spawn``-ed gloo processes (one thread each), with caches
 sized for the longest context (8 layers x 128K tokens x K and V x 128 x 4 B = 1 GiB per rank for
 dcp=1, half that for each dcp=2 mesh: 4 GiB over both ranks, on a 24 GiB machine).
@@ -68,6 +69,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "decode_scaling"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TP = 2
 BLOCK = 16
 LAYERS = 8
@@ -89,7 +91,7 @@ DEFAULT_VARIANTS = ("dcp1", "dcp2", "dcp2-a2a")  # ag and ag_rs pinned on reques
 BASELINE = "dcp1"
 
 
-def build_model(layers: int = LAYERS):
+def build_model(layers: int = LAYERS, dtype: torch.dtype = torch.float32):
     import transformers as tf
 
     cfg = tf.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
@@ -97,7 +99,7 @@ def build_model(layers: int = LAYERS):
                          max_position_embeddings=1 << 18, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -184,7 +186,7 @@ class TimedGraph:
 
 
 def worker(rank: int, world: int, contexts: list[int], layers: int, variants: dict, steps: int, warm: int,
-           rounds: int, attn_reps: int, timed_steps: int) -> dict:
+           rounds: int, attn_reps: int, timed_steps: int, dtype_name: str = "fp32") -> dict:
     import torch.distributed as dist
 
     import dcpgraph
@@ -194,7 +196,8 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
     torch.manual_seed(1234 + rank)
     longest = max(contexts)
     per_request = warm + steps
-    program = dcpgraph.trace(build_model(layers))
+    dtype = DTYPES[dtype_name]
+    program = dcpgraph.trace(build_model(layers, dtype))
     engines = {}
     for name, (dcp, comm) in variants.items():
         engines[name] = dcpgraph.compile(
@@ -275,7 +278,7 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
             dcp = engine.mesh.dcp
             local = int(layout.local_len(ctx, engine.mesh.dcp_rank(rank), dcp))
             table = torch.arange(-(-local // BLOCK), dtype=torch.int32).view(1, -1)
-            q = torch.randn(1, heads[name], kc.shape[-1])
+            q = torch.randn(1, heads[name], kc.shape[-1]).to(dtype)
             args = (q, kc, vc, table, torch.tensor([0, 1], dtype=torch.int32),
                     torch.tensor([local], dtype=torch.int32), None, kc.shape[-1] ** -0.5)
             calls[name] = args
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="model dtype (bf16: the AMX attention path; results go to decode_scaling_bf16.json)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS),
                         help=f"meshes to compare (default: {' '.join(DEFAULT_VARIANTS)}; {BASELINE} is always run)")
@@ -319,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = common.load_note()
     names = [BASELINE, *(n for n in args.variants if n != BASELINE)]
     variants = {n: VARIANTS[n] for n in names}
-    ranks = spawn(worker, TP, contexts, layers, variants, steps, warm, rounds, attn_reps, timed_steps, timeout_s=3600)
+    ranks = spawn(worker, TP, contexts, layers, variants, steps, warm, rounds, attn_reps, timed_steps, args.dtype,
+                  timeout_s=3600)
     r0 = ranks[0]
     load = common.load_note()
     records = []
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             dcp, comm = variants[n]
             built = r0["comm"][n]
-            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 fp32 tp={TP} dcp={dcp} comm={built} requested={comm} gloo ctx={ctx} "
+            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 {args.dtype} tp={TP} dcp={dcp} comm={built} requested={comm} gloo ctx={ctx} "
                       f"local_len={c['local_len'][n]} heads_in_op={r0['heads'][n]} {load}")
             base = {} if n == BASELINE else {"baseline": step[BASELINE]}
             rec = common.record(NAME, config, "decode_step_time", step[n], "ms", digits=4, **base)
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             comm = r["config"].split(" comm=")[1].split()[0]
             print(f"target (comm={comm}): {r['target']}: {r['ratio']:.2f} "
                   f"({'MET' if r['met'] else 'MISSED: ' + r['miss']})")
-    out = common.write(NAME, records)
+    out = common.write(NAME if args.dtype == "fp32" else f"{NAME}_{args.dtype}", records)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -122,8 +122,8 @@ def amx_enabled(kv_dtype: torch.dtype) -> bool:
         return True
     from .quant import FP8_SCALE_GROUP, is_fp8
 
-    if is_fp8(kv_dtype) and FP8_SCALE_GROUP % 64:
-        amx_reason = f"the AMX path needs an fp8 scale group that is a multiple of 64, not {FP8_SCALE_GROUP}"
+    if is_fp8(kv_dtype) and FP8_SCALE_GROUP % 32:
+        amx_reason = f"the AMX path needs an fp8 scale group that is a multiple of 32, not {FP8_SCALE_GROUP}"
         return False
     status = mod.amx_status()
     if status:

@@ -23,6 +23,7 @@ import time
 
 import common
 import torch
+from attention_bandwidth import KV_DTYPES
 
 import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
 from dcpgraph.ops import native, paged, quant
@@ -30,7 +31,6 @@ from dcpgraph.ops import native, paged, quant
 NAME = "prefill_attention"
 BLOCK, HQ, HKV, D = 16, 8, 1, 128
 CASES = [(ctx, chunk) for ctx in (8192, 32768) for chunk in (256, 1024)]
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def run_case(ctx: int, chunk: int, kv_name: str, reps: int) -> list[dict]:

@@ -18,7 +18,7 @@ def kv_bytes_per_block(program: Program) -> int:
     return bytes_per_block(cache_shapes(program.caches), int(program.options["block_size"]))
 
 
-def group_bytes_per_block(program) -> tuple[int, int]:
+def group_bytes_per_block(program: Program) -> tuple[int, int]:
     """Bytes of one physical block of the full group's caches and of the sliding group's, per rank."""
     sliding = set(program.options.get("sliding_caches", ()))
     block = int(program.options["block_size"])

@@ -200,12 +200,10 @@ def paged_partial_attention(
         from . import native
 
         bound = None
-        if kv_bound is None:
-            args = (block_table, cu_seqlens_q, kv_lens)
-        elif q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype) and _long_rows(cu_seqlens_q):
-            args, bound = (block_table, cu_seqlens_q, kv_lens), kv_bound  # the AMX path's causal rows
-        else:
-            args = _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound)
+        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None else _bound_as_lengths(
+            block_table, cu_seqlens_q, kv_lens, kv_bound)
+        if args is None and q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype):
+            args, bound = (block_table, cu_seqlens_q, kv_lens), kv_bound  # long causal rows: the AMX path's bounds
         if args is not None and native.supports(q, k_cache, v_cache) and native_enabled(k_cache.dtype):
             res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales,
                                              kv_bound=bound)
@@ -223,12 +221,6 @@ def paged_partial_attention(
 
 
 MAX_BOUNDED_QUERIES_PER_ROW = 16  # speculative verification sizes; longer rows keep the torch path
-
-
-def _long_rows(cu_seqlens_q) -> bool:
-    """Whether some request has more than :data:`MAX_BOUNDED_QUERIES_PER_ROW` query tokens."""
-    counts = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    return bool(counts.numel()) and int(counts.max()) > MAX_BOUNDED_QUERIES_PER_ROW
 
 
 def _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound):

@@ -50,6 +50,13 @@ def nodes_calling(graph: torch.fx.Graph, target) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
 
 
+def context_reads(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The paged context reads (dense ``paged_attention`` and sparse ``paged_sparse_attention``),
+    in graph order: what ``shard_dcp`` rewrites."""
+    reads = (torch.ops.dcpgraph.paged_attention.default, torch.ops.dcpgraph.paged_sparse_attention.default)
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in reads]
+
+
 def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 

@@ -49,7 +49,7 @@ from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
-from .graph_edit import Emitter, add_placeholders, getitem_users, nodes_calling
+from .graph_edit import Emitter, add_placeholders, context_reads, getitem_users, nodes_calling
 from .manager import program_pass
 from .shard_dcp_auto import auto_comm
 from .shard_dcp_replicated import merge_all_heads, replicate_projections
@@ -122,8 +122,7 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
     # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
     # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
     position = {n: i for i, n in enumerate(graph.nodes)}
-    reads = [x for x in graph.nodes if x.op == "call_function"
-             and x.target in (dcp_ops.paged_attention.default, dcp_ops.paged_sparse_attention.default)]
+    reads = context_reads(graph)
     for node in reads:
         q = node.args[0]
         heads = q.meta["val"].shape[1]

@@ -19,9 +19,9 @@ import os
 import torch
 
 from ..program import STATE_KINDS, Program
+from .graph_edit import context_reads
 from .shard_dcp_replicated import ag_rules
 
-dcp_ops = torch.ops.dcpgraph
 COMPILE_DEFAULT_MAX_MODEL_LEN = 4096  # dcpgraph.compile's cap on the model's max_position_embeddings
 TORCHAIR_BACKENDS = ("torchair", "npugraph_ex")
 
@@ -91,8 +91,7 @@ def auto_comm(program: Program, workload=None):
     workload = workload or _default_workload(program)
     mesh, facts = program.mesh, program.facts
     graph = program.graph_module.graph
-    reads = [x for x in graph.nodes if x.op == "call_function"
-             and x.target in (dcp_ops.paged_attention.default, dcp_ops.paged_sparse_attention.default)]
+    reads = context_reads(graph)
     q, out = reads[0].args[0].meta["val"], reads[0].meta["val"][0]
     shape = ModelShape(facts.architecture, facts.attention, facts.num_layers, facts.hidden_size,
                        num_q_heads=int(q.shape[1]) * mesh.tp, num_kv_heads=facts.num_kv_heads,

@@ -37,6 +37,7 @@ from ..collectives import ALL_REDUCE, WAIT, collective_of
 from ..errors import UnsupportedModelError
 from ..program import PARAM, REPLICATE, STATE_KINDS, InputSpec, ShardRule
 from . import collectives as coll
+from .graph_edit import context_reads
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
@@ -155,8 +156,7 @@ def ag_rules(graph: torch.fx.Graph, specs: dict[str, InputSpec], n: int, tp: int
     """``(rules, refusal)`` for lowering this TP-sharded graph with ``comm="ag"``: the parameter
     rules :func:`replicate_projections` would give, and ``""``; or ``({}, message)`` with the
     message it would raise for the first context read it refuses. The graph is not changed."""
-    reads = [x for x in graph.nodes if x.op == "call_function"
-             and x.target in (dcp_ops.paged_attention.default, dcp_ops.paged_sparse_attention.default)]
+    reads = context_reads(graph)
     rules: dict[str, ShardRule] = {}
     try:
         for read in reads:

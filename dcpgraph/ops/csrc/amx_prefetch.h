@@ -9,7 +9,7 @@ namespace amx {
 // are a prefix of K's), a few lines per step(). A scattered table hides the next address from the
 // hardware prefetcher, and a burst of prefetches finds every fill buffer busy: most are dropped
 // (measured: a per-group burst changed nothing, the same lines spread over the group's work made
-// GQA 8:1 decode from DRAM ~1.7x faster).
+// GQA 8:1 decode at 128K 1.4x (bf16) and 1.8x (fp8) faster).
 template <class T>
 class Prefetcher {
  public:

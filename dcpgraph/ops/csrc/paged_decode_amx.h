@@ -184,7 +184,8 @@ class Decoder {
 
  private:
   // Per query row (column n of group j) the number of keys it sees in [0, t1): jb_[16 j + n];
-  // jmax_[j] / jmin_[j] over the group's rows. Unbounded rows see all t1 keys; padding columns none.
+  // jmax_[j] / jmin_[j] over the group's rows. Unbounded rows see all t1 keys; padding columns
+  // none (their weights are masked to zero, but they do not make a group take the masked path).
   void row_bounds(int64_t r, int64_t m, int64_t mg, int64_t t1) {
     for (int64_t j = 0; j < mg; ++j) {
       int64_t hi = 0, lo = t1;
@@ -194,7 +195,7 @@ class Decoder {
         if (i < m) b = c_.bound ? std::min(t1, c_.bound[c_.cu[r] + i / c_.g]) : t1;
         jb_[i] = static_cast<int32_t>(std::max<int64_t>(b, 0));
         hi = std::max(hi, b);
-        lo = std::min(lo, b);
+        if (i < m) lo = std::min(lo, b);
       }
       jmax_[j] = hi;
       jmin_[j] = c_.bound ? std::max<int64_t>(lo, 0) : t1;
@@ -236,11 +237,28 @@ class Decoder {
   }
   const T* key_at(int64_t h, int64_t i) const { return c_.kp + blk_[i] * c_.ks0 + off_[i] * c_.ks1 + h * c_.ks2; }
   const T* value_at(int64_t h, int64_t i) const { return c_.vp + blk_[i] * c_.vs0 + off_[i] * c_.vs1 + h * c_.vs2; }
+  // fp8 scales of token i's rows (with values a prefix of the keys, vsp and its strides are the keys')
+  const float* key_scales(int64_t h, int64_t i) const {
+    return c_.ksp + blk_[i] * c_.kss0 + off_[i] * c_.kss1 + h * c_.kss2;
+  }
+  const float* value_scales(int64_t h, int64_t i) const {
+    return c_.vsp + blk_[i] * c_.vss0 + off_[i] * c_.vss1 + h * c_.vss2;
+  }
 
   // Whether the 16 rows of tile qi lie in one block (its rows then have the block's row stride).
-  bool one_block(int64_t qi, int64_t nt) const {
-    const int64_t cnt = std::min<int64_t>(16, nt - qi * 16);
-    return cnt > 0 && off_[qi * 16] + 16 <= c_.bsz;
+  bool one_block(int64_t qi) const { return off_[qi * 16] + 16 <= c_.bsz; }
+
+  // Rows 16 qi .. 16 qi + 15 of the key group as bf16 at dst (row stride ``padded``): the first
+  // ``cnt`` from the cache (row(e), scales(e): token e's row and its fp8 scales), the rest zero.
+  template <class RowOf, class ScalesOf>
+  const uint16_t* stage_tile(int64_t qi, int64_t cnt, int64_t width, int64_t padded, uint16_t* dst, RowOf row,
+                             ScalesOf scales) const {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t e = qi * 16 + i;
+      if (i < cnt) stage_row(row(e), kFp8 ? scales(e) : nullptr, c_.group, width, padded, dst + i * padded);
+      else std::fill(dst + i * padded, dst + (i + 1) * padded, uint16_t(0));
+    }
+    return dst;
   }
 
   // ``width`` elements of row i (a cache row) as ``padded`` bf16 at dst: fp8 with the row's
@@ -267,22 +285,13 @@ class Decoder {
       keys.stride[qi] = 0;
       const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(16, nt - qi * 16));
       if (cnt == 0) continue;
-      if (!kFp8 && c_.d % 32 == 0 && one_block(qi, nt)) {
+      if (!kFp8 && c_.d % 32 == 0 && one_block(qi)) {
         keys.base[qi] = reinterpret_cast<const uint16_t*>(key_at(h, qi * 16));
         keys.stride[qi] = c_.ks1 * 2;
         continue;
       }
-      uint16_t* dst = kst_.data() + qi * 16 * dp_;
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t e = qi * 16 + i;
-        if (i < cnt) {
-          const float* sc = kFp8 ? c_.ksp + blk_[e] * c_.kss0 + off_[e] * c_.kss1 + h * c_.kss2 : nullptr;
-          stage_row(key_at(h, e), sc, c_.group, c_.d, dp_, dst + i * dp_);
-        } else {
-          std::fill(dst + i * dp_, dst + (i + 1) * dp_, uint16_t(0));
-        }
-      }
-      keys.base[qi] = dst;
+      keys.base[qi] = stage_tile(qi, cnt, c_.d, dp_, kst_.data() + qi * 16 * dp_,
+                                 [&](int64_t e) { return key_at(h, e); }, [&](int64_t e) { return key_scales(h, e); });
       keys.stride[qi] = dp_ * 2;
     }
   }
@@ -302,25 +311,15 @@ class Decoder {
         values.stride[qi] = keys.stride[qi];
         continue;
       }
-      if (!kFp8 && !c_.value_prefix && cnt == 16 && c_.dv % 32 == 0 && one_block(qi, nt)) {
+      if (!kFp8 && !c_.value_prefix && cnt == 16 && c_.dv % 32 == 0 && one_block(qi)) {
         values.base[qi] = reinterpret_cast<const uint16_t*>(value_at(h, qi * 16));
         values.stride[qi] = c_.vs1 * 2;
         continue;
       }
-      uint16_t* dst = vst_.data() + qi * 16 * dvp_;
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t e = qi * 16 + i;
-        if (i < cnt) {
-          const T* row = c_.value_prefix ? key_at(h, e) : value_at(h, e);
-          const float* sc = !kFp8 ? nullptr
-                            : c_.value_prefix ? c_.ksp + blk_[e] * c_.kss0 + off_[e] * c_.kss1 + h * c_.kss2
-                                              : c_.vsp + blk_[e] * c_.vss0 + off_[e] * c_.vss1 + h * c_.vss2;
-          stage_row(row, sc, c_.group, c_.dv, dvp_, dst + i * dvp_);
-        } else {
-          std::fill(dst + i * dvp_, dst + (i + 1) * dvp_, uint16_t(0));
-        }
-      }
-      values.base[qi] = dst;
+      // value_at / value_scales also address a prefix of the key rows (same pointer and strides)
+      values.base[qi] = stage_tile(qi, cnt, c_.dv, dvp_, vst_.data() + qi * 16 * dvp_,
+                                   [&](int64_t e) { return value_at(h, e); },
+                                   [&](int64_t e) { return value_scales(h, e); });
       values.stride[qi] = dvp_ * 2;
     }
   }
@@ -433,7 +432,7 @@ class Decoder {
   // O[j] += P[j] V over the key group's nq token tiles, two 32-column chunks at a time: tiles
   // 0/1 even/odd columns of chunk c, 2/3 of chunk c + 1; 4/5 P (low/high halves); 6/7 values.
   template <bool kPair>
-  void value_chunk(const Rows& values, int64_t nq, float* o, int64_t c) {
+  void value_chunk(const Rows& values, const uint16_t* pt, int64_t nq, float* o, int64_t c) {
     const int64_t st = ostride_ * 4;
     float* oc = o + c * 32;
     _tile_loadd(0, oc, st);
@@ -444,8 +443,8 @@ class Decoder {
     }
     for (int64_t q = 0; q < nq; ++q) {
       pf_.step();
-      _tile_loadd(4, pcur_ + q * 2 * TILE_ELEMS, 64);
-      _tile_loadd(5, pcur_ + q * 2 * TILE_ELEMS + TILE_ELEMS, 64);
+      _tile_loadd(4, pt + q * 2 * TILE_ELEMS, 64);
+      _tile_loadd(5, pt + q * 2 * TILE_ELEMS + TILE_ELEMS, 64);
       _tile_loadd(6, values.base[q] + c * 32, values.stride[q]);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
@@ -465,19 +464,20 @@ class Decoder {
 
   // step() calls per key group of 64 tokens: key rows (one per token tile), scores (one per
   // token tile and 32-column step), softmax (two per token tile), values (one per token tile and chunk pair).
-  int64_t calls_per_group(int64_t mg) const {
-    return QT + mg * (QT * dp_ / 32 + 2 * QT + QT * ((dvp_ / 32 + 1) / 2));
+  // ``groups``: the query-row groups of the block.
+  int64_t calls_per_group(int64_t groups) const {
+    return QT + groups * (QT * dp_ / 32 + 2 * QT + QT * ((dvp_ / 32 + 1) / 2));
   }
 
   void values(const Rows& values, int64_t nq, int64_t active) {
     const int64_t chunks = dvp_ / 32;
     for (int64_t a = 0; a < active; ++a) {
       const int64_t j = active_[a];
-      pcur_ = pt_.data() + j * QT * 2 * TILE_ELEMS;
+      const uint16_t* pt = pt_.data() + j * QT * 2 * TILE_ELEMS;
       float* o = o_.data() + j * COLS * ostride_;
       int64_t c = 0;
-      for (; c + 1 < chunks; c += 2) value_chunk<true>(values, nq, o, c);
-      if (c < chunks) value_chunk<false>(values, nq, o, c);
+      for (; c + 1 < chunks; c += 2) value_chunk<true>(values, pt, nq, o, c);
+      if (c < chunks) value_chunk<false>(values, pt, nq, o, c);
     }
   }
 
@@ -485,7 +485,6 @@ class Decoder {
   const int64_t dp_, dvp_, ostride_, mgroups_;
   std::vector<uint16_t> qv_, kst_, vst_, pt_;
   std::vector<float> s_, o_, mx_, sm_;
-  const uint16_t* pcur_ = nullptr;
   Prefetcher<T> pf_;
   std::vector<int32_t> jb_;           // keys each query row sees (see row_bounds)
   std::vector<int64_t> jmax_, jmin_;  // per query-row group

@@ -84,12 +84,13 @@ def test_bf16_chunked_prefill_reads_the_cache_in_place(qwen3_pair, monkeypatch):
         pytest.skip(f"AMX bf16 path off: {native.amx_reason or native.reason}")
     prompt = torch.randint(1, 256, (70,), generator=torch.Generator().manual_seed(4)).tolist()
     bounded = []
-    real = native._module.paged_decode
-    monkeypatch.setattr(native._module, "paged_decode", lambda *a: bounded.append(a[-1] is not None) or real(*a))
+    real = native._module.paged_attention  # argument 8: kv_bound; decode steps pass one too (one query a row)
+    monkeypatch.setattr(native._module, "paged_attention",
+                        lambda *a: bounded.append(a[0].shape[0] if a[8] is not None else 0) or real(*a))
     engine = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_batched_tokens=32)
     steps = record_logits(engine)
     engine.generate([prompt], 1)
-    assert any(bounded), "no chunk's context attention reached the kernel with its bounds"
+    assert max(bounded) == 32, "no chunk's context attention reached the kernel with its bounds"
     with torch.no_grad():
         truth = fp32(torch.tensor([prompt])).logits[0]
         hf = bf16(torch.tensor([prompt])).logits[0].float()

@@ -104,20 +104,20 @@ def test_bad_block_table_falls_back_to_the_checked_path(kv_dtype):
 
 
 def test_dispatch_sends_bf16_queries_to_the_amx_path(kv_dtype, monkeypatch):
-    """``paged_partial_attention`` with bf16 queries hands them to the kernel as bf16 (the AMX
-    path); fp32 queries still go in as fp32."""
+    """``paged_partial_attention`` hands bf16 queries to the kernel's AMX path (its ``amx`` flag,
+    argument 10); fp32 queries go to its fp32 path."""
     if not paged.native_enabled(kv_dtype):
         pytest.skip(f"native {kv_dtype} off: {paged._native_state.get(('reason', kv_dtype))}")
     seen = []
-    real = native._module.paged_decode
-    monkeypatch.setattr(native._module, "paged_decode", lambda q, *a: seen.append(q.dtype) or real(q, *a))
+    real = native._module.paged_attention
+    monkeypatch.setattr(native._module, "paged_attention", lambda q, *a: seen.append((q.dtype, a[9])) or real(q, *a))
     (k, v, ks, vs), _ = _cache(4, kv_dtype, 12, 16, 1, 128, 128, False)
     table = torch.arange(12, dtype=torch.int32).view(2, 6)
     cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([40, 90], dtype=torch.int32)
     q = torch.randn(2, 8, 128)
     for dtype in (torch.bfloat16, torch.float32):
         paged.paged_partial_attention(q.to(dtype), k, v, table, cu, lens, None, 0.2, k_scales=ks, v_scales=vs)
-    assert seen == [torch.bfloat16, torch.float32]
+    assert seen == [(torch.bfloat16, True), (torch.float32, False)]
 
 
 def test_disabled_amx_falls_back_to_fp32_and_says_why(monkeypatch):
@@ -215,8 +215,8 @@ def test_long_bounded_rows_take_the_kernel_not_a_gathered_copy(kv_dtype, monkeyp
     args, (ref_o, _) = _bounded_case(kv_dtype, 8, 2, 128, 128, False)
     q, k, v, ks, vs, table, cu, lens, bound = args
     bounds_seen, torch_calls = [], []
-    real_kernel, real_torch = native._module.paged_decode, paged._paged_partial_attention_torch
-    monkeypatch.setattr(native._module, "paged_decode", lambda *a: bounds_seen.append(a[-1] is not None) or real_kernel(*a))
+    real_kernel, real_torch = native._module.paged_attention, paged._paged_partial_attention_torch
+    monkeypatch.setattr(native._module, "paged_attention", lambda *a: bounds_seen.append(a[8] is not None) or real_kernel(*a))
     monkeypatch.setattr(paged, "_paged_partial_attention_torch", lambda *a, **kw: torch_calls.append(1) or real_torch(*a, **kw))
     out, _ = paged.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.2, k_scales=ks, v_scales=vs)
     assert bounds_seen == [True] and torch_calls == []

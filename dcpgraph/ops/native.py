@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 
 from .native_build import STALE_LOCK_SECONDS, NativeExtension, clear_stale_lock
+from .quant import FP8_SCALE_GROUP as _FP8_SCALE_GROUP
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-_HEADERS = tuple(_SRC.parent / h for h in ("paged_decode_amx.h", "amx_registers.h", "amx_prefetch.h"))  # included
+_HEADERS = tuple(_SRC.parent / h for h in ("paged_decode_amx.h", "amx_registers.h", "amx_prefetch.h",
+                                                         "kv_cache_write.h"))  # included
 EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode kernel", "decode runs on the torch path",
                             headers=_HEADERS)
 _clear_stale_lock = clear_stale_lock
 __all__ = ["AMX_KV_DTYPES", "STALE_LOCK_SECONDS", "amx_enabled", "available", "build_dir", "kv_dtypes",
            "native_paged_decode", "supports"]
 
-# Keys per split-K chunk when a request is split across threads (a multiple of the block size).
-CHUNK_TOKENS = 1024
 # Software prefetch distance in blocks (0: none); ``DCPGRAPH_NATIVE_PREFETCH`` overrides.
 PREFETCH_BLOCKS = 4
 
@@ -218,65 +218,30 @@ def native_paged_decode(
     amx: bool | None = None,
     kv_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)``, or ``None`` when the block table does
-    not cover a row's keys (too short, or an out-of-range id): the caller's checked path then raises.
+    """``(out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)``, or ``None`` when the inputs are not the
+    kernel's (:func:`supports`) or the block table does not cover a row's keys (too short, or an
+    out-of-range id): the caller's checked path then runs, and raises for the latter.
     fp8 caches need ``k_scales`` (and ``v_scales`` unless the values are a prefix of the keys).
     bf16 queries take the AMX path when :func:`amx_enabled` (``amx=True`` forces it, ``False``
     forbids it), else they are converted to fp32 and computed exactly in fp32. ``kv_bound`` (one
     per query token: it sees keys ``j < kv_bound[t]``, a chunked prefill's causal mask) needs the
-    AMX path: the rows of a request are processed in blocks of 64 over the keys any of them sees.
+    AMX path: a request's query rows go 256 at a time over the keys any of them sees.
 
     Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
     mod = _load()
     if mod is None:
         raise RuntimeError(EXTENSION.reason or "native kernel unavailable")
-    tq, hq, _ = q.shape
-    dv = v_cache.shape[-1]
-    out = torch.zeros(tq, hq, dv, dtype=torch.float32)
-    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32)
-    lens = _as(kv_lens, torch.int64)
-    if chunk_tokens is None:
-        # Split each request's keys so that the (request, KV head, chunk) items keep every thread
-        # busy; with one thread (or enough requests x heads) a request is one chunk (no length
-        # needs reading then: the kernel clamps a chunk to its request).
-        threads = torch.get_num_threads()
-        items = max(1, len(lens)) * k_cache.shape[2]
-        if threads <= 1 or items >= 4 * threads:
-            chunk_tokens = WHOLE_REQUEST
-        else:
-            longest = int(lens.max()) if lens.numel() else 0
-            splits = -(-4 * threads // items)
-            chunk_tokens = max(CHUNK_TOKENS // 4, -(-longest // splits), 1)
-    from .quant import FP8_SCALE_GROUP
-
     if amx is None:
         amx = q.dtype == torch.bfloat16 and amx_enabled(k_cache.dtype)
     if kv_bound is not None and not amx:
         raise ValueError("native_paged_decode: kv_bound needs bf16 queries on the AMX path "
                          f"({amx_reason or 'queries are ' + str(q.dtype)}); bound rows otherwise go "
                          "through ops.paged's one-query rows or its torch path")
-    queries = _as(q, torch.bfloat16 if amx and q.dtype == torch.bfloat16 else torch.float32)
-    ok = mod.paged_decode(
-        queries, k_cache, v_cache,
-        None if k_scales is None else _as(k_scales, torch.float32),
-        None if v_scales is None else _as(v_scales, torch.float32),
-        _as(block_table, torch.int32), _as(cu_seqlens_q, torch.int64), lens, float(scale), out, lse,
-        int(chunk_tokens), _prefetch_blocks(), FP8_SCALE_GROUP,
-        None if kv_bound is None else _as(kv_bound, torch.int64),
-    )
-    if not ok:
-        return None
-    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
-
-
-# A chunk no request reaches: every request is one chunk (the kernel clamps chunks to requests).
-WHOLE_REQUEST = 1 << 40
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a contiguous ``dtype`` tensor, itself when it already is one (decode calls this
-    a dozen times a layer; a no-op ``.to().contiguous()`` costs microseconds each)."""
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+    # Checks, index conversions, the split-K chunking and the outputs are the C++ entry's: this
+    # runs once per attention layer and decode step, where Python costs more than the kernel.
+    return mod.paged_attention(q, k_cache, v_cache, k_scales, v_scales, block_table, cu_seqlens_q, kv_lens, kv_bound,
+                               float(scale), amx, 0 if chunk_tokens is None else int(chunk_tokens), _prefetch_blocks(),
+                               _FP8_SCALE_GROUP)
 
 
 def _prefetch_blocks() -> int:

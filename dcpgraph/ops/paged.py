@@ -196,17 +196,16 @@ def paged_partial_attention(
     cache through :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses,
     dequantised).
     """
-    if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16):
+    if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16) and native_enabled(k_cache.dtype):
         from . import native
 
-        bound = None
-        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None else _bound_as_lengths(
+        # The AMX path applies bounds per query row; the fp32 path takes them as row lengths.
+        amx = q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype)
+        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None or amx else _bound_as_lengths(
             block_table, cu_seqlens_q, kv_lens, kv_bound)
-        if args is None and q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype):
-            args, bound = (block_table, cu_seqlens_q, kv_lens), kv_bound  # long causal rows: the AMX path's bounds
-        if args is not None and native.supports(q, k_cache, v_cache) and native_enabled(k_cache.dtype):
+        if args is not None:
             res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales,
-                                             kv_bound=bound)
+                                             amx=amx, kv_bound=kv_bound if amx else None)
             if res is not None:
                 return res
     if k_scales is not None:

@@ -11,7 +11,8 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
 8. ``native_linear``    linears by bf16 CPU weights → ``linear_bf16`` (native for decode rows);
-9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``.
+9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
+10. ``native_rotary``   HF's rotary chains on bf16 CPU queries/keys → ``rotary_bf16``.
 
 With ``return_hidden=True`` (MTP speculation), ``return_hidden_states`` runs right after
 ``select_logits``: the program also returns the final hidden states of every token (output 1).
@@ -28,6 +29,7 @@ from .insert_kv_cache import insert_kv_cache
 from .manager import ProgramPass, run_passes
 from .native_linear import native_linear
 from .native_rms_norm import native_rms_norm
+from .native_rotary import native_rotary
 from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
@@ -43,6 +45,7 @@ PIPELINE: tuple[ProgramPass, ...] = (
     fuse_mla_preprocess,
     native_linear,
     native_rms_norm,
+    native_rotary,
 )
 
 

@@ -1,10 +1,11 @@
-"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` → its aten chain.
+"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_bf16`` → their aten chains.
 
-Both ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`);
-the passes that emit them (``native_linear``, ``native_rms_norm``) only fire for bf16 CPU
-parameters, which an Ascend program meets when it is traced on the CPU before its weights move.
-On Ascend they become the aten ops GE converts (``MatMulV2``/``BiasAdd`` and the RMSNorm chain),
-so a program that went through those passes lowers exactly as one that did not.
+These ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`,
+:mod:`dcpgraph.ops.rotary`); the passes that emit them (``native_linear``, ``native_rms_norm``,
+``native_rotary``) only fire for bf16 CPU tensors, which an Ascend program meets when it is traced
+on the CPU before its weights move. On Ascend they become the aten ops GE converts
+(``MatMulV2``/``BiasAdd``, the RMSNorm and rotary chains), so a program that went through those
+passes lowers exactly as one that did not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.rms_norm import rms_norm_reference
+from ...ops.rotary import rotary_reference
 from .rules import register
 
 dcp_ops = torch.ops.dcpgraph
@@ -25,3 +27,8 @@ def linear_bf16_as_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 @register(dcp_ops.rms_norm_bf16.default, "rms_norm_bf16->aten")
 def rms_norm_bf16_as_aten(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
+
+
+@register(dcp_ops.rotary_bf16.default, "rotary_bf16->aten")
+def rotary_bf16_as_aten(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rotary_reference(x, cos, sin)

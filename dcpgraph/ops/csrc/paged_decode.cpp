@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -29,9 +31,12 @@
 #include <immintrin.h>
 #endif
 
+#include "kv_cache_write.h"  // the cache-write op's CPU kernel, registered with this extension
+
 namespace {
 
 constexpr int64_t RB = 4;  // query rows per register block
+constexpr int64_t kChunkTokens = 1024;  // keys per split-K chunk when requests are split across threads
 
 // s[i * ss + t] = <q_i, k_t> for rows i < m, tokens t < nt (k_t = kb + t * ks).
 inline void block_scores(const float* q, int64_t m, int64_t d, const float* kb, int64_t ks, int64_t nt,
@@ -667,6 +672,64 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(false, "paged_decode: KV dtype ", kind, " is not supported by this build");
 }
 
+// The decode entry (one call per attention layer and step, so everything a call needs is done here
+// rather than in Python): returns (out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32), or nullopt when
+// these inputs are not this kernel's (device, dtypes, shapes, a non-dense K/V row) or the table does
+// not cover a row (the caller's checked torch path then runs, and raises for the latter). Index
+// tensors may be int32 or int64. ``amx``: bf16 queries take the AMX path (else they are computed in
+// fp32). ``kv_bound`` (one per query token) needs the AMX path. ``chunk_tokens`` <= 0: chosen here so
+// the (request, KV head, chunk) items keep every thread busy (one chunk per request on one thread).
+std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+    const c10::optional<at::Tensor>& kv_bound, double scale, bool amx, int64_t chunk_tokens,
+    int64_t prefetch_blocks, int64_t scale_group) {
+  const auto qt = q.scalar_type(), kind = k_cache.scalar_type();
+  const bool readable = kind == at::kFloat
+#ifdef __AVX512F__
+                        || kind == at::kBFloat16 || kind == at::kFloat8_e4m3fn
+#endif
+      ;
+  if (!((qt == at::kFloat || qt == at::kBFloat16) && v_cache.scalar_type() == kind && readable &&
+        q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && q.dim() == 3 &&
+        k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+        k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+        k_cache.size(2) == v_cache.size(2) && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0))
+    return std::nullopt;
+  const bool on_amx = amx && qt == at::kBFloat16 && kind != at::kFloat;
+  TORCH_CHECK_VALUE(!kv_bound.has_value() || on_amx,
+                    "paged_attention: kv_bound needs bf16 queries on the AMX path; bound rows otherwise go "
+                    "through ops.paged's one-query rows or its torch path");
+  auto as = [](const at::Tensor& x, at::ScalarType t) {
+    return x.scalar_type() == t && x.is_contiguous() ? x : x.to(t).contiguous();
+  };
+  const at::Tensor queries = as(q, on_amx ? at::kBFloat16 : at::kFloat);
+  const at::Tensor table = as(block_table, at::kInt), cu = as(cu_seqlens_q, at::kLong), lens = as(kv_lens, at::kLong);
+  c10::optional<at::Tensor> bound, ks, vs;
+  if (kv_bound.has_value()) bound = as(*kv_bound, at::kLong);
+  if (k_scales.has_value()) ks = as(*k_scales, at::kFloat);
+  if (v_scales.has_value()) vs = as(*v_scales, at::kFloat);
+  if (chunk_tokens <= 0) {
+    const int64_t threads = at::get_num_threads(), items = std::max<int64_t>(1, lens.size(0)) * k_cache.size(2);
+    if (threads <= 1 || items >= 4 * threads) {
+      chunk_tokens = int64_t(1) << 40;  // no request reaches it: each is one chunk
+    } else {
+      const int64_t* lp = lens.data_ptr<int64_t>();
+      const int64_t longest = lens.numel() ? *std::max_element(lp, lp + lens.numel()) : 0;
+      const int64_t splits = (4 * threads + items - 1) / items;
+      chunk_tokens = std::max<int64_t>({kChunkTokens / 4, (longest + splits - 1) / splits, 1});
+    }
+  }
+  const int64_t tq = q.size(0), hq = q.size(1), dv = v_cache.size(3);
+  at::Tensor out = at::zeros({tq, hq, dv}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::full({tq, hq}, -INFINITY, q.options().dtype(at::kFloat));
+  if (!paged_decode(queries, k_cache, v_cache, ks, vs, table, cu, lens, scale, out, lse, chunk_tokens,
+                    prefetch_blocks, scale_group, bound))
+    return std::nullopt;
+  return std::make_tuple(qt == at::kFloat ? out : out.to(qt), lse);
+}
+
 // The KV dtypes this build reads (bf16 and fp8 need AVX-512).
 std::vector<std::string> kv_dtypes() {
 #ifdef __AVX512F__
@@ -677,7 +740,7 @@ std::vector<std::string> kv_dtypes() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32/bf16/fp8 KV, in-place block-table reads)");
+  m.def("paged_attention", &paged_attention, "paged decode attention (fp32/bf16/fp8 KV, in-place block-table reads)");
   m.def("kv_dtypes", &kv_dtypes, "KV cache dtypes this build reads");
   m.def("amx_status", &amx_status, "empty if bf16 queries can take the AMX path, else why not");
 }

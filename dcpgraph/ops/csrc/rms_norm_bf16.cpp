@@ -2,7 +2,7 @@
 // dcpgraph/ops/library.py; built by dcpgraph/ops/rms_norm.py):
 //   h = float(x);  v = mean(h^2, -1);  y = bf16(float(w) * float(bf16(h * (1 / sqrt(v + eps)))))
 // equal bit for bit to eager torch's `w * (h * rsqrt(mean(h.pow(2), -1) + eps)).to(bf16)`: the mean is
-// ATen's own reduction (so the same fp32 sums in the same order), the rest is elementwise with the
+// ATen's own reduction of the squares (so the same fp32 sums in the same order), the rest is elementwise with the
 // same IEEE operations and roundings, done in one pass per row instead of five more eager ops and
 // their temporaries.
 #include <torch/extension.h>
@@ -34,10 +34,17 @@ at::Tensor rms_norm_bf16_op(const at::Tensor& x, const at::Tensor& w, double eps
     return w * n.to(x.scalar_type());
   }
   const at::Tensor xc = x.contiguous();
-  const at::Tensor mean_square = xc.to(at::kFloat).pow(2).mean({-1}, true).contiguous();
-  at::Tensor y = at::empty_like(xc);
   const int64_t K = x.size(-1), rows = xc.numel() / K;
   const bf16* xp = xc.data_ptr<bf16>();
+  // h.pow(2) is h * h (exact inputs, one rounding), written here; the mean stays ATen's reduction.
+  at::Tensor squares = at::empty({rows, K}, x.options().dtype(at::kFloat));
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * K; ++i) {
+    const float h = static_cast<float>(xp[i]);
+    sq[i] = h * h;
+  }
+  const at::Tensor mean_square = squares.mean({-1}, true);
+  at::Tensor y = at::empty_like(xc);
   const bf16* wp = w.data_ptr<bf16>();
   const float* mp = mean_square.data_ptr<float>();
   bf16* yp = y.data_ptr<bf16>();

@@ -1,0 +1,81 @@
+"""``dcpgraph.rotary_bf16``: HF's rotary embedding of a bf16 tensor as one op, native on CPU.
+
+HF's Llama-family attention rotates queries and keys with ``x * cos + rotate_half(x) * sin``,
+``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``: seven eager ops (two slices, a negation, a
+concatenation, two products and a sum), twice a layer. :func:`rotary_reference` is that sequence
+(the op's meaning and its kernel off the CPU); ``csrc/rotary_bf16.cpp`` does the same fp32
+products and sum with the same three bf16 roundings element by element, so its results equal eager
+torch's bit for bit. The module registers its C++ function as the op's CPU kernel when it loads
+(:func:`native_enabled`, after a self-check); the ``native_rotary`` pass emits the op only then.
+Built lazily (:class:`~dcpgraph.ops.native_build.NativeExtension`) without ``-ffast-math`` or
+contraction into fused multiply-adds, which would skip a rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .native_build import NativeExtension
+
+EXTENSION = NativeExtension(
+    "dcpgraph_rotary_bf16", Path(__file__).resolve().parent / "csrc" / "rotary_bf16.cpp",
+    "native bf16 rotary kernel", "rotary embeddings run as eager torch ops",
+    cflags=("-O3", "-march=native", "-ffp-contract=off"),
+)
+_state: dict[str, object] = {}
+_check_lock = threading.Lock()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def reason() -> str | None:
+    """Why the native kernel is off (None: on, or not tried yet)."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def native_enabled() -> bool:
+    """Built, loaded (so registered as the op's CPU kernel) and past its self-check; decided once
+    per process. ``DCPGRAPH_NATIVE=0`` says no without building."""
+    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
+        _state["reason"] = "native kernels turned off (DCPGRAPH_NATIVE=0)"
+        return False
+    with _check_lock:
+        if "ok" not in _state:
+            _state["ok"] = _self_check()
+    return bool(_state["ok"])
+
+
+def _self_check() -> bool:
+    mod = EXTENSION.load()
+    if mod is None:
+        _state["reason"] = EXTENSION.reason or "native bf16 rotary kernel unavailable"
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for heads, tokens, d in ((2, 3, 8), (4, 1, 64)):
+            x = (4 * torch.randn(1, tokens, heads, d, generator=gen)).bfloat16().transpose(1, 2)
+            cos, sin = torch.randn(2, 1, 1, tokens, d, generator=gen).bfloat16()
+            got, want = mod.rotary_bf16(x, cos, sin), rotary_reference(x, cos, sin)
+            if not torch.equal(got, want):
+                _state["reason"] = "native bf16 rotary failed its self-check against eager torch"
+                return False
+    except Exception as exc:  # noqa: BLE001 - a failing kernel is switched off, not fatal
+        _state["reason"] = f"native bf16 rotary self-check raised {type(exc).__name__}: {exc}"
+        return False
+    _state["reason"] = None
+    return True

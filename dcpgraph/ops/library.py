@@ -23,8 +23,7 @@ slots,scales)``                        per (token, head, 128 elements) written t
 ``linear_bf16(input,weight,bias?)``     ``aten.linear``'s meaning; bf16 CPU calls of few rows run
                                        natively (:mod:`dcpgraph.ops.linear`)
 ``rms_norm_bf16(x, weight, eps)``      HF's RMSNorm of a bf16 tensor, one op (:mod:`dcpgraph.ops.rms_norm`)
-``rotary_bf16(x, cos, sin)``           HF's ``x·cos + rotate_half(x)·sin`` of a bf16 tensor, one op
-                                       (:mod:`dcpgraph.ops.rotary`)
+``rotary_embedding(x, cos, sin)``      HF's ``x·cos + rotate_half(x)·sin``, one op (:mod:`dcpgraph.ops.rotary`)
 ``mla_preprocess(x, weights…, w_uk,    MLA's query/KV projections, norms, rotary and latent cache
 rotary, rotary_sin, cache, slots,      write in one op → ``(q_lat, kv, q_c)``
 q_eps, kv_eps, rotary_kind)``          (:mod:`dcpgraph.ops.mla_preprocess`)
@@ -80,7 +79,7 @@ _SCHEMAS = {
     ),
     "linear_bf16": "linear_bf16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     "rms_norm_bf16": "rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor",
-    "rotary_bf16": "rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "rotary_embedding": "rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor",
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -195,7 +194,7 @@ _register("kv_cache_write_fp8_", _kv_cache_write_fp8_, _kv_cache_write_fp8_fake)
 _register("mla_preprocess", mla_preprocess.mla_preprocess_reference, mla_preprocess.mla_preprocess_fake)
 _register("linear_bf16", linear.linear_bf16, linear.linear_bf16_fake)
 _register("rms_norm_bf16", rms_norm.rms_norm_reference, rms_norm.rms_norm_fake)
-_register("rotary_bf16", rotary.rotary_reference, rotary.rotary_fake)
+_register("rotary_embedding", rotary.rotary_reference, rotary.rotary_fake)
 
 ops = torch.ops.dcpgraph
 attention = ops.attention
@@ -208,5 +207,5 @@ kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
 mla_preprocess_op = ops.mla_preprocess
 linear_bf16 = ops.linear_bf16
 rms_norm_bf16 = ops.rms_norm_bf16
-rotary_bf16 = ops.rotary_bf16
+rotary_embedding = ops.rotary_embedding
 from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

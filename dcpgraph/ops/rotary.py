@@ -1,11 +1,11 @@
-"""``dcpgraph.rotary_bf16``: HF's rotary embedding of a bf16 tensor as one op, native on CPU.
+"""``dcpgraph.rotary_embedding``: HF's rotary embedding as one op, native on CPU.
 
 HF's Llama-family attention rotates queries and keys with ``x * cos + rotate_half(x) * sin``,
 ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``: seven eager ops (two slices, a negation, a
 concatenation, two products and a sum), twice a layer. :func:`rotary_reference` is that sequence
-(the op's meaning and its kernel off the CPU); ``csrc/rotary_bf16.cpp`` does the same fp32
-products and sum with the same three bf16 roundings element by element, so its results equal eager
-torch's bit for bit. The module registers its C++ function as the op's CPU kernel when it loads
+(the op's meaning and its kernel off the CPU); ``csrc/rotary.cpp`` does, for bf16, fp16 and fp32
+tensors, the same fp32 products and sum with the same three roundings to the tensor's dtype
+element by element, so its results equal eager torch's bit for bit. The module registers its C++ function as the op's CPU kernel when it loads
 (:func:`native_enabled`, after a self-check); the ``native_rotary`` pass emits the op only then.
 Built lazily (:class:`~dcpgraph.ops.native_build.NativeExtension`) without ``-ffast-math`` or
 contraction into fused multiply-adds, which would skip a rounding.
@@ -22,8 +22,8 @@ import torch
 from .native_build import NativeExtension
 
 EXTENSION = NativeExtension(
-    "dcpgraph_rotary_bf16", Path(__file__).resolve().parent / "csrc" / "rotary_bf16.cpp",
-    "native bf16 rotary kernel", "rotary embeddings run as eager torch ops",
+    "dcpgraph_rotary", Path(__file__).resolve().parent / "csrc" / "rotary.cpp",
+    "native rotary kernel", "rotary embeddings run as eager torch ops",
     cflags=("-O3", "-march=native", "-ffp-contract=off"),
 )
 _state: dict[str, object] = {}
@@ -37,6 +37,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the native kernel computes (others: eager torch)
 
 
 def rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,19 +66,20 @@ def native_enabled() -> bool:
 def _self_check() -> bool:
     mod = EXTENSION.load()
     if mod is None:
-        _state["reason"] = EXTENSION.reason or "native bf16 rotary kernel unavailable"
+        _state["reason"] = EXTENSION.reason or "native rotary kernel unavailable"
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        for heads, tokens, d in ((2, 3, 8), (4, 1, 64)):
-            x = (4 * torch.randn(1, tokens, heads, d, generator=gen)).bfloat16().transpose(1, 2)
-            cos, sin = torch.randn(2, 1, 1, tokens, d, generator=gen).bfloat16()
-            got, want = mod.rotary_bf16(x, cos, sin), rotary_reference(x, cos, sin)
-            if not torch.equal(got, want):
-                _state["reason"] = "native bf16 rotary failed its self-check against eager torch"
-                return False
+        for dtype in DTYPES:
+            for heads, tokens, d in ((2, 3, 8), (4, 1, 64)):
+                x = (4 * torch.randn(1, tokens, heads, d, generator=gen)).to(dtype).transpose(1, 2)
+                cos, sin = torch.randn(2, 1, 1, tokens, d, generator=gen).to(dtype)
+                got, want = mod.rotary_embedding(x, cos, sin), rotary_reference(x, cos, sin)
+                if not torch.equal(got, want):
+                    _state["reason"] = f"native rotary failed its {dtype} self-check against eager torch"
+                    return False
     except Exception as exc:  # noqa: BLE001 - a failing kernel is switched off, not fatal
-        _state["reason"] = f"native bf16 rotary self-check raised {type(exc).__name__}: {exc}"
+        _state["reason"] = f"native rotary self-check raised {type(exc).__name__}: {exc}"
         return False
     _state["reason"] = None
     return True

@@ -1,4 +1,4 @@
-"""``native_rotary``: HF's rotary embedding of bf16 queries/keys → one ``dcpgraph.rotary_bf16`` op.
+"""``native_rotary``: HF's rotary embedding of queries/keys → one ``dcpgraph.rotary_embedding`` op.
 
 The traced chain (HF's ``apply_rotary_pos_emb``), every intermediate used only inside it::
 
@@ -6,11 +6,12 @@ The traced chain (HF's ``apply_rotary_pos_emb``), every intermediate used only i
     r = cat([neg(slice(x, -1, D/2, end)), slice(x, -1, 0, D/2)], -1)
     y = add(a, mul(r, sin))                                (or mul(sin, r); either add order)
 
-with ``x`` a 4-D bf16 CPU tensor ``[B, H, T, D]`` and ``cos``/``sin`` bf16, becomes
-``y = rotary_bf16(x, cos, sin)``: the same three bf16 roundings in one pass
+with ``x`` a 4-D CPU tensor ``[B, H, T, D]`` and ``cos``/``sin`` of its dtype, one the kernel
+computes (bf16, fp16, fp32: :data:`dcpgraph.ops.rotary.DTYPES`), becomes
+``y = rotary_embedding(x, cos, sin)``: the same three roundings in one pass, bit-identical
 (:mod:`dcpgraph.ops.rotary`). It applies only where that kernel is built and past its self-check
-in this process; fp32/fp64 programs never match, so their tokens are unchanged. Interleaved
-(DeepSeek's complex) and partial rotary chains are other patterns and stay as they are.
+in this process; fp64 programs never match. Interleaved (DeepSeek's complex) and partial rotary
+chains are other patterns and stay as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import torch
 import torch.fx
 
+from ..ops.rotary import DTYPES
 from ..program import Program
 from .manager import program_pass, ran
 
@@ -89,7 +91,8 @@ def match_rotary(out: torch.fx.Node):
             else:
                 continue
             vals = [_val(x), _val(cos), _val(sin), _val(out)]
-            if any(v is None for v in vals) or any(v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in vals):
+            if any(v is None for v in vals) or vals[0].dtype not in DTYPES or any(
+                    v.dtype != vals[0].dtype or v.device.type != "cpu" for v in vals):
                 continue
             if vals[3].shape != vals[0].shape:  # cos/sin broadcast to x, not x to them
                 continue
@@ -109,9 +112,9 @@ def native_rotary(program: Program, enabled: bool = True):
         return program, "disabled"
     found = [n for n in program.graph_module.graph.nodes if match_rotary(n)]
     if not found:
-        return program, "no bf16 rotary chain"
+        return program, "no rotary chain"
     if not rotary_ops.native_enabled():
-        return program, f"{len(found)} bf16 rotary chains kept as torch ops: {rotary_ops.reason()}"
+        return program, f"{len(found)} rotary chains kept as torch ops: {rotary_ops.reason()}"
     gm = program.copy_graph()
     graph = gm.graph
     count = 0
@@ -121,11 +124,11 @@ def native_rotary(program: Program, enabled: bool = True):
             continue
         x, cos, sin, chain = match
         with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.dcpgraph.rotary_bf16.default, (x, cos, sin))
+            fused = graph.call_function(torch.ops.dcpgraph.rotary_embedding.default, (x, cos, sin))
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
         for dead in reversed(chain):
             graph.erase_node(dead)
         count += 1
     gm.recompile()
-    return program.replace(graph_module=gm), f"{count} bf16 rotary chains → dcpgraph.rotary_bf16"
+    return program.replace(graph_module=gm), f"{count} rotary chains → dcpgraph.rotary_embedding"

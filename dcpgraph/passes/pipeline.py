@@ -12,7 +12,7 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
 8. ``native_linear``    linears by bf16 CPU weights → ``linear_bf16`` (native for decode rows);
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
-10. ``native_rotary``   HF's rotary chains on bf16 CPU queries/keys → ``rotary_bf16``.
+10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 
 With ``return_hidden=True`` (MTP speculation), ``return_hidden_states`` runs right after
 ``select_logits``: the program also returns the final hidden states of every token (output 1).

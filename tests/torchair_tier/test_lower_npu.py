@@ -205,15 +205,15 @@ def test_native_cpu_ops_lower_to_their_aten_meaning():
 
 
 def test_rotary_lowers_to_hf_rotate_half():
-    """rotary_bf16 (emitted for bf16 CPU queries/keys) lowers to aten and computes HF's
+    """rotary_embedding (emitted for CPU queries/keys) lowers to aten and computes HF's
     ``x * cos + rotate_half(x) * sin``, bit for bit."""
     def f(x, c, s):
-        return ops.rotary_bf16.default(x, c, s)
+        return ops.rotary_embedding.default(x, c, s)
 
     gen = torch.Generator().manual_seed(1)
     x, c, s = (torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in ((1, 4, 3, 16), (1, 1, 3, 16),
                                                                                   (1, 1, 3, 16)))
     lowered = lower_npu(_trace(f), [x, c, s])
-    assert lowered.meta["lower_npu"] == {"rotary_bf16->aten": 1}
+    assert lowered.meta["lower_npu"] == {"rotary_embedding->aten": 1}
     want = x * c + torch.cat((-x[..., 8:], x[..., :8]), -1) * s
     assert torch.equal(lowered(x, c, s), want)

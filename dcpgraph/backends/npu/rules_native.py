@@ -1,11 +1,11 @@
-"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_bf16`` → their aten chains.
+"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_embedding`` → their aten chains.
 
 These ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`,
 :mod:`dcpgraph.ops.rotary`); the passes that emit them (``native_linear``, ``native_rms_norm``,
-``native_rotary``) only fire for bf16 CPU tensors, which an Ascend program meets when it is traced
-on the CPU before its weights move. On Ascend they become the aten ops GE converts
-(``MatMulV2``/``BiasAdd``, the RMSNorm and rotary chains), so a program that went through those
-passes lowers exactly as one that did not.
+``native_rotary``) only fire for CPU tensors (bf16; rotary also fp16 and fp32), which an Ascend
+program meets when it is traced on the CPU before its weights move. On Ascend they become the
+aten ops GE converts (``MatMulV2``/``BiasAdd``, the RMSNorm and rotary chains), so a program that
+went through those passes lowers exactly as one that did not.
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ def rms_norm_bf16_as_aten(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return rms_norm_reference(x, weight, eps)
 
 
-@register(dcp_ops.rotary_bf16.default, "rotary_bf16->aten")
-def rotary_bf16_as_aten(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+@register(dcp_ops.rotary_embedding.default, "rotary_embedding->aten")
+def rotary_embedding_as_aten(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return rotary_reference(x, cos, sin)

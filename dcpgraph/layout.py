@@ -28,6 +28,8 @@ All functions accept Python ints or integer tensors (broadcasting elementwise, n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .errors import ConfigError
@@ -96,6 +98,19 @@ def slot_mapping(
     Raises :class:`ConfigError` when ``block_size < 1``, ``block_size % interleave != 0``, or an
     int ``rank`` lies outside ``[0, dcp)`` (which would otherwise silently skip every write).
     """
+    check_slot_args(rank, dcp, block_size, interleave)
+    positions = positions.to(torch.int64)
+    virtual = block_size * dcp
+    vblock = positions // virtual
+    offset = positions % virtual
+    physical = torch.gather(block_table_rows.to(torch.int64), -1, vblock.unsqueeze(-1)).squeeze(-1)
+    slot = physical * block_size + (offset // (dcp * interleave)) * interleave + offset % interleave
+    owned = (offset // interleave) % dcp == rank
+    return torch.where(owned, slot, torch.full_like(slot, -1))
+
+
+def check_slot_args(rank: int, dcp: int, block_size: int, interleave: int = 1) -> None:
+    """The :class:`ConfigError` checks of :func:`slot_mapping` (and of :func:`slot_of`'s callers)."""
     _check(dcp, interleave)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
@@ -106,14 +121,16 @@ def slot_mapping(
             f"block_size ({block_size}) must be a multiple of interleave ({interleave}); "
             f"nearest valid interleave: {_nearest_divisor(block_size, interleave)}"
         )
-    positions = positions.to(torch.int64)
+
+
+def slot_of(position: int, table_row: Sequence[int], rank: int, dcp: int, block_size: int, interleave: int = 1) -> int:
+    """:func:`slot_mapping` of one token in Python ints (a decode step's few tokens cost less this
+    way than as a dozen small tensor ops). Arguments unchecked: check once with :func:`check_slot_args`."""
     virtual = block_size * dcp
-    vblock = positions // virtual
-    offset = positions % virtual
-    physical = torch.gather(block_table_rows.to(torch.int64), -1, vblock.unsqueeze(-1)).squeeze(-1)
-    slot = physical * block_size + (offset // (dcp * interleave)) * interleave + offset % interleave
-    owned = (offset // interleave) % dcp == rank
-    return torch.where(owned, slot, torch.full_like(slot, -1))
+    offset = position % virtual
+    if (offset // interleave) % dcp != rank:
+        return -1
+    return table_row[position // virtual] * block_size + (offset // (dcp * interleave)) * interleave + offset % interleave
 
 
 def _nearest_divisor(n: int, near: int) -> int:

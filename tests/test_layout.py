@@ -299,3 +299,47 @@ def test_slot_mapping_worked_example():
     s1 = layout.slot_mapping(pos, rows, 1, 2, 4, 2)
     assert s0.tolist() == [20, 21, -1, -1, 22, 23, -1, -1, 12, 13, -1, -1]
     assert s1.tolist() == [-1, -1, 20, 21, -1, -1, 22, 23, -1, -1, 12, 13]
+
+
+@given(cfg=paged_configs(max_length=2_000, budget=20_000), seed=dst.seeds(), spare=st.integers(0, 3))
+@example(cfg=(3, 2, 4, [25, 0, 24, 1]), seed=1, spare=2)
+def test_slot_of_is_slot_mapping_per_token(cfg, seed, spare):
+    """The Python-int form (decode steps) gives every token the tensor form's slot on every rank."""
+    dcp, interleave, block_size, context_lens = cfg
+    table = _block_table(seed, context_lens, block_size * dcp, spare)
+    rows = table.tolist()
+    for req, n in enumerate(context_lens):
+        pos = torch.arange(n)
+        for r in range(dcp):
+            want = layout.slot_mapping(pos, table[req].expand(n, -1), r, dcp, block_size, interleave).tolist()
+            assert [layout.slot_of(p, rows[req], r, dcp, block_size, interleave) for p in range(n)] == want
+
+
+@given(dcp=st.sampled_from([1, 2, 4]), interleave=st.sampled_from([1, 2]), seed=dst.seeds(),
+       lens=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 70)), min_size=1, max_size=5))
+def test_step_inputs_agree_on_both_sides_of_the_small_step_cutoff(dcp, interleave, seed, lens):
+    """``build_step_inputs`` computes slots and local lengths on Python ints for steps of at most
+    ``SMALL_STEP_TOKENS`` tokens and on tensors above: both give the same inputs."""
+    from dcpgraph.mesh import Mesh
+    from dcpgraph.runtime import step_inputs
+
+    block_size = 4 * interleave
+    gen = torch.Generator().manual_seed(seed)
+    chunks, next_block = [], 0
+    for i, (start, n) in enumerate(lens):
+        blocks = -(-(start + n) // (block_size * dcp))
+        table = (torch.randperm(1000, generator=gen)[:blocks] + next_block).tolist()
+        next_block += 1000
+        chunks.append(step_inputs.Chunk(i, tuple(range(n)), start, tuple(table)))
+    mesh = Mesh(tp=1, dcp=dcp)
+    small = step_inputs.build_step_inputs(chunks, mesh, block_size, interleave)
+    cutoff = step_inputs.SMALL_STEP_TOKENS
+    try:
+        step_inputs.SMALL_STEP_TOKENS = -1  # every step on tensors
+        large = step_inputs.build_step_inputs(chunks, mesh, block_size, interleave)
+    finally:
+        step_inputs.SMALL_STEP_TOKENS = cutoff
+    for a, b in zip([small[0], *small[1]], [large[0], *large[1]]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key

@@ -121,14 +121,14 @@ def test_dispatch_runs_bounded_multi_token_rows_natively(monkeypatch):
     monkeypatch.setattr(native, "native_paged_decode", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
     got = paged.paged_partial_attention(qs, k, v, table, cu, lens, bound, 0.3)
     ref = _torch_path(qs, k, v, table, cu, lens, bound, 0.3)
-    assert calls == [9]  # one row per query token
+    assert calls == [3, 9]  # refused with its rows of several queries, then one row per query token
     torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
     long_q = torch.randn(paged.MAX_BOUNDED_QUERIES_PER_ROW + 1, 4, 24)
     long_cu = torch.tensor([0, long_q.shape[0]], dtype=torch.int32)
     calls.clear()
     paged.paged_partial_attention(long_q, k, v, table[:1], long_cu, lens[:1], torch.arange(long_q.shape[0]) + 20, 0.3)
-    assert not calls
+    assert calls == [1]  # refused (a row of several bounded queries), and too long to split into rows
 
 
 def test_short_table_falls_back_and_raises():
@@ -153,9 +153,11 @@ def test_dispatch_uses_native_for_fp32_decode(monkeypatch):
     ref = _torch_path(q, k, v, table, cu, lens, None, 0.25)
     torch.testing.assert_close(out, ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
-    # decode with a kv_bound caps each row's length
+    # decode with a kv_bound caps each row's length, in the kernel's one call
     bound = torch.tensor([50, 3, 191], dtype=torch.int32)
+    calls.clear()
     got = paged.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.25)
+    assert calls == [1] and got is not None
     ref = _torch_path(q, k, v, table, cu, lens, bound, 0.25)
     torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)

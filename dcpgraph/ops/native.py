@@ -224,8 +224,10 @@ def native_paged_decode(
     fp8 caches need ``k_scales`` (and ``v_scales`` unless the values are a prefix of the keys).
     bf16 queries take the AMX path when :func:`amx_enabled` (``amx=True`` forces it, ``False``
     forbids it), else they are converted to fp32 and computed exactly in fp32. ``kv_bound`` (one
-    per query token: it sees keys ``j < kv_bound[t]``, a chunked prefill's causal mask) needs the
-    AMX path: a request's query rows go 256 at a time over the keys any of them sees.
+    per query token: it sees keys ``j < kv_bound[t]``, a chunked prefill's causal mask): the AMX
+    path applies it per query row (a request's query rows go 256 at a time over the keys any of
+    them sees); the fp32 path takes it as the row's length, so there every row must have at most
+    one query (``None`` otherwise: :mod:`dcpgraph.ops.paged` then gives each query a row).
 
     Raises ``RuntimeError`` if the kernel is unavailable (check :func:`available` first)."""
     mod = _load()
@@ -233,10 +235,6 @@ def native_paged_decode(
         raise RuntimeError(EXTENSION.reason or "native kernel unavailable")
     if amx is None:
         amx = q.dtype == torch.bfloat16 and amx_enabled(k_cache.dtype)
-    if kv_bound is not None and not amx:
-        raise ValueError("native_paged_decode: kv_bound needs bf16 queries on the AMX path "
-                         f"({amx_reason or 'queries are ' + str(q.dtype)}); bound rows otherwise go "
-                         "through ops.paged's one-query rows or its torch path")
     # Checks, index conversions, the split-K chunking and the outputs are the C++ entry's: this
     # runs once per attention layer and decode step, where Python costs more than the kernel.
     return mod.paged_attention(q, k_cache, v_cache, k_scales, v_scales, block_table, cu_seqlens_q, kv_lens, kv_bound,

@@ -199,15 +199,18 @@ def paged_partial_attention(
     if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16) and native_enabled(k_cache.dtype):
         from . import native
 
-        # The AMX path applies bounds per query row; the fp32 path takes them as row lengths.
+        # The AMX path applies bounds per query row, the fp32 path as the lengths of one-query rows;
+        # the fp32 path's rows of several bounded queries become one row per query here.
         amx = q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype)
-        args = (block_table, cu_seqlens_q, kv_lens) if kv_bound is None or amx else _bound_as_lengths(
-            block_table, cu_seqlens_q, kv_lens, kv_bound)
-        if args is not None:
-            res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales, v_scales=v_scales,
-                                             amx=amx, kv_bound=kv_bound if amx else None)
-            if res is not None:
-                return res
+        res = native.native_paged_decode(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale,
+                                         k_scales=k_scales, v_scales=v_scales, amx=amx, kv_bound=kv_bound)
+        if res is None and kv_bound is not None and not amx:
+            args = _bound_as_lengths(block_table, cu_seqlens_q, kv_lens, kv_bound)
+            if args is not None:
+                res = native.native_paged_decode(q, k_cache, v_cache, *args, scale, k_scales=k_scales,
+                                                 v_scales=v_scales, amx=False)
+        if res is not None:
+            return res
     if k_scales is not None:
         from . import quant
 

@@ -25,6 +25,9 @@ import torch
 from .. import layout
 from ..mesh import Mesh
 
+# Steps of at most this many tokens compute slots and lengths on Python ints; longer ones on tensors.
+SMALL_STEP_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -41,14 +44,23 @@ class Chunk:
 def build_step_inputs(
     chunks: list[Chunk], mesh: Mesh, block_size: int, interleave: int
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """Inputs shared by all ranks, and each rank's own ``slot_mapping``/lengths/ranks."""
-    counts = [len(c.tokens) for c in chunks]
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    """Inputs shared by all ranks, and each rank's own ``slot_mapping``/lengths/ranks.
+
+    The index lists are built in Python and become one tensor each (a decode step's are a few
+    elements, where every small tensor op costs more than the list); the slot formula is
+    :func:`dcpgraph.layout.slot_mapping`'s, on tensors."""
+    cu_list, owner_list, position_list, logits_list = [0], [], [], []
+    for r, c in enumerate(chunks):
+        n = len(c.tokens)
+        owner_list += [r] * n
+        position_list += range(c.start, c.start + n)
+        cu_list.append(cu_list[-1] + n)
+        logits_list += range(cu_list[-1] - c.logits_rows, cu_list[-1])
+    cu = torch.tensor(cu_list, dtype=torch.int32)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
     ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
-    positions = starts[owner] + torch.arange(len(ids)) - cu[:-1].to(torch.int64)[owner]
+    owner = torch.tensor(owner_list, dtype=torch.int64)
+    positions = torch.tensor(position_list, dtype=torch.int64)
     table = _table([c.block_table for c in chunks])
     sliding = None if chunks[0].sliding_table is None else _table([c.sliding_table for c in chunks])
     shared = {
@@ -57,19 +69,26 @@ def build_step_inputs(
         "cu_seqlens_q": cu,
         "context_lens": starts.to(torch.int32),
         "block_table": table,
-        "logits_indices": torch.cat([
-            torch.arange(int(end) - c.logits_rows, int(end), dtype=torch.int64) for c, end in zip(chunks, cu[1:])
-        ]),
+        "logits_indices": torch.tensor(logits_list, dtype=torch.int64),
     }
     if sliding is not None:
         shared["block_table_sliding"] = sliding
-    rows = table[owner]
+    rows = table[owner] if len(position_list) > SMALL_STEP_TOKENS else None
     per_rank = []
     for rank in mesh.ranks:
         d = mesh.dcp_rank(rank)
+        if rows is None:  # a few tokens: the same formulas on Python ints
+            layout.check_slot_args(d, mesh.dcp, block_size, interleave)
+            slots = torch.tensor([layout.slot_of(p, chunks[o].block_table, d, mesh.dcp, block_size, interleave)
+                                  for p, o in zip(position_list, owner_list)], dtype=torch.int64)
+            local = torch.tensor([layout.local_len(c.start, d, mesh.dcp, interleave) for c in chunks],
+                                 dtype=torch.int32)
+        else:
+            slots = layout.slot_mapping(positions, rows, d, mesh.dcp, block_size, interleave)
+            local = layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32)
         own = {
-            "slot_mapping": layout.slot_mapping(positions, rows, d, mesh.dcp, block_size, interleave),
-            "local_context_lens": layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32),
+            "slot_mapping": slots,
+            "local_context_lens": local,
             "tp_rank": torch.tensor(mesh.tp_rank(rank), dtype=torch.int64),
             "dcp_rank": torch.tensor(d, dtype=torch.int64),
         }
@@ -82,7 +101,5 @@ def build_step_inputs(
 
 def _table(rows: list[tuple[int, ...]]) -> torch.Tensor:
     """``[R, W]`` int32 block table, rows zero-padded to the widest (padding is never read)."""
-    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32).view(len(rows), width)

@@ -677,7 +677,8 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // these inputs are not this kernel's (device, dtypes, shapes, a non-dense K/V row) or the table does
 // not cover a row (the caller's checked torch path then runs, and raises for the latter). Index
 // tensors may be int32 or int64. ``amx``: bf16 queries take the AMX path (else they are computed in
-// fp32). ``kv_bound`` (one per query token) needs the AMX path. ``chunk_tokens`` <= 0: chosen here so
+// fp32). ``kv_bound`` (one per query token): applied per query row on the AMX path, as row lengths
+// on the fp32 path (nullopt there for a row of several queries). ``chunk_tokens`` <= 0: chosen here so
 // the (request, KV head, chunk) items keep every thread busy (one chunk per request on one thread).
 std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -698,16 +699,32 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
         k_cache.size(2) == v_cache.size(2) && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0))
     return std::nullopt;
   const bool on_amx = amx && qt == at::kBFloat16 && kind != at::kFloat;
-  TORCH_CHECK_VALUE(!kv_bound.has_value() || on_amx,
-                    "paged_attention: kv_bound needs bf16 queries on the AMX path; bound rows otherwise go "
-                    "through ops.paged's one-query rows or its torch path");
   auto as = [](const at::Tensor& x, at::ScalarType t) {
     return x.scalar_type() == t && x.is_contiguous() ? x : x.to(t).contiguous();
   };
   const at::Tensor queries = as(q, on_amx ? at::kBFloat16 : at::kFloat);
-  const at::Tensor table = as(block_table, at::kInt), cu = as(cu_seqlens_q, at::kLong), lens = as(kv_lens, at::kLong);
+  const at::Tensor table = as(block_table, at::kInt), cu = as(cu_seqlens_q, at::kLong);
+  at::Tensor lens = as(kv_lens, at::kLong);
   c10::optional<at::Tensor> bound, ks, vs;
   if (kv_bound.has_value()) bound = as(*kv_bound, at::kLong);
+  if (bound.has_value() && !on_amx) {
+    // The fp32 path takes bounds as row lengths: a row of one query sees min(len, bound) keys.
+    // A row of several queries needs its tokens as rows of their own (the caller's rewrite).
+    const int64_t rows = lens.size(0);
+    if (cu.size(0) != rows + 1 || bound->size(0) != q.size(0)) return std::nullopt;
+    const int64_t* cp = cu.data_ptr<int64_t>();
+    const int64_t* bp = bound->data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    at::Tensor capped = at::empty({rows}, lens.options());
+    int64_t* out_lens = capped.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lq = cp[r + 1] - cp[r];
+      if (lq > 1) return std::nullopt;
+      out_lens[r] = lq == 1 ? std::min(lp[r], bp[cp[r]]) : lp[r];
+    }
+    lens = capped;
+    bound.reset();
+  }
   if (k_scales.has_value()) ks = as(*k_scales, at::kFloat);
   if (v_scales.has_value()) vs = as(*v_scales, at::kFloat);
   if (chunk_tokens <= 0) {

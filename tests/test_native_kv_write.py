@@ -62,3 +62,55 @@ def test_latent_cache_of_one_head():
     new = torch.randn(5, 1, 576).to(torch.bfloat16)
     got, want = _both(cache, new, torch.tensor([0, 17, 63, -1, 30]))
     assert torch.equal(got, want)
+
+
+def _fp8_reference(cache, scales, new, slots):
+    """The op's meaning: quantize_fp8, then the bytes and the scales written by write_slots."""
+    from dcpgraph.ops import quant
+
+    values, token_scales = quant.quantize_fp8(new)
+    paged.write_slots(cache.view(torch.uint8), values.view(torch.uint8), slots)
+    paged.write_slots(scales, token_scales, slots)
+
+
+def _fp8_case(heads, d, dtype, seed, nb=4, block=4):
+    from dcpgraph.ops import quant
+
+    gen = torch.Generator().manual_seed(seed)
+    new = (torch.randn(5, heads, d, generator=gen) * torch.logspace(-12, 12, 5).view(5, 1, 1)).to(dtype)
+    cache = torch.zeros(nb, block, heads, d, dtype=quant.FP8_DTYPE)
+    scales = torch.full((nb, block, heads, quant.scale_groups(d)), -1.0)
+    return new, cache, scales
+
+
+@pytest.mark.parametrize("heads, d, dtype", [(4, 128, torch.bfloat16), (1, 576, torch.bfloat16),
+                                             (2, 100, torch.float32), (1, 64, torch.float16)])
+def test_fp8_write_quantises_as_quantize_fp8_does(heads, d, dtype, monkeypatch):
+    """The native fp8 write (bytes and scales) equals quantize_fp8 + write_slots bit for bit, and
+    it is the native kernel that wrote (spied)."""
+    assert paged.native_fp8_write_enabled(), paged._native_state.get(("reason", "fp8_write"))
+    new, cache, scales = _fp8_case(heads, d, dtype, seed=heads * d)
+    slots = torch.tensor([6, -1, 0, 15, 9], dtype=torch.int32)
+    want_cache, want_scales = cache.clone(), scales.clone()
+    _fp8_reference(want_cache, want_scales, new, slots)
+    calls = []
+    real = native._module.kv_cache_write_fp8
+    monkeypatch.setattr(native._module, "kv_cache_write_fp8", lambda *a: calls.append(1) or real(*a))
+    torch.ops.dcpgraph.kv_cache_write_fp8_(cache, new, slots, scales)
+    assert calls == [1]
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert bool((scales[1, 2] != -1).all()) and bool((scales[1, 3] == -1).all())  # slot 6 written, 7 not
+
+
+def test_fp8_write_checks_every_slot_first_and_other_layouts_fall_back():
+    new, cache, scales = _fp8_case(2, 128, torch.bfloat16, seed=1)
+    with pytest.raises(IndexError, match="outside the cache's 16 slots"):
+        torch.ops.dcpgraph.kv_cache_write_fp8_(cache, new, torch.tensor([0, 1, 2, 3, 16]), scales)
+    assert not cache.view(torch.uint8).any() and bool((scales == -1).all())
+    # scales laid out with the head dim last (not dense rows): the torch path writes the same values
+    odd_scales = torch.full((4, 4, 1, 2), -1.0).transpose(2, 3)
+    want_cache, want_scales = cache.clone(), odd_scales.clone()
+    slots = torch.tensor([0, 5, -1, 2, 3])
+    _fp8_reference(want_cache, want_scales, new, slots)
+    torch.ops.dcpgraph.kv_cache_write_fp8_(cache, new, slots, odd_scales)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8)) and torch.equal(odd_scales, want_scales)

@@ -174,10 +174,7 @@ def _kv_cache_write_fp8_(cache, new, slot_mapping, scales):
     """Quantise ``new [T, H, D]`` per (token, head, 128-group) and write values and scales into
     the same slots (scheme and why: :mod:`dcpgraph.ops.quant`); slot −1 skips, as for
     ``kv_cache_write_``. A slot's scale depends only on its own values, so writes commute."""
-    values, token_scales = quant.quantize_fp8(new)
-    # as bytes: aten's CPU index_copy_ has no fp8 kernel (the bits are copied unchanged)
-    _kv_cache_write_(cache.view(torch.uint8), values.view(torch.uint8), slot_mapping)
-    _kv_cache_write_(scales, token_scales, slot_mapping)
+    paged.write_slots_fp8(cache, new, slot_mapping, scales)
 
 
 def _kv_cache_write_fp8_fake(cache, new, slot_mapping, scales):

@@ -287,3 +287,67 @@ def write_slots(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tens
         flat.index_copy_(0, slot_mapping.to(torch.int64), new.to(cache.dtype))
     else:
         flat.index_copy_(0, slot_mapping[owned].to(torch.int64), new[owned].to(cache.dtype))
+
+
+def write_slots_fp8(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, scales: torch.Tensor) -> None:
+    """``new [T, H, D]`` quantised per (token, head, 128-group) (:func:`~dcpgraph.ops.quant.quantize_fp8`)
+    and written with its scales into the same slots; slot −1 skips. The native kernel does it in
+    one pass where it is enabled (:func:`native_fp8_write_enabled`) and the layouts are dense rows,
+    else :func:`write_slots` of the quantised bytes and of the scales."""
+    from . import quant
+
+    if native_fp8_write_enabled():
+        from . import native
+
+        if native._module.kv_cache_write_fp8(cache, new, slot_mapping, scales, quant.FP8_SCALE_GROUP,
+                                             quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP):
+            return
+    values, token_scales = quant.quantize_fp8(new)
+    # as bytes: aten's CPU index_copy_ has no fp8 kernel (the bits are copied unchanged)
+    write_slots(cache.view(torch.uint8), values.view(torch.uint8), slot_mapping)
+    write_slots(scales, token_scales, slot_mapping)
+
+
+def native_fp8_write_enabled() -> bool:
+    """Whether fp8 cache writes quantise natively: the paged extension is built and its fp8 write
+    matched :func:`~dcpgraph.ops.quant.quantize_fp8` bit for bit on a self-check (values and scales,
+    with an all-zero group, a NaN, an infinity, tiny and huge magnitudes, a short last group, slot
+    −1). Decided once per process; ``DCPGRAPH_NATIVE=0`` says no."""
+    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
+        return False
+    ok = _native_state.get("fp8_write")
+    if ok is None:
+        ok = _native_state["fp8_write"] = _fp8_write_self_check()
+    return bool(ok)
+
+
+def _fp8_write_self_check() -> bool:
+    from . import native, quant
+
+    if not native.available():
+        _native_state[("reason", "fp8_write")] = native.reason
+        return False
+    try:
+        gen = torch.Generator().manual_seed(77)
+        for heads, d, dtype in ((2, 200, torch.float32), (1, 576, torch.bfloat16), (3, 64, torch.float16)):
+            new = torch.randn(6, heads, d, generator=gen) * torch.logspace(-30, 30, 6).view(6, 1, 1)
+            new[1, 0, :128] = 0.0
+            new[2, 0, 5] = float("nan")
+            new[3, -1, 7] = float("inf")
+            new = new.to(dtype)
+            slots = torch.tensor([3, -1, 0, 9, 4, 7])
+            caches = [torch.zeros(3, 4, heads, d, dtype=quant.FP8_DTYPE) for _ in range(2)]
+            scales = [torch.zeros(3, 4, heads, quant.scale_groups(d)) for _ in range(2)]
+            wrote = native._module.kv_cache_write_fp8(caches[0], new, slots, scales[0], quant.FP8_SCALE_GROUP,
+                                                      quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP)
+            values, token_scales = quant.quantize_fp8(new)
+            write_slots(caches[1].view(torch.uint8), values.view(torch.uint8), slots)
+            write_slots(scales[1], token_scales, slots)
+            if not (wrote and torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+                    and torch.equal(scales[0], scales[1])):
+                _native_state[("reason", "fp8_write")] = "the native fp8 cache write failed its self-check"
+                return False
+    except Exception as exc:  # noqa: BLE001 - a broken kernel only disables itself
+        _native_state[("reason", "fp8_write")] = f"the native fp8 write self-check raised {type(exc).__name__}: {exc}"
+        return False
+    return True

@@ -10,6 +10,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -65,6 +69,75 @@ inline void kv_cache_write_cpu(at::Tensor& cache, const at::Tensor& src, const a
   } else {
     flat.index_copy_(0, slot_mapping.index({owned}).to(at::kLong), src.index({owned}).to(cache.scalar_type()));
   }
+}
+
+// dcpgraph::kv_cache_write_fp8_'s fast path (called by its Python kernel in ops/library.py): each
+// owned token's rows quantised as ops/quant.py's quantize_fp8 does, bit for bit, and written with
+// their scales. Per (token, head, group of ``group`` elements, the last zero padded):
+//   a = max |x|,  scale = a > 0 ? 2^clamp(ceil(log2(fl(a / 448))), kmin, kmax) : 1
+//   q = e4m3(clamp(fl(x / scale), -448, 448))                     (round to nearest even)
+// with torch's edge cases: a NaN in the group makes its scale 1 (NaN > 0 is false), an infinite
+// a gives k = 0 (torch.frexp(inf) has exponent 0). Returns false, writing nothing, when the
+// layouts are not dense rows (cache/scales dims 2.. contiguous, new [T, H, D] any float dtype):
+// the caller's torch path then writes.
+inline bool kv_cache_write_fp8(at::Tensor& cache, const at::Tensor& src, const at::Tensor& slot_mapping,
+                               at::Tensor& scales, int64_t group, int64_t kmin, int64_t kmax) {
+  const auto st = slot_mapping.scalar_type();
+  if (cache.scalar_type() != at::kFloat8_e4m3fn || cache.dim() != 4 || src.dim() != 3 || scales.dim() != 4 ||
+      scales.scalar_type() != at::kFloat || slot_mapping.dim() != 1 || slot_mapping.size(0) != src.size(0) ||
+      !(st == at::kLong || st == at::kInt) || group <= 0 || !cache.device().is_cpu() || !src.device().is_cpu())
+    return false;
+  const int64_t heads = cache.size(2), d = cache.size(3), groups = (d + group - 1) / group;
+  if (src.size(1) != heads || src.size(2) != d || scales.size(0) != cache.size(0) ||
+      scales.size(1) != cache.size(1) || scales.size(2) != heads || scales.size(3) != groups ||
+      cache.stride(3) != 1 || cache.stride(2) != d || scales.stride(3) != 1 || scales.stride(2) != groups)
+    return false;
+  const at::Tensor x = src.to(at::kFloat).contiguous();
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t tokens = src.size(0), block = cache.size(1), total = cache.size(0) * block;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_INDEX(sp[t] < total, "kv_cache_write_fp8_: slot ", sp[t], " of token ", t,
+                      " is outside the cache's ", total, " slots");
+  const float* xp = x.data_ptr<float>();
+  auto* cp = reinterpret_cast<c10::Float8_e4m3fn*>(cache.data_ptr());
+  float* scp = scales.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = sp[t];
+    if (s < 0) continue;
+    c10::Float8_e4m3fn* row = cp + (s / block) * cache.stride(0) + (s % block) * cache.stride(1);
+    float* srow = scp + (s / block) * scales.stride(0) + (s % block) * scales.stride(1);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xh = xp + (t * heads + h) * d;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t lo = g * group, hi = std::min(d, lo + group);
+        float amax = 0.f;
+        bool nan = false;
+        for (int64_t i = lo; i < hi; ++i) {
+          const float a = std::fabs(xh[i]);
+          nan |= std::isnan(a);
+          amax = a > amax ? a : amax;
+        }
+        float scale = 1.f;
+        if (!nan && amax > 0.f) {
+          const float y = amax / 448.f;
+          int e = 0;
+          int64_t k = 0;
+          if (std::isfinite(y)) {
+            const float m = std::frexp(y, &e);
+            k = m == 0.5f ? e - 1 : e;
+          }
+          scale = std::ldexp(1.f, static_cast<int>(std::min(std::max(k, kmin), kmax)));
+        }
+        srow[h * groups + g] = scale;
+        for (int64_t i = lo; i < hi; ++i) {
+          const float q = xh[i] / scale;
+          row[h * d + i] = c10::Float8_e4m3fn(std::isnan(q) ? q : std::min(std::max(q, -448.f), 448.f));
+        }
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace kv_write

@@ -759,5 +759,7 @@ std::vector<std::string> kv_dtypes() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged decode attention (fp32/bf16/fp8 KV, in-place block-table reads)");
   m.def("kv_dtypes", &kv_dtypes, "KV cache dtypes this build reads");
+  m.def("kv_cache_write_fp8", &kv_write::kv_cache_write_fp8,
+        "quantise rows to e4m3 with power-of-two group scales and write them (false: not dense rows)");
   m.def("amx_status", &amx_status, "empty if bf16 queries can take the AMX path, else why not");
 }

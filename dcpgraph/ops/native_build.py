@@ -19,7 +19,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -147,3 +149,36 @@ class NativeExtension:
         if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
             return False
         return self.load() is not None
+
+
+class SelfCheckedKernel:
+    """A :class:`NativeExtension` whose kernel serves only after it agreed with its reference on a
+    self-check; decided once per process. ``check(module)`` returns ``None`` when the kernel agrees,
+    else why not (an exception counts as a failure). ``DCPGRAPH_NATIVE=0`` says no without building.
+    :attr:`reason` says why the kernel is off (``None``: on, or not tried yet)."""
+
+    def __init__(self, extension: NativeExtension, check: Callable[[Any], str | None]):
+        self.extension, self._check = extension, check
+        self._ok: bool | None = None
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+
+    def enabled(self) -> bool:
+        if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
+            self.reason = "native kernels turned off (DCPGRAPH_NATIVE=0)"
+            return False
+        with self._lock:
+            if self._ok is None:
+                self._ok = self._run_check()
+        return self._ok
+
+    def _run_check(self) -> bool:
+        module = self.extension.load()
+        if module is None:
+            self.reason = self.extension.reason or f"{self.extension.what} unavailable"
+            return False
+        try:
+            self.reason = self._check(module)
+        except Exception as exc:  # noqa: BLE001 - a failing kernel is switched off, not fatal
+            self.reason = f"{self.extension.what} self-check raised {type(exc).__name__}: {exc}"
+        return self.reason is None

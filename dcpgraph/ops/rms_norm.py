@@ -14,21 +14,17 @@ GCC would otherwise turn ``1/sqrt`` into an approximate reciprocal square root.
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from .native_build import NativeExtension
+from .native_build import NativeExtension, SelfCheckedKernel
 
 EXTENSION = NativeExtension(
     "dcpgraph_rms_norm_bf16", Path(__file__).resolve().parent / "csrc" / "rms_norm_bf16.cpp",
     "native bf16 RMSNorm kernel", "RMSNorm runs as eager torch ops",
     cflags=("-O3", "-march=native", "-fopenmp"),
 )
-_state: dict[str, object] = {}
-_check_lock = threading.Lock()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,39 +36,25 @@ def rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _check(mod) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1, 1, 70), (3, 4, 64)):
+        x = (4 * torch.randn(shape, generator=gen)).bfloat16()
+        w = torch.randn(shape[-1], generator=gen).bfloat16()
+        if not torch.equal(mod.rms_norm_bf16(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)):
+            return "native bf16 RMSNorm failed its self-check against eager torch"
+    return None
+
+
+KERNEL = SelfCheckedKernel(EXTENSION, _check)
+
+
 def reason() -> str | None:
     """Why the native kernel is off (None: on, or not tried yet)."""
-    return _state.get("reason")  # type: ignore[return-value]
+    return KERNEL.reason
 
 
 def native_enabled() -> bool:
     """Built, loaded (so registered as the op's CPU kernel) and past its self-check; decided once
     per process. ``DCPGRAPH_NATIVE=0`` says no without building."""
-    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
-        _state["reason"] = "native kernels turned off (DCPGRAPH_NATIVE=0)"
-        return False
-    with _check_lock:
-        if "ok" not in _state:
-            _state["ok"] = _self_check()
-    return bool(_state["ok"])
-
-
-def _self_check() -> bool:
-    mod = EXTENSION.load()
-    if mod is None:
-        _state["reason"] = EXTENSION.reason or "native bf16 RMSNorm kernel unavailable"
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        for shape in ((1, 1, 70), (3, 4, 64)):
-            x = (4 * torch.randn(shape, generator=gen)).bfloat16()
-            w = torch.randn(shape[-1], generator=gen).bfloat16()
-            got, want = mod.rms_norm_bf16(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)
-            if not torch.equal(got, want):
-                _state["reason"] = "native bf16 RMSNorm failed its self-check against eager torch"
-                return False
-    except Exception as exc:  # noqa: BLE001 - a failing kernel is switched off, not fatal
-        _state["reason"] = f"native bf16 RMSNorm self-check raised {type(exc).__name__}: {exc}"
-        return False
-    _state["reason"] = None
-    return True
+    return KERNEL.enabled()

@@ -13,21 +13,17 @@ contraction into fused multiply-adds, which would skip a rounding.
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from .native_build import NativeExtension
+from .native_build import NativeExtension, SelfCheckedKernel
 
 EXTENSION = NativeExtension(
     "dcpgraph_rotary", Path(__file__).resolve().parent / "csrc" / "rotary.cpp",
     "native rotary kernel", "rotary embeddings run as eager torch ops",
     cflags=("-O3", "-march=native", "-ffp-contract=off"),
 )
-_state: dict[str, object] = {}
-_check_lock = threading.Lock()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -46,40 +42,26 @@ def rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.empty_like(x)
 
 
+def _check(mod) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        for heads, tokens, d in ((2, 3, 8), (4, 1, 64)):
+            x = (4 * torch.randn(1, tokens, heads, d, generator=gen)).to(dtype).transpose(1, 2)
+            cos, sin = torch.randn(2, 1, 1, tokens, d, generator=gen).to(dtype)
+            if not torch.equal(mod.rotary_embedding(x, cos, sin), rotary_reference(x, cos, sin)):
+                return f"native rotary failed its {dtype} self-check against eager torch"
+    return None
+
+
+KERNEL = SelfCheckedKernel(EXTENSION, _check)
+
+
 def reason() -> str | None:
     """Why the native kernel is off (None: on, or not tried yet)."""
-    return _state.get("reason")  # type: ignore[return-value]
+    return KERNEL.reason
 
 
 def native_enabled() -> bool:
     """Built, loaded (so registered as the op's CPU kernel) and past its self-check; decided once
     per process. ``DCPGRAPH_NATIVE=0`` says no without building."""
-    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
-        _state["reason"] = "native kernels turned off (DCPGRAPH_NATIVE=0)"
-        return False
-    with _check_lock:
-        if "ok" not in _state:
-            _state["ok"] = _self_check()
-    return bool(_state["ok"])
-
-
-def _self_check() -> bool:
-    mod = EXTENSION.load()
-    if mod is None:
-        _state["reason"] = EXTENSION.reason or "native rotary kernel unavailable"
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        for dtype in DTYPES:
-            for heads, tokens, d in ((2, 3, 8), (4, 1, 64)):
-                x = (4 * torch.randn(1, tokens, heads, d, generator=gen)).to(dtype).transpose(1, 2)
-                cos, sin = torch.randn(2, 1, 1, tokens, d, generator=gen).to(dtype)
-                got, want = mod.rotary_embedding(x, cos, sin), rotary_reference(x, cos, sin)
-                if not torch.equal(got, want):
-                    _state["reason"] = f"native rotary failed its {dtype} self-check against eager torch"
-                    return False
-    except Exception as exc:  # noqa: BLE001 - a failing kernel is switched off, not fatal
-        _state["reason"] = f"native rotary self-check raised {type(exc).__name__}: {exc}"
-        return False
-    _state["reason"] = None
-    return True
+    return KERNEL.enabled()

@@ -68,3 +68,23 @@ def getitem_users(node: torch.fx.Node) -> dict[int, list[torch.fx.Node]]:
             raise ValueError(f"{node.name} is used by {u.name} other than through getitem")
         users.setdefault(u.args[1], []).append(u)
     return users
+
+
+def replace_chains(graph: torch.fx.Graph, match, target) -> int:
+    """Every node ``n`` for which ``match(n)`` gives ``(args, chain)`` (``chain``: the nodes the
+    match covers, ``n`` last, each used only inside it) becomes ``target(*args)``, with ``n``'s
+    meta; the chain is erased. Returns how many were replaced; the caller recompiles."""
+    count = 0
+    for node in list(graph.nodes):
+        found = match(node)
+        if found is None:
+            continue
+        args, chain = found
+        with graph.inserting_before(node):
+            fused = graph.call_function(target, tuple(args))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        for dead in reversed(chain):
+            graph.erase_node(dead)
+        count += 1
+    return count

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from ..program import STATE_KINDS, Program
+from .graph_edit import replace_chains
 from .manager import program_pass, ran
 
 aten = torch.ops.aten
@@ -95,19 +96,11 @@ def native_rms_norm(program: Program, enabled: bool = True):
     if not rms_norm_ops.native_enabled():
         return program, f"{len(found)} bf16 RMSNorms kept as torch ops: {rms_norm_ops.reason()}"
     gm = program.copy_graph()
-    graph = gm.graph
-    count = 0
-    for node in list(graph.nodes):
-        match = match_rms_norm(node, state_names)
-        if match is None:
-            continue
-        x, weight, eps, chain = match
-        with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.dcpgraph.rms_norm_bf16.default, (x, weight, eps))
-        fused.meta = dict(node.meta)
-        node.replace_all_uses_with(fused)
-        for dead in reversed(chain):
-            graph.erase_node(dead)
-        count += 1
+
+    def chain(node):
+        found = match_rms_norm(node, state_names)
+        return None if found is None else (found[:3], found[3])
+
+    count = replace_chains(gm.graph, chain, torch.ops.dcpgraph.rms_norm_bf16.default)
     gm.recompile()
     return program.replace(graph_module=gm), f"{count} bf16 RMSNorms → dcpgraph.rms_norm_bf16"

@@ -23,6 +23,7 @@ import torch.fx
 
 from ..ops.rotary import DTYPES
 from ..program import Program
+from .graph_edit import replace_chains
 from .manager import program_pass, ran
 
 aten = torch.ops.aten
@@ -116,19 +117,11 @@ def native_rotary(program: Program, enabled: bool = True):
     if not rotary_ops.native_enabled():
         return program, f"{len(found)} rotary chains kept as torch ops: {rotary_ops.reason()}"
     gm = program.copy_graph()
-    graph = gm.graph
-    count = 0
-    for node in list(graph.nodes):
-        match = match_rotary(node)
-        if match is None:
-            continue
-        x, cos, sin, chain = match
-        with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.dcpgraph.rotary_embedding.default, (x, cos, sin))
-        fused.meta = dict(node.meta)
-        node.replace_all_uses_with(fused)
-        for dead in reversed(chain):
-            graph.erase_node(dead)
-        count += 1
+
+    def chain(node):
+        found = match_rotary(node)
+        return None if found is None else (found[:3], found[3])
+
+    count = replace_chains(gm.graph, chain, torch.ops.dcpgraph.rotary_embedding.default)
     gm.recompile()
     return program.replace(graph_module=gm), f"{count} rotary chains → dcpgraph.rotary_embedding"

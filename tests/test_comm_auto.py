@@ -58,7 +58,9 @@ def test_auto_picks_ag_on_a_gloo_mesh_generates_hf_tokens_and_says_why(llama, tr
     ~120 us there, so ag (one collective per layer instead of three) is predicted cheaper and is
     the lowering actually built."""
     engine = dcpgraph.compile(traced, tp=2, dcp=2, block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
-    assert engine.report()["comm"] == "ag"
+    report = engine.report()
+    assert report["comm"] == "ag" and report["comm_choice"].startswith("ag: cheapest predicted decode step")
+    assert "a2a" in report["comm_choice"] and "ag_rs" in report["comm_choice"]  # every candidate priced
     program = engine.program
     layers = llama.config.num_hidden_layers
     # ag's structure: one DCP all-gather (the packed partials) per layer, no all-to-all, the

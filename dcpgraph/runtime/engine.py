@@ -344,14 +344,15 @@ class Engine:
         return out
 
     def report(self) -> dict:
-        """What ran where: per graph, the backend used and any fallback with its reason, the
-        decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
+        """What ran where: the DCP lowering (and, for ``comm="auto"``, the predicted costs it was
+        chosen by), per graph the backend used and any fallback with its reason, the decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
         and the prefix cache."""
         backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
         return {
             "executor": self.executor.mode,
             "mesh": str(self.mesh),
             "comm": self.program.options.get("comm"),
+            "comm_choice": self.program.options.get("comm_choice"),  # why comm="auto" chose it (None: not auto)
             "steps": self.steps,
             "graph_steps": dict(self.runner.graph_steps),
             "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],

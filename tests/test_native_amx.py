@@ -206,6 +206,31 @@ def test_causal_chunk_rows_match_the_reference(kv_dtype, hq, hkv, d, dv, prefix,
     torch.testing.assert_close(lse[finite], ref_l[finite], atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
 
 
+def test_verification_rows_take_their_bounds_in_one_call(kv_dtype, monkeypatch):
+    """Speculative verification (1 + k queries a request, causal bounds) and decode rows in one
+    batch, through ``paged_partial_attention`` with bf16 queries: one kernel call with the bounds
+    (no one-row-per-query rewrite), within the AMX path's tolerance of fp32 attention."""
+    if not paged.native_enabled(kv_dtype) or not native.amx_enabled(kv_dtype):
+        pytest.skip(f"AMX {kv_dtype} path off: {native.amx_reason}")
+    gen = torch.Generator().manual_seed(21)
+    nb, block, hkv, d = 40, 16, 2, 128
+    (k, v, ks, vs), (k_exact, v_exact) = _cache(21, kv_dtype, nb, block, hkv, d, d, False)
+    table = torch.randperm(nb, generator=gen)[:36].view(3, 12).to(torch.int32)
+    lens = torch.tensor([150, 9, 191], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)  # 1 + 3 drafts, a decode row, 1 + 3 drafts
+    bound = torch.tensor([147, 148, 149, 150, 9, 188, 189, 190, 191], dtype=torch.int32)
+    q = torch.randn(9, 16, d, generator=gen).to(torch.bfloat16)
+    calls = []
+    real = native._module.paged_attention
+    monkeypatch.setattr(native._module, "paged_attention", lambda *a: calls.append((a[0].shape[0], a[8] is not None))
+                        or real(*a))
+    out, lse = paged.paged_partial_attention(q, k, v, table, cu, lens, bound, 0.2, k_scales=ks, v_scales=vs)
+    assert calls == [(9, True)]
+    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_exact, v_exact, table, cu, lens, bound, 0.2)
+    torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+    torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
+
+
 def test_long_bounded_rows_take_the_kernel_not_a_gathered_copy(kv_dtype, monkeypatch):
     """``paged_partial_attention`` hands a chunked prefill's bounded rows (more than
     MAX_BOUNDED_QUERIES_PER_ROW queries) with bf16 queries to the kernel with their bounds, and

@@ -142,6 +142,41 @@ inline void block_values(const float* p, int64_t ps, int64_t m, const float* vb,
 }
 
 
+// Software prefetch of one block's K/V rows spread over the work of the current block: start()
+// names the rows (``rows`` tokens from k/v, row strides in bytes) and how many step() calls the
+// block makes; each step() issues its share of the lines. A burst of a block's lines at once finds
+// the fill buffers busy and most are dropped (the AMX decoder's measurement, amx_prefetch.h).
+class RowPrefetch {
+ public:
+  RowPrefetch(int64_t kbytes, int64_t vbytes, int64_t kstride, int64_t vstride)
+      : klines_((kbytes + 63) / 64), vlines_((vbytes + 63) / 64), kstride_(kstride), vstride_(vstride) {}
+  void start(const char* k, const char* v, int64_t rows, int64_t calls) {
+    k_ = k;
+    v_ = v;
+    left_ = rows * (klines_ + vlines_);
+    per_ = (left_ + calls - 1) / std::max<int64_t>(calls, 1);
+    next_ = 0;
+  }
+  // The lines step() calls have not issued (all of them where the block's work makes none).
+  void rest() {
+    per_ = left_;
+    (*this)();
+  }
+  void operator()() {
+    for (int64_t i = 0; i < per_ && left_ > 0; ++i, --left_, ++next_) {
+      const int64_t row = next_ / (klines_ + vlines_), line = next_ % (klines_ + vlines_);
+      __builtin_prefetch(line < klines_ ? k_ + row * kstride_ + line * 64 : v_ + row * vstride_ + (line - klines_) * 64,
+                         0, 2);
+    }
+  }
+
+ private:
+  const int64_t klines_, vlines_, kstride_, vstride_;
+  const char* k_ = nullptr;
+  const char* v_ = nullptr;
+  int64_t left_ = 0, per_ = 0, next_ = 0;
+};
+
 #ifdef __AVX512F__
 // KV element loaders: 16 consecutive elements of one cache row as fp32 in a register (masked
 // lanes are zero). ``sc`` is that row's fp32 scales (one per ``grp`` elements, a multiple of 16;
@@ -240,9 +275,15 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
   }
 }
 
-template <class L>
+struct NoStep {
+  void operator()() const {}
+};
+
+// ``step()`` runs before every register tile (the caller's spread prefetch, see RowPrefetch).
+template <class L, class Step = NoStep>
 inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
-                             const float* ksc, int64_t kss, int64_t grp, int64_t nt, float* s, int64_t ss) {
+                             const float* ksc, int64_t kss, int64_t grp, int64_t nt, float* s, int64_t ss,
+                             Step&& step = Step()) {
   using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, float*,
                       int64_t);
   static const Fn table[4][4] = {
@@ -255,6 +296,7 @@ inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typenam
     const int64_t rr = std::min<int64_t>(4, m - i);
     for (int64_t t = 0; t < nt; t += 4) {
       const int64_t tt = std::min<int64_t>(4, nt - t);
+      step();
       table[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss, grp, s + i * ss + t, ss);
     }
   }
@@ -301,9 +343,10 @@ inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc
     }
 }
 
-template <class L>
+template <class L, class Step = NoStep>
 inline void block_values_avx(const float* p, int64_t ps, int64_t m, const typename L::T* vb, int64_t vs,
-                             const float* vsc, int64_t vss, int64_t grp, int64_t nt, int64_t dv, float* acc) {
+                             const float* vsc, int64_t vss, int64_t grp, int64_t nt, int64_t dv, float* acc,
+                             Step&& step = Step()) {
   using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, int64_t,
                       int64_t, float*, int64_t, __mmask16);
   static const Fn four[4] = {value_tile<L, 1, 4>, value_tile<L, 2, 4>, value_tile<L, 3, 4>, value_tile<L, 4, 4>};
@@ -311,9 +354,13 @@ inline void block_values_avx(const float* p, int64_t ps, int64_t m, const typena
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rr = std::min<int64_t>(4, m - i);
     int64_t x = 0;
-    for (; x + 64 <= dv; x += 64) four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, 0xFFFF);
+    for (; x + 64 <= dv; x += 64) {
+      step();
+      four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, 0xFFFF);
+    }
     for (; x < dv; x += 16) {
       const __mmask16 mk = dv - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - x)) - 1u);
+      step();
       one[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, mk);
     }
   }
@@ -483,6 +530,8 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
     std::vector<float> kstage(std::is_same_v<T, uint8_t> ? bsz * d : 0);
     std::vector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
+    RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
+                   vs1 * int64_t(sizeof(T)));
     for (int64_t it = begin; it < end; ++it) {
       const Item& w = items[it];
       const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
@@ -505,21 +554,17 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         const T* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
         const float* ksb = ksp + blk * kss0 + off * kss1 + w.h * kss2;
         const float* vsb = vsp + blk * vss0 + off * vss1 + w.h * vss2;
-        {  // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
-           // table, which the hardware prefetcher cannot follow for a scattered table).
-          const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
-          if (prefetch_blocks > 0 && ahead < w.t1) {
-            const int64_t pb = table[w.r * width + ahead / bsz];
-            const char* pk = reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2);
-            const char* pv = reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2);
-            const int64_t nu = std::min(bsz, w.t1 - ahead);
-            for (int64_t u = 0; u < nu; ++u) {
-              constexpr int64_t e = sizeof(T);
-              for (int64_t b = 0; b < d * e; b += 64) __builtin_prefetch(pk + u * ks1 * e + b, 0, 2);
-              if (!value_prefix)
-                for (int64_t b = 0; b < dv * e; b += 64) __builtin_prefetch(pv + u * vs1 * e + b, 0, 2);
-            }
-          }
+        // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
+        // table, which the hardware prefetcher cannot follow for a scattered table), a few lines
+        // before each register tile rather than in one burst (see RowPrefetch).
+        const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
+        if (prefetch_blocks > 0 && ahead < w.t1) {
+          const int64_t pb = table[w.r * width + ahead / bsz];
+          const int64_t tiles = (m + 3) / 4 * ((nt + 3) / 4 + (dv + 63) / 64);
+          pf.start(reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2),
+                   reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2), std::min(bsz, w.t1 - ahead), tiles);
+        } else {
+          pf.start(nullptr, nullptr, 0, 1);
         }
         float* s = sbuf.data();
 #ifdef __AVX512F__
@@ -530,11 +575,12 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         const bool staged = std::is_same_v<T, uint8_t> && m > 4;
         if (staged) {
           stage_rows<LoaderFor<T>>(kb, ks1, ksb, kss1, group, nt, d, kstage.data());
-          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, 0, nt, s, ss);
+          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, 0, nt, s, ss, pf);
         } else {
-          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, group, nt, s, ss);
+          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, group, nt, s, ss, pf);
         }
 #else
+        pf.rest();  // the scalar path makes no step() calls: the block's lines at once
         if constexpr (std::is_same_v<T, float>) block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
 #endif
         for (int64_t i = 0; i < m; ++i) {
@@ -570,16 +616,17 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         started = true;
 #ifdef __AVX512F__
         if (staged && value_prefix) {
-          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, 0, nt, dv, acc);
+          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, 0, nt, dv, acc, pf);
         } else if (staged) {
           stage_rows<LoaderFor<T>>(vb, vs1, vsb, vss1, group, nt, dv, vstage.data());
-          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, 0, nt, dv, acc);
+          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, 0, nt, dv, acc, pf);
         } else {
-          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, group, nt, dv, acc);
+          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, group, nt, dv, acc, pf);
         }
 #else
         if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);
 #endif
+        pf.rest();  // what rounding left
         t += nt;
       }
     }

@@ -196,7 +196,8 @@ def paged_partial_attention(
     cache through :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses,
     dequantised).
     """
-    if kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16) and native_enabled(k_cache.dtype):
+    if (kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
+            and native_enabled(k_cache.dtype)):
         from . import native
 
         # The AMX path applies bounds per query row, the fp32 path as the lengths of one-query rows;
@@ -296,7 +297,7 @@ def write_slots_fp8(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.
     else :func:`write_slots` of the quantised bytes and of the scales."""
     from . import quant
 
-    if native_fp8_write_enabled():
+    if cache.device.type == "cpu" and native_fp8_write_enabled():
         from . import native
 
         if native._module.kv_cache_write_fp8(cache, new, slot_mapping, scales, quant.FP8_SCALE_GROUP,

@@ -316,10 +316,12 @@ def test_slot_of_is_slot_mapping_per_token(cfg, seed, spare):
 
 
 @given(dcp=st.sampled_from([1, 2, 4]), interleave=st.sampled_from([1, 2]), seed=dst.seeds(),
-       lens=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 70)), min_size=1, max_size=5))
-def test_step_inputs_agree_on_both_sides_of_the_small_step_cutoff(dcp, interleave, seed, lens):
+       lens=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 70)), min_size=1, max_size=5),
+       sliding=st.booleans())
+def test_step_inputs_agree_on_both_sides_of_the_small_step_cutoff(dcp, interleave, seed, lens, sliding):
     """``build_step_inputs`` computes slots and local lengths on Python ints for steps of at most
-    ``SMALL_STEP_TOKENS`` tokens and on tensors above: both give the same inputs."""
+    ``SMALL_STEP_TOKENS`` tokens and on tensors above: both give the same inputs (the sliding
+    layers' slots too)."""
     from dcpgraph.mesh import Mesh
     from dcpgraph.runtime import step_inputs
 
@@ -330,7 +332,8 @@ def test_step_inputs_agree_on_both_sides_of_the_small_step_cutoff(dcp, interleav
         blocks = -(-(start + n) // (block_size * dcp))
         table = (torch.randperm(1000, generator=gen)[:blocks] + next_block).tolist()
         next_block += 1000
-        chunks.append(step_inputs.Chunk(i, tuple(range(n)), start, tuple(table)))
+        chunks.append(step_inputs.Chunk(i, tuple(range(n)), start, tuple(table),
+                                        sliding_table=tuple(reversed(table)) if sliding else None))
     mesh = Mesh(tp=1, dcp=dcp)
     small = step_inputs.build_step_inputs(chunks, mesh, block_size, interleave)
     cutoff = step_inputs.SMALL_STEP_TOKENS

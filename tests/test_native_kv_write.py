@@ -88,7 +88,7 @@ def _fp8_case(heads, d, dtype, seed, nb=4, block=4):
 def test_fp8_write_quantises_as_quantize_fp8_does(heads, d, dtype, monkeypatch):
     """The native fp8 write (bytes and scales) equals quantize_fp8 + write_slots bit for bit, and
     it is the native kernel that wrote (spied)."""
-    assert paged.native_fp8_write_enabled(), paged._native_state.get(("reason", "fp8_write"))
+    assert paged.FP8_WRITE.enabled(), paged.FP8_WRITE.reason
     new, cache, scales = _fp8_case(heads, d, dtype, seed=heads * d)
     slots = torch.tensor([6, -1, 0, 15, 9], dtype=torch.int32)
     want_cache, want_scales = cache.clone(), scales.clone()

@@ -37,7 +37,7 @@ EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode 
                             headers=_HEADERS)
 _clear_stale_lock = clear_stale_lock
 __all__ = ["AMX_KV_DTYPES", "STALE_LOCK_SECONDS", "amx_enabled", "available", "build_dir", "kv_dtypes",
-           "native_paged_decode", "supports"]
+           "native_paged_decode"]
 
 # Software prefetch distance in blocks (0: none); ``DCPGRAPH_NATIVE_PREFETCH`` overrides.
 PREFETCH_BLOCKS = 4
@@ -84,20 +84,6 @@ def kv_dtypes() -> tuple[torch.dtype, ...]:
 
 
 _kv_dtypes_of: dict[int, tuple[torch.dtype, ...]] = {}
-
-
-def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The inputs this kernel handles: CPU, fp32/bf16 queries, K and V of one dtype the build
-    reads, dense K/V rows, matching block/head shapes."""
-    return (
-        q.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == v_cache.dtype
-        and k_cache.dtype in kv_dtypes()
-        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-        and q.dim() == 3 and k_cache.dim() == 4 and v_cache.dim() == 4
-        and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-        and k_cache.shape[:3] == v_cache.shape[:3] and q.shape[-1] == k_cache.shape[-1]
-        and q.shape[1] % k_cache.shape[2] == 0
-    )
 
 
 def amx_enabled(kv_dtype: torch.dtype) -> bool:
@@ -219,7 +205,8 @@ def native_paged_decode(
     kv_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)``, or ``None`` when the inputs are not the
-    kernel's (:func:`supports`) or the block table does not cover a row's keys (too short, or an
+    kernel's (CPU tensors, fp32/bf16 queries, K and V of one dtype :func:`kv_dtypes` lists, dense
+    K/V rows, matching block/head shapes: checked in C++) or the block table does not cover a row's keys (too short, or an
     out-of-range id): the caller's checked path then runs, and raises for the latter.
     fp8 caches need ``k_scales`` (and ``v_scales`` unless the values are a prefix of the keys).
     bf16 queries take the AMX path when :func:`amx_enabled` (``amx=True`` forces it, ``False``

@@ -14,7 +14,9 @@ import os
 
 import torch
 
+from . import native
 from .kernels import acc_dtype, attend, empty_result, is_prefix_view, soft_cap, softmax_attend
+from .native_build import SelfCheckedKernel
 
 
 def gather_paged(cache: torch.Tensor, block_ids: list[int], length: int) -> torch.Tensor:
@@ -136,8 +138,6 @@ def _stored_as(x: torch.Tensor, kv_dtype: torch.dtype):
 
 
 def _native_self_check(kv_dtype: torch.dtype) -> bool:
-    from . import native
-
     if not native.available():
         return _native_off(kv_dtype, native.reason)
     if kv_dtype not in native.kv_dtypes():
@@ -186,20 +186,18 @@ def paged_partial_attention(
     their scales (``k_scales``, and ``v_scales`` unless the values are a prefix of the keys,
     :mod:`dcpgraph.ops.quant`).
 
-    fp32/bf16 queries without ``kv_start`` and ``softcap``, and without ``kv_bound`` or with it on
-    rows of at most :data:`MAX_BOUNDED_QUERIES_PER_ROW` queries (decode, speculative verification),
-    run the native kernel when it is enabled for the cache's dtype (:func:`native_enabled`), which
-    reads fp32, bf16 and fp8 caches in place and knows neither a window nor a cap. Longer bounded
-    rows (chunked prefill) run it too with bf16 queries on the AMX path, which applies the bound
-    per query row (:func:`native.native_paged_decode`'s ``kv_bound``): no gathered copy. Everything else,
-    and a block table that does not cover a row, takes the checked torch path, which reads an fp8
-    cache through :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses,
-    dequantised).
+    fp32/bf16 CPU queries without ``kv_start`` and ``softcap`` run the native kernel when it is
+    enabled for the cache's dtype (:func:`native_enabled`); it reads fp32, bf16 and fp8 caches in
+    place and knows neither a window nor a cap. ``kv_bound`` goes with them: bf16 queries on the
+    AMX path apply it per query row (decode, speculative verification and chunked prefill alike, no
+    gathered copy); the fp32 path takes a one-query row's bound as its length, and rows of at most
+    :data:`MAX_BOUNDED_QUERIES_PER_ROW` bounded queries become one row per query
+    (:func:`_bound_as_lengths`). Everything else, and a block table that does not cover a row,
+    takes the checked torch path, which reads an fp8 cache through
+    :func:`~dcpgraph.ops.quant.dequantized_context` (the blocks the step uses, dequantised).
     """
     if (kv_start is None and not softcap and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
             and native_enabled(k_cache.dtype)):
-        from . import native
-
         # The AMX path applies bounds per query row, the fp32 path as the lengths of one-query rows;
         # the fp32 path's rows of several bounded queries become one row per query here.
         amx = q.dtype == torch.bfloat16 and native.amx_enabled(k_cache.dtype)
@@ -293,62 +291,49 @@ def write_slots(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tens
 def write_slots_fp8(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, scales: torch.Tensor) -> None:
     """``new [T, H, D]`` quantised per (token, head, 128-group) (:func:`~dcpgraph.ops.quant.quantize_fp8`)
     and written with its scales into the same slots; slot −1 skips. The native kernel does it in
-    one pass where it is enabled (:func:`native_fp8_write_enabled`) and the layouts are dense rows,
-    else :func:`write_slots` of the quantised bytes and of the scales."""
+    one pass where it is enabled (:data:`FP8_WRITE`) and the layouts are dense rows, else
+    :func:`_write_fp8_torch`."""
     from . import quant
 
-    if cache.device.type == "cpu" and native_fp8_write_enabled():
-        from . import native
+    if cache.device.type == "cpu" and FP8_WRITE.enabled() and FP8_WRITE.extension.module.kv_cache_write_fp8(
+            cache, new, slot_mapping, scales, quant.FP8_SCALE_GROUP, quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP):
+        return
+    _write_fp8_torch(cache, new, slot_mapping, scales)
 
-        if native._module.kv_cache_write_fp8(cache, new, slot_mapping, scales, quant.FP8_SCALE_GROUP,
-                                             quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP):
-            return
+
+def _write_fp8_torch(cache, new, slot_mapping, scales) -> None:
+    from . import quant
+
     values, token_scales = quant.quantize_fp8(new)
     # as bytes: aten's CPU index_copy_ has no fp8 kernel (the bits are copied unchanged)
     write_slots(cache.view(torch.uint8), values.view(torch.uint8), slot_mapping)
     write_slots(scales, token_scales, slot_mapping)
 
 
-def native_fp8_write_enabled() -> bool:
-    """Whether fp8 cache writes quantise natively: the paged extension is built and its fp8 write
-    matched :func:`~dcpgraph.ops.quant.quantize_fp8` bit for bit on a self-check (values and scales,
-    with an all-zero group, a NaN, an infinity, tiny and huge magnitudes, a short last group, slot
-    −1). Decided once per process; ``DCPGRAPH_NATIVE=0`` says no."""
-    if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
-        return False
-    ok = _native_state.get("fp8_write")
-    if ok is None:
-        ok = _native_state["fp8_write"] = _fp8_write_self_check()
-    return bool(ok)
+def _fp8_write_check(module) -> str | None:
+    """The native fp8 write against :func:`_write_fp8_torch`, bytes and scales bit for bit: an
+    all-zero group, a NaN, an infinity, magnitudes 1e-30…1e30, a short last group, slot −1."""
+    from . import quant
+
+    gen = torch.Generator().manual_seed(77)
+    for heads, d, dtype in ((2, 200, torch.float32), (1, 576, torch.bfloat16), (3, 64, torch.float16)):
+        new = torch.randn(6, heads, d, generator=gen) * torch.logspace(-30, 30, 6).view(6, 1, 1)
+        new[1, 0, :128] = 0.0
+        new[2, 0, 5] = float("nan")
+        new[3, -1, 7] = float("inf")
+        new = new.to(dtype)
+        slots = torch.tensor([3, -1, 0, 9, 4, 7])
+        caches = [torch.zeros(3, 4, heads, d, dtype=quant.FP8_DTYPE) for _ in range(2)]
+        scales = [torch.zeros(3, 4, heads, quant.scale_groups(d)) for _ in range(2)]
+        wrote = module.kv_cache_write_fp8(caches[0], new, slots, scales[0], quant.FP8_SCALE_GROUP,
+                                          quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP)
+        _write_fp8_torch(caches[1], new, slots, scales[1])
+        if not (wrote and torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+                and torch.equal(scales[0], scales[1])):
+            return "the native fp8 cache write failed its self-check against quantize_fp8"
+    return None
 
 
-def _fp8_write_self_check() -> bool:
-    from . import native, quant
-
-    if not native.available():
-        _native_state[("reason", "fp8_write")] = native.reason
-        return False
-    try:
-        gen = torch.Generator().manual_seed(77)
-        for heads, d, dtype in ((2, 200, torch.float32), (1, 576, torch.bfloat16), (3, 64, torch.float16)):
-            new = torch.randn(6, heads, d, generator=gen) * torch.logspace(-30, 30, 6).view(6, 1, 1)
-            new[1, 0, :128] = 0.0
-            new[2, 0, 5] = float("nan")
-            new[3, -1, 7] = float("inf")
-            new = new.to(dtype)
-            slots = torch.tensor([3, -1, 0, 9, 4, 7])
-            caches = [torch.zeros(3, 4, heads, d, dtype=quant.FP8_DTYPE) for _ in range(2)]
-            scales = [torch.zeros(3, 4, heads, quant.scale_groups(d)) for _ in range(2)]
-            wrote = native._module.kv_cache_write_fp8(caches[0], new, slots, scales[0], quant.FP8_SCALE_GROUP,
-                                                      quant.MIN_SCALE_EXP, quant.MAX_SCALE_EXP)
-            values, token_scales = quant.quantize_fp8(new)
-            write_slots(caches[1].view(torch.uint8), values.view(torch.uint8), slots)
-            write_slots(scales[1], token_scales, slots)
-            if not (wrote and torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
-                    and torch.equal(scales[0], scales[1])):
-                _native_state[("reason", "fp8_write")] = "the native fp8 cache write failed its self-check"
-                return False
-    except Exception as exc:  # noqa: BLE001 - a broken kernel only disables itself
-        _native_state[("reason", "fp8_write")] = f"the native fp8 write self-check raised {type(exc).__name__}: {exc}"
-        return False
-    return True
+# fp8 cache writes quantise natively (the paged extension's kv_cache_write_fp8) once it passed
+# _fp8_write_check in this process; ``FP8_WRITE.reason`` says why not.
+FP8_WRITE = SelfCheckedKernel(native.EXTENSION, _fp8_write_check)

@@ -345,8 +345,9 @@ class Engine:
 
     def report(self) -> dict:
         """What ran where: the DCP lowering (and, for ``comm="auto"``, the predicted costs it was
-        chosen by), per graph the backend used and any fallback with its reason, the decode buckets, how many steps each graph served, speculation, the scheduler (preemptions)
-        and the prefix cache."""
+        chosen by), per graph the backend used and any fallback with its reason, the decode
+        buckets, how many steps each graph served, speculation, the scheduler (preemptions) and the
+        prefix cache."""
         backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
         return {
             "executor": self.executor.mode,

@@ -47,8 +47,9 @@ def build_step_inputs(
     """Inputs shared by all ranks, and each rank's own ``slot_mapping``/lengths/ranks.
 
     The index lists are built in Python and become one tensor each (a decode step's are a few
-    elements, where every small tensor op costs more than the list); the slot formula is
-    :func:`dcpgraph.layout.slot_mapping`'s, on tensors."""
+    elements, where every small tensor op costs more than the list). Slots and local lengths use
+    :mod:`dcpgraph.layout`'s formulas, on Python ints for steps of at most
+    :data:`SMALL_STEP_TOKENS` tokens and on tensors above."""
     cu_list, owner_list, position_list, logits_list = [0], [], [], []
     for r, c in enumerate(chunks):
         n = len(c.tokens)
@@ -59,7 +60,6 @@ def build_step_inputs(
     cu = torch.tensor(cu_list, dtype=torch.int32)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
     ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.int64)
-    owner = torch.tensor(owner_list, dtype=torch.int64)
     positions = torch.tensor(position_list, dtype=torch.int64)
     table = _table([c.block_table for c in chunks])
     sliding = None if chunks[0].sliding_table is None else _table([c.sliding_table for c in chunks])
@@ -73,28 +73,30 @@ def build_step_inputs(
     }
     if sliding is not None:
         shared["block_table_sliding"] = sliding
-    rows = table[owner] if len(position_list) > SMALL_STEP_TOKENS else None
+    small = len(position_list) <= SMALL_STEP_TOKENS  # a few tokens: the same formulas on Python ints
+    owner = None if small else torch.tensor(owner_list, dtype=torch.int64)
+
+    def slots(d: int, rows_of, tensor_table: torch.Tensor) -> torch.Tensor:
+        """Each token's slot on DCP rank ``d`` in the table ``rows_of(chunk)`` / ``tensor_table``."""
+        if not small:
+            return layout.slot_mapping(positions, tensor_table[owner], d, mesh.dcp, block_size, interleave)
+        layout.check_slot_args(d, mesh.dcp, block_size, interleave)
+        return torch.tensor([layout.slot_of(p, rows_of(chunks[o]), d, mesh.dcp, block_size, interleave)
+                             for p, o in zip(position_list, owner_list)], dtype=torch.int64)
+
     per_rank = []
     for rank in mesh.ranks:
         d = mesh.dcp_rank(rank)
-        if rows is None:  # a few tokens: the same formulas on Python ints
-            layout.check_slot_args(d, mesh.dcp, block_size, interleave)
-            slots = torch.tensor([layout.slot_of(p, chunks[o].block_table, d, mesh.dcp, block_size, interleave)
-                                  for p, o in zip(position_list, owner_list)], dtype=torch.int64)
-            local = torch.tensor([layout.local_len(c.start, d, mesh.dcp, interleave) for c in chunks],
-                                 dtype=torch.int32)
-        else:
-            slots = layout.slot_mapping(positions, rows, d, mesh.dcp, block_size, interleave)
-            local = layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32)
+        local = (torch.tensor([layout.local_len(c.start, d, mesh.dcp, interleave) for c in chunks], dtype=torch.int32)
+                 if small else layout.local_len(starts, d, mesh.dcp, interleave).to(torch.int32))
         own = {
-            "slot_mapping": slots,
+            "slot_mapping": slots(d, lambda c: c.block_table, table),
             "local_context_lens": local,
             "tp_rank": torch.tensor(mesh.tp_rank(rank), dtype=torch.int64),
             "dcp_rank": torch.tensor(d, dtype=torch.int64),
         }
         if sliding is not None:
-            own["slot_mapping_sliding"] = layout.slot_mapping(positions, sliding[owner], d, mesh.dcp,
-                                                              block_size, interleave)
+            own["slot_mapping_sliding"] = slots(d, lambda c: c.sliding_table, sliding)
         per_rank.append(own)
     return shared, per_rank
 

@@ -34,13 +34,27 @@ inline bool dense_rows(const at::Tensor& cache, const at::Tensor& src) {
   return true;
 }
 
-template <class I>
-void copy_rows(at::Tensor& cache, const at::Tensor& src, const I* slots, int64_t tokens) {
-  const int64_t slots_total = cache.size(0) * cache.size(1), block = cache.size(1);
+// slot_mapping as contiguous int64 (itself when it is one), or an undefined tensor when it is not
+// a 1-D int32/int64 CPU tensor of ``tokens`` slots.
+inline at::Tensor slots_of(const at::Tensor& slot_mapping, int64_t tokens) {
+  const auto st = slot_mapping.scalar_type();
+  if (slot_mapping.dim() != 1 || slot_mapping.size(0) != tokens || !(st == at::kLong || st == at::kInt) ||
+      !slot_mapping.device().is_cpu())
+    return at::Tensor();
+  return st == at::kLong && slot_mapping.is_contiguous() ? slot_mapping : slot_mapping.to(at::kLong).contiguous();
+}
+
+// Every slot inside the cache's NB * B slots (-1 passes): checked before any row is written.
+inline void check_slots(const int64_t* slots, int64_t tokens, const at::Tensor& cache, const char* op) {
+  const int64_t total = cache.size(0) * cache.size(1);
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK_INDEX(slots[t] < slots_total, "kv_cache_write_: slot ", slots[t], " of token ", t,
-                      " is outside the cache's ", slots_total, " slots");
-  const int64_t elem = cache.element_size(), row = src.numel() / std::max<int64_t>(tokens, 1) * elem;
+    TORCH_CHECK_INDEX(slots[t] < total, op, ": slot ", slots[t], " of token ", t, " is outside the cache's ", total,
+                      " slots");
+}
+
+inline void copy_rows(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t tokens) {
+  check_slots(slots, tokens, cache, "kv_cache_write_");
+  const int64_t block = cache.size(1), elem = cache.element_size(), row = src.numel() / std::max<int64_t>(tokens, 1) * elem;
   char* base = static_cast<char*>(cache.data_ptr());
   const char* from = static_cast<const char*>(src.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
@@ -51,13 +65,9 @@ void copy_rows(at::Tensor& cache, const at::Tensor& src, const I* slots, int64_t
 }
 
 inline void kv_cache_write_cpu(at::Tensor& cache, const at::Tensor& src, const at::Tensor& slot_mapping) {
-  const auto st = slot_mapping.scalar_type();
-  if (dense_rows(cache, src) && slot_mapping.dim() == 1 && slot_mapping.size(0) == src.size(0) &&
-      (st == at::kLong || st == at::kInt) && slot_mapping.device().is_cpu()) {
-    const at::Tensor slots = slot_mapping.contiguous();
-    if (st == at::kLong) copy_rows(cache, src, slots.data_ptr<int64_t>(), src.size(0));
-    else copy_rows(cache, src, slots.data_ptr<int32_t>(), src.size(0));
-    return;
+  if (dense_rows(cache, src)) {
+    const at::Tensor slots = slots_of(slot_mapping, src.size(0));
+    if (slots.defined()) return copy_rows(cache, src, slots.data_ptr<int64_t>(), src.size(0));
   }
   // Anything else: write_slots' own sequence.
   std::vector<int64_t> flat_shape{-1};
@@ -71,7 +81,7 @@ inline void kv_cache_write_cpu(at::Tensor& cache, const at::Tensor& src, const a
   }
 }
 
-// dcpgraph::kv_cache_write_fp8_'s fast path (called by its Python kernel in ops/library.py): each
+// dcpgraph::kv_cache_write_fp8_'s fast path (called by ops/paged.py's write_slots_fp8): each
 // owned token's rows quantised as ops/quant.py's quantize_fp8 does, bit for bit, and written with
 // their scales. Per (token, head, group of ``group`` elements, the last zero padded):
 //   a = max |x|,  scale = a > 0 ? 2^clamp(ceil(log2(fl(a / 448))), kmin, kmax) : 1
@@ -82,23 +92,20 @@ inline void kv_cache_write_cpu(at::Tensor& cache, const at::Tensor& src, const a
 // the caller's torch path then writes.
 inline bool kv_cache_write_fp8(at::Tensor& cache, const at::Tensor& src, const at::Tensor& slot_mapping,
                                at::Tensor& scales, int64_t group, int64_t kmin, int64_t kmax) {
-  const auto st = slot_mapping.scalar_type();
   if (cache.scalar_type() != at::kFloat8_e4m3fn || cache.dim() != 4 || src.dim() != 3 || scales.dim() != 4 ||
-      scales.scalar_type() != at::kFloat || slot_mapping.dim() != 1 || slot_mapping.size(0) != src.size(0) ||
-      !(st == at::kLong || st == at::kInt) || group <= 0 || !cache.device().is_cpu() || !src.device().is_cpu())
+      scales.scalar_type() != at::kFloat || group <= 0 || !cache.device().is_cpu() || !src.device().is_cpu())
     return false;
+  const at::Tensor slots = slots_of(slot_mapping, src.size(0));
+  if (!slots.defined()) return false;
   const int64_t heads = cache.size(2), d = cache.size(3), groups = (d + group - 1) / group;
   if (src.size(1) != heads || src.size(2) != d || scales.size(0) != cache.size(0) ||
       scales.size(1) != cache.size(1) || scales.size(2) != heads || scales.size(3) != groups ||
       cache.stride(3) != 1 || cache.stride(2) != d || scales.stride(3) != 1 || scales.stride(2) != groups)
     return false;
   const at::Tensor x = src.to(at::kFloat).contiguous();
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t tokens = src.size(0), block = cache.size(1), total = cache.size(0) * block;
+  const int64_t tokens = src.size(0), block = cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK_INDEX(sp[t] < total, "kv_cache_write_fp8_: slot ", sp[t], " of token ", t,
-                      " is outside the cache's ", total, " slots");
+  check_slots(sp, tokens, cache, "kv_cache_write_fp8_");
   const float* xp = x.data_ptr<float>();
   auto* cp = reinterpret_cast<c10::Float8_e4m3fn*>(cache.data_ptr());
   float* scp = scales.data_ptr<float>();

@@ -36,7 +36,7 @@
 namespace {
 
 constexpr int64_t RB = 4;  // query rows per register block
-constexpr int64_t kChunkTokens = 1024;  // keys per split-K chunk when requests are split across threads
+constexpr int64_t kMinChunkTokens = 256;  // the shortest split-K chunk when requests are split across threads
 
 // s[i * ss + t] = <q_i, k_t> for rows i < m, tokens t < nt (k_t = kb + t * ks).
 inline void block_scores(const float* q, int64_t m, int64_t d, const float* kb, int64_t ks, int64_t nt,
@@ -782,7 +782,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
       const int64_t* lp = lens.data_ptr<int64_t>();
       const int64_t longest = lens.numel() ? *std::max_element(lp, lp + lens.numel()) : 0;
       const int64_t splits = (4 * threads + items - 1) / items;
-      chunk_tokens = std::max<int64_t>({kChunkTokens / 4, (longest + splits - 1) / splits, 1});
+      chunk_tokens = std::max<int64_t>(kMinChunkTokens, (longest + splits - 1) / splits);
     }
   }
   const int64_t tq = q.size(0), hq = q.size(1), dv = v_cache.size(3);

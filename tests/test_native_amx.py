@@ -148,9 +148,12 @@ def test_fp32_kv_is_not_an_amx_cache():
 
 @pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
 def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
-    """A cache written elsewhere with arbitrary fp32 scales (``quantize_fp8`` writes powers of two):
-    the AMX path multiplies in fp32 and rounds each element to bf16 once, which is what the torch
-    path's dequantisation to bf16 gives, so it matches the reference read through that rounding."""
+    """A cache written elsewhere with arbitrary fp32 scales (``quantize_fp8`` writes powers of two).
+    MLA's rows (several scale groups) are scaled while staged, in fp32 and rounded to bf16 once:
+    what the torch path's dequantisation to bf16 gives, so it matches the reference read through
+    that rounding. GQA's rows (one scale each) have their scales folded into the scores and the
+    weights, with no rounding of the dequantised value: it matches the exact fp32 dequantisation
+    (which differs from the bf16-rounded one by more than the tolerance here)."""
     monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
     if not native.available() or not native.amx_enabled(torch.float8_e4m3fn):
         pytest.skip(f"AMX fp8 path off: {native.amx_reason or native.reason}")
@@ -164,15 +167,54 @@ def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
     if not latent:
         vs = vs * (1.0 + torch.rand(vs.shape, generator=gen))
     assert torch.any(torch.frexp(ks)[0] != 0.5)
-    k_bf16 = quant.dequantize_fp8(k, ks, torch.bfloat16).float()
-    v_bf16 = k_bf16[..., :dv] if latent else quant.dequantize_fp8(v, vs, torch.bfloat16).float()
+    read_as = torch.bfloat16 if latent else torch.float32
+    k_ref = quant.dequantize_fp8(k, ks, read_as).float()
+    v_ref = k_ref[..., :dv] if latent else quant.dequantize_fp8(v, vs, read_as).float()
     table = torch.randperm(nb, generator=gen).to(torch.int32).view(2, 6)
     cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([75, 96], dtype=torch.int32)
     q = torch.randn(2, hq, d, generator=gen).to(torch.bfloat16)
-    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_bf16, v_bf16, table, cu, lens, None, 0.2)
+    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_ref, v_ref, table, cu, lens, None, 0.2)
     out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=None if latent else vs)
     torch.testing.assert_close(out.float(), ref_o, atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
     torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
+def test_fp8_every_byte_is_read_exactly(latent, monkeypatch):
+    """Each request sees one key, so its softmax weight is exactly 1 and its output is that
+    token's value row as the kernel read it: every finite e4m3 byte (subnormals and both zeros
+    included) under power-of-two scales must come out as its exact dequantised value, bit for bit,
+    whether the scale is folded into the weights (GQA) or applied while staging (MLA)."""
+    monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
+    if not native.available() or not native.amx_enabled(torch.float8_e4m3fn):
+        pytest.skip(f"AMX fp8 path off: {native.amx_reason or native.reason}")
+    from dcpgraph.ops import quant
+
+    hq, d, dv = (16, 576, 512) if latent else (8, 128, 128)
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    codes = codes.to(torch.uint8)
+    groups = -(-d // quant.FP8_SCALE_GROUP)
+    k = torch.zeros(2, 16, 1, d, dtype=torch.uint8)
+    v = torch.zeros(2, 16, 1, dv, dtype=torch.uint8)
+    if latent:  # every code in the latent columns of both rows, in two orders
+        k[0, 0, 0, :512] = torch.cat([codes, codes.flip(0)])
+        k[1, 0, 0, :512] = torch.cat([codes.flip(0), codes])
+    else:
+        v[0, 0, 0], v[1, 0, 0] = codes[:128], codes[128:]
+    k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+    powers = torch.tensor([-9.0, -3.0, 0.0, 4.0, 7.0])
+    ks = torch.exp2(powers[torch.arange(2 * 16 * groups) % 5]).view(2, 16, 1, groups)
+    vs = torch.exp2(powers.flip(0)[torch.arange(2 * 16) % 5]).view(2, 16, 1, 1)
+    if latent:
+        v, vs = k[..., :dv], None
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    cu, lens = torch.arange(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out, _ = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs)
+    read = quant.dequantize_fp8(k, ks, torch.float32)[..., :dv] if latent else quant.dequantize_fp8(v, vs, torch.float32)
+    expected = read[:, 0, 0].unsqueeze(1).expand(2, hq, dv)
+    assert torch.equal(out.float(), expected)
 
 
 def _bounded_case(kv_dtype, hq, hkv, d, dv, prefix, seed=11):

@@ -1,8 +1,9 @@
 // Register-level helpers of the AMX paged decoder (paged_decode_amx.h): masks, fp8 e4m3 -> bf16
-// conversion (exact, and with a row's scale applied), and a 16 x 16 transpose of 32-bit lanes.
+// conversion by table (exact) and a row's scale, and a 16 x 16 transpose of 32-bit lanes.
 // Compiled only with AMX-BF16 code (included from inside paged_decode_amx.h's guard).
 #pragma once
 
+#include <cmath>
 #include <cstring>
 
 namespace amx {
@@ -11,23 +12,52 @@ inline __mmask32 mask32(int64_t width, int64_t x) {
   return x >= width ? 0 : width - x >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (width - x)) - 1u);
 }
 
-// 32 e4m3fn bytes (masked lanes zero) as 32 bf16, exactly: normals move their exponent and
-// mantissa bits into bf16's fields (bias 7 -> 127), subnormals m * 2^-9 come from a table.
-inline __m512i fp8_to_bf16(const uint8_t* src, __mmask32 mk) {
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, src));
-  const __m512i sub_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                             0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x7F0)),
-                                          _mm512_set1_epi16(120 << 7));
-  const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));  // exponent field 0
-  const __m512i v = _mm512_mask_permutexvar_epi16(normal, sub, x, sub_table);  // index: low 5 bits
-  // sign: bit 7 of the byte to bit 15
-  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+// e4m3fn -> bf16 by table (AVX512-VBMI): the exact bf16 form of each of the 128 magnitudes is
+// looked up as two byte tables (vpermi2b reads an index's low 7 bits, so the sign bit needs no
+// masking), the sign is or-ed into the high byte, and the bytes are interleaved into words. The
+// input bytes are first permuted so that the in-lane interleave yields elements in order. NaN
+// (0x7F / 0xFF) becomes the bf16 NaN 0xFFC0 whatever its sign (apply_scale() recognises it by
+// that pattern). Five shuffles and one logic op per 64 elements.
+struct Fp8Lut {
+  __m512i order, lo0, lo1, hi0, hi1;
+};
+inline Fp8Lut fp8_lut() {
+  alignas(64) uint8_t order[64], lo[128], hi[128];
+  for (int lane = 0; lane < 4; ++lane)
+    for (int j = 0; j < 8; ++j) {  // unpacklo takes bytes 0-7 of a lane, unpackhi bytes 8-15
+      order[16 * lane + j] = static_cast<uint8_t>(8 * lane + j);
+      order[16 * lane + 8 + j] = static_cast<uint8_t>(32 + 8 * lane + j);
+    }
+  for (int m = 0; m < 128; ++m) {
+    const int e = m >> 3, f = m & 7;
+    uint16_t w;
+    if (m == 0x7F) {
+      w = 0xFFC0;
+    } else {  // value 2^(e-7) (1 + f/8), or f 2^-9 for e = 0: at most four significant bits
+      const float v = e ? std::ldexp(1.f + f / 8.f, e - 7) : std::ldexp(static_cast<float>(f), -9);
+      uint32_t b;
+      std::memcpy(&b, &v, 4);
+      w = static_cast<uint16_t>(b >> 16);
+    }
+    lo[m] = static_cast<uint8_t>(w & 0xFF);
+    hi[m] = static_cast<uint8_t>(w >> 8);
+  }
+  return {_mm512_load_si512(order), _mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi),
+          _mm512_load_si512(hi + 64)};
+}
+// 64 e4m3fn bytes as 64 bf16 (elements 0-31 in a, 32-63 in b), exactly.
+inline void fp8x64_to_bf16(const Fp8Lut& t, __m512i x, __m512i& a, __m512i& b) {
+  const __m512i xp = _mm512_permutexvar_epi8(t.order, x);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, xp, t.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, xp, t.hi1), xp,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
 }
 
 // How one scale group of a row becomes bf16: a power of two 2^k within [2^-117, 2^119] is an
-// exponent step k << 7 (nonzero lanes only; the exact bf16 forms' exponents 118..135 stay normal);
-// any other scale multiplies in fp32.
+// exponent step k << 7 (nonzero, non-NaN lanes only; the exact bf16 forms' exponents 118..135
+// stay normal); any other scale multiplies in fp32.
 struct RowScale {
   bool exact;
   int16_t step;
@@ -40,10 +70,13 @@ inline RowScale row_scale(float s) {
   if ((b & 0x807FFFFFu) == 0 && k >= -117 && k <= 119) return {true, static_cast<int16_t>(k * 128), s};
   return {false, 0, s};
 }
-inline __m512i fp8_scaled(const uint8_t* src, __mmask32 mk, const RowScale& s) {
-  const __m512i v = fp8_to_bf16(src, mk);
-  if (s.exact) return _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v,
-                                            _mm512_set1_epi16(s.step));
+inline __m512i apply_scale(__m512i v, const RowScale& s) {
+  if (s.exact) {
+    if (s.step == 0) return v;
+    const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
+    const __mmask32 finite = _mm512_mask_cmpneq_epi16_mask(nonzero, v, _mm512_set1_epi16(static_cast<int16_t>(0xFFC0)));
+    return _mm512_mask_add_epi16(v, finite, v, _mm512_set1_epi16(s.step));
+  }
   const __m512 f = _mm512_set1_ps(s.value);
   const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
   const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));

@@ -30,13 +30,19 @@
 // P is rounded to bf16 for the value product only (as flash attention does for bf16 models); the
 // normaliser l sums the fp32 p. Scores accumulate in fp32 from exact bf16 products.
 //
-// fp8 rows are staged as bf16 with their scale applied: a power-of-two scale 2^k (what
-// quant.quantize_fp8 writes) adds k to the exponent of the exact bf16 form of the e4m3 value, so
-// the staged element is the dequantised value exactly; any other scale multiplies in fp32 and
-// rounds to bf16 (what the torch path's dequantisation to bf16 does).
+// fp8 rows are staged as the exact bf16 forms of their e4m3 values (a table lookup, NaN kept).
+// Where each K row and each V row has one scale (heads no wider than a scale group: GQA), the
+// scales are folded instead of applied: s[t] = scale * ks[t] * (K8[t] . q) and P[n, t] is
+// rounded to bf16 as p * vs[t] (l sums p). For a power-of-two scale (what quant.quantize_fp8
+// writes) both equal the products of the dequantised values exactly; for any other scale they
+// skip the dequantised value's rounding to bf16. Rows with several scale groups (MLA's latent
+// and rope) get their scales applied while staged: a power of two 2^k adds k to the exponent,
+// exactly; any other scale multiplies in fp32 and rounds to bf16 (as the torch path's
+// dequantisation to bf16 does).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512VBMI__)
 #define DCPGRAPH_HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -131,7 +137,11 @@ class Decoder {
         mgroups_((max_m + COLS - 1) / COLS), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
         kst_(TOK * dp_), vst_(TOK * dvp_), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
         o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c),
-        jb_(mgroups_ * COLS), jmax_(mgroups_), jmin_(mgroups_) {}
+        jb_(mgroups_ * COLS), jmax_(mgroups_), jmin_(mgroups_),
+        fold_(kFp8 && !c.value_prefix && c.group >= c.d && c.group >= c.dv) {
+    if constexpr (kFp8) lut_ = fp8_lut();
+    std::fill(kf_, kf_ + TOK, c.scale);
+  }
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
@@ -255,21 +265,28 @@ class Decoder {
                              ScalesOf scales) const {
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t e = qi * 16 + i;
-      if (i < cnt) stage_row(row(e), kFp8 ? scales(e) : nullptr, c_.group, width, padded, dst + i * padded);
+      if (i < cnt) stage_row(row(e), kFp8 && !fold_ ? scales(e) : nullptr, width, padded, dst + i * padded);
       else std::fill(dst + i * padded, dst + (i + 1) * padded, uint16_t(0));
     }
     return dst;
   }
 
-  // ``width`` elements of row i (a cache row) as ``padded`` bf16 at dst: fp8 with the row's
-  // scales (scale group per 32-element step), bf16 copied; zero padded.
-  static void stage_row(const T* row, const float* scales, int64_t group, int64_t width, int64_t padded,
-                        uint16_t* dst) {
+  // ``width`` elements of a cache row as ``padded`` bf16 at dst, zero padded: bf16 copied, fp8
+  // converted and, unless ``scales`` is null (folded: see softmax()), scaled per scale group
+  // (a multiple of 32 elements).
+  void stage_row(const T* row, const float* scales, int64_t width, int64_t padded, uint16_t* dst) const {
     if constexpr (kFp8) {
-      for (int64_t g0 = 0; g0 < padded; g0 += group) {
-        const RowScale s = row_scale(g0 < width ? scales[g0 / group] : 1.f);
-        for (int64_t x = g0; x < std::min(padded, g0 + group); x += 32)
-          _mm512_storeu_si512(dst + x, fp8_scaled(row + x, mask32(width, x), s));
+      for (int64_t x = 0; x < padded; x += 64) {
+        const int64_t left = width - x;
+        const __mmask64 mk = left <= 0 ? 0 : left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+        __m512i a, b;
+        fp8x64_to_bf16(lut_, _mm512_maskz_loadu_epi8(mk, row + x), a, b);
+        if (scales) {
+          a = apply_scale(a, row_scale(x < width ? scales[x / c_.group] : 1.f));
+          b = apply_scale(b, row_scale(x + 32 < width ? scales[(x + 32) / c_.group] : 1.f));
+        }
+        _mm512_storeu_si512(dst + x, a);
+        if (x + 32 < padded) _mm512_storeu_si512(dst + x + 32, b);
       }
     } else {
       for (int64_t x = 0; x < padded; x += 32) _mm512_storeu_si512(dst + x, _mm512_maskz_loadu_epi16(mask32(width, x), row + x));
@@ -292,6 +309,8 @@ class Decoder {
       }
       keys.base[qi] = stage_tile(qi, cnt, c_.d, dp_, kst_.data() + qi * 16 * dp_,
                                  [&](int64_t e) { return key_at(h, e); }, [&](int64_t e) { return key_scales(h, e); });
+      if (fold_)
+        for (int64_t e = qi * 16; e < qi * 16 + cnt; ++e) kf_[e] = c_.scale * key_scales(h, e)[0];
       keys.stride[qi] = dp_ * 2;
     }
   }
@@ -320,6 +339,8 @@ class Decoder {
       values.base[qi] = stage_tile(qi, cnt, c_.dv, dvp_, vst_.data() + qi * 16 * dvp_,
                                    [&](int64_t e) { return value_at(h, e); },
                                    [&](int64_t e) { return value_scales(h, e); });
+      if (fold_)
+        for (int64_t e = qi * 16; e < qi * 16 + cnt; ++e) vf_[e] = value_scales(h, e)[0];
       values.stride[qi] = dvp_ * 2;
     }
   }
@@ -361,12 +382,12 @@ class Decoder {
     _tile_stored(3, s_.data() + 48 * COLS, 64);
   }
 
-  // Online softmax of the key group for query-row group j (lanes = query rows), then P as the A
-  // operands pt_[j][q][e] ([16 rows n][16 tokens] dwords, P[n, t] in the low (e = 0) or high
-  // (e = 1) half, tokens past nt zero).
+  // Online softmax of the key group for query-row group j (lanes = query rows) over the scores
+  // s_[t] * kf_[t], then P as the A operands pt_[j][q][e] ([16 rows n][16 tokens] dwords,
+  // P[n, t] (times vf_[t] when folded) in the low (e = 0) or high (e = 1) half, tokens past nt
+  // zero).
   void softmax(int64_t t0, int64_t nt, int64_t j) {
     float* s = s_.data();
-    const __m512 sc = _mm512_set1_ps(c_.scale);
     __m512 bm = _mm512_set1_ps(-INFINITY);
     // Rows whose bound falls inside this key group: scores past it become -inf (weights 0 below).
     const bool masked = t0 + nt > jmin_[j];
@@ -374,12 +395,14 @@ class Decoder {
     if (masked) {
       for (int64_t t = 0; t < nt; ++t) {
         const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
-        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s + t * COLS), sc);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s + t * COLS),
+                                            _mm512_set1_ps(kf_[t]));
         _mm512_storeu_ps(s + t * COLS, x);
         bm = _mm512_max_ps(bm, x);
       }
     } else {
-      for (int64_t t = 0; t < nt; ++t) bm = _mm512_max_ps(bm, _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc));
+      for (int64_t t = 0; t < nt; ++t)
+        bm = _mm512_max_ps(bm, _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t])));
     }
     float* mxp = mx_.data() + j * COLS;
     float* smp = sm_.data() + j * COLS;
@@ -414,9 +437,10 @@ class Decoder {
           const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
           p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t * COLS), nm)));
         } else if (t < nt) {
-          p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), sc), nm));
+          p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t])), nm));
         }
         tot = _mm512_add_ps(tot, p);
+        if (fold_ && t < nt) p = _mm512_mul_ps(p, _mm512_set1_ps(vf_[t]));
         r[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
       }
       transpose16_epi32(r);
@@ -490,6 +514,12 @@ class Decoder {
   std::vector<int64_t> jmax_, jmin_;  // per query-row group
   int64_t active_[JB];                // the block's groups that still have keys in this key group
   int64_t blk_[TOK], off_[TOK];
+  // fp8 with one scale per K row and per V row (GQA heads up to a scale group wide): the rows are
+  // staged unscaled and the scales folded into the scores (kf_: softmax scale x key scale per
+  // token) and the weights (vf_: value scale per token); otherwise kf_ holds the softmax scale.
+  const bool fold_;
+  float kf_[TOK], vf_[TOK];
+  Fp8Lut lut_{};
 };
 
 }  // namespace amx

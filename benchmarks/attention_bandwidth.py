@@ -30,6 +30,13 @@ path: for fp8, the referenced blocks dequantised into a compact copy first) and,
 against the fp32-query result within the AMX path's stated tolerance. Target there: ≥ 75 % of
 read bandwidth.
 
+Memory, not cache: one case's KV (16–144 MiB) fits in this host's 480 MiB L3, where ``x.sum()``
+reads at 2–3× the memory's speed and its figure swings with other tenants' use of the cache. So
+every variant runs over ``layers`` copies of the cache (and ``read`` / ``copy`` over as many
+bytes), visited in turn like a decode step's walk over its layers, with the copies adding up to
+twice the last-level cache (``common.copies_past_cache``): each copy is read from memory.
+``incache_ceiling`` alone stays in cache, as its name says.
+
 KV bytes: GQA reads K and V (``tokens · Hkv · (D + Dv) · 4``); MLA reads its one latent cache
 (``tokens · 576 · 4``; values are a prefix view of the same memory). Clock: with 1 thread the
 process CPU time (``time.process_time``: the machine is shared, and a run preempted by another
@@ -171,7 +178,15 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     k_cache = torch.randn(nb, BLOCK, hkv, d, generator=gen)
     v_cache = k_cache[..., :dv] if latent else torch.randn(nb, BLOCK, hkv, dv, generator=gen)
     kv_bytes = k_cache.numel() * 4 + (0 if latent else v_cache.numel() * 4)
-    src = torch.randn(kv_bytes // 4, generator=gen)
+    # Layers: copies of the cache visited in turn, twice the last-level cache in all, so every
+    # variant reads from memory as a decode step does (one layer's KV alone fits in this host's L3).
+    layers = common.copies_past_cache(kv_bytes)
+    copies = [(k_cache, v_cache)]
+    for _ in range(layers - 1):
+        kc = k_cache.clone()
+        copies.append((kc, kc[..., :dv] if latent else v_cache.clone()))
+    total = layers * kv_bytes
+    src = torch.ones(total // 4)
     dst = torch.empty_like(src)
     q = torch.randn(nreq, hq, d, generator=gen)
     cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
@@ -185,13 +200,50 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
         torch.testing.assert_close(o, ref_o, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(l_, ref_l, atol=1e-4, rtol=1e-4)
 
-    flat_k = [k_cache[i * (seq // BLOCK) : (i + 1) * (seq // BLOCK)].reshape(seq, hkv, d) for i in range(nreq)]
-    if latent:  # values are a prefix view of the key (as the paged path passes them)
-        flat_v = [k[..., :dv] for k in flat_k]
-    else:
-        flat_v = [v_cache[i * (seq // BLOCK) : (i + 1) * (seq // BLOCK)].reshape(seq, hkv, dv) for i in range(nreq)]
     sc_rows = [scattered[i].tolist() for i in range(nreq)]
     sc_ids = [scattered[i].to(torch.int64) for i in range(nreq)]
+    torch_path = paged._paged_partial_attention_torch
+
+    def layer_fns(k_cache, v_cache) -> dict:
+        """One layer's variants (the op, the torch path, the diagnostics) over its own cache."""
+        flat_k = [k_cache[i * (seq // BLOCK) : (i + 1) * (seq // BLOCK)].reshape(seq, hkv, d) for i in range(nreq)]
+        if latent:  # values are a prefix view of the key (as the paged path passes them)
+            flat_v = [k[..., :dv] for k in flat_k]
+        else:
+            flat_v = [v_cache[i * (seq // BLOCK) : (i + 1) * (seq // BLOCK)].reshape(seq, hkv, dv) for i in range(nreq)]
+
+        # The gathers as the op does them: one request at a time, each result dropped before the
+        # next (so the allocator can reuse its memory, as in the op); MLA gathers its latent once.
+        def gather_paged_all():
+            for i in range(nreq):
+                k = paged.gather_paged(k_cache, sc_rows[i], seq)
+                v = None if latent else paged.gather_paged(v_cache, sc_rows[i], seq)
+                del k, v
+
+        def index_select_all():
+            for i in range(nreq):
+                k = k_cache.index_select(0, sc_ids[i])
+                v = None if latent else v_cache.index_select(0, sc_ids[i])
+                del k, v
+
+        return {
+            "paged_contiguous": lambda: op(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
+            "paged_scattered": lambda: op(q, k_cache, v_cache, scattered, cu, lens, None, scale),
+            # the torch path the op took before the native kernel (views / gathers + aten's flash kernel)
+            "torch_contiguous": lambda: torch_path(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
+            "torch_scattered": lambda: torch_path(q, k_cache, v_cache, scattered, cu, lens, None, scale),
+            "attend_no_paging": lambda: [kernels.attend(q[i : i + 1], flat_k[i], flat_v[i], scale) for i in range(nreq)],
+            "gather_scattered": gather_paged_all,
+            "gather_index_select": index_select_all,
+            "proto_contiguous": lambda: chunked_decode_attention(q, k_cache, v_cache, contiguous, cu, lens, scale),
+            "proto_scattered": lambda: chunked_decode_attention(q, k_cache, v_cache, scattered, cu, lens, scale),
+        }
+
+    per_layer = [layer_fns(*c) for c in copies]
+
+    def every_layer(name):
+        fns_ = [fns[name] for fns in per_layer]
+        return lambda: [f() for f in fns_]
 
     # In-cache ceiling: one request whose KV (~8 MiB) sits in L3, run `inner` times per timing.
     small_tokens = max(BLOCK, (8 << 20) // (hkv * (d + (0 if latent else dv)) * 4) // BLOCK * BLOCK)
@@ -199,49 +251,22 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     sk = k_cache[:small_nb]
     sv = v_cache[:small_nb]
     small_bytes = sk.numel() * 4 + (0 if latent else sv.numel() * 4)
-    inner = max(1, kv_bytes // small_bytes)
+    inner = max(1, total // small_bytes)
     small_table = torch.arange(small_nb, dtype=torch.int32).view(1, -1)
     small_lens = torch.tensor([small_tokens], dtype=torch.int32)
     cu1 = torch.arange(2, dtype=torch.int32)
     q1 = q[:1]
 
-    # The gathers as the op does them: one request at a time, each result dropped before the next
-    # (so the allocator can reuse its memory, as in the op); MLA gathers its latent once.
-    def gather_paged_all():
-        for i in range(nreq):
-            k = paged.gather_paged(k_cache, sc_rows[i], seq)
-            v = None if latent else paged.gather_paged(v_cache, sc_rows[i], seq)
-            del k, v
-
-    def index_select_all():
-        for i in range(nreq):
-            k = k_cache.index_select(0, sc_ids[i])
-            v = None if latent else v_cache.index_select(0, sc_ids[i])
-            del k, v
-
     def incache():
         for _ in range(inner):
             op(q1, sk, sv, small_table, cu1, small_lens, None, scale)
 
-    torch_path = paged._paged_partial_attention_torch
-    fns = {
-        "read": lambda: src.sum(),
-        "copy": lambda: dst.copy_(src),
-        "paged_contiguous": lambda: op(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
-        "paged_scattered": lambda: op(q, k_cache, v_cache, scattered, cu, lens, None, scale),
-        # the torch path the op took before the native kernel (views / gathers + aten's flash kernel)
-        "torch_contiguous": lambda: torch_path(q, k_cache, v_cache, contiguous, cu, lens, None, scale),
-        "torch_scattered": lambda: torch_path(q, k_cache, v_cache, scattered, cu, lens, None, scale),
-        "attend_no_paging": lambda: [kernels.attend(q[i : i + 1], flat_k[i], flat_v[i], scale) for i in range(nreq)],
-        "gather_scattered": gather_paged_all,
-        "gather_index_select": index_select_all,
-        "incache_ceiling": incache,
-        "proto_contiguous": lambda: chunked_decode_attention(q, k_cache, v_cache, contiguous, cu, lens, scale),
-        "proto_scattered": lambda: chunked_decode_attention(q, k_cache, v_cache, scattered, cu, lens, scale),
-    }
+    fns = {"read": lambda: src.sum(), "copy": lambda: dst.copy_(src)}
+    fns.update({name: every_layer(name) for name in per_layer[0]})
+    fns["incache_ceiling"] = incache
     clock = _timer(threads)
     best = measure(fns, reps, clock)
-    bw = {k: kv_bytes / t / 1e9 for k, t in best.items()}
+    bw = {k: total / t / 1e9 for k, t in best.items()}
     read = bw["read"]
     # Why it falls short, in numbers: is the kernel limited by memory or by itself, and what
     # share of the scattered case is the gather?
@@ -254,7 +279,8 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
           f"{gather_share:.0%} of it (one index_select: ×{best['gather_scattered'] / best['gather_index_select']:.1f} "
           f"faster than gather_paged); prototype scattered ×{best['paged_scattered'] / best['proto_scattered']:.1f} "
           f"faster than the op")
-    config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if paged.native_enabled() else 'off'} KV={kv_bytes / 2**20:.0f}MiB "
+    config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if paged.native_enabled() else 'off'} "
+              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} {common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
     for key in ("copy", "paged_contiguous", "paged_scattered", "torch_contiguous", "torch_scattered", "attend_no_paging", "gather_scattered",
@@ -289,7 +315,15 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     stored += [x for x in (ks, vs) if x is not None]
     kv_bytes = sum(x.numel() * x.element_size() for x in stored)
     del k_exact, v_exact  # not needed: the check compares with the exact fp32-query path
-    src = torch.randn(kv_bytes // 4, generator=gen)
+    # Layers: copies of the cache visited in turn, twice the last-level cache in all, so every
+    # variant reads from memory as a decode step does (one layer's KV alone fits in this host's L3).
+    layers = common.copies_past_cache(kv_bytes)
+    copies = [(k, v, ks, vs)]
+    for _ in range(layers - 1):
+        kc = k.clone()
+        copies.append((kc, kc[..., :dv] if latent else v.clone(), *(None if x is None else x.clone() for x in (ks, vs))))
+    total = layers * kv_bytes
+    src = torch.ones(total // 4)
     q32 = torch.randn(nreq, hq, d, generator=gen).to(torch.bfloat16).float()
     q = q32.to(torch.bfloat16)
     cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
@@ -297,7 +331,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     op = torch.ops.dcpgraph.paged_attention
     fp8 = kv_name == "fp8"
 
-    def torch_path(table):
+    def torch_path(k, v, ks, vs, table):
         kc, vc, t = (quant.dequantized_context(k, v, ks, vs, table, lens, q.dtype) if fp8 else (k, v, table))
         return paged._paged_partial_attention_torch(q, kc, vc, t, cu, lens, None, scale)
 
@@ -308,23 +342,27 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     out_tol, lse_tol = (native.AMX_OUT_TOL, native.AMX_LSE_TOL) if amx else (1e-2, 1e-5)
     torch.testing.assert_close(got[0].float(), ref[0], atol=out_tol, rtol=out_tol)
     torch.testing.assert_close(got[1], ref[1], atol=lse_tol, rtol=lse_tol)
+    def each_layer(query, table):
+        return lambda: [op(query, kc, vc, table, cu, lens, None, scale, k_scales=ksc, v_scales=vsc)
+                        for kc, vc, ksc, vsc in copies]
+
     fns = {
         "read": lambda: src.sum(),
-        "paged_contiguous": lambda: op(q, k, v, contiguous, cu, lens, None, scale, k_scales=ks, v_scales=vs),
-        "paged_scattered": lambda: op(q, k, v, scattered, cu, lens, None, scale, k_scales=ks, v_scales=vs),
-        "paged_fp32q_scattered": lambda: op(q32, k, v, scattered, cu, lens, None, scale, k_scales=ks, v_scales=vs),
+        "paged_contiguous": each_layer(q, contiguous),
+        "paged_scattered": each_layer(q, scattered),
+        "paged_fp32q_scattered": each_layer(q32, scattered),
     }
     if seq <= TYPED_CASES[0][2]:  # the slow comparisons at the shortest context only
-        fns["torch_scattered"] = lambda: torch_path(scattered)
+        fns["torch_scattered"] = lambda: [torch_path(*c, scattered) for c in copies]
         if fp8:
-            fns["dequant_copy"] = lambda: quant.dequantized_context(k, v, ks, vs, scattered, lens, q.dtype)
+            fns["dequant_copy"] = lambda: [quant.dequantized_context(*c, scattered, lens, q.dtype) for c in copies]
     best = measure(fns, reps, _timer(threads))
-    bw = {name: kv_bytes / t / 1e9 for name, t in best.items()}
+    bw = {name: total / t / 1e9 for name, t in best.items()}
     read = bw["read"]
     native_on = paged.native_enabled(kv_dtype)
     path = "amx" if amx else f"fp32 ({native.amx_reason})"
     config = (f"{label} {kv_name} q=bf16 path={path} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "
-              f"KV={kv_bytes / 2**20:.0f}MiB clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
+              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
               f"{common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
     for name in fns:
@@ -341,7 +379,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer reps (same sizes: the KV must exceed L3)")
+    parser.add_argument("--quick", action="store_true", help="fewer reps and a shorter MLA case (still read from memory: see the layers)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-dtypes", nargs="*", default=["fp32", "bf16", "fp8"],

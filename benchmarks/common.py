@@ -61,6 +61,29 @@ def load_note() -> str:
         return "load=?"
 
 
+def last_level_cache_bytes(default: int = 64 << 20) -> int:
+    """Size of the largest CPU cache sysfs lists for cpu0 (``default`` where it lists none)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best, int(digits) * unit)
+    return best or default
+
+
+def copies_past_cache(nbytes: int, cache_bytes: int | None = None) -> int:
+    """How many copies of an ``nbytes`` working set, visited in turn, add up to twice the last-level
+    cache: each copy has then been evicted before it is read again, so a loop over them is served
+    from memory, as a decode step's walk over its layers' KV caches is."""
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return max(1, -(-2 * cache // max(1, nbytes)))
+
+
 def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds of each call, the variants interleaved rep by rep so noise hits all alike."""
     for fn in fns.values():

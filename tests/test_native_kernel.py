@@ -258,3 +258,54 @@ def test_fp8_op_reads_the_cache_natively_not_through_a_dequantised_copy(monkeypa
     ref = _torch_path(q, k_exact, v_exact, table, cu, lens, None, 0.2)
     torch.testing.assert_close(out, ref[0], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 16], ids=["one-chunk", "split-k"])
+@pytest.mark.parametrize(
+    "kv_dtype,q_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float8_e4m3fn, torch.float32), (torch.float8_e4m3fn, torch.bfloat16)],
+    ids=["fp32", "bf16-fp32q", "bf16-bf16q", "fp8-fp32q", "fp8-bf16q"],
+)
+def test_nan_in_the_cache_propagates_as_in_the_torch_path(kv_dtype, q_dtype, chunk_tokens, monkeypatch):
+    """A NaN the model wrote into the cache is not hidden: a NaN key makes that request's outputs
+    and LSEs NaN (its softmax row is NaN), a NaN value its outputs in that column NaN (LSE
+    finite), as the torch path computes them; the other requests are unaffected. Every native path
+    (fp32, fp32 queries over bf16/fp8 including the e4m3 NaN code, the AMX path for bf16 queries)
+    and the split-K merge."""
+    monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
+    gen = torch.Generator().manual_seed(9)
+    nb, block, hkv, hq, d = 12, 16, 2, 8, 128
+    k32 = torch.randn(nb, block, hkv, d, generator=gen)
+    v32 = torch.randn(nb, block, hkv, d, generator=gen)
+    k32[1, 5, 0, 17] = float("nan")  # request 0 (blocks 0-3), KV head 0: its key 21
+    v32[6, 2, 1, 40] = float("nan")  # request 1 (blocks 4-7), KV head 1: its value 34
+    if kv_dtype == torch.float8_e4m3fn:
+        (k, ks, k_ref), (v, vs, v_ref) = (paged._stored_as(x, kv_dtype) for x in (k32, v32))
+    else:
+        k, v, ks, vs = k32.to(kv_dtype), v32.to(kv_dtype), None, None
+        k_ref, v_ref = k.float(), v.float()
+    table = torch.arange(nb, dtype=torch.int32).view(3, 4)
+    cu, lens = torch.arange(4, dtype=torch.int32), torch.tensor([60, 64, 50], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=gen).to(q_dtype)
+    ref_o, ref_l = _torch_path(q.float(), k_ref, v_ref, table, cu, lens, None, 0.2)
+    got = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks, v_scales=vs,
+                                     chunk_tokens=chunk_tokens)
+    assert got is not None
+    out, lse = got[0].float(), got[1]
+    # the reference's pattern: request 0's KV head 0 rows all NaN; request 1's KV head 1 rows NaN
+    # in the value's column (in its whole scale group for fp8), their LSE finite; request 2 clean
+    assert torch.isnan(ref_o[0, :4]).all() and torch.isnan(ref_l[0, :4]).all()
+    assert torch.isnan(ref_o[1, 4:, 40]).all() and not torch.isnan(ref_l[1:]).any()
+    assert not torch.isnan(ref_o[0, 4:]).any() and not torch.isnan(ref_o[1, :4]).any() and not torch.isnan(ref_o[2]).any()
+    expected = torch.isnan(ref_o)
+    if q_dtype == torch.bfloat16:
+        # The AMX path's value product reads a column pair per dword and picks one column by a zero
+        # weight on the other (paged_decode_amx.h), and 0 x NaN is NaN: a NaN value also reaches
+        # its pair partner's output column. Nothing the reference has as NaN is hidden.
+        expected = expected | expected.view(*expected.shape[:-1], -1, 2).flip(-1).reshape(expected.shape)
+    assert torch.equal(torch.isnan(out), expected)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_l))
+    fine = ~expected
+    tol = native.AMX_OUT_TOL if q_dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out[fine], ref_o[fine], atol=tol, rtol=tol)

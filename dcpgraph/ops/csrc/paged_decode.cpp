@@ -211,6 +211,7 @@ struct LoadFP8 {  // float8_e4m3fn bytes s.eeee.mmm, times the row's scale for t
     __m512 v = _mm512_mask_blend_ps(is_normal, sub, normal);
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
     v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));  // s.1111.111
     return _mm512_mul_ps(v, _mm512_set1_ps(sc[x / grp]));
   }
 };
@@ -384,13 +385,17 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// Block max of s[0:nt] (nt <= ss, ss a multiple of 16).
-inline float block_max(const float* s, int64_t nt) {
+// Block max of s[0:nt] (nt <= ss, ss a multiple of 16) over its numbers; ``nan``: whether any is NaN.
+inline float block_max(const float* s, int64_t nt, bool& nan_seen) {
   __m512 mv = _mm512_set1_ps(-3.0e38f);
+  __mmask16 nan = 0;
   for (int64_t u = 0; u < nt; u += 16) {
     const __mmask16 mk = nt - u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nt - u)) - 1u);
-    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + u));
+    const __m512 x = _mm512_maskz_loadu_ps(mk, s + u);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    mv = _mm512_mask_max_ps(mv, mk, mv, x);
   }
+  nan_seen = nan != 0;
   return _mm512_reduce_max_ps(mv);
 }
 
@@ -585,11 +590,17 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
 #endif
         for (int64_t i = 0; i < m; ++i) {
           float* si = s + i * ss;
+          // A NaN score makes the row's normaliser NaN for good (its output and LSE then are, as
+          // softmax gives); the block's max is taken over its other scores.
+          bool nan = false;
 #ifdef __AVX512F__
-          const float bm = block_max(si, nt);
+          const float bm = block_max(si, nt, nan);
 #else
-          float bm = si[0];
-          for (int64_t u = 1; u < nt; ++u) bm = std::max(bm, si[u]);
+          float bm = -3.0e38f;
+          for (int64_t u = 0; u < nt; ++u) {
+            nan = nan || std::isnan(si[u]);
+            if (!std::isnan(si[u])) bm = std::max(bm, si[u]);
+          }
 #endif
           float nm = started ? std::max(mx[i], bm) : bm;
           if (started && nm > mx[i]) {
@@ -610,7 +621,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
             total += e;
           }
 #endif
-          sm[i] = (started ? sm[i] : 0.f) + total;
+          sm[i] = nan ? NAN : (started ? sm[i] : 0.f) + total;
           mx[i] = nm;
         }
         started = true;

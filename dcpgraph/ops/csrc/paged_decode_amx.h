@@ -389,6 +389,7 @@ class Decoder {
   void softmax(int64_t t0, int64_t nt, int64_t j) {
     float* s = s_.data();
     __m512 bm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;  // rows with a NaN score: their normaliser becomes NaN (so do their outputs)
     // Rows whose bound falls inside this key group: scores past it become -inf (weights 0 below).
     const bool masked = t0 + nt > jmin_[j];
     const __m512i bound = _mm512_loadu_si512(jb_.data() + j * COLS);
@@ -398,11 +399,15 @@ class Decoder {
         const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s + t * COLS),
                                             _mm512_set1_ps(kf_[t]));
         _mm512_storeu_ps(s + t * COLS, x);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         bm = _mm512_max_ps(bm, x);
       }
     } else {
-      for (int64_t t = 0; t < nt; ++t)
-        bm = _mm512_max_ps(bm, _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t])));
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t]));
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        bm = _mm512_max_ps(bm, x);
+      }
     }
     float* mxp = mx_.data() + j * COLS;
     float* smp = sm_.data() + j * COLS;
@@ -450,7 +455,7 @@ class Decoder {
         _mm512_storeu_si512(lo + TILE_ELEMS + n * 32, _mm512_slli_epi32(r[n], 16));
       }
     }
-    _mm512_storeu_ps(smp, _mm512_add_ps(_mm512_loadu_ps(smp), tot));
+    _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
   }
 
   // O[j] += P[j] V over the key group's nq token tiles, two 32-column chunks at a time: tiles

@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 import dcpgraph.ops.library  # noqa: E402,F401  (registers torch.ops.dcpgraph)
 from dcpgraph.ops import kernels, paged  # noqa: E402
+from dcpgraph.runtime import host_memory  # noqa: E402
 
 NAME = "attention_bandwidth"
 BLOCK = 16
@@ -81,6 +82,7 @@ TYPED_CASES = tuple(
     )
 )
 TYPED_TARGET = 0.75
+HUGE_PAGES = False  # --huge-pages: the typed cases' caches on 2 MiB pages
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # --quick: the same shapes with the MLA case at 4k tokens per request (72 MiB: still over L3).
 QUICK_CASES = (*CASES[:2], ("mla 8x4k hq=16 latent=576/512", 8, 4096, 16, 1, 576, 512, True))
@@ -318,12 +320,17 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     # Layers: copies of the cache visited in turn, twice the last-level cache in all, so every
     # variant reads from memory as a decode step does (one layer's KV alone fits in this host's L3).
     layers = common.copies_past_cache(kv_bytes)
-    copies = [(k, v, ks, vs)]
-    for _ in range(layers - 1):
-        kc = k.clone()
-        copies.append((kc, kc[..., :dv] if latent else v.clone(), *(None if x is None else x.clone() for x in (ks, vs))))
+
+    def place(x):  # a copy, on huge pages with --huge-pages (as the engine allocates its caches)
+        return None if x is None else host_memory.zeros(tuple(x.shape), x.dtype).copy_(x) if HUGE_PAGES else x.clone()
+
+    copies = [(k, v, ks, vs)] if not HUGE_PAGES else []
+    while len(copies) < layers:
+        kc = place(k)
+        copies.append((kc, kc[..., :dv] if latent else place(v), place(ks), place(vs)))
+    k, v, ks, vs = copies[0]
     total = layers * kv_bytes
-    src = torch.ones(total // 4)
+    src = host_memory.zeros((total // 4,), torch.float32).fill_(1) if HUGE_PAGES else torch.ones(total // 4)
     q32 = torch.randn(nreq, hq, d, generator=gen).to(torch.bfloat16).float()
     q = q32.to(torch.bfloat16)
     cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
@@ -362,7 +369,8 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     native_on = paged.native_enabled(kv_dtype)
     path = "amx" if amx else f"fp32 ({native.amx_reason})"
     config = (f"{label} {kv_name} q=bf16 path={path} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "
-              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
+              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers{' pages=2M' if HUGE_PAGES else ''} "
+              f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
               f"{common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
     for name in fns:
@@ -384,7 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-dtypes", nargs="*", default=["fp32", "bf16", "fp8"],
                         choices=["fp32", *KV_DTYPES], help="cache dtypes to measure (fp32: the full diagnostics)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="bf16/fp8 cases: the caches and read's tensor on huge pages, as the engine allocates "
+                             "its caches (runtime.host_memory); results to attention_bandwidth_typed_hugepages.json")
     args = parser.parse_args(argv)
+    if args.huge_pages and "fp32" in args.kv_dtypes:
+        parser.error("--huge-pages measures the bf16/fp8 cases: pass --kv-dtypes bf16 fp8 (or one of them)")
+    global HUGE_PAGES
+    HUGE_PAGES = args.huge_pages and not host_memory.status()
+    if args.huge_pages and not HUGE_PAGES:
+        print(f"--huge-pages: not available here ({host_memory.status()}); 4 KiB pages")
     reps = args.reps or (3 if args.quick else 9)
     start = time.perf_counter()
     records = []
@@ -397,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             common.print_records(recs)
             records += recs
     # bf16/fp8 alone write their own file, leaving the full fp32 diagnostics' results in place.
-    out = common.write(NAME if "fp32" in args.kv_dtypes else f"{NAME}_typed", records)
+    out = common.write(NAME if "fp32" in args.kv_dtypes else f"{NAME}_typed{'_hugepages' if HUGE_PAGES else ''}",
+                       records)
     met = [r for r in records if "target" in r]
     print("targets (paged attention: fp32 ≥ 85 %, bf16/fp8 ≥ 75 % of read bandwidth): "
           f"{sum(r['met'] for r in met)}/{len(met)} rows met; "

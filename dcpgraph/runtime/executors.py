@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
+from . import host_memory
 
 
 def state_device(state: list[torch.Tensor]) -> torch.device:
@@ -34,17 +35,20 @@ def state_device(state: list[torch.Tensor]) -> torch.device:
 
 def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
                     device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Zeroed caches ``[blocks, block_size, heads, dim]`` on ``device``. ``num_blocks``: one count
+    """Zeroed caches ``[blocks, block_size, heads, dim]`` on ``device`` (on the host: on huge pages
+    where :func:`host_memory.status` allows). ``num_blocks``: one count
     for every cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the
     caches named in ``options["sliding_caches"]`` get ``m``)."""
     block = int(program.options["block_size"])
     sliding = set(program.options.get("sliding_caches", ()))
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
-    return {
-        c.name: torch.zeros(counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim, dtype=c.dtype,
-                            device=device)
-        for c in program.caches
-    }
+    def zeros(shape, dtype):
+        # host caches on huge pages: a block-table read is then rarely a TLB miss (host_memory)
+        return host_memory.zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
+
+    return {c.name: zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim), c.dtype)
+            for c in program.caches}
 
 
 def on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,87 @@
+"""Host KV caches on transparent huge pages (:mod:`dcpgraph.runtime.host_memory`)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcpgraph.runtime import host_memory
+
+MIB = 1 << 20
+
+
+def _anon_huge_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_zeros_is_a_zeroed_writable_tensor_of_the_shape(dtype, monkeypatch):
+    monkeypatch.delenv("DCPGRAPH_HUGE_PAGES", raising=False)
+    shape = (600, 16, 2, 128)  # 2.3-9.4 MiB: over one huge page in every dtype
+    t = host_memory.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+    assert t.view(torch.uint8).count_nonzero() == 0
+    t.view(torch.uint8).fill_(1)
+    assert int(t.view(torch.uint8).sum()) == t.numel() * t.element_size()
+    if host_memory.status():
+        pytest.skip(f"huge pages not asked for here: {host_memory.status()}")
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+
+
+def test_the_tensor_keeps_its_memory_alive():
+    t = host_memory.zeros((4 * MIB,), torch.uint8)
+    t[::4096] = 7
+    gc.collect()  # nothing but the tensor refers to the mapping
+    assert int(t[::4096].sum()) == 7 * (4 * MIB // 4096)
+    view = t[MIB:]
+    del t
+    gc.collect()
+    assert int(view[::4096].sum()) == 7 * (3 * MIB // 4096)
+
+
+def test_small_tensors_and_the_switch_fall_back_to_torch_zeros(monkeypatch):
+    small = host_memory.zeros((16, 16), torch.float32)
+    assert small.count_nonzero() == 0 and small.shape == (16, 16)
+    monkeypatch.setenv("DCPGRAPH_HUGE_PAGES", "0")
+    assert host_memory.status() == "disabled by DCPGRAPH_HUGE_PAGES=0"
+    t = host_memory.zeros((4, MIB), torch.float32)
+    assert t.count_nonzero() == 0 and t.shape == (4, MIB)
+
+
+def test_the_kernel_grants_huge_pages_for_the_caches(monkeypatch):
+    """Where THP is on (``madvise`` or ``always``), touching a 64 MiB cache raises the process's
+    ``AnonHugePages``: the advice reached the kernel. (The grant is the kernel's decision: a machine
+    out of contiguous memory may refuse it, which is why the values do not depend on it.)"""
+    monkeypatch.delenv("DCPGRAPH_HUGE_PAGES", raising=False)
+    if host_memory.status():
+        pytest.skip(f"huge pages not asked for here: {host_memory.status()}")
+    before = _anon_huge_kib()
+    t = host_memory.zeros((64 * MIB,), torch.uint8)
+    t[::4096] = 1  # fault every page in
+    after = _anon_huge_kib()
+    assert after - before >= 32 * 1024, (before, after)
+    del t
+
+
+def test_engine_caches_on_the_host_use_it():
+    from dcpgraph.runtime.executors import allocate_caches
+
+    class Spec:
+        def __init__(self, name):
+            self.name, self.heads, self.dim, self.dtype = name, 2, 128, torch.bfloat16
+
+    class Program:
+        options = {"block_size": 16}
+        caches = [Spec("k0"), Spec("v0")]
+
+    caches = allocate_caches(Program(), 512)  # 4 MiB each
+    for c in caches.values():
+        assert c.shape == (512, 16, 2, 128) and c.count_nonzero() == 0
+        if not host_memory.status():
+            assert c.data_ptr() % host_memory.HUGE_PAGE == 0

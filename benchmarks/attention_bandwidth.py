@@ -82,7 +82,6 @@ TYPED_CASES = tuple(
     )
 )
 TYPED_TARGET = 0.75
-HUGE_PAGES = False  # --huge-pages: the typed cases' caches on 2 MiB pages
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # --quick: the same shapes with the MLA case at 4k tokens per request (72 MiB: still over L3).
 QUICK_CASES = (*CASES[:2], ("mla 8x4k hq=16 latent=576/512", 8, 4096, 16, 1, 576, 512, True))
@@ -298,9 +297,10 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     return recs
 
 
-def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
+def run_typed_case(case, kv_name: str, huge_pages: bool, threads: int, reps: int) -> list[dict]:
     """The op on a bf16 or fp8 cache with bf16 queries: bandwidth of its stored bytes (scales
-    included)."""
+    included). ``huge_pages``: the caches and ``read``'s tensor on 2 MiB pages, as the engine
+    allocates its host caches (:mod:`dcpgraph.runtime.host_memory`)."""
     from dcpgraph.ops import native, quant
 
     label, nreq, seq, hq, hkv, d, dv, latent = case
@@ -321,16 +321,18 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     # variant reads from memory as a decode step does (one layer's KV alone fits in this host's L3).
     layers = common.copies_past_cache(kv_bytes)
 
-    def place(x):  # a copy, on huge pages with --huge-pages (as the engine allocates its caches)
-        return None if x is None else host_memory.zeros(tuple(x.shape), x.dtype).copy_(x) if HUGE_PAGES else x.clone()
+    def place(x):
+        if x is None:
+            return None
+        return host_memory.zeros(tuple(x.shape), x.dtype).copy_(x) if huge_pages else x.clone()
 
-    copies = [(k, v, ks, vs)] if not HUGE_PAGES else []
+    copies = [] if huge_pages else [(k, v, ks, vs)]
     while len(copies) < layers:
         kc = place(k)
         copies.append((kc, kc[..., :dv] if latent else place(v), place(ks), place(vs)))
     k, v, ks, vs = copies[0]
     total = layers * kv_bytes
-    src = host_memory.zeros((total // 4,), torch.float32).fill_(1) if HUGE_PAGES else torch.ones(total // 4)
+    src = host_memory.zeros((total // 4,), torch.float32).fill_(1) if huge_pages else torch.ones(total // 4)
     q32 = torch.randn(nreq, hq, d, generator=gen).to(torch.bfloat16).float()
     q = q32.to(torch.bfloat16)
     cu, lens, contiguous, scattered = request_tables(nreq, seq, nb, gen)
@@ -369,7 +371,7 @@ def run_typed_case(case, kv_name: str, threads: int, reps: int) -> list[dict]:
     native_on = paged.native_enabled(kv_dtype)
     path = "amx" if amx else f"fp32 ({native.amx_reason})"
     config = (f"{label} {kv_name} q=bf16 path={path} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "
-              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers{' pages=2M' if HUGE_PAGES else ''} "
+              f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers{' pages=2M' if huge_pages else ''} "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
               f"{common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
@@ -398,23 +400,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.huge_pages and "fp32" in args.kv_dtypes:
         parser.error("--huge-pages measures the bf16/fp8 cases: pass --kv-dtypes bf16 fp8 (or one of them)")
-    global HUGE_PAGES
-    HUGE_PAGES = args.huge_pages and not host_memory.status()
-    if args.huge_pages and not HUGE_PAGES:
+    huge_pages = args.huge_pages and not host_memory.status()
+    if args.huge_pages and not huge_pages:
         print(f"--huge-pages: not available here ({host_memory.status()}); 4 KiB pages")
     reps = args.reps or (3 if args.quick else 9)
     start = time.perf_counter()
     records = []
     for threads in args.threads:
         runs = [(run_case, (case,)) for case in (QUICK_CASES if args.quick else CASES)] if "fp32" in args.kv_dtypes else []
-        runs += [(run_typed_case, (case, name)) for name in KV_DTYPES if name in args.kv_dtypes for case in TYPED_CASES]
+        runs += [(run_typed_case, (case, name, huge_pages))
+                 for name in KV_DTYPES if name in args.kv_dtypes for case in TYPED_CASES]
         for fn, case_args in runs:
             recs = fn(*case_args, threads, reps)
             print(recs[0]["config"])
             common.print_records(recs)
             records += recs
     # bf16/fp8 alone write their own file, leaving the full fp32 diagnostics' results in place.
-    out = common.write(NAME if "fp32" in args.kv_dtypes else f"{NAME}_typed{'_hugepages' if HUGE_PAGES else ''}",
+    out = common.write(NAME if "fp32" in args.kv_dtypes else f"{NAME}_typed{'_hugepages' if huge_pages else ''}",
                        records)
     met = [r for r in records if "target" in r]
     print("targets (paged attention: fp32 ≥ 85 %, bf16/fp8 ≥ 75 % of read bandwidth): "

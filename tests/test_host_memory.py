@@ -38,9 +38,11 @@ def test_the_tensor_keeps_its_memory_alive():
     assert int(view[::4096].sum()) == 7 * (3 * MIB // 4096)
 
 
-def test_small_tensors_and_the_switch_fall_back_to_torch_zeros(monkeypatch):
+def test_small_tensors_other_devices_and_the_switch_fall_back_to_torch_zeros(monkeypatch):
     small = host_memory.zeros((16, 16), torch.float32)
     assert small.count_nonzero() == 0 and small.shape == (16, 16)
+    elsewhere = host_memory.zeros((4, MIB), torch.float32, "meta")  # another device: torch.zeros there
+    assert elsewhere.device.type == "meta" and elsewhere.shape == (4, MIB)
     monkeypatch.setenv("DCPGRAPH_HUGE_PAGES", "0")
     assert host_memory.status() == "disabled by DCPGRAPH_HUGE_PAGES=0"
     t = host_memory.zeros((4, MIB), torch.float32)

@@ -36,18 +36,14 @@ def state_device(state: list[torch.Tensor]) -> torch.device:
 def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
                     device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed caches ``[blocks, block_size, heads, dim]`` on ``device`` (on the host: on huge pages
-    where :func:`host_memory.status` allows). ``num_blocks``: one count
+    where :func:`host_memory.status` allows, so a block-table read is rarely a TLB miss). ``num_blocks``: one count
     for every cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the
     caches named in ``options["sliding_caches"]`` get ``m``)."""
     block = int(program.options["block_size"])
     sliding = set(program.options.get("sliding_caches", ()))
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
-    def zeros(shape, dtype):
-        # host caches on huge pages: a block-table read is then rarely a TLB miss (host_memory)
-        return host_memory.zeros(shape, dtype) if torch.device(device).type == "cpu" else \
-            torch.zeros(shape, dtype=dtype, device=device)
-
-    return {c.name: zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim), c.dtype)
+    return {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim),
+                                      c.dtype, device)
             for c in program.caches}
 
 

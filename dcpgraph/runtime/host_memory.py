@@ -4,13 +4,13 @@ A decode step reads each layer's cache through its block table: one 16-token blo
 head is a few KiB, so with 4 KiB pages nearly every block read starts on a page the TLB has not
 seen, and the scattered order defeats the page walker's locality. Backed by 2 MiB pages (Linux
 THP, asked for with ``madvise(MADV_HUGEPAGE)``), 1 GiB of cache needs 512 TLB entries instead of
-262,144. Measured on this project's 2-core Xeon, one thread, 30 copies of a 64K-token cache read
-from memory through a scattered table: bf16 GQA 8:1 attention 7.4 → 9.1 GB/s, MLA 576/512 fp8
-3.2 → 3.8 GB/s (and ``x.sum()``'s plain read 13.1 → 15.8 GB/s).
+262,144. Measured on this project's 2-core Xeon (``benchmarks/attention_bandwidth.py`` with and
+without ``--huge-pages``, one thread, caches read from memory through a scattered table): bf16
+GQA 8:1 attention 7.7–7.8 → 8.8–9.3 GB/s, MLA 576/512 fp8 3.2–3.3 → 3.5–3.7 GB/s.
 
 :func:`zeros` maps anonymous memory (zero-filled by the kernel), starts the tensor on a 2 MiB
 boundary, advises huge pages for it, and returns a tensor over that memory (the tensor keeps the
-mapping alive). It falls back to ``torch.zeros`` where huge pages cannot be asked for: not Linux,
+mapping alive). It is ``torch.zeros`` on other devices, and where huge pages cannot be asked for: not Linux,
 THP set to ``never``, a tensor under 2 MiB, or ``DCPGRAPH_HUGE_PAGES=0``. :func:`status` says
 which applies. Whether the kernel grants the pages is its decision (``AnonHugePages`` in
 ``/proc/meminfo`` counts what it granted); the tensor's contents are the same either way.
@@ -43,11 +43,12 @@ def status() -> str:
     return ""
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor of ``shape`` and ``dtype``, on huge pages where :func:`status` allows."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed tensor of ``shape`` and ``dtype`` on ``device``; on the host, on huge pages where
+    :func:`status` allows."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or status():
-        return torch.zeros(shape, dtype=dtype)
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or status():
+        return torch.zeros(shape, dtype=dtype, device=device)
     span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages from the start
     mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -_address(mapping) % HUGE_PAGE

@@ -21,29 +21,37 @@ inline __mmask32 mask32(int64_t width, int64_t x) {
 struct Fp8Lut {
   __m512i order, lo0, lo1, hi0, hi1;
 };
+// The tables, built once per process (a Decoder is made per call and thread: only the five
+// register loads are per call).
 inline Fp8Lut fp8_lut() {
-  alignas(64) uint8_t order[64], lo[128], hi[128];
-  for (int lane = 0; lane < 4; ++lane)
-    for (int j = 0; j < 8; ++j) {  // unpacklo takes bytes 0-7 of a lane, unpackhi bytes 8-15
-      order[16 * lane + j] = static_cast<uint8_t>(8 * lane + j);
-      order[16 * lane + 8 + j] = static_cast<uint8_t>(32 + 8 * lane + j);
+  struct alignas(64) Bytes {
+    uint8_t order[64], lo[128], hi[128];
+  };
+  static const Bytes t = [] {
+    Bytes b{};
+    for (int lane = 0; lane < 4; ++lane)
+      for (int j = 0; j < 8; ++j) {  // unpacklo takes bytes 0-7 of a lane, unpackhi bytes 8-15
+        b.order[16 * lane + j] = static_cast<uint8_t>(8 * lane + j);
+        b.order[16 * lane + 8 + j] = static_cast<uint8_t>(32 + 8 * lane + j);
+      }
+    for (int m = 0; m < 128; ++m) {
+      const int e = m >> 3, f = m & 7;
+      uint16_t w;
+      if (m == 0x7F) {
+        w = 0xFFC0;
+      } else {  // value 2^(e-7) (1 + f/8), or f 2^-9 for e = 0: at most four significant bits
+        const float v = e ? std::ldexp(1.f + f / 8.f, e - 7) : std::ldexp(static_cast<float>(f), -9);
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        w = static_cast<uint16_t>(u >> 16);
+      }
+      b.lo[m] = static_cast<uint8_t>(w & 0xFF);
+      b.hi[m] = static_cast<uint8_t>(w >> 8);
     }
-  for (int m = 0; m < 128; ++m) {
-    const int e = m >> 3, f = m & 7;
-    uint16_t w;
-    if (m == 0x7F) {
-      w = 0xFFC0;
-    } else {  // value 2^(e-7) (1 + f/8), or f 2^-9 for e = 0: at most four significant bits
-      const float v = e ? std::ldexp(1.f + f / 8.f, e - 7) : std::ldexp(static_cast<float>(f), -9);
-      uint32_t b;
-      std::memcpy(&b, &v, 4);
-      w = static_cast<uint16_t>(b >> 16);
-    }
-    lo[m] = static_cast<uint8_t>(w & 0xFF);
-    hi[m] = static_cast<uint8_t>(w >> 8);
-  }
-  return {_mm512_load_si512(order), _mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi),
-          _mm512_load_si512(hi + 64)};
+    return b;
+  }();
+  return {_mm512_load_si512(t.order), _mm512_load_si512(t.lo), _mm512_load_si512(t.lo + 64), _mm512_load_si512(t.hi),
+          _mm512_load_si512(t.hi + 64)};
 }
 // 64 e4m3fn bytes as 64 bf16 (elements 0-31 in a, 32-63 in b), exactly.
 inline void fp8x64_to_bf16(const Fp8Lut& t, __m512i x, __m512i& a, __m512i& b) {

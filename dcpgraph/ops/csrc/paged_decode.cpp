@@ -426,7 +426,7 @@ std::string amx_status() {
 #ifdef DCPGRAPH_HAVE_AMX
   return amx::permission_error();
 #else
-  return "this build has no AMX-BF16 code (the compiler or CPU lacks -mamx-bf16)";
+  return "this build has no AMX-BF16 code (the compiler or CPU lacks -mamx-bf16 or -mavx512vbmi)";
 #endif
 }
 

@@ -1,5 +1,5 @@
 // Software prefetch schedule of the AMX paged decoder (paged_decode_amx.h, which defines Caches
-// and TOK before including this inside its AMX guard).
+// before including this inside its AMX guard).
 #pragma once
 
 namespace amx {
@@ -13,32 +13,43 @@ namespace amx {
 template <class T>
 class Prefetcher {
  public:
-  explicit Prefetcher(const Caches<T>& c) : c_(c) {
+  // ``tok``: tokens per key group (the decoder's step).
+  Prefetcher(const Caches<T>& c, int64_t tok) : c_(c), tok_(tok) {
     krow_ = (c.d * int64_t(sizeof(T)) + 63) / 64;
     vrow_ = c.value_prefix ? 0 : (c.dv * int64_t(sizeof(T)) + 63) / 64;
   }
   // Start the group at token t of request r (item end t1), expecting ``calls`` step() calls.
   void start(int64_t r, int64_t h, int64_t t, int64_t t1, int64_t calls) {
-    u_ = t + (c_.prefetch_blocks * c_.bsz + TOK - 1) / TOK * TOK;
-    end_ = c_.prefetch_blocks > 0 ? std::min(u_ + TOK, t1) : u_;
+    u_ = t + (c_.prefetch_blocks * c_.bsz + tok_ - 1) / tok_ * tok_;
+    end_ = c_.prefetch_blocks > 0 ? std::min(u_ + tok_, t1) : u_;
     line_ = 0;
     table_ = c_.table + r * c_.width;
     h_ = h;
+    blk_ = u_ / c_.bsz;
+    off_ = u_ % c_.bsz;
+    if (u_ < end_) locate();
     const int64_t lines = std::max<int64_t>(0, end_ - u_) * (krow_ + vrow_);
     per_ = calls > 0 ? (lines + calls - 1) / calls : lines;
   }
+  // The next ``per_`` lines. Addresses come from the current token's row pointers (found once
+  // per token: a table lookup and a division per line took bf16 GQA 8:1 decode in cache from 34
+  // to 46 ns a token).
   inline void step() {
-    for (int64_t i = 0; i < per_ && u_ < end_; ++i) {
-      const int64_t blk = table_[u_ / c_.bsz], off = u_ % c_.bsz;
-      const char* p = line_ < krow_
-                          ? reinterpret_cast<const char*>(c_.kp + blk * c_.ks0 + off * c_.ks1 + h_ * c_.ks2) + line_ * 64
-                          : reinterpret_cast<const char*>(c_.vp + blk * c_.vs0 + off * c_.vs1 + h_ * c_.vs2) + (line_ - krow_) * 64;
-      __builtin_prefetch(p, 0, 2);
-      if (++line_ == krow_ + vrow_) {
-        line_ = 0;
-        ++u_;
+    int64_t line = line_, u = u_;
+    for (int64_t i = 0; i < per_ && u < end_; ++i) {
+      __builtin_prefetch(line < krow_ ? krow_ptr_ + line * 64 : vrow_ptr_ + (line - krow_) * 64, 0, 2);
+      if (++line == krow_ + vrow_) {
+        line = 0;
+        ++u;
+        if (++off_ == c_.bsz) {
+          off_ = 0;
+          ++blk_;
+        }
+        if (u < end_) locate();
       }
     }
+    line_ = line;
+    u_ = u;
   }
   void finish() {
     per_ = int64_t(1) << 40;
@@ -46,9 +57,19 @@ class Prefetcher {
   }
 
  private:
+  // The current token's row pointers.
+  void locate() {
+    const int64_t b = table_[blk_];
+    krow_ptr_ = reinterpret_cast<const char*>(c_.kp + b * c_.ks0 + off_ * c_.ks1 + h_ * c_.ks2);
+    vrow_ptr_ = reinterpret_cast<const char*>(c_.vp + b * c_.vs0 + off_ * c_.vs1 + h_ * c_.vs2);
+  }
+
   const Caches<T>& c_;
-  int64_t krow_, vrow_, u_ = 0, end_ = 0, line_ = 0, per_ = 0, h_ = 0;
+  const int64_t tok_;
+  int64_t krow_, vrow_, u_ = 0, end_ = 0, line_ = 0, per_ = 0, h_ = 0, blk_ = 0, off_ = 0;
   const int32_t* table_ = nullptr;
+  const char* krow_ptr_ = nullptr;
+  const char* vrow_ptr_ = nullptr;
 };
 
 }  // namespace amx

@@ -155,26 +155,31 @@ class RowPrefetch {
     v_ = v;
     left_ = rows * (klines_ + vlines_);
     per_ = (left_ + calls - 1) / std::max<int64_t>(calls, 1);
-    next_ = 0;
+    line_ = 0;
   }
   // The lines step() calls have not issued (all of them where the block's work makes none).
   void rest() {
     per_ = left_;
     (*this)();
   }
+  // The next per_ lines: K's lines of the current row, then V's, then the next row (a division
+  // per line to find its row cost more than the prefetch).
   void operator()() {
-    for (int64_t i = 0; i < per_ && left_ > 0; ++i, --left_, ++next_) {
-      const int64_t row = next_ / (klines_ + vlines_), line = next_ % (klines_ + vlines_);
-      __builtin_prefetch(line < klines_ ? k_ + row * kstride_ + line * 64 : v_ + row * vstride_ + (line - klines_) * 64,
-                         0, 2);
+    for (int64_t i = 0; i < per_ && left_ > 0; ++i, --left_) {
+      __builtin_prefetch(line_ < klines_ ? k_ + line_ * 64 : v_ + (line_ - klines_) * 64, 0, 2);
+      if (++line_ == klines_ + vlines_) {
+        line_ = 0;
+        k_ += kstride_;
+        v_ += vstride_;
+      }
     }
   }
 
  private:
   const int64_t klines_, vlines_, kstride_, vstride_;
-  const char* k_ = nullptr;
+  const char* k_ = nullptr;  // the current row's K and V
   const char* v_ = nullptr;
-  int64_t left_ = 0, per_ = 0, next_ = 0;
+  int64_t left_ = 0, per_ = 0, line_ = 0;
 };
 
 #ifdef __AVX512F__
@@ -518,11 +523,19 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
                                   vss2, group, value_prefix, sc, prefetch_blocks, bound};
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
         amx::configure();
-        amx::Decoder<T> decoder(caches, max_m);
-        for (int64_t it = begin; it < end; ++it) {
-          const Item& w = items[it];
-          decoder.run(w.r, w.h, w.t0, w.t1, pacc.data() + w.slot * max_m * dv, pmax.data() + w.slot * max_m,
-                      psum.data() + w.slot * max_m);
+        auto decode = [&](auto& decoder) {
+          for (int64_t it = begin; it < end; ++it) {
+            const Item& w = items[it];
+            decoder.run(w.r, w.h, w.t0, w.t1, pacc.data() + w.slot * max_m * dv, pmax.data() + w.slot * max_m,
+                        psum.data() + w.slot * max_m);
+          }
+        };
+        if (amx::key_group_tokens(value_prefix) == 64) {
+          amx::Decoder<T, 64> decoder(caches, max_m);
+          decode(decoder);
+        } else {
+          amx::Decoder<T, 32> decoder(caches, max_m);
+          decode(decoder);
         }
         _tile_release();
       });

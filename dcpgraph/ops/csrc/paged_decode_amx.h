@@ -9,7 +9,7 @@
 // prefetch schedule: amx_prefetch.h).
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 (a
-// query-row group j), over key groups of 64 tokens (four 16-token tiles q):
+// query-row group j), over key groups of TOK tokens (TOK / 16 16-token tiles q; key_group_tokens()):
 //   scores   S^T[t, n] = K[t, :] . Q[n, :]    A = 16 key rows as they lie in the cache (row stride
 //            of the block; bf16, 16 rows of one block, width a multiple of 32) or as staged bf16;
 //            B = the queries in VNNI layout, built once per item.
@@ -54,8 +54,7 @@
 
 namespace amx {
 
-constexpr int64_t TOK = 64;              // tokens per key group (four 16-token tiles)
-constexpr int64_t QT = TOK / 16;         // token tiles per key group
+constexpr int64_t MAX_QT = 4;           // most 16-token tiles in a key group (score tiles 0-3)
 constexpr int64_t COLS = 16;             // query rows per query-row group (a tile's fp32 columns)
 constexpr int64_t JB = 16;               // query-row groups per block (one pass over the keys)
 constexpr int64_t TILE_ELEMS = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
@@ -122,21 +121,32 @@ namespace amx {
 
 // 16-row operands of one key group: base and byte stride of each 16-token tile.
 struct Rows {
-  const uint16_t* base[QT];
-  int64_t stride[QT];
+  const uint16_t* base[MAX_QT];
+  int64_t stride[MAX_QT];
 };
 
-// Per-thread buffers and the item loop body. ``T``: uint16_t (bf16 cache) or uint8_t (fp8).
-template <class T>
+// Tokens per key group for a cache: 64 where the values are a prefix of the key rows (MLA: the
+// output accumulators, 16 rows x 512 fp32 columns, are loaded and stored once per key group, so
+// fewer groups save more), 32 otherwise. Measured, GQA 8:1 with head size 128, 4K tokens in
+// cache, 1 thread: 32 tokens took bf16 from 34 to 30 ns a token and fp8 from 52 to 40 (a group's
+// staged fp8 rows, 32 KB at 64 tokens, no longer push the rest of the working set out of the 48 KB
+// L1); 16 tokens were slower than either. MLA at 32 tokens: bf16 94 -> 98 ns, fp8 no better.
+inline int64_t key_group_tokens(bool value_prefix) { return value_prefix ? 64 : 32; }
+
+// Per-thread buffers and the item loop body. ``T``: uint16_t (bf16 cache) or uint8_t (fp8);
+// ``TOK``: tokens per key group (32 or 64, see key_group_tokens()).
+template <class T, int64_t TOK>
 class Decoder {
  public:
   static constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
+  static constexpr int64_t QT = TOK / 16;  // token tiles per key group
+  static_assert(TOK % 16 == 0 && QT >= 1 && QT <= MAX_QT, "a key group is one to four 16-token tiles");
 
   Decoder(const Caches<T>& c, int64_t max_m)
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
         kst_(TOK * dp_), vst_(TOK * dvp_), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
-        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c),
+        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c, TOK),
         jb_(mgroups_ * COLS), jmax_(mgroups_), jmin_(mgroups_),
         fold_(kFp8 && !c.value_prefix && c.group >= c.d && c.group >= c.dv) {
     if constexpr (kFp8) lut_ = fp8_lut();
@@ -345,7 +355,7 @@ class Decoder {
     }
   }
 
-  // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, 64 x 16). Tiles 0-3: the four
+  // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, TOK x 16). Tiles 0-3: the
   // token tiles' scores; 4: queries; 5, 6: key rows.
   void scores(const Rows& keys, int64_t nt, int64_t j) {
     const int64_t ksteps = dp_ / 32;
@@ -377,9 +387,9 @@ class Decoder {
       }
     }
     _tile_stored(0, s_.data(), 64);
-    _tile_stored(1, s_.data() + 16 * COLS, 64);
-    _tile_stored(2, s_.data() + 32 * COLS, 64);
-    _tile_stored(3, s_.data() + 48 * COLS, 64);
+    if (QT > 1) _tile_stored(1, s_.data() + 16 * COLS, 64);
+    if (QT > 2) _tile_stored(2, s_.data() + 32 * COLS, 64);
+    if (QT > 3) _tile_stored(3, s_.data() + 48 * COLS, 64);
   }
 
   // Online softmax of the key group for query-row group j (lanes = query rows) over the scores
@@ -491,7 +501,7 @@ class Decoder {
     }
   }
 
-  // step() calls per key group of 64 tokens: key rows (one per token tile), scores (one per
+  // step() calls per key group: key rows (one per token tile), scores (one per
   // token tile and 32-column step), softmax (two per token tile), values (one per token tile and chunk pair).
   // ``groups``: the query-row groups of the block.
   int64_t calls_per_group(int64_t groups) const {

@@ -22,6 +22,10 @@
 //            and zero in the other, so one product picks the even columns and the other the odd
 //            ones (twice the tile products of a token-pair interleave, none of its copying).
 //            Even columns accumulate at o[32 c + i], odd at o[32 c + 16 + i]; run() interleaves.
+//            Packed rows (M <= 8, dv <= 128, 32-token groups: GQA decode): one A tile carries
+//            both halves (rows n low, rows 8 + n high), so one product yields the even columns
+//            in accumulator rows n and the odd ones in rows 8 + n, and the dv / 32 accumulator
+//            tiles stay in tile registers for the whole item (run_packed()).
 // Query rows are processed in blocks of JB row groups (256 rows), each block over the keys any of
 // its rows sees, so a long chunk's output accumulators stay in L2 while its keys stream past
 // (flash attention's order); decode has one block. With per-token bounds (a chunked prefill's
@@ -156,6 +160,9 @@ class Decoder {
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
     const int64_t lq = c_.cu[r + 1] - c_.cu[r], m = lq * c_.g, mg = (m + COLS - 1) / COLS;
+    if constexpr (QT == 2) {
+      if (m <= COLS / 2 && dvp_ <= 4 * 32) return run_packed(r, h, t0, t1, lq, m, acc, mx, sm);
+    }
     build_queries(r, h, lq, mg);
     std::fill(o_.begin(), o_.begin() + mg * COLS * ostride_, 0.f);
     std::fill(mx_.begin(), mx_.begin() + mg * COLS, -INFINITY);
@@ -176,7 +183,7 @@ class Decoder {
         for (int64_t j = j0; j < j1; ++j) {
           if (t >= jmax_[j]) continue;  // every row of group j has seen all its keys
           scores(keys, nt, j);
-          softmax(t, nt, j);
+          softmax<false>(t, nt, j);
           active_[active++] = j;
         }
         this->values(values, (nt + 15) / 16, active);
@@ -396,6 +403,7 @@ class Decoder {
   // s_[t] * kf_[t], then P as the A operands pt_[j][q][e] ([16 rows n][16 tokens] dwords,
   // P[n, t] (times vf_[t] when folded) in the low (e = 0) or high (e = 1) half, tokens past nt
   // zero).
+  template <bool kPacked>
   void softmax(int64_t t0, int64_t nt, int64_t j) {
     float* s = s_.data();
     __m512 bm = _mm512_set1_ps(-INFINITY);
@@ -430,12 +438,16 @@ class Decoder {
       alignas(64) float a[COLS];
       _mm512_store_ps(a, alpha);
       _mm512_storeu_ps(smp, _mm512_mask_mul_ps(_mm512_loadu_ps(smp), grew, _mm512_loadu_ps(smp), alpha));
-      float* o = o_.data() + j * COLS * ostride_;
-      for (int n = 0; n < COLS; ++n) {
-        if (!((grew >> n) & 1)) continue;
-        const __m512 an = _mm512_set1_ps(a[n]);
-        float* on = o + n * ostride_;
-        for (int64_t x = 0; x < dvp_; x += 16) _mm512_storeu_ps(on + x, _mm512_mul_ps(_mm512_loadu_ps(on + x), an));
+      if constexpr (kPacked) {
+        rescale_resident(grew, a);
+      } else {
+        float* o = o_.data() + j * COLS * ostride_;
+        for (int n = 0; n < COLS; ++n) {
+          if (!((grew >> n) & 1)) continue;
+          const __m512 an = _mm512_set1_ps(a[n]);
+          float* on = o + n * ostride_;
+          for (int64_t x = 0; x < dvp_; x += 16) _mm512_storeu_ps(on + x, _mm512_mul_ps(_mm512_loadu_ps(on + x), an));
+        }
       }
     }
     _mm512_storeu_ps(mxp, nm);
@@ -459,10 +471,18 @@ class Decoder {
         r[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
       }
       transpose16_epi32(r);
-      uint16_t* lo = pt + q * 2 * TILE_ELEMS;
-      for (int n = 0; n < 16; ++n) {
-        _mm512_storeu_si512(lo + n * 32, r[n]);
-        _mm512_storeu_si512(lo + TILE_ELEMS + n * 32, _mm512_slli_epi32(r[n], 16));
+      if constexpr (kPacked) {  // one tile: rows n < 8 low halves, rows 8 + n high halves
+        uint16_t* pq = pt_.data() + q * TILE_ELEMS;
+        for (int n = 0; n < COLS / 2; ++n) {
+          _mm512_storeu_si512(pq + n * 32, r[n]);
+          _mm512_storeu_si512(pq + (n + COLS / 2) * 32, _mm512_slli_epi32(r[n], 16));
+        }
+      } else {
+        uint16_t* lo = pt + q * 2 * TILE_ELEMS;
+        for (int n = 0; n < 16; ++n) {
+          _mm512_storeu_si512(lo + n * 32, r[n]);
+          _mm512_storeu_si512(lo + TILE_ELEMS + n * 32, _mm512_slli_epi32(r[n], 16));
+        }
       }
     }
     _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
@@ -506,6 +526,121 @@ class Decoder {
   // ``groups``: the query-row groups of the block.
   int64_t calls_per_group(int64_t groups) const {
     return QT + groups * (QT * dp_ / 32 + 2 * QT + QT * ((dvp_ / 32 + 1) / 2));
+  }
+
+  // ---- Packed rows (at most 8 query rows, values at most 128 wide, 32-token key groups) ----
+  // With m <= 8 a weight tile has room for both halves: rows n < 8 carry P[n, t] in the low half
+  // of each dword, rows 8 + n in the high half, so one product with a value tile yields the even
+  // columns of chunk c in accumulator rows n and the odd ones in rows 8 + n. The accumulators
+  // (dv / 32 tiles) then fit in tiles 4-7 and stay there for the whole item: no accumulator
+  // loads or stores per key group, half the value products, one weight tile per token tile.
+  // Tiles 0, 1: the two token tiles' scores, then value rows; 2: queries, then weights; 3: key
+  // rows, then value rows.
+  void run_packed(int64_t r, int64_t h, int64_t t0, int64_t t1, int64_t lq, int64_t m, float* acc, float* mx,
+                  float* sm) {
+    const int64_t chunks = dvp_ / 32;
+    build_queries(r, h, lq, 1);
+    std::fill(mx_.begin(), mx_.begin() + COLS, -INFINITY);
+    std::fill(sm_.begin(), sm_.begin() + COLS, 0.f);
+    row_bounds(r, m, 1, t1);
+    _tile_zero(4);
+    if (chunks > 1) _tile_zero(5);
+    if (chunks > 2) _tile_zero(6);
+    if (chunks > 3) _tile_zero(7);
+    const int64_t end = std::max(t0, jmax_[0]);
+    for (int64_t t = t0; t < end; t += TOK) {
+      const int64_t nt = std::min(TOK, end - t);
+      locate(r, t, nt);
+      pf_.start(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1));
+      Rows keys, values;
+      key_rows(h, nt, keys);
+      value_rows(h, nt, keys, values);
+      scores_packed(keys, nt);
+      softmax<true>(t, nt, 0);
+      values_packed(values, (nt + 15) / 16, chunks);
+      pf_.finish();
+    }
+    float* o = o_.data();  // chunk c at o[256 c]: 16 rows x 16 fp32 columns
+    store_resident(o, chunks);
+    for (int64_t n = 0; n < m; ++n) {
+      float* dst = acc + n * c_.dv;
+      for (int64_t x = 0; x < c_.dv; ++x) dst[x] = o[(x / 32) * 256 + ((x % 2) * (COLS / 2) + n) * 16 + (x % 32) / 2];
+      mx[n] = mx_[n];
+      sm[n] = sm_[n];
+    }
+  }
+
+  void scores_packed(const Rows& keys, int64_t nt) {
+    const int64_t ksteps = dp_ / 32, nq = (nt + 15) / 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kk = 0; kk < ksteps; ++kk) {
+      pf_.step();
+      _tile_loadd(2, qv_.data() + kk * TILE_ELEMS, 64);
+      _tile_loadd(3, keys.base[0] + kk * 32, keys.stride[0]);
+      _tile_dpbf16ps(0, 3, 2);
+      if (nq > 1) {
+        pf_.step();
+        _tile_loadd(3, keys.base[1] + kk * 32, keys.stride[1]);
+        _tile_dpbf16ps(1, 3, 2);
+      }
+    }
+    _tile_stored(0, s_.data(), 64);
+    _tile_stored(1, s_.data() + 16 * COLS, 64);
+  }
+
+  void values_packed(const Rows& values, int64_t nq, int64_t chunks) {
+    for (int64_t q = 0; q < nq; ++q) {
+      pf_.step();
+      const uint16_t* v = values.base[q];
+      const int64_t vs = values.stride[q];
+      _tile_loadd(2, pt_.data() + q * TILE_ELEMS, 64);
+      _tile_loadd(0, v, vs);
+      _tile_dpbf16ps(4, 2, 0);
+      if (chunks > 1) {
+        _tile_loadd(1, v + 32, vs);
+        _tile_dpbf16ps(5, 2, 1);
+      }
+      if (chunks > 2) {
+        _tile_loadd(3, v + 64, vs);
+        _tile_dpbf16ps(6, 2, 3);
+      }
+      if (chunks > 3) {
+        _tile_loadd(0, v + 96, vs);
+        _tile_dpbf16ps(7, 2, 0);
+      }
+    }
+  }
+
+  // The resident accumulators to / from o (chunk c at o + 256 c, 64-byte rows).
+  void store_resident(float* o, int64_t chunks) {
+    _tile_stored(4, o, 64);
+    if (chunks > 1) _tile_stored(5, o + 256, 64);
+    if (chunks > 2) _tile_stored(6, o + 512, 64);
+    if (chunks > 3) _tile_stored(7, o + 768, 64);
+  }
+  void load_resident(const float* o, int64_t chunks) {
+    _tile_loadd(4, o, 64);
+    if (chunks > 1) _tile_loadd(5, o + 256, 64);
+    if (chunks > 2) _tile_loadd(6, o + 512, 64);
+    if (chunks > 3) _tile_loadd(7, o + 768, 64);
+  }
+  // Rows n and 8 + n of every resident accumulator times a[n] where the running max of query
+  // row n rose (grew's bit n).
+  void rescale_resident(__mmask16 grew, const float* a) {
+    const int64_t chunks = dvp_ / 32;
+    float* o = o_.data();
+    store_resident(o, chunks);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int n = 0; n < COLS / 2; ++n) {
+        if (!((grew >> n) & 1)) continue;
+        const __m512 an = _mm512_set1_ps(a[n]);
+        for (int e = 0; e < 2; ++e) {
+          float* row = o + c * 256 + (e * (COLS / 2) + n) * 16;
+          _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), an));
+        }
+      }
+    load_resident(o, chunks);
   }
 
   void values(const Rows& values, int64_t nq, int64_t active) {

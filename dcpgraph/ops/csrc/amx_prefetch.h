@@ -57,11 +57,22 @@ class Prefetcher {
   }
 
  private:
-  // The current token's row pointers.
+  // The current token's row pointers; for fp8 also a prefetch of its scales' lines where they
+  // differ from the last token's.
   void locate() {
     const int64_t b = table_[blk_];
     krow_ptr_ = reinterpret_cast<const char*>(c_.kp + b * c_.ks0 + off_ * c_.ks1 + h_ * c_.ks2);
     vrow_ptr_ = reinterpret_cast<const char*>(c_.vp + b * c_.vs0 + off_ * c_.vs1 + h_ * c_.vs2);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      scale_line(c_.ksp + b * c_.kss0 + off_ * c_.kss1 + h_ * c_.kss2, kscale_line_);
+      if (!c_.value_prefix) scale_line(c_.vsp + b * c_.vss0 + off_ * c_.vss1 + h_ * c_.vss2, vscale_line_);
+    }
+  }
+  static void scale_line(const float* p, uintptr_t& last) {
+    const uintptr_t line = reinterpret_cast<uintptr_t>(p) >> 6;
+    if (line == last) return;
+    last = line;
+    __builtin_prefetch(p, 0, 2);
   }
 
   const Caches<T>& c_;
@@ -70,6 +81,7 @@ class Prefetcher {
   const int32_t* table_ = nullptr;
   const char* krow_ptr_ = nullptr;
   const char* vrow_ptr_ = nullptr;
+  uintptr_t kscale_line_ = 0, vscale_line_ = 0;  // the last scale lines prefetched
 };
 
 }  // namespace amx

@@ -3,10 +3,11 @@
 // Included by paged_decode.cpp (outside its anonymous namespace, after the AVX-512 helper exp512);
 // compiled only when the compiler targets AMX-BF16 (DCPGRAPH_HAVE_AMX). The process must have
 // been granted the AMX tile state (permission_error() asks the OS once); every thread loads its
-// tile configuration before its first item (configure()) and releases it after its last. One
-// file over the project's ~450-line guide: the Decoder's phases share its per-thread buffers and
-// the tile-register roles, which splitting would scatter (register helpers: amx_registers.h;
-// prefetch schedule: amx_prefetch.h).
+// tile configuration before its first item (configure()) and releases it after its last. This
+// file is the arithmetic; its operands (queries, key and value rows in place or staged, row
+// bounds, folded fp8 scales) come from amx_operands.h, register helpers from amx_registers.h and
+// the prefetch schedule from amx_prefetch.h. It stays over the project's ~450-line guide because
+// the two value-product layouts (run() and run_packed()) share the softmax and tile roles.
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 (a
 // query-row group j), over key groups of TOK tokens (TOK / 16 16-token tiles q; key_group_tokens()):
@@ -117,17 +118,19 @@ struct Caches {
   int64_t prefetch_blocks;
   const int64_t* bound;  // per query token: it sees keys j < bound[token] (causal chunks); null: all
 };
-}  // namespace amx
-
-#include "amx_prefetch.h"
-
-namespace amx {
 
 // 16-row operands of one key group: base and byte stride of each 16-token tile.
 struct Rows {
   const uint16_t* base[MAX_QT];
   int64_t stride[MAX_QT];
 };
+
+}  // namespace amx
+
+#include "amx_prefetch.h"
+#include "amx_operands.h"
+
+namespace amx {
 
 // Tokens per key group for a cache: 64 where the values are a prefix of the key rows (MLA: the
 // output accumulators, 16 rows x 512 fp32 columns, are loaded and stored once per key group, so
@@ -148,14 +151,9 @@ class Decoder {
 
   Decoder(const Caches<T>& c, int64_t max_m)
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
-        mgroups_((max_m + COLS - 1) / COLS), qv_(mgroups_ * (dp_ / 32) * TILE_ELEMS),
-        kst_(TOK * dp_), vst_(TOK * dvp_), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
+        mgroups_((max_m + COLS - 1) / COLS), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
         o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c, TOK),
-        jb_(mgroups_ * COLS), jmax_(mgroups_), jmin_(mgroups_),
-        fold_(kFp8 && !c.value_prefix && c.group >= c.d && c.group >= c.dv) {
-    if constexpr (kFp8) lut_ = fp8_lut();
-    std::fill(kf_, kf_ + TOK, c.scale);
-  }
+        in_(c, mgroups_, pf_) {}
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
@@ -163,25 +161,25 @@ class Decoder {
     if constexpr (QT == 2) {
       if (m <= COLS / 2 && dvp_ <= 4 * 32) return run_packed(r, h, t0, t1, lq, m, acc, mx, sm);
     }
-    build_queries(r, h, lq, mg);
+    in_.build_queries(r, h, lq, mg);
     std::fill(o_.begin(), o_.begin() + mg * COLS * ostride_, 0.f);
     std::fill(mx_.begin(), mx_.begin() + mg * COLS, -INFINITY);
     std::fill(sm_.begin(), sm_.begin() + mg * COLS, 0.f);
-    row_bounds(r, m, mg, t1);
+    in_.row_bounds(r, m, mg, t1);
     for (int64_t j0 = 0; j0 < mg; j0 += JB) {
       const int64_t j1 = std::min(mg, j0 + JB);
       int64_t end = t0;  // the block's last key + 1
-      for (int64_t j = j0; j < j1; ++j) end = std::max(end, jmax_[j]);
+      for (int64_t j = j0; j < j1; ++j) end = std::max(end, in_.jmax[j]);
       for (int64_t t = t0; t < end; t += TOK) {
         const int64_t nt = std::min(TOK, end - t);
-        locate(r, t, nt);
+        in_.locate(r, t, nt);
         pf_.start(r, h, t, end, calls_per_group(j1 - j0));
         Rows keys, values;
-        key_rows(h, nt, keys);
-        value_rows(h, nt, keys, values);
+        in_.key_rows(h, nt, keys);
+        in_.value_rows(h, nt, keys, values);
         int64_t active = 0;
         for (int64_t j = j0; j < j1; ++j) {
-          if (t >= jmax_[j]) continue;  // every row of group j has seen all its keys
+          if (t >= in_.jmax[j]) continue;  // every row of group j has seen all its keys
           scores(keys, nt, j);
           softmax<false>(t, nt, j);
           active_[active++] = j;
@@ -210,163 +208,11 @@ class Decoder {
   }
 
  private:
-  // Per query row (column n of group j) the number of keys it sees in [0, t1): jb_[16 j + n];
-  // jmax_[j] / jmin_[j] over the group's rows. Unbounded rows see all t1 keys; padding columns
-  // none (their weights are masked to zero, but they do not make a group take the masked path).
-  void row_bounds(int64_t r, int64_t m, int64_t mg, int64_t t1) {
-    for (int64_t j = 0; j < mg; ++j) {
-      int64_t hi = 0, lo = t1;
-      for (int64_t n = 0; n < COLS; ++n) {
-        const int64_t i = j * COLS + n;
-        int64_t b = 0;
-        if (i < m) b = c_.bound ? std::min(t1, c_.bound[c_.cu[r] + i / c_.g]) : t1;
-        jb_[i] = static_cast<int32_t>(std::max<int64_t>(b, 0));
-        hi = std::max(hi, b);
-        if (i < m) lo = std::min(lo, b);
-      }
-      jmax_[j] = hi;
-      jmin_[j] = c_.bound ? std::max<int64_t>(lo, 0) : t1;
-    }
-  }
-
-  // Queries of (r, h) as B tiles: qv[j][kk] is [16 pairs of d][16 columns x 2] bf16, column n of
-  // group j holding query row 16 j + n (row jr * g + gi: token jr, head h * g + gi); zero padded.
-  void build_queries(int64_t r, int64_t h, int64_t lq, int64_t mg) {
-    const int64_t ksteps = dp_ / 32;
-    std::fill(qv_.begin(), qv_.begin() + mg * ksteps * TILE_ELEMS, uint16_t(0));
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));
-    for (int64_t jr = 0; jr < lq; ++jr)
-      for (int64_t gi = 0; gi < c_.g; ++gi) {
-        const int64_t i = jr * c_.g + gi, n = i % COLS;
-        const uint16_t* src = c_.q + ((c_.cu[r] + jr) * c_.hq + h * c_.g + gi) * c_.d;
-        int32_t* dst = reinterpret_cast<int32_t*>(qv_.data() + (i / COLS) * ksteps * TILE_ELEMS);
-        // dword (2 elements) p of each 32-element step goes to row p, column n of its tile
-        const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(static_cast<int32_t>(n)));
-        for (int64_t x = 0; x < c_.d; x += 32)
-          _mm512_i32scatter_epi32(dst + (x / 32) * (TILE_ELEMS / 2), idx, _mm512_maskz_loadu_epi16(mask32(c_.d, x), src + x), 4);
-      }
-  }
-
-  // blk_[i], off_[i]: physical block and slot of token t + i (i < n), walking the table with one
-  // division per call (a division per token cost more than the rest of the bookkeeping).
-  void locate(int64_t r, int64_t t, int64_t n) {
-    int64_t b = t / c_.bsz, off = t % c_.bsz;
-    const int32_t* row = c_.table + r * c_.width;
-    for (int64_t i = 0; i < n; ++i) {
-      blk_[i] = row[b];
-      off_[i] = off;
-      if (++off == c_.bsz) {
-        off = 0;
-        ++b;
-      }
-    }
-  }
-  const T* key_at(int64_t h, int64_t i) const { return c_.kp + blk_[i] * c_.ks0 + off_[i] * c_.ks1 + h * c_.ks2; }
-  const T* value_at(int64_t h, int64_t i) const { return c_.vp + blk_[i] * c_.vs0 + off_[i] * c_.vs1 + h * c_.vs2; }
-  // fp8 scales of token i's rows (with values a prefix of the keys, vsp and its strides are the keys')
-  const float* key_scales(int64_t h, int64_t i) const {
-    return c_.ksp + blk_[i] * c_.kss0 + off_[i] * c_.kss1 + h * c_.kss2;
-  }
-  const float* value_scales(int64_t h, int64_t i) const {
-    return c_.vsp + blk_[i] * c_.vss0 + off_[i] * c_.vss1 + h * c_.vss2;
-  }
-
-  // Whether the 16 rows of tile qi lie in one block (its rows then have the block's row stride).
-  bool one_block(int64_t qi) const { return off_[qi * 16] + 16 <= c_.bsz; }
-
-  // Rows 16 qi .. 16 qi + 15 of the key group as bf16 at dst (row stride ``padded``): the first
-  // ``cnt`` from the cache (row(e), scales(e): token e's row and its fp8 scales), the rest zero.
-  template <class RowOf, class ScalesOf>
-  const uint16_t* stage_tile(int64_t qi, int64_t cnt, int64_t width, int64_t padded, uint16_t* dst, RowOf row,
-                             ScalesOf scales) const {
-    for (int64_t i = 0; i < 16; ++i) {
-      const int64_t e = qi * 16 + i;
-      if (i < cnt) stage_row(row(e), kFp8 && !fold_ ? scales(e) : nullptr, width, padded, dst + i * padded);
-      else std::fill(dst + i * padded, dst + (i + 1) * padded, uint16_t(0));
-    }
-    return dst;
-  }
-
-  // ``width`` elements of a cache row as ``padded`` bf16 at dst, zero padded: bf16 copied, fp8
-  // converted and, unless ``scales`` is null (folded: see softmax()), scaled per scale group
-  // (a multiple of 32 elements).
-  void stage_row(const T* row, const float* scales, int64_t width, int64_t padded, uint16_t* dst) const {
-    if constexpr (kFp8) {
-      for (int64_t x = 0; x < padded; x += 64) {
-        const int64_t left = width - x;
-        const __mmask64 mk = left <= 0 ? 0 : left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-        __m512i a, b;
-        fp8x64_to_bf16(lut_, _mm512_maskz_loadu_epi8(mk, row + x), a, b);
-        if (scales) {
-          a = apply_scale(a, row_scale(x < width ? scales[x / c_.group] : 1.f));
-          b = apply_scale(b, row_scale(x + 32 < width ? scales[(x + 32) / c_.group] : 1.f));
-        }
-        _mm512_storeu_si512(dst + x, a);
-        if (x + 32 < padded) _mm512_storeu_si512(dst + x + 32, b);
-      }
-    } else {
-      for (int64_t x = 0; x < padded; x += 32) _mm512_storeu_si512(dst + x, _mm512_maskz_loadu_epi16(mask32(width, x), row + x));
-    }
-  }
-
-  // Key rows as A operands: bf16 in place when 16 rows of one block and the width a multiple of
-  // 32 (rows past nt are read and their scores ignored), otherwise staged (rows past nt zero).
-  void key_rows(int64_t h, int64_t nt, Rows& keys) {
-    for (int64_t qi = 0; qi < QT; ++qi) {
-      pf_.step();
-      keys.base[qi] = nullptr;
-      keys.stride[qi] = 0;
-      const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(16, nt - qi * 16));
-      if (cnt == 0) continue;
-      if (!kFp8 && c_.d % 32 == 0 && one_block(qi)) {
-        keys.base[qi] = reinterpret_cast<const uint16_t*>(key_at(h, qi * 16));
-        keys.stride[qi] = c_.ks1 * 2;
-        continue;
-      }
-      keys.base[qi] = stage_tile(qi, cnt, c_.d, dp_, kst_.data() + qi * 16 * dp_,
-                                 [&](int64_t e) { return key_at(h, e); }, [&](int64_t e) { return key_scales(h, e); });
-      if (fold_)
-        for (int64_t e = qi * 16; e < qi * 16 + cnt; ++e) kf_[e] = c_.scale * key_scales(h, e)[0];
-      keys.stride[qi] = dp_ * 2;
-    }
-  }
-
-  // Value rows as B operands (32 columns per tile): in place when a full tile of 16 bf16 rows of
-  // one block with the width a multiple of 32 (MLA: the key rows' first dv columns, in place or
-  // as staged), otherwise staged with rows past nt zero (a garbage row times a zero weight could
-  // be NaN).
-  void value_rows(int64_t h, int64_t nt, const Rows& keys, Rows& values) {
-    for (int64_t qi = 0; qi < QT; ++qi) {
-      values.base[qi] = nullptr;
-      values.stride[qi] = 0;
-      const int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(16, nt - qi * 16));
-      if (cnt == 0) continue;
-      if (c_.value_prefix && (kFp8 || keys.base[qi] == kst_.data() + qi * 16 * dp_ || cnt == 16)) {
-        values.base[qi] = keys.base[qi];  // staged key rows are zero past nt
-        values.stride[qi] = keys.stride[qi];
-        continue;
-      }
-      if (!kFp8 && !c_.value_prefix && cnt == 16 && c_.dv % 32 == 0 && one_block(qi)) {
-        values.base[qi] = reinterpret_cast<const uint16_t*>(value_at(h, qi * 16));
-        values.stride[qi] = c_.vs1 * 2;
-        continue;
-      }
-      // value_at / value_scales also address a prefix of the key rows (same pointer and strides)
-      values.base[qi] = stage_tile(qi, cnt, c_.dv, dvp_, vst_.data() + qi * 16 * dvp_,
-                                   [&](int64_t e) { return value_at(h, e); },
-                                   [&](int64_t e) { return value_scales(h, e); });
-      if (fold_)
-        for (int64_t e = qi * 16; e < qi * 16 + cnt; ++e) vf_[e] = value_scales(h, e)[0];
-      values.stride[qi] = dvp_ * 2;
-    }
-  }
-
   // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, TOK x 16). Tiles 0-3: the
   // token tiles' scores; 4: queries; 5, 6: key rows.
   void scores(const Rows& keys, int64_t nt, int64_t j) {
     const int64_t ksteps = dp_ / 32;
-    const uint16_t* qb = qv_.data() + j * ksteps * TILE_ELEMS;
+    const uint16_t* qb = in_.queries(j);
     const int64_t nq = (nt + 15) / 16;
     _tile_zero(0);
     _tile_zero(1);
@@ -400,8 +246,8 @@ class Decoder {
   }
 
   // Online softmax of the key group for query-row group j (lanes = query rows) over the scores
-  // s_[t] * kf_[t], then P as the A operands pt_[j][q][e] ([16 rows n][16 tokens] dwords,
-  // P[n, t] (times vf_[t] when folded) in the low (e = 0) or high (e = 1) half, tokens past nt
+  // s_[t] * in_.kf[t], then P as the A operands pt_[j][q][e] ([16 rows n][16 tokens] dwords,
+  // P[n, t] (times in_.vf[t] when folded) in the low (e = 0) or high (e = 1) half, tokens past nt
   // zero).
   template <bool kPacked>
   void softmax(int64_t t0, int64_t nt, int64_t j) {
@@ -409,20 +255,20 @@ class Decoder {
     __m512 bm = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;  // rows with a NaN score: their normaliser becomes NaN (so do their outputs)
     // Rows whose bound falls inside this key group: scores past it become -inf (weights 0 below).
-    const bool masked = t0 + nt > jmin_[j];
-    const __m512i bound = _mm512_loadu_si512(jb_.data() + j * COLS);
+    const bool masked = t0 + nt > in_.jmin[j];
+    const __m512i bound = _mm512_loadu_si512(in_.jb.data() + j * COLS);
     if (masked) {
       for (int64_t t = 0; t < nt; ++t) {
         const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
         const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s + t * COLS),
-                                            _mm512_set1_ps(kf_[t]));
+                                            _mm512_set1_ps(in_.kf[t]));
         _mm512_storeu_ps(s + t * COLS, x);
         nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         bm = _mm512_max_ps(bm, x);
       }
     } else {
       for (int64_t t = 0; t < nt; ++t) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t]));
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(in_.kf[t]));
         nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         bm = _mm512_max_ps(bm, x);
       }
@@ -464,10 +310,10 @@ class Decoder {
           const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), bound);
           p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t * COLS), nm)));
         } else if (t < nt) {
-          p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(kf_[t])), nm));
+          p = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * COLS), _mm512_set1_ps(in_.kf[t])), nm));
         }
         tot = _mm512_add_ps(tot, p);
-        if (fold_ && t < nt) p = _mm512_mul_ps(p, _mm512_set1_ps(vf_[t]));
+        if (in_.fold && t < nt) p = _mm512_mul_ps(p, _mm512_set1_ps(in_.vf[t]));
         r[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
       }
       transpose16_epi32(r);
@@ -539,22 +385,22 @@ class Decoder {
   void run_packed(int64_t r, int64_t h, int64_t t0, int64_t t1, int64_t lq, int64_t m, float* acc, float* mx,
                   float* sm) {
     const int64_t chunks = dvp_ / 32;
-    build_queries(r, h, lq, 1);
+    in_.build_queries(r, h, lq, 1);
     std::fill(mx_.begin(), mx_.begin() + COLS, -INFINITY);
     std::fill(sm_.begin(), sm_.begin() + COLS, 0.f);
-    row_bounds(r, m, 1, t1);
+    in_.row_bounds(r, m, 1, t1);
     _tile_zero(4);
     if (chunks > 1) _tile_zero(5);
     if (chunks > 2) _tile_zero(6);
     if (chunks > 3) _tile_zero(7);
-    const int64_t end = std::max(t0, jmax_[0]);
+    const int64_t end = std::max(t0, in_.jmax[0]);
     for (int64_t t = t0; t < end; t += TOK) {
       const int64_t nt = std::min(TOK, end - t);
-      locate(r, t, nt);
+      in_.locate(r, t, nt);
       pf_.start(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1));
       Rows keys, values;
-      key_rows(h, nt, keys);
-      value_rows(h, nt, keys, values);
+      in_.key_rows(h, nt, keys);
+      in_.value_rows(h, nt, keys, values);
       scores_packed(keys, nt);
       softmax<true>(t, nt, 0);
       values_packed(values, (nt + 15) / 16, chunks);
@@ -576,7 +422,7 @@ class Decoder {
     _tile_zero(1);
     for (int64_t kk = 0; kk < ksteps; ++kk) {
       pf_.step();
-      _tile_loadd(2, qv_.data() + kk * TILE_ELEMS, 64);
+      _tile_loadd(2, in_.queries(0) + kk * TILE_ELEMS, 64);
       _tile_loadd(3, keys.base[0] + kk * 32, keys.stride[0]);
       _tile_dpbf16ps(0, 3, 2);
       if (nq > 1) {
@@ -657,19 +503,11 @@ class Decoder {
 
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_;
-  std::vector<uint16_t> qv_, kst_, vst_, pt_;
+  std::vector<uint16_t> pt_;
   std::vector<float> s_, o_, mx_, sm_;
   Prefetcher<T> pf_;
-  std::vector<int32_t> jb_;           // keys each query row sees (see row_bounds)
-  std::vector<int64_t> jmax_, jmin_;  // per query-row group
-  int64_t active_[JB];                // the block's groups that still have keys in this key group
-  int64_t blk_[TOK], off_[TOK];
-  // fp8 with one scale per K row and per V row (GQA heads up to a scale group wide): the rows are
-  // staged unscaled and the scales folded into the scores (kf_: softmax scale x key scale per
-  // token) and the weights (vf_: value scale per token); otherwise kf_ holds the softmax scale.
-  const bool fold_;
-  float kf_[TOK], vf_[TOK];
-  Fp8Lut lut_{};
+  Operands<T, TOK> in_;  // queries, key and value rows, bounds, folded fp8 scales
+  int64_t active_[JB];   // the block's groups that still have keys in this key group
 };
 
 }  // namespace amx

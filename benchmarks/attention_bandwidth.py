@@ -18,7 +18,12 @@ request, fp32) this times, interleaved rep by rep in one process and at the same
   ceiling), and ``proto_contiguous`` / ``proto_scattered``: a prototype decode path written here
   (:func:`chunked_decode_attention`: per request, chunks of ``CHUNK_TOKENS`` tokens read as
   views or by ``index_select`` into an L2-sized buffer, two matmuls, online LSE merge), checked
-  against the op before timing.
+  against the op before timing;
+* ``table_read_contiguous`` / ``table_read_scattered``: every stored byte the op reads, read in
+  each table's block order with nothing else to do (:mod:`block_read`, a small C++ reader built
+  on first use): the read ceiling of that table. A scattered table of 16-token blocks jumps to a
+  random 4 KiB (bf16 GQA) or smaller block every block, which the hardware prefetcher cannot
+  follow; the op's figure over this ceiling says how much the kernel itself loses.
 
 ``--kv-dtypes bf16 fp8`` adds, for GQA 8:1 and MLA 576/512 (16 heads) at one request of 32K, 64K
 and 128K tokens, the op on bf16 and fp8 caches with **bf16 queries** (a bf16 model: the native
@@ -26,7 +31,7 @@ kernel's AMX-BF16 path where the CPU and OS allow it; fp8 bytes include their sc
 ``read`` of as many bytes, ``paged_fp32q_scattered`` (the same op with fp32 queries: the fp32
 path that converts stored elements in registers), and at 32K ``torch_scattered`` (the op's torch
 path: for fp8, the referenced blocks dequantised into a compact copy first) and, for fp8,
-``dequant_copy`` (that compact copy alone). Before timing, the bf16-query result is checked
+``dequant_copy`` (that compact copy alone), and both ``table_read`` ceilings. Before timing, the bf16-query result is checked
 against the fp32-query result within the AMX path's stated tolerance. Target there: ≥ 75 % of
 read bandwidth.
 
@@ -54,7 +59,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common  # noqa: E402  (puts the checkout on sys.path)
+import block_read  # noqa: E402
 import torch  # noqa: E402
 
 import dcpgraph.ops.library  # noqa: E402,F401  (registers torch.ops.dcpgraph)
@@ -171,6 +177,32 @@ def measure(fns: dict, reps: int, clock) -> dict[str, float]:
     return best
 
 
+def table_read_fns(copies, contiguous, scattered, blocks: int) -> dict:
+    """``table_read_contiguous`` / ``table_read_scattered``: every stored byte of each layer's
+    cache (``copies``: per layer the tensors the op reads, one block per dim-0 slice) read in the
+    table's block order with nothing else to do (:mod:`block_read`): the read ceiling of that
+    table, against which the op's figure on it says how much the kernel itself loses. Empty where
+    the reader does not build (printed)."""
+    fns = {}
+    for name, table in (("table_read_contiguous", contiguous), ("table_read_scattered", scattered)):
+        readers = [block_read.reader(tensors, table, blocks) for tensors in copies]
+        if any(r is None for r in readers):
+            print(f"  {name} left out: {block_read.unavailable_reason()}")
+            return {}
+        fns[name] = lambda readers=readers: [r() for r in readers]
+    return fns
+
+
+def print_ceilings(label: str, bw: dict) -> None:
+    """The op against its table's read ceiling (where measured)."""
+    if "table_read_scattered" not in bw:
+        return
+    print(f"  {label}: table read ceiling: contiguous {bw['table_read_contiguous']:.1f} GB/s, scattered "
+          f"{bw['table_read_scattered']:.1f} GB/s ({bw['table_read_scattered'] / bw['read']:.0%} of read); the op at "
+          f"{bw['paged_contiguous'] / bw['table_read_contiguous']:.0%} / "
+          f"{bw['paged_scattered'] / bw['table_read_scattered']:.0%} of its table's ceiling")
+
+
 def run_case(case, threads: int, reps: int) -> list[dict]:
     label, nreq, seq, hq, hkv, d, dv, latent = case
     torch.set_num_threads(threads)
@@ -265,6 +297,7 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     fns = {"read": lambda: src.sum(), "copy": lambda: dst.copy_(src)}
     fns.update({name: every_layer(name) for name in per_layer[0]})
     fns["incache_ceiling"] = incache
+    fns.update(table_read_fns([[kc] if latent else [kc, vc] for kc, vc in copies], contiguous, scattered, seq // BLOCK))
     clock = _timer(threads)
     best = measure(fns, reps, clock)
     bw = {k: total / t / 1e9 for k, t in best.items()}
@@ -283,9 +316,11 @@ def run_case(case, threads: int, reps: int) -> list[dict]:
     config = (f"{label} fp32 block={BLOCK} threads={threads} native={'on' if paged.native_enabled() else 'off'} "
               f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} {common.load_note()}")
+    print_ceilings(label, bw)
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
     for key in ("copy", "paged_contiguous", "paged_scattered", "torch_contiguous", "torch_scattered", "attend_no_paging", "gather_scattered",
-                "gather_index_select", "incache_ceiling", "proto_contiguous", "proto_scattered"):
+                "gather_index_select", "incache_ceiling", "proto_contiguous", "proto_scattered",
+                *(k for k in ("table_read_contiguous", "table_read_scattered") if k in bw)):
         metric = key + "_bandwidth" if key in ("copy",) else f"{key}_bw"
         rec = common.record(NAME, config, metric, bw[key], "GB/s", baseline=read, digits=4)
         if key in ("paged_contiguous", "paged_scattered"):
@@ -361,6 +396,8 @@ def run_typed_case(case, kv_name: str, huge_pages: bool, threads: int, reps: int
         "paged_scattered": each_layer(q, scattered),
         "paged_fp32q_scattered": each_layer(q32, scattered),
     }
+    fns.update(table_read_fns([[x for x in ((kc,) if latent else (kc, vc)) + (ksc, vsc) if x is not None]
+                               for kc, vc, ksc, vsc in copies], contiguous, scattered, seq // BLOCK))
     if seq <= TYPED_CASES[0][2]:  # the slow comparisons at the shortest context only
         fns["torch_scattered"] = lambda: [torch_path(*c, scattered) for c in copies]
         if fp8:
@@ -368,6 +405,7 @@ def run_typed_case(case, kv_name: str, huge_pages: bool, threads: int, reps: int
     best = measure(fns, reps, _timer(threads))
     bw = {name: total / t / 1e9 for name, t in best.items()}
     read = bw["read"]
+    print_ceilings(label, bw)
     native_on = paged.native_enabled(kv_dtype)
     path = "amx" if amx else f"fp32 ({native.amx_reason})"
     config = (f"{label} {kv_name} q=bf16 path={path} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "

@@ -158,6 +158,28 @@ class Operands {
   template <class RowOf, class ScalesOf>
   const uint16_t* stage_tile(int64_t qi, int64_t cnt, int64_t width, int64_t padded, uint16_t* dst, RowOf row,
                              ScalesOf scales) const {
+    if constexpr (kFp8) {
+      if (width == padded && width % 64 == 0) {  // whole rows: no masks, the tables in registers
+        const Fp8Lut t = lut_;
+        for (int64_t i = 0; i < cnt; ++i) {
+          const T* src = row(qi * 16 + i);
+          const float* sc = fold ? nullptr : scales(qi * 16 + i);
+          uint16_t* d = dst + i * padded;
+          for (int64_t x = 0; x < width; x += 64) {
+            __m512i a, b;
+            fp8x64_to_bf16(t, _mm512_loadu_si512(src + x), a, b);
+            if (sc) {
+              a = apply_scale(a, row_scale(sc[x / c_.group]));
+              b = apply_scale(b, row_scale(sc[(x + 32) / c_.group]));
+            }
+            _mm512_storeu_si512(d + x, a);
+            _mm512_storeu_si512(d + x + 32, b);
+          }
+        }
+        std::fill(dst + cnt * padded, dst + 16 * padded, uint16_t(0));
+        return dst;
+      }
+    }
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t e = qi * 16 + i;
       if (i < cnt) stage_row(row(e), kFp8 && !fold ? scales(e) : nullptr, width, padded, dst + i * padded);

@@ -94,10 +94,12 @@ def run_one(name: str, quick: bool, timeout: float, device: str = "cpu") -> tupl
 
 
 def load(name: str) -> list[dict]:
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
-        return []
-    records = json.loads(path.read_text())
+    """Records of ``<name>.json`` and of the variants the benchmark writes beside it
+    (``<name>_<variant>.json``: ``attention_bandwidth_typed``, ``decode_scaling_bf16``, ...), not
+    counting another benchmark's file that shares the prefix (``kv_capacity_hybrid``)."""
+    paths = [RESULTS / f"{name}.json"]
+    paths += sorted(p for p in RESULTS.glob(f"{name}_*.json") if p.stem not in BENCHMARKS)
+    records = [r for p in paths if p.exists() for r in json.loads(p.read_text())]
     if name == "decode_capacity":
         for r in records:
             if "ratio" in r and r.get("value") != r.get("baseline") and "target" not in r:
@@ -280,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: --quick took {total:.0f} s, over its {QUICK_BUDGET_S} s budget")
 
     plot = RESULTS / "decode_scaling.png"
-    plotted = plot_decode_scaling([r for r in records if r["benchmark"] == "decode_scaling"], plot)
+    # the fp32 model's run (decode_scaling.json); the bf16 run's records sit beside it in the table
+    plotted = plot_decode_scaling([r for r in records if r["benchmark"] == "decode_scaling"
+                                   and " fp32 " in f" {r['config']} "], plot)
     if args.summary_only:
         md = [f"# dcpgraph benchmarks: saved results in `{RESULTS.name}/`", "",
               "Rebuilt with `python benchmarks/run.py --summary-only` from each benchmark's last saved run "

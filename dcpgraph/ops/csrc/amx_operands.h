@@ -14,7 +14,8 @@ class Operands {
   static constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
   static constexpr int64_t QT = TOK / 16;  // token tiles per key group
 
-  // ``mgroups``: the most query-row groups an item has; ``pf``: the prefetcher staging steps.
+  // ``mgroups``: the most query-row groups an item has; ``pf``: the prefetcher whose step() the
+  // staging loops call.
   Operands(const Caches<T>& c, int64_t mgroups, Prefetcher<T>& pf)
       : fold(kFp8 && !c.value_prefix && c.group >= c.d && c.group >= c.dv), jb(mgroups * COLS), jmax(mgroups),
         jmin(mgroups), c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32),

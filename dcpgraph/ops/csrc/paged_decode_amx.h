@@ -171,12 +171,8 @@ class Decoder {
       int64_t end = t0;  // the block's last key + 1
       for (int64_t j = j0; j < j1; ++j) end = std::max(end, in_.jmax[j]);
       for (int64_t t = t0; t < end; t += TOK) {
-        const int64_t nt = std::min(TOK, end - t);
-        in_.locate(r, t, nt);
-        pf_.start(r, h, t, end, calls_per_group(j1 - j0));
         Rows keys, values;
-        in_.key_rows(h, nt, keys);
-        in_.value_rows(h, nt, keys, values);
+        const int64_t nt = load_group(r, h, t, end, calls_per_group(j1 - j0), keys, values);
         int64_t active = 0;
         for (int64_t j = j0; j < j1; ++j) {
           if (t >= in_.jmax[j]) continue;  // every row of group j has seen all its keys
@@ -188,26 +184,44 @@ class Decoder {
         pf_.finish();
       }
     }
-    // column 32 c + 2 i + e of the output sits at 32 c + 16 e + i of the accumulator
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    // even columns of chunk c at o[32 c + i], odd at o[32 c + 16 + i]
     for (int64_t i = 0; i < m; ++i) {
       const float* src = o_.data() + (i / COLS) * COLS * ostride_ + (i % COLS) * ostride_;
-      float* dst = acc + i * c_.dv;
-      for (int64_t x = 0; x < c_.dv; x += 32) {
-        const __m512 a = _mm512_loadu_ps(src + x), b = _mm512_loadu_ps(src + x + 16);
-        const int64_t left = c_.dv - x;
-        const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
-        const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
-        _mm512_mask_storeu_ps(dst + x, m0, _mm512_permutex2var_ps(a, lo, b));
-        _mm512_mask_storeu_ps(dst + x + 16, m1, _mm512_permutex2var_ps(a, hi, b));
-      }
+      interleave_row([&](int64_t c) { return src + 32 * c; }, [&](int64_t c) { return src + 32 * c + 16; },
+                     acc + i * c_.dv);
       mx[i] = mx_[i];
       sm[i] = sm_[i];
     }
   }
 
  private:
+  // The key group at token t (item end ``end``): its tokens located, the prefetcher started for
+  // ``calls`` step() calls, its key and value rows as tile operands; returns its token count.
+  int64_t load_group(int64_t r, int64_t h, int64_t t, int64_t end, int64_t calls, Rows& keys, Rows& values) {
+    const int64_t nt = std::min(TOK, end - t);
+    in_.locate(r, t, nt);
+    pf_.start(r, h, t, end, calls);
+    in_.key_rows(h, nt, keys);
+    in_.value_rows(h, nt, keys, values);
+    return nt;
+  }
+
+  // One output row of dv columns from its accumulators: 16 even columns of chunk c at even(c),
+  // the 16 odd ones at odd(c) (column 32 c + 2 i + e is element i of the e-th).
+  template <class Even, class Odd>
+  void interleave_row(Even even, Odd odd, float* dst) const {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int64_t x = 0; x < c_.dv; x += 32) {
+      const __m512 a = _mm512_loadu_ps(even(x / 32)), b = _mm512_loadu_ps(odd(x / 32));
+      const int64_t left = c_.dv - x;
+      const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
+      _mm512_mask_storeu_ps(dst + x, m0, _mm512_permutex2var_ps(a, lo, b));
+      _mm512_mask_storeu_ps(dst + x + 16, m1, _mm512_permutex2var_ps(a, hi, b));
+    }
+  }
+
   // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, TOK x 16). Tiles 0-3: the
   // token tiles' scores; 4: queries; 5, 6: key rows.
   void scores(const Rows& keys, int64_t nt, int64_t j) {
@@ -395,22 +409,19 @@ class Decoder {
     if (chunks > 3) _tile_zero(7);
     const int64_t end = std::max(t0, in_.jmax[0]);
     for (int64_t t = t0; t < end; t += TOK) {
-      const int64_t nt = std::min(TOK, end - t);
-      in_.locate(r, t, nt);
-      pf_.start(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1));
       Rows keys, values;
-      in_.key_rows(h, nt, keys);
-      in_.value_rows(h, nt, keys, values);
+      // step() calls per token tile: key rows, one per 32-column score step, softmax (two), values
+      const int64_t nt = load_group(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1), keys, values);
       scores_packed(keys, nt);
       softmax<true>(t, nt, 0);
       values_packed(values, (nt + 15) / 16, chunks);
       pf_.finish();
     }
-    float* o = o_.data();  // chunk c at o[256 c]: 16 rows x 16 fp32 columns
+    float* o = o_.data();  // chunk c at o[256 c]: 16 rows x 16 fp32 columns, even in row n, odd in 8 + n
     store_resident(o, chunks);
     for (int64_t n = 0; n < m; ++n) {
-      float* dst = acc + n * c_.dv;
-      for (int64_t x = 0; x < c_.dv; ++x) dst[x] = o[(x / 32) * 256 + ((x % 2) * (COLS / 2) + n) * 16 + (x % 32) / 2];
+      interleave_row([&](int64_t c) { return o + 256 * c + 16 * n; },
+                     [&](int64_t c) { return o + 256 * c + 16 * (n + COLS / 2); }, acc + n * c_.dv);
       mx[n] = mx_[n];
       sm[n] = sm_[n];
     }

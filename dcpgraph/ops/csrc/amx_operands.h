@@ -159,46 +159,29 @@ class Operands {
   template <class RowOf, class ScalesOf>
   const uint16_t* stage_tile(int64_t qi, int64_t cnt, int64_t width, int64_t padded, uint16_t* dst, RowOf row,
                              ScalesOf scales) const {
-    if constexpr (kFp8) {
-      if (width == padded && width % 64 == 0) {  // whole rows: no masks, the tables in registers
-        const Fp8Lut t = lut_;
-        for (int64_t i = 0; i < cnt; ++i) {
-          const T* src = row(qi * 16 + i);
-          const float* sc = fold ? nullptr : scales(qi * 16 + i);
-          uint16_t* d = dst + i * padded;
-          for (int64_t x = 0; x < width; x += 64) {
-            __m512i a, b;
-            fp8x64_to_bf16(t, _mm512_loadu_si512(src + x), a, b);
-            if (sc) {
-              a = apply_scale(a, row_scale(sc[x / c_.group]));
-              b = apply_scale(b, row_scale(sc[(x + 32) / c_.group]));
-            }
-            _mm512_storeu_si512(d + x, a);
-            _mm512_storeu_si512(d + x + 32, b);
-          }
-        }
-        std::fill(dst + cnt * padded, dst + 16 * padded, uint16_t(0));
-        return dst;
-      }
-    }
-    for (int64_t i = 0; i < 16; ++i) {
+    const Fp8Lut lut = lut_;  // the byte tables in registers for the tile's rows, not reloaded per row
+    for (int64_t i = 0; i < cnt; ++i) {
       const int64_t e = qi * 16 + i;
-      if (i < cnt) stage_row(row(e), kFp8 && !fold ? scales(e) : nullptr, width, padded, dst + i * padded);
-      else std::fill(dst + i * padded, dst + (i + 1) * padded, uint16_t(0));
+      stage_row(lut, row(e), kFp8 && !fold ? scales(e) : nullptr, width, padded, dst + i * padded);
     }
+    std::fill(dst + cnt * padded, dst + 16 * padded, uint16_t(0));
     return dst;
   }
 
   // ``width`` elements of a cache row as ``padded`` bf16 at dst, zero padded: bf16 copied, fp8
-  // converted and, unless ``scales`` is null (folded: see softmax()), scaled per scale group
-  // (a multiple of 32 elements).
-  void stage_row(const T* row, const float* scales, int64_t width, int64_t padded, uint16_t* dst) const {
+  // converted (tables ``lut``) and, unless ``scales`` is null (folded: see softmax()), scaled per
+  // scale group (a multiple of 32 elements). Whole 64-element steps load without a mask (measured:
+  // the per-step mask and table reloads were a large share of fp8 GQA staging).
+  void stage_row(const Fp8Lut& lut, const T* row, const float* scales, int64_t width, int64_t padded,
+                 uint16_t* dst) const {
     if constexpr (kFp8) {
       for (int64_t x = 0; x < padded; x += 64) {
         const int64_t left = width - x;
-        const __mmask64 mk = left <= 0 ? 0 : left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+        const __m512i raw = left >= 64 ? _mm512_loadu_si512(row + x)
+                            : left <= 0 ? _mm512_setzero_si512()
+                                        : _mm512_maskz_loadu_epi8((__mmask64(1) << left) - 1, row + x);
         __m512i a, b;
-        fp8x64_to_bf16(lut_, _mm512_maskz_loadu_epi8(mk, row + x), a, b);
+        fp8x64_to_bf16(lut, raw, a, b);
         if (scales) {
           a = apply_scale(a, row_scale(x < width ? scales[x / c_.group] : 1.f));
           b = apply_scale(b, row_scale(x + 32 < width ? scales[(x + 32) / c_.group] : 1.f));

@@ -530,11 +530,11 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
                         psum.data() + w.slot * max_m);
           }
         };
-        if (amx::key_group_tokens(value_prefix) == 64) {
-          amx::Decoder<T, 64> decoder(caches, max_m);
+        if (value_prefix) {
+          amx::Decoder<T, amx::PREFIX_TOK> decoder(caches, max_m);
           decode(decoder);
         } else {
-          amx::Decoder<T, 32> decoder(caches, max_m);
+          amx::Decoder<T, amx::ROWS_TOK> decoder(caches, max_m);
           decode(decoder);
         }
         _tile_release();

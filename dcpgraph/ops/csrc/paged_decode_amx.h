@@ -10,7 +10,7 @@
 // the two value-product layouts (run() and run_packed()) share the softmax and tile roles.
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 (a
-// query-row group j), over key groups of TOK tokens (TOK / 16 16-token tiles q; key_group_tokens()):
+// query-row group j), over key groups of TOK tokens (TOK / 16 16-token tiles q; PREFIX_TOK, ROWS_TOK):
 //   scores   S^T[t, n] = K[t, :] . Q[n, :]    A = 16 key rows as they lie in the cache (row stride
 //            of the block; bf16, 16 rows of one block, width a multiple of 32) or as staged bf16;
 //            B = the queries in VNNI layout, built once per item.
@@ -132,16 +132,17 @@ struct Rows {
 
 namespace amx {
 
-// Tokens per key group for a cache: 64 where the values are a prefix of the key rows (MLA: the
-// output accumulators, 16 rows x 512 fp32 columns, are loaded and stored once per key group, so
-// fewer groups save more), 32 otherwise. Measured, GQA 8:1 with head size 128, 4K tokens in
-// cache, 1 thread: 32 tokens took bf16 from 34 to 30 ns a token and fp8 from 52 to 40 (a group's
-// staged fp8 rows, 32 KB at 64 tokens, no longer push the rest of the working set out of the 48 KB
-// L1); 16 tokens were slower than either. MLA at 32 tokens: bf16 94 -> 98 ns, fp8 no better.
-inline int64_t key_group_tokens(bool value_prefix) { return value_prefix ? 64 : 32; }
+// Tokens per key group (the Decoder's TOK): PREFIX_TOK where the values are a prefix of the key
+// rows (MLA: the output accumulators, 16 rows x 512 fp32 columns, are loaded and stored once per
+// key group, so fewer groups save more), ROWS_TOK where K and V are separate rows. Measured, GQA
+// 8:1 with head size 128, 4K tokens in cache, 1 thread: 32 tokens took bf16 from 34 to 30 ns a
+// token and fp8 from 52 to 40 (a group's staged fp8 rows, 32 KB at 64 tokens, no longer push the
+// rest of the working set out of the 48 KB L1); 16 tokens were slower than either. MLA at 32
+// tokens: bf16 94 -> 98 ns, fp8 no better; at 128, no change.
+constexpr int64_t PREFIX_TOK = 64, ROWS_TOK = 32;
 
 // Per-thread buffers and the item loop body. ``T``: uint16_t (bf16 cache) or uint8_t (fp8);
-// ``TOK``: tokens per key group (32 or 64, see key_group_tokens()).
+// ``TOK``: tokens per key group (ROWS_TOK or PREFIX_TOK).
 template <class T, int64_t TOK>
 class Decoder {
  public:

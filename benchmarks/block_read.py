@@ -3,9 +3,10 @@ benchmark of its own: ``run.py`` lists the ones it runs).
 
 :func:`reader` returns a callable that reads every byte of the blocks a table names, in the
 table's order, with nothing else to do (``csrc/block_read.cpp``, built on first use like the
-library's kernels). Its bandwidth on the scattered table is what any paged kernel could reach on
-that table: random 4 KiB blocks defeat the hardware prefetcher at every block, which a sequential
-``x.sum()`` never pays.
+library's kernels, with the paged kernels' prefetch distance). Its bandwidth on the scattered
+table is what a paged kernel can expect there at best with the same prefetch (a reference, not a
+proof that no reader does better): random 4 KiB blocks defeat the hardware prefetcher at every
+block, which a sequential ``x.sum()`` never pays.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dcpgraph.ops import native
 from dcpgraph.ops.native_build import NativeExtension
 
 EXTENSION = NativeExtension(
@@ -22,9 +24,12 @@ EXTENSION = NativeExtension(
 )
 
 
-def reader(tensors: list[torch.Tensor], table: torch.Tensor, blocks: int, prefetch: int = 4):
-    """A callable reading ``tensors``' blocks named by ``table[:, :blocks]`` (``None`` where the
-    extension does not build: the caller leaves its rows out and says so)."""
+def reader(tensors: list[torch.Tensor], table: torch.Tensor, blocks: int, prefetch: int | None = None):
+    """A callable reading ``tensors``' blocks named by ``table[:, :blocks]``, prefetching
+    ``prefetch`` blocks ahead (default: the paged kernels' distance, ``DCPGRAPH_NATIVE_PREFETCH``
+    included); ``None`` where the extension does not build (the caller leaves its rows out and
+    says so)."""
+    prefetch = native._prefetch_blocks() if prefetch is None else prefetch
     module = EXTENSION.load()
     if module is None:
         return None

@@ -248,10 +248,13 @@ def test_causal_chunk_rows_match_the_reference(kv_dtype, hq, hkv, d, dv, prefix,
     torch.testing.assert_close(lse[finite], ref_l[finite], atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
 
 
-def test_verification_rows_take_their_bounds_in_one_call(kv_dtype, monkeypatch):
+@pytest.mark.parametrize("hq", [16, 4], ids=["row-groups", "packed-rows"])
+def test_verification_rows_take_their_bounds_in_one_call(kv_dtype, hq, monkeypatch):
     """Speculative verification (1 + k queries a request, causal bounds) and decode rows in one
     batch, through ``paged_partial_attention`` with bf16 queries: one kernel call with the bounds
-    (no one-row-per-query rewrite), within the AMX path's tolerance of fp32 attention."""
+    (no one-row-per-query rewrite), within the AMX path's tolerance of fp32 attention. With 4
+    query heads on 2 KV heads a request's 4 queries are 8 rows: the packed-rows path, whose
+    two-token softmax masks each row's keys past its bound inside the last key group."""
     if not paged.native_enabled(kv_dtype) or not native.amx_enabled(kv_dtype):
         pytest.skip(f"AMX {kv_dtype} path off: {native.amx_reason}")
     gen = torch.Generator().manual_seed(21)
@@ -261,7 +264,7 @@ def test_verification_rows_take_their_bounds_in_one_call(kv_dtype, monkeypatch):
     lens = torch.tensor([150, 9, 191], dtype=torch.int32)
     cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)  # 1 + 3 drafts, a decode row, 1 + 3 drafts
     bound = torch.tensor([147, 148, 149, 150, 9, 188, 189, 190, 191], dtype=torch.int32)
-    q = torch.randn(9, 16, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(9, hq, d, generator=gen).to(torch.bfloat16)
     calls = []
     real = native._module.paged_attention
     monkeypatch.setattr(native._module, "paged_attention", lambda *a: calls.append((a[0].shape[0], a[8] is not None))

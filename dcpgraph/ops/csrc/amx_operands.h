@@ -22,6 +22,7 @@ class Operands {
         qv_(mgroups * (dp_ / 32) * TILE_ELEMS), kst_(TOK * dp_), vst_(TOK * dvp_), pf_(pf) {
     if constexpr (kFp8) lut_ = fp8_lut();
     std::fill(kf, kf + TOK, c.scale);
+    std::fill(vf, vf + TOK, 1.f);
   }
 
   // The queries of row group j as B tiles (dp / 32 of them, one per 32-column step).

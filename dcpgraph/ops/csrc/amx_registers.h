@@ -1,5 +1,6 @@
 // Register-level helpers of the AMX paged decoder (paged_decode_amx.h): masks, fp8 e4m3 -> bf16
-// conversion by table (exact) and a row's scale, and a 16 x 16 transpose of 32-bit lanes.
+// conversion by table (exact) and a row's scale, a 16 x 16 transpose of 32-bit lanes, and the
+// two-token vectors and weight tile of the packed rows.
 // Compiled only with AMX-BF16 code (included from inside paged_decode_amx.h's guard).
 #pragma once
 
@@ -115,6 +116,50 @@ inline void transpose16_epi32(__m512i* r) {
     r[4 + k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
     r[8 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
     r[12 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// Two-token vectors of the packed rows (at most 8 query rows): lanes 0-7 hold token t's rows,
+// lanes 8-15 token t + 1's. dup_low8 copies lanes 0-7 to 8-15; swap_halves exchanges the halves
+// (a lane-wise op of a vector and its swap folds the two tokens per row).
+inline __m512 dup_low8(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 1, 0)); }
+inline __m512i dup_low8(__m512i v) { return _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(1, 0, 1, 0)); }
+inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)); }
+
+// The packed weight tile of 16 tokens from their two-token vectors (p[k]: tokens 2 k, 2 k + 1):
+// row n < 8 holds P[n, i] as bf16 in the low half of dword i, row 8 + n in the high half, zeros
+// elsewhere (16 rows of 64 bytes at dst). As words: z[k] = P of tokens 4 k .. 4 k + 3, word
+// 8 j + n = P[n, 4 k + j]; one round of two-source word permutes gathers rows 4 h .. 4 h + 3 of
+// tokens 8 g .. 8 g + 7 (word 4 i + r = P[4 h + r, 8 g + i]), a second spreads one row's 16
+// tokens over even words. 12 permutes, where a 16 x 16 dword transpose takes 64 shuffles.
+inline void pack_weights(const __m512 (&p)[8], uint16_t* dst) {
+  struct alignas(64) Index {
+    uint16_t gather[2][32], spread[4][32];
+  };
+  static const Index ix = [] {
+    Index x{};
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 8; ++i)
+        for (int r = 0; r < 4; ++r) x.gather[h][4 * i + r] = static_cast<uint16_t>((i < 4 ? 0 : 32) + 8 * (i % 4) + 4 * h + r);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 16; ++i) {
+        x.spread[r][2 * i] = static_cast<uint16_t>((i < 8 ? 0 : 32) + 4 * (i % 8) + r);
+        x.spread[r][2 * i + 1] = 0;  // zeroed by the mask
+      }
+    return x;
+  }();
+  __m512i z[4];
+  for (int k = 0; k < 4; ++k) z[k] = (__m512i)_mm512_cvtne2ps_pbh(p[2 * k + 1], p[2 * k]);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i gather = _mm512_load_si512(ix.gather[h]);
+    const __m512i y0 = _mm512_permutex2var_epi16(z[0], gather, z[1]);  // tokens 0-7
+    const __m512i y1 = _mm512_permutex2var_epi16(z[2], gather, z[3]);  // tokens 8-15
+    for (int r = 0; r < 4; ++r) {
+      const int n = 4 * h + r;
+      const __m512i row = _mm512_maskz_permutex2var_epi16(0x55555555u, y0, _mm512_load_si512(ix.spread[r]), y1);
+      _mm512_storeu_si512(dst + n * 32, row);
+      _mm512_storeu_si512(dst + (n + 8) * 32, _mm512_slli_epi32(row, 16));
+    }
   }
 }
 

@@ -26,7 +26,8 @@
 //            Packed rows (M <= 8, dv <= 128, 32-token groups: GQA decode): one A tile carries
 //            both halves (rows n low, rows 8 + n high), so one product yields the even columns
 //            in accumulator rows n and the odd ones in rows 8 + n, and the dv / 32 accumulator
-//            tiles stay in tile registers for the whole item (run_packed()).
+//            tiles stay in tile registers for the whole item (run_packed()). Its softmax holds
+//            two tokens per vector (8 rows each), so no exp lane is spent on padding columns.
 // Query rows are processed in blocks of JB row groups (256 rows), each block over the keys any of
 // its rows sees, so a long chunk's output accumulators stay in L2 while its keys stream past
 // (flash attention's order); decode has one block. With per-token bounds (a chunked prefill's
@@ -153,7 +154,7 @@ class Decoder {
   Decoder(const Caches<T>& c, int64_t max_m)
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
-        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c, TOK),
+        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), xs_(TOK / 2 * COLS), pf_(c, TOK),
         in_(c, mgroups_, pf_) {}
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
@@ -178,7 +179,7 @@ class Decoder {
         for (int64_t j = j0; j < j1; ++j) {
           if (t >= in_.jmax[j]) continue;  // every row of group j has seen all its keys
           scores(keys, nt, j);
-          softmax<false>(t, nt, j);
+          softmax(t, nt, j);
           active_[active++] = j;
         }
         this->values(values, (nt + 15) / 16, active);
@@ -264,7 +265,6 @@ class Decoder {
   // s_[t] * in_.kf[t], then P as the A operands pt_[j][q][e] ([16 rows n][16 tokens] dwords,
   // P[n, t] (times in_.vf[t] when folded) in the low (e = 0) or high (e = 1) half, tokens past nt
   // zero).
-  template <bool kPacked>
   void softmax(int64_t t0, int64_t nt, int64_t j) {
     float* s = s_.data();
     __m512 bm = _mm512_set1_ps(-INFINITY);
@@ -299,16 +299,12 @@ class Decoder {
       alignas(64) float a[COLS];
       _mm512_store_ps(a, alpha);
       _mm512_storeu_ps(smp, _mm512_mask_mul_ps(_mm512_loadu_ps(smp), grew, _mm512_loadu_ps(smp), alpha));
-      if constexpr (kPacked) {
-        rescale_resident(grew, a);
-      } else {
-        float* o = o_.data() + j * COLS * ostride_;
-        for (int n = 0; n < COLS; ++n) {
-          if (!((grew >> n) & 1)) continue;
-          const __m512 an = _mm512_set1_ps(a[n]);
-          float* on = o + n * ostride_;
-          for (int64_t x = 0; x < dvp_; x += 16) _mm512_storeu_ps(on + x, _mm512_mul_ps(_mm512_loadu_ps(on + x), an));
-        }
+      float* o = o_.data() + j * COLS * ostride_;
+      for (int n = 0; n < COLS; ++n) {
+        if (!((grew >> n) & 1)) continue;
+        const __m512 an = _mm512_set1_ps(a[n]);
+        float* on = o + n * ostride_;
+        for (int64_t x = 0; x < dvp_; x += 16) _mm512_storeu_ps(on + x, _mm512_mul_ps(_mm512_loadu_ps(on + x), an));
       }
     }
     _mm512_storeu_ps(mxp, nm);
@@ -332,18 +328,10 @@ class Decoder {
         r[i] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
       }
       transpose16_epi32(r);
-      if constexpr (kPacked) {  // one tile: rows n < 8 low halves, rows 8 + n high halves
-        uint16_t* pq = pt_.data() + q * TILE_ELEMS;
-        for (int n = 0; n < COLS / 2; ++n) {
-          _mm512_storeu_si512(pq + n * 32, r[n]);
-          _mm512_storeu_si512(pq + (n + COLS / 2) * 32, _mm512_slli_epi32(r[n], 16));
-        }
-      } else {
-        uint16_t* lo = pt + q * 2 * TILE_ELEMS;
-        for (int n = 0; n < 16; ++n) {
-          _mm512_storeu_si512(lo + n * 32, r[n]);
-          _mm512_storeu_si512(lo + TILE_ELEMS + n * 32, _mm512_slli_epi32(r[n], 16));
-        }
+      uint16_t* lo = pt + q * 2 * TILE_ELEMS;
+      for (int n = 0; n < 16; ++n) {
+        _mm512_storeu_si512(lo + n * 32, r[n]);
+        _mm512_storeu_si512(lo + TILE_ELEMS + n * 32, _mm512_slli_epi32(r[n], 16));
       }
     }
     _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
@@ -414,7 +402,7 @@ class Decoder {
       // step() calls per token tile: key rows, one per 32-column score step, softmax (two), values
       const int64_t nt = load_group(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1), keys, values);
       scores_packed(keys, nt);
-      softmax<true>(t, nt, 0);
+      softmax_packed(t, nt);
       values_packed(values, (nt + 15) / 16, chunks);
       pf_.finish();
     }
@@ -426,6 +414,69 @@ class Decoder {
       mx[n] = mx_[n];
       sm[n] = sm_[n];
     }
+  }
+
+  // softmax() for the packed rows, two tokens per vector (lanes 0-7 token t's query rows, 8-15
+  // token t + 1's: see dup_low8): every exp lane is a real row, where softmax()'s 16 lanes would
+  // be half padding. Pass 1 keeps the scaled scores (-inf where masked or past nt) and each
+  // pair's kept lanes for pass 2, which makes the weights as the packed A tiles (pack_weights).
+  void softmax_packed(int64_t t0, int64_t nt) {
+    const float* s = s_.data();
+    float* xs = xs_.data();  // scaled scores, token pair u at xs + 16 u
+    const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i bound = dup_low8(_mm512_loadu_si512(in_.jb.data()));
+    const bool masked = t0 + nt > in_.jmin[0];
+    __m512 bm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t u = 0; u < (nt + 1) / 2; ++u) {
+      const int64_t t = 2 * u;  // t + 1 <= nt <= TOK - 1 when nt is odd: in s_ and kf, not kept
+      __mmask16 keep = t + 1 < nt ? 0xFFFF : 0x00FF;
+      if (masked)
+        keep &= _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), second), bound);
+      const __m512 raw = _mm512_mask_loadu_ps(_mm512_loadu_ps(s + t * COLS), 0xFF00, s + t * COLS + 8);
+      const __m512 f = _mm512_mask_mov_ps(_mm512_set1_ps(in_.kf[t]), 0xFF00, _mm512_set1_ps(in_.kf[t + 1]));
+      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, raw, f);
+      _mm512_storeu_ps(xs + 16 * u, x);
+      keep_[u] = keep;
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      bm = _mm512_max_ps(bm, x);
+    }
+    bm = _mm512_max_ps(bm, swap_halves(bm));
+    nan = static_cast<__mmask16>((nan | nan >> 8) & 0xFF);
+    nan = static_cast<__mmask16>(nan | nan << 8);
+    float* mxp = mx_.data();
+    float* smp = sm_.data();
+    const __m512 old = dup_low8(_mm512_loadu_ps(mxp));
+    const __m512 nm = _mm512_max_ps(old, bm);
+    const __mmask16 grew = _mm512_cmp_ps_mask(nm, old, _CMP_GT_OQ) &
+                           _mm512_cmp_ps_mask(old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & 0x00FF;
+    if (grew) {  // rescale the rows whose running max rose
+      const __m512 alpha = exp512(_mm512_sub_ps(old, nm));
+      alignas(64) float a[COLS];
+      _mm512_store_ps(a, alpha);
+      _mm512_storeu_ps(smp, _mm512_mask_mul_ps(_mm512_loadu_ps(smp), grew, _mm512_loadu_ps(smp), alpha));
+      rescale_resident(grew, a);
+    }
+    _mm512_storeu_ps(mxp, nm);
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t q = 0; q < (nt + 15) / 16; ++q) {
+      pf_.step();
+      pf_.step();
+      __m512 p[8];
+      for (int k = 0; k < 8; ++k) {
+        const int64_t u = q * 8 + k, t = 2 * u;
+        p[k] = _mm512_setzero_ps();
+        if (t >= nt) continue;
+        __m512 e = _mm512_maskz_mov_ps(keep_[u], exp512(_mm512_sub_ps(_mm512_loadu_ps(xs + 16 * u), nm)));
+        tot = _mm512_add_ps(tot, e);
+        if (in_.fold)
+          e = _mm512_maskz_mul_ps(keep_[u], e, _mm512_mask_mov_ps(_mm512_set1_ps(in_.vf[t]), 0xFF00, _mm512_set1_ps(in_.vf[t + 1])));
+        p[k] = e;
+      }
+      pack_weights(p, pt_.data() + q * TILE_ELEMS);
+    }
+    tot = _mm512_add_ps(tot, swap_halves(tot));
+    _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
   }
 
   void scores_packed(const Rows& keys, int64_t nt) {
@@ -516,7 +567,8 @@ class Decoder {
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_;
   std::vector<uint16_t> pt_;
-  std::vector<float> s_, o_, mx_, sm_;
+  std::vector<float> s_, o_, mx_, sm_, xs_;  // xs_, keep_: softmax_packed()'s pass 1
+  __mmask16 keep_[TOK / 2];
   Prefetcher<T> pf_;
   Operands<T, TOK> in_;  // queries, key and value rows, bounds, folded fp8 scales
   int64_t active_[JB];   // the block's groups that still have keys in this key group

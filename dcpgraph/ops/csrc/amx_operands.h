@@ -74,6 +74,17 @@ class Operands {
       }
   }
 
+  // The key group at token t (item end ``end``): its tokens located, the prefetcher started for
+  // ``calls`` step() calls, its key and value rows as tile operands; returns its token count.
+  int64_t load_group(int64_t r, int64_t h, int64_t t, int64_t end, int64_t calls, Rows& keys, Rows& values) {
+    const int64_t nt = std::min(TOK, end - t);
+    locate(r, t, nt);
+    pf_.start(r, h, t, end, calls);
+    key_rows(h, nt, keys);
+    value_rows(h, nt, keys, values);
+    return nt;
+  }
+
   // blk_[i], off_[i]: physical block and slot of token t + i (i < n), walking the table with one
   // division per call (a division per token cost more than the rest of the bookkeeping).
   void locate(int64_t r, int64_t t, int64_t n) {

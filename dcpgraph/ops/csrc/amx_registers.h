@@ -1,6 +1,6 @@
 // Register-level helpers of the AMX paged decoder (paged_decode_amx.h): masks, fp8 e4m3 -> bf16
-// conversion by table (exact) and a row's scale, a 16 x 16 transpose of 32-bit lanes, and the
-// two-token vectors and weight tile of the packed rows.
+// conversion by table (exact) and a row's scale, a 16 x 16 transpose of 32-bit lanes, the
+// even/odd output interleave, and the two-token vectors and weight tile of the packed rows.
 // Compiled only with AMX-BF16 code (included from inside paged_decode_amx.h's guard).
 #pragma once
 
@@ -116,6 +116,23 @@ inline void transpose16_epi32(__m512i* r) {
     r[4 + k] = _mm512_shuffle_i32x4(x0, x2, _MM_SHUFFLE(3, 1, 3, 1));
     r[8 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(2, 0, 2, 0));
     r[12 + k] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// One output row of dv fp32 columns from accumulators that hold, for each 32-column chunk c, the
+// 16 even columns at even(c) and the 16 odd ones at odd(c) (column 32 c + 2 i + e is element i
+// of the e-th): the even/odd value products' output in column order.
+template <class Even, class Odd>
+inline void interleave_row(Even even, Odd odd, int64_t dv, float* dst) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int64_t x = 0; x < dv; x += 32) {
+    const __m512 a = _mm512_loadu_ps(even(x / 32)), b = _mm512_loadu_ps(odd(x / 32));
+    const int64_t left = dv - x;
+    const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
+    _mm512_mask_storeu_ps(dst + x, m0, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_mask_storeu_ps(dst + x + 16, m1, _mm512_permutex2var_ps(a, hi, b));
   }
 }
 

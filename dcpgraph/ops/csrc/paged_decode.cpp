@@ -523,19 +523,23 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
                                   vss2, group, value_prefix, sc, prefetch_blocks, bound};
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
         amx::configure();
-        auto decode = [&](auto& decoder) {
-          for (int64_t it = begin; it < end; ++it) {
-            const Item& w = items[it];
-            decoder.run(w.r, w.h, w.t0, w.t1, pacc.data() + w.slot * max_m * dv, pmax.data() + w.slot * max_m,
-                        psum.data() + w.slot * max_m);
-          }
+        auto run = [&](auto& decoder, const Item& w) {
+          decoder.run(w.r, w.h, w.t0, w.t1, pacc.data() + w.slot * max_m * dv, pmax.data() + w.slot * max_m,
+                      psum.data() + w.slot * max_m);
         };
         if (value_prefix) {
           amx::Decoder<T, amx::PREFIX_TOK> decoder(caches, max_m);
-          decode(decoder);
-        } else {
+          for (int64_t it = begin; it < end; ++it) run(decoder, items[it]);
+        } else {  // items of at most 8 query rows keep their accumulators in tile registers
           amx::Decoder<T, amx::ROWS_TOK> decoder(caches, max_m);
-          decode(decoder);
+          amx::PackedDecoder<T> packed(caches);
+          for (int64_t it = begin; it < end; ++it) {
+            const Item& w = items[it];
+            if (amx::PackedDecoder<T>::fits((cu[w.r + 1] - cu[w.r]) * g, dv))
+              run(packed, w);
+            else
+              run(decoder, w);
+          }
         }
         _tile_release();
       });

@@ -4,10 +4,10 @@
 // compiled only when the compiler targets AMX-BF16 (DCPGRAPH_HAVE_AMX). The process must have
 // been granted the AMX tile state (permission_error() asks the OS once); every thread loads its
 // tile configuration before its first item (configure()) and releases it after its last. This
-// file is the arithmetic; its operands (queries, key and value rows in place or staged, row
-// bounds, folded fp8 scales) come from amx_operands.h, register helpers from amx_registers.h and
-// the prefetch schedule from amx_prefetch.h. It stays over the project's ~450-line guide because
-// the two value-product layouts (run() and run_packed()) share the softmax and tile roles.
+// file is the arithmetic of Decoder; its operands (queries, key and value rows in place or
+// staged, row bounds, folded fp8 scales) come from amx_operands.h, register helpers from
+// amx_registers.h and the prefetch schedule from amx_prefetch.h. Items of at most 8 query rows
+// take amx_packed.h's PackedDecoder instead (the caller picks by PackedDecoder::fits).
 //
 // For one item (request, KV head, key range) with M = G * lq query rows, in groups of 16 (a
 // query-row group j), over key groups of TOK tokens (TOK / 16 16-token tiles q; PREFIX_TOK, ROWS_TOK):
@@ -23,11 +23,7 @@
 //            and zero in the other, so one product picks the even columns and the other the odd
 //            ones (twice the tile products of a token-pair interleave, none of its copying).
 //            Even columns accumulate at o[32 c + i], odd at o[32 c + 16 + i]; run() interleaves.
-//            Packed rows (M <= 8, dv <= 128, 32-token groups: GQA decode): one A tile carries
-//            both halves (rows n low, rows 8 + n high), so one product yields the even columns
-//            in accumulator rows n and the odd ones in rows 8 + n, and the dv / 32 accumulator
-//            tiles stay in tile registers for the whole item (run_packed()). Its softmax holds
-//            two tokens per vector (8 rows each), so no exp lane is spent on padding columns.
+//            (PackedDecoder puts both halves in one A tile and keeps the accumulators in tiles.)
 // Query rows are processed in blocks of JB row groups (256 rows), each block over the keys any of
 // its rows sees, so a long chunk's output accumulators stay in L2 while its keys stream past
 // (flash attention's order); decode has one block. With per-token bounds (a chunked prefill's
@@ -154,15 +150,12 @@ class Decoder {
   Decoder(const Caches<T>& c, int64_t max_m)
       : c_(c), dp_((c.d + 31) / 32 * 32), dvp_((c.dv + 31) / 32 * 32), ostride_(dvp_ + 16),
         mgroups_((max_m + COLS - 1) / COLS), pt_(mgroups_ * QT * 2 * TILE_ELEMS), s_(TOK * COLS),
-        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), xs_(TOK / 2 * COLS), pf_(c, TOK),
+        o_(mgroups_ * COLS * ostride_), mx_(mgroups_ * COLS), sm_(mgroups_ * COLS), pf_(c, TOK),
         in_(c, mgroups_, pf_) {}
 
   // Keys [t0, t1) of request r, KV head h: unnormalised acc [m, dv], running max and sum [m].
   void run(int64_t r, int64_t h, int64_t t0, int64_t t1, float* acc, float* mx, float* sm) {
     const int64_t lq = c_.cu[r + 1] - c_.cu[r], m = lq * c_.g, mg = (m + COLS - 1) / COLS;
-    if constexpr (QT == 2) {
-      if (m <= COLS / 2 && dvp_ <= 4 * 32) return run_packed(r, h, t0, t1, lq, m, acc, mx, sm);
-    }
     in_.build_queries(r, h, lq, mg);
     std::fill(o_.begin(), o_.begin() + mg * COLS * ostride_, 0.f);
     std::fill(mx_.begin(), mx_.begin() + mg * COLS, -INFINITY);
@@ -174,7 +167,7 @@ class Decoder {
       for (int64_t j = j0; j < j1; ++j) end = std::max(end, in_.jmax[j]);
       for (int64_t t = t0; t < end; t += TOK) {
         Rows keys, values;
-        const int64_t nt = load_group(r, h, t, end, calls_per_group(j1 - j0), keys, values);
+        const int64_t nt = in_.load_group(r, h, t, end, calls_per_group(j1 - j0), keys, values);
         int64_t active = 0;
         for (int64_t j = j0; j < j1; ++j) {
           if (t >= in_.jmax[j]) continue;  // every row of group j has seen all its keys
@@ -189,7 +182,7 @@ class Decoder {
     // even columns of chunk c at o[32 c + i], odd at o[32 c + 16 + i]
     for (int64_t i = 0; i < m; ++i) {
       const float* src = o_.data() + (i / COLS) * COLS * ostride_ + (i % COLS) * ostride_;
-      interleave_row([&](int64_t c) { return src + 32 * c; }, [&](int64_t c) { return src + 32 * c + 16; },
+      interleave_row([&](int64_t c) { return src + 32 * c; }, [&](int64_t c) { return src + 32 * c + 16; }, c_.dv,
                      acc + i * c_.dv);
       mx[i] = mx_[i];
       sm[i] = sm_[i];
@@ -197,33 +190,6 @@ class Decoder {
   }
 
  private:
-  // The key group at token t (item end ``end``): its tokens located, the prefetcher started for
-  // ``calls`` step() calls, its key and value rows as tile operands; returns its token count.
-  int64_t load_group(int64_t r, int64_t h, int64_t t, int64_t end, int64_t calls, Rows& keys, Rows& values) {
-    const int64_t nt = std::min(TOK, end - t);
-    in_.locate(r, t, nt);
-    pf_.start(r, h, t, end, calls);
-    in_.key_rows(h, nt, keys);
-    in_.value_rows(h, nt, keys, values);
-    return nt;
-  }
-
-  // One output row of dv columns from its accumulators: 16 even columns of chunk c at even(c),
-  // the 16 odd ones at odd(c) (column 32 c + 2 i + e is element i of the e-th).
-  template <class Even, class Odd>
-  void interleave_row(Even even, Odd odd, float* dst) const {
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-    for (int64_t x = 0; x < c_.dv; x += 32) {
-      const __m512 a = _mm512_loadu_ps(even(x / 32)), b = _mm512_loadu_ps(odd(x / 32));
-      const int64_t left = c_.dv - x;
-      const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
-      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
-      _mm512_mask_storeu_ps(dst + x, m0, _mm512_permutex2var_ps(a, lo, b));
-      _mm512_mask_storeu_ps(dst + x + 16, m1, _mm512_permutex2var_ps(a, hi, b));
-    }
-  }
-
   // s_[t, n] = K[t, :] . Q[16 j + n, :] for the key group (fp32, TOK x 16). Tiles 0-3: the
   // token tiles' scores; 4: queries; 5, 6: key rows.
   void scores(const Rows& keys, int64_t nt, int64_t j) {
@@ -377,181 +343,6 @@ class Decoder {
     return QT + groups * (QT * dp_ / 32 + 2 * QT + QT * ((dvp_ / 32 + 1) / 2));
   }
 
-  // ---- Packed rows (at most 8 query rows, values at most 128 wide, 32-token key groups) ----
-  // With m <= 8 a weight tile has room for both halves: rows n < 8 carry P[n, t] in the low half
-  // of each dword, rows 8 + n in the high half, so one product with a value tile yields the even
-  // columns of chunk c in accumulator rows n and the odd ones in rows 8 + n. The accumulators
-  // (dv / 32 tiles) then fit in tiles 4-7 and stay there for the whole item: no accumulator
-  // loads or stores per key group, half the value products, one weight tile per token tile.
-  // Tiles 0, 1: the two token tiles' scores, then value rows; 2: queries, then weights; 3: key
-  // rows, then value rows.
-  void run_packed(int64_t r, int64_t h, int64_t t0, int64_t t1, int64_t lq, int64_t m, float* acc, float* mx,
-                  float* sm) {
-    const int64_t chunks = dvp_ / 32;
-    in_.build_queries(r, h, lq, 1);
-    std::fill(mx_.begin(), mx_.begin() + COLS, -INFINITY);
-    std::fill(sm_.begin(), sm_.begin() + COLS, 0.f);
-    in_.row_bounds(r, m, 1, t1);
-    _tile_zero(4);
-    if (chunks > 1) _tile_zero(5);
-    if (chunks > 2) _tile_zero(6);
-    if (chunks > 3) _tile_zero(7);
-    const int64_t end = std::max(t0, in_.jmax[0]);
-    for (int64_t t = t0; t < end; t += TOK) {
-      Rows keys, values;
-      // step() calls per token tile: key rows, one per 32-column score step, softmax (two), values
-      const int64_t nt = load_group(r, h, t, end, QT * (1 + dp_ / 32 + 2 + 1), keys, values);
-      scores_packed(keys, nt);
-      softmax_packed(t, nt);
-      values_packed(values, (nt + 15) / 16, chunks);
-      pf_.finish();
-    }
-    float* o = o_.data();  // chunk c at o[256 c]: 16 rows x 16 fp32 columns, even in row n, odd in 8 + n
-    store_resident(o, chunks);
-    for (int64_t n = 0; n < m; ++n) {
-      interleave_row([&](int64_t c) { return o + 256 * c + 16 * n; },
-                     [&](int64_t c) { return o + 256 * c + 16 * (n + COLS / 2); }, acc + n * c_.dv);
-      mx[n] = mx_[n];
-      sm[n] = sm_[n];
-    }
-  }
-
-  // softmax() for the packed rows, two tokens per vector (lanes 0-7 token t's query rows, 8-15
-  // token t + 1's: see dup_low8): every exp lane is a real row, where softmax()'s 16 lanes would
-  // be half padding. Pass 1 keeps the scaled scores (-inf where masked or past nt) and each
-  // pair's kept lanes for pass 2, which makes the weights as the packed A tiles (pack_weights).
-  void softmax_packed(int64_t t0, int64_t nt) {
-    const float* s = s_.data();
-    float* xs = xs_.data();  // scaled scores, token pair u at xs + 16 u
-    const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i bound = dup_low8(_mm512_loadu_si512(in_.jb.data()));
-    const bool masked = t0 + nt > in_.jmin[0];
-    __m512 bm = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    for (int64_t u = 0; u < (nt + 1) / 2; ++u) {
-      const int64_t t = 2 * u;  // t + 1 <= nt <= TOK - 1 when nt is odd: in s_ and kf, not kept
-      __mmask16 keep = t + 1 < nt ? 0xFFFF : 0x00FF;
-      if (masked)
-        keep &= _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), second), bound);
-      const __m512 raw = _mm512_mask_loadu_ps(_mm512_loadu_ps(s + t * COLS), 0xFF00, s + t * COLS + 8);
-      const __m512 f = _mm512_mask_mov_ps(_mm512_set1_ps(in_.kf[t]), 0xFF00, _mm512_set1_ps(in_.kf[t + 1]));
-      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, raw, f);
-      _mm512_storeu_ps(xs + 16 * u, x);
-      keep_[u] = keep;
-      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      bm = _mm512_max_ps(bm, x);
-    }
-    bm = _mm512_max_ps(bm, swap_halves(bm));
-    nan = static_cast<__mmask16>((nan | nan >> 8) & 0xFF);
-    nan = static_cast<__mmask16>(nan | nan << 8);
-    float* mxp = mx_.data();
-    float* smp = sm_.data();
-    const __m512 old = dup_low8(_mm512_loadu_ps(mxp));
-    const __m512 nm = _mm512_max_ps(old, bm);
-    const __mmask16 grew = _mm512_cmp_ps_mask(nm, old, _CMP_GT_OQ) &
-                           _mm512_cmp_ps_mask(old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & 0x00FF;
-    if (grew) {  // rescale the rows whose running max rose
-      const __m512 alpha = exp512(_mm512_sub_ps(old, nm));
-      alignas(64) float a[COLS];
-      _mm512_store_ps(a, alpha);
-      _mm512_storeu_ps(smp, _mm512_mask_mul_ps(_mm512_loadu_ps(smp), grew, _mm512_loadu_ps(smp), alpha));
-      rescale_resident(grew, a);
-    }
-    _mm512_storeu_ps(mxp, nm);
-    __m512 tot = _mm512_setzero_ps();
-    for (int64_t q = 0; q < (nt + 15) / 16; ++q) {
-      pf_.step();
-      pf_.step();
-      __m512 p[8];
-      for (int k = 0; k < 8; ++k) {
-        const int64_t u = q * 8 + k, t = 2 * u;
-        p[k] = _mm512_setzero_ps();
-        if (t >= nt) continue;
-        __m512 e = _mm512_maskz_mov_ps(keep_[u], exp512(_mm512_sub_ps(_mm512_loadu_ps(xs + 16 * u), nm)));
-        tot = _mm512_add_ps(tot, e);
-        if (in_.fold)
-          e = _mm512_maskz_mul_ps(keep_[u], e, _mm512_mask_mov_ps(_mm512_set1_ps(in_.vf[t]), 0xFF00, _mm512_set1_ps(in_.vf[t + 1])));
-        p[k] = e;
-      }
-      pack_weights(p, pt_.data() + q * TILE_ELEMS);
-    }
-    tot = _mm512_add_ps(tot, swap_halves(tot));
-    _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
-  }
-
-  void scores_packed(const Rows& keys, int64_t nt) {
-    const int64_t ksteps = dp_ / 32, nq = (nt + 15) / 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t kk = 0; kk < ksteps; ++kk) {
-      pf_.step();
-      _tile_loadd(2, in_.queries(0) + kk * TILE_ELEMS, 64);
-      _tile_loadd(3, keys.base[0] + kk * 32, keys.stride[0]);
-      _tile_dpbf16ps(0, 3, 2);
-      if (nq > 1) {
-        pf_.step();
-        _tile_loadd(3, keys.base[1] + kk * 32, keys.stride[1]);
-        _tile_dpbf16ps(1, 3, 2);
-      }
-    }
-    _tile_stored(0, s_.data(), 64);
-    _tile_stored(1, s_.data() + 16 * COLS, 64);
-  }
-
-  void values_packed(const Rows& values, int64_t nq, int64_t chunks) {
-    for (int64_t q = 0; q < nq; ++q) {
-      pf_.step();
-      const uint16_t* v = values.base[q];
-      const int64_t vs = values.stride[q];
-      _tile_loadd(2, pt_.data() + q * TILE_ELEMS, 64);
-      _tile_loadd(0, v, vs);
-      _tile_dpbf16ps(4, 2, 0);
-      if (chunks > 1) {
-        _tile_loadd(1, v + 32, vs);
-        _tile_dpbf16ps(5, 2, 1);
-      }
-      if (chunks > 2) {
-        _tile_loadd(3, v + 64, vs);
-        _tile_dpbf16ps(6, 2, 3);
-      }
-      if (chunks > 3) {
-        _tile_loadd(0, v + 96, vs);
-        _tile_dpbf16ps(7, 2, 0);
-      }
-    }
-  }
-
-  // The resident accumulators to / from o (chunk c at o + 256 c, 64-byte rows).
-  void store_resident(float* o, int64_t chunks) {
-    _tile_stored(4, o, 64);
-    if (chunks > 1) _tile_stored(5, o + 256, 64);
-    if (chunks > 2) _tile_stored(6, o + 512, 64);
-    if (chunks > 3) _tile_stored(7, o + 768, 64);
-  }
-  void load_resident(const float* o, int64_t chunks) {
-    _tile_loadd(4, o, 64);
-    if (chunks > 1) _tile_loadd(5, o + 256, 64);
-    if (chunks > 2) _tile_loadd(6, o + 512, 64);
-    if (chunks > 3) _tile_loadd(7, o + 768, 64);
-  }
-  // Rows n and 8 + n of every resident accumulator times a[n] where the running max of query
-  // row n rose (grew's bit n).
-  void rescale_resident(__mmask16 grew, const float* a) {
-    const int64_t chunks = dvp_ / 32;
-    float* o = o_.data();
-    store_resident(o, chunks);
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int n = 0; n < COLS / 2; ++n) {
-        if (!((grew >> n) & 1)) continue;
-        const __m512 an = _mm512_set1_ps(a[n]);
-        for (int e = 0; e < 2; ++e) {
-          float* row = o + c * 256 + (e * (COLS / 2) + n) * 16;
-          _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), an));
-        }
-      }
-    load_resident(o, chunks);
-  }
-
   void values(const Rows& values, int64_t nq, int64_t active) {
     const int64_t chunks = dvp_ / 32;
     for (int64_t a = 0; a < active; ++a) {
@@ -567,12 +358,13 @@ class Decoder {
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_;
   std::vector<uint16_t> pt_;
-  std::vector<float> s_, o_, mx_, sm_, xs_;  // xs_, keep_: softmax_packed()'s pass 1
-  __mmask16 keep_[TOK / 2];
+  std::vector<float> s_, o_, mx_, sm_;
   Prefetcher<T> pf_;
   Operands<T, TOK> in_;  // queries, key and value rows, bounds, folded fp8 scales
   int64_t active_[JB];   // the block's groups that still have keys in this key group
 };
 
 }  // namespace amx
+
+#include "amx_packed.h"
 #endif

@@ -127,7 +127,9 @@ class PackedDecoder {
     _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
   }
 
-  // s_[t, n] = K[t, :] . Q[n, :] for the key group's (at most two) token tiles.
+  // s_[t, n] = K[t, :] . Q[n, :] for the key group's (at most two) token tiles. Decoder::scores'
+  // loop with other tiles: GCC's AMX intrinsics paste the tile numbers into the instruction text,
+  // so the roles cannot be template parameters of one shared loop.
   void scores(const Rows& keys, int64_t nt) {
     const int64_t ksteps = dp_ / 32, nq = (nt + 15) / 16;
     _tile_zero(0);

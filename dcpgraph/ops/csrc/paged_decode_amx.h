@@ -357,8 +357,9 @@ class Decoder {
 
   const Caches<T>& c_;
   const int64_t dp_, dvp_, ostride_, mgroups_;
-  std::vector<uint16_t> pt_;
-  std::vector<float> s_, o_, mx_, sm_;
+  TileBuffer<uint16_t> pt_;  // tile operands and tile-stored results: rows on cache lines
+  TileBuffer<float> s_, o_;
+  std::vector<float> mx_, sm_;
   Prefetcher<T> pf_;
   Operands<T, TOK> in_;  // queries, key and value rows, bounds, folded fp8 scales
   int64_t active_[JB];   // the block's groups that still have keys in this key group

@@ -39,6 +39,7 @@ from .native_build import NativeExtension
 EXTENSION = NativeExtension(
     "dcpgraph_linear_bf16", Path(__file__).resolve().parent / "csrc" / "linear_bf16.cpp",
     "native bf16 linear kernel", "bf16 linears run on torch's kernel",
+    headers=(Path(__file__).resolve().parent / "csrc" / "line_aligned.h",),
 )
 # Rows up to which the AMX kernel runs (one 16-column B tile: decode batches); more go to torch.
 MAX_ROWS = 16

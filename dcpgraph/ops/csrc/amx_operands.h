@@ -208,7 +208,7 @@ class Operands {
 
   const Caches<T>& c_;
   const int64_t dp_, dvp_;
-  TileBuffer<uint16_t> qv_, kst_, vst_;
+  LineVector<uint16_t> qv_, kst_, vst_;
   Prefetcher<T>& pf_;
   int64_t blk_[TOK], off_[TOK];
   Fp8Lut lut_{};

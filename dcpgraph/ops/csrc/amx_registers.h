@@ -1,35 +1,13 @@
 // Register-level helpers of the AMX paged decoder (paged_decode_amx.h): masks, fp8 e4m3 -> bf16
 // conversion by table (exact) and a row's scale, a 16 x 16 transpose of 32-bit lanes, the
-// even/odd output interleave, the two-token vectors and weight tile of the packed rows, and
-// line-aligned buffers for tile operands.
+// even/odd output interleave, and the two-token vectors and weight tile of the packed rows.
 // Compiled only with AMX-BF16 code (included from inside paged_decode_amx.h's guard).
 #pragma once
 
 #include <cmath>
 #include <cstring>
-#include <new>
-#include <vector>
 
 namespace amx {
-
-// Allocator of tile operand buffers on 64-byte boundaries: a tile row is 64 bytes, and malloc's
-// 16-byte alignment splits every row of a staged or stored tile over two cache lines (measured,
-// 1 thread, memory-sized: bf16 MLA 71-74 -> 77-78% of x.sum(), fp8 GQA 65-67 -> 69-71%).
-template <class E>
-struct LineAligned {
-  using value_type = E;
-  LineAligned() = default;
-  template <class U>
-  LineAligned(const LineAligned<U>&) {}
-  E* allocate(size_t n) { return static_cast<E*>(::operator new(n * sizeof(E), std::align_val_t(64))); }
-  void deallocate(E* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  template <class U>
-  bool operator==(const LineAligned<U>&) const { return true; }
-  template <class U>
-  bool operator!=(const LineAligned<U>&) const { return false; }
-};
-template <class E>
-using TileBuffer = std::vector<E, LineAligned<E>>;
 
 inline __mmask32 mask32(int64_t width, int64_t x) {
   return x >= width ? 0 : width - x >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (width - x)) - 1u);

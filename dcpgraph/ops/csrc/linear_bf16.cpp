@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "line_aligned.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define DCP_HAVE_AMX 1
@@ -227,10 +228,10 @@ void configure_tiles(int tail_pairs) {
 
 // X [M, K] (M <= 16, K even) as B tiles: chunk c, pair p, row m -> the bf16 pair x[m, 32c + 2p : +2],
 // zeros beyond. Moved as 32-bit pairs (a pair is contiguous in x and in the tile).
-std::vector<uint32_t> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+LineVector<uint32_t> vnni_b_tiles(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t chunks = (K + 31) / 32;
   const int64_t pairs = K / 2;
-  std::vector<uint32_t> b(static_cast<size_t>(chunks * 256), 0u);
+  LineVector<uint32_t> b(static_cast<size_t>(chunks * 256), 0u);
   const __m512i slot = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
   for (int64_t m = 0; m < M; ++m) {
@@ -280,7 +281,7 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
-  const std::vector<uint32_t> btiles = vnni_b_tiles(xp, ldx, M, K);
+  const LineVector<uint32_t> btiles = vnni_b_tiles(xp, ldx, M, K);  // tile rows on cache lines
   const uint32_t* bt = btiles.data();  // 256 pairs (1 KiB) per chunk
   const int64_t full = K / 32;
   const int tail_pairs = static_cast<int>((K % 32) / 2);

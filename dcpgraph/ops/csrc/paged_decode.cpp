@@ -32,6 +32,7 @@
 #endif
 
 #include "kv_cache_write.h"  // the cache-write op's CPU kernel, registered with this extension
+#include "line_aligned.h"
 
 namespace {
 
@@ -509,7 +510,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   first[rows] = static_cast<int64_t>(items.size());
   // Partial results per item: acc [M, dv] (unnormalised), running max and sum [M].
-  std::vector<float> pacc(static_cast<size_t>(slots) * max_m * dv);
+  LineVector<float> pacc(static_cast<size_t>(slots) * max_m * dv);
   std::vector<float> pmax(static_cast<size_t>(slots) * max_m), psum(static_cast<size_t>(slots) * max_m);
 
 #ifdef DCPGRAPH_HAVE_AMX
@@ -548,10 +549,10 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
 #endif
   if (!bf16_queries) at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t ss = (bsz + 15) / 16 * 16;  // score row stride (whole vectors)
-    std::vector<float> qbuf(max_m * d), sbuf(max_m * ss);
+    LineVector<float> qbuf(max_m * d), sbuf(max_m * ss);
     // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
-    std::vector<float> kstage(std::is_same_v<T, uint8_t> ? bsz * d : 0);
-    std::vector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
+    LineVector<float> kstage(std::is_same_v<T, uint8_t> ? bsz * d : 0);
+    LineVector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
     RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
                    vs1 * int64_t(sizeof(T)));
     for (int64_t it = begin; it < end; ++it) {

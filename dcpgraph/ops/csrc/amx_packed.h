@@ -79,11 +79,10 @@ class PackedDecoder {
     for (int64_t u = 0; u < (nt + 1) / 2; ++u) {
       const int64_t t = 2 * u;  // t + 1 <= nt <= TOK - 1 when nt is odd: in s_ and kf, not kept
       __mmask16 keep = t + 1 < nt ? 0xFFFF : 0x00FF;
-      if (masked)
-        keep &= _mm512_cmplt_epi32_mask(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), second), bound);
+      const __m512i token = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(t0 + t)), second);
+      if (masked) keep &= _mm512_cmplt_epi32_mask(token, bound);
       const __m512 raw = _mm512_mask_loadu_ps(_mm512_loadu_ps(s + t * COLS), 0xFF00, s + t * COLS + 8);
-      const __m512 f = _mm512_mask_mov_ps(_mm512_set1_ps(in_.kf[t]), 0xFF00, _mm512_set1_ps(in_.kf[t + 1]));
-      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, raw, f);
+      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, raw, pair(in_.kf, t));
       _mm512_storeu_ps(xs + 16 * u, x);
       keep_[u] = keep;
       nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
@@ -117,14 +116,18 @@ class PackedDecoder {
         if (t >= nt) continue;
         __m512 e = _mm512_maskz_mov_ps(keep_[u], exp512(_mm512_sub_ps(_mm512_loadu_ps(xs + 16 * u), nm)));
         tot = _mm512_add_ps(tot, e);
-        if (in_.fold)
-          e = _mm512_maskz_mul_ps(keep_[u], e, _mm512_mask_mov_ps(_mm512_set1_ps(in_.vf[t]), 0xFF00, _mm512_set1_ps(in_.vf[t + 1])));
+        if (in_.fold) e = _mm512_maskz_mul_ps(keep_[u], e, pair(in_.vf, t));
         p[k] = e;
       }
       pack_weights(p, pt_ + q * TILE_ELEMS);
     }
     tot = _mm512_add_ps(tot, swap_halves(tot));
     _mm512_storeu_ps(smp, _mm512_mask_mov_ps(_mm512_add_ps(_mm512_loadu_ps(smp), tot), nan, _mm512_set1_ps(NAN)));
+  }
+
+  // A per-token factor as a two-token vector: f[t] in lanes 0-7, f[t + 1] in lanes 8-15.
+  static __m512 pair(const float* f, int64_t t) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(f[t]), 0xFF00, _mm512_set1_ps(f[t + 1]));
   }
 
   // s_[t, n] = K[t, :] . Q[n, :] for the key group's (at most two) token tiles. Decoder::scores'

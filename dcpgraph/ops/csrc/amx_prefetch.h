@@ -6,8 +6,9 @@ namespace amx {
 
 // Software prefetch (into L2) spread through a key group's work: the lines of the tokens
 // prefetch_blocks blocks ahead, rounded up to whole key groups (K rows, then V rows unless they
-// are a prefix of K's; for fp8 also each new line of their scales), a few lines per step(). A scattered table hides the next address from the
-// hardware prefetcher, and a burst of prefetches finds every fill buffer busy: most are dropped
+// are a prefix of K's; for fp8 also each new line of their scales), a few lines per step(). A
+// scattered table hides the next address from the hardware prefetcher, and a burst of
+// prefetches finds every fill buffer busy: most are dropped
 // (measured: a per-group burst changed nothing, the same lines spread over the group's work made
 // GQA 8:1 decode at 128K 1.4x (bf16) and 1.8x (fp8) faster).
 template <class T>

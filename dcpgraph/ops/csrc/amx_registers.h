@@ -157,7 +157,8 @@ inline void pack_weights(const __m512 (&p)[8], uint16_t* dst) {
     Index x{};
     for (int h = 0; h < 2; ++h)
       for (int i = 0; i < 8; ++i)
-        for (int r = 0; r < 4; ++r) x.gather[h][4 * i + r] = static_cast<uint16_t>((i < 4 ? 0 : 32) + 8 * (i % 4) + 4 * h + r);
+        for (int r = 0; r < 4; ++r)
+          x.gather[h][4 * i + r] = static_cast<uint16_t>((i < 4 ? 0 : 32) + 8 * (i % 4) + 4 * h + r);
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < 16; ++i) {
         x.spread[r][2 * i] = static_cast<uint16_t>((i < 8 ? 0 : 32) + 4 * (i % 8) + r);

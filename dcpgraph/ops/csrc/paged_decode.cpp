@@ -532,14 +532,15 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           amx::Decoder<T, amx::PREFIX_TOK> decoder(caches, max_m);
           for (int64_t it = begin; it < end; ++it) run(decoder, items[it]);
         } else {  // items of at most 8 query rows keep their accumulators in tile registers
-          amx::Decoder<T, amx::ROWS_TOK> decoder(caches, max_m);
-          amx::PackedDecoder<T> packed(caches);
+          // each decoder made on the thread's first item that needs it (its buffers are per call)
+          std::optional<amx::Decoder<T, amx::ROWS_TOK>> decoder;
+          std::optional<amx::PackedDecoder<T>> packed;
           for (int64_t it = begin; it < end; ++it) {
             const Item& w = items[it];
             if (amx::PackedDecoder<T>::fits((cu[w.r + 1] - cu[w.r]) * g, dv))
-              run(packed, w);
+              run(packed ? *packed : packed.emplace(caches), w);
             else
-              run(decoder, w);
+              run(decoder ? *decoder : decoder.emplace(caches, max_m), w);
           }
         }
         _tile_release();

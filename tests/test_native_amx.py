@@ -18,13 +18,21 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 KV_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 
 
+def _amx_or_skip(kv_dtype):
+    """Skip where this build, CPU or OS has no AMX path for ``kv_dtype``; fail where it has one
+    that failed its self-check (a broken kernel must not read as a missing one)."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason}")
+    if not native.amx_enabled(kv_dtype):
+        if native._amx_state.get(kv_dtype) is False:
+            pytest.fail(f"the AMX path for {kv_dtype} failed its self-check: {native.amx_reason}")
+        pytest.skip(f"AMX path off for {kv_dtype}: {native.amx_reason}")
+
+
 @pytest.fixture(params=KV_DTYPES, ids=["bf16", "fp8"])
 def kv_dtype(request, monkeypatch):
     monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
-    if not native.available():
-        pytest.skip(f"native kernel unavailable: {native.reason}")
-    if not native.amx_enabled(request.param):
-        pytest.skip(f"AMX path off for {request.param}: {native.amx_reason}")
+    _amx_or_skip(request.param)
     return request.param
 
 
@@ -155,8 +163,7 @@ def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
     weights, with no rounding of the dequantised value: it matches the exact fp32 dequantisation
     (which differs from the bf16-rounded one by more than the tolerance here)."""
     monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
-    if not native.available() or not native.amx_enabled(torch.float8_e4m3fn):
-        pytest.skip(f"AMX fp8 path off: {native.amx_reason or native.reason}")
+    _amx_or_skip(torch.float8_e4m3fn)
     from dcpgraph.ops import quant
 
     gen = torch.Generator().manual_seed(7)
@@ -186,8 +193,7 @@ def test_fp8_every_byte_is_read_exactly(latent, monkeypatch):
     included) under power-of-two scales must come out as its exact dequantised value, bit for bit,
     whether the scale is folded into the weights (GQA) or applied while staging (MLA)."""
     monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
-    if not native.available() or not native.amx_enabled(torch.float8_e4m3fn):
-        pytest.skip(f"AMX fp8 path off: {native.amx_reason or native.reason}")
+    _amx_or_skip(torch.float8_e4m3fn)
     from dcpgraph.ops import quant
 
     hq, d, dv = (16, 576, 512) if latent else (8, 128, 128)
@@ -255,8 +261,8 @@ def test_verification_rows_take_their_bounds_in_one_call(kv_dtype, hq, monkeypat
     (no one-row-per-query rewrite), within the AMX path's tolerance of fp32 attention. With 4
     query heads on 2 KV heads a request's 4 queries are 8 rows: the packed-rows path, whose
     two-token softmax masks each row's keys past its bound inside the last key group."""
-    if not paged.native_enabled(kv_dtype) or not native.amx_enabled(kv_dtype):
-        pytest.skip(f"AMX {kv_dtype} path off: {native.amx_reason}")
+    if not paged.native_enabled(kv_dtype):
+        pytest.skip(f"native {kv_dtype} off: {paged._native_state.get(('reason', kv_dtype))}")
     gen = torch.Generator().manual_seed(21)
     nb, block, hkv, d = 40, 16, 2, 128
     (k, v, ks, vs), (k_exact, v_exact) = _cache(21, kv_dtype, nb, block, hkv, d, d, False)

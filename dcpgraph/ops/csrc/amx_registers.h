@@ -64,6 +64,13 @@ inline void fp8x64_to_bf16(const Fp8Lut& t, __m512i x, __m512i& a, __m512i& b) {
   b = _mm512_unpackhi_epi8(lo, hi);
 }
 
+// Scale the nonzero, non-NaN bf16 lanes of v by the power of two whose exponent step is ``step``.
+inline __m512i add_exponent(__m512i v, int16_t step) {
+  const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
+  const __mmask32 finite = _mm512_mask_cmpneq_epi16_mask(nonzero, v, _mm512_set1_epi16(static_cast<int16_t>(0xFFC0)));
+  return _mm512_mask_add_epi16(v, finite, v, _mm512_set1_epi16(step));
+}
+
 // How one scale group of a row becomes bf16: a power of two 2^k within [2^-117, 2^119] is an
 // exponent step k << 7 (nonzero, non-NaN lanes only; the exact bf16 forms' exponents 118..135
 // stay normal); any other scale multiplies in fp32.
@@ -81,10 +88,7 @@ inline RowScale row_scale(float s) {
 }
 inline __m512i apply_scale(__m512i v, const RowScale& s) {
   if (s.exact) {
-    if (s.step == 0) return v;
-    const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
-    const __mmask32 finite = _mm512_mask_cmpneq_epi16_mask(nonzero, v, _mm512_set1_epi16(static_cast<int16_t>(0xFFC0)));
-    return _mm512_mask_add_epi16(v, finite, v, _mm512_set1_epi16(s.step));
+    return s.step == 0 ? v : add_exponent(v, s.step);
   }
   const __m512 f = _mm512_set1_ps(s.value);
   const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
@@ -92,6 +96,22 @@ inline __m512i apply_scale(__m512i v, const RowScale& s) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, f), _mm512_mul_ps(lo, f));
 }
 
+// The exponent steps k << 7 of a row's ``groups`` (at most 16) scales into steps[0..groups) when
+// every one is a power of two 2^k within [2^-117, 2^119] (row_scale's exact case); false, and
+// steps untouched, otherwise.
+inline bool exponent_steps(const float* scales, int64_t groups, int16_t* steps) {
+  if (groups > 16) return false;
+  const __mmask16 lanes = static_cast<__mmask16>((1u << groups) - 1u);
+  const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, scales));
+  const __m512i k = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F800000)), 23),
+                                     _mm512_set1_epi32(127));
+  const __mmask16 pow2 = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(static_cast<int32_t>(0x807FFFFFu)));
+  const __mmask16 in_range = _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(-117)) &
+                             _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(119));
+  if ((pow2 & in_range & lanes) != lanes) return false;
+  _mm256_mask_storeu_epi16(steps, lanes, _mm512_cvtepi32_epi16(_mm512_slli_epi32(k, 7)));
+  return true;
+}
 // r[i][c] -> r[c][i] for a 16 x 16 matrix of 32-bit elements: 32-bit and 64-bit interleaves
 // leave u[4 g + k] with columns 4 L + k of rows 4 g .. 4 g + 3 in 128-bit lane L; a 4 x 4
 // transpose of 128-bit lanes then gathers each column.

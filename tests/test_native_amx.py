@@ -186,6 +186,39 @@ def test_fp8_scales_that_are_not_powers_of_two(latent, monkeypatch):
     torch.testing.assert_close(lse, ref_l, atol=native.AMX_LSE_TOL, rtol=native.AMX_LSE_TOL)
 
 
+@pytest.mark.parametrize("d,dv,hq,latent", [(576, 512, 16, True), (256, 256, 8, False)], ids=["mla", "gqa-256"])
+def test_fp8_nan_code_under_power_of_two_scales(d, dv, hq, latent, monkeypatch):
+    """Rows of several scale groups (MLA's latent and rope; a 256-wide GQA head) are scaled while
+    staged by an exponent step per group: the e4m3 NaN code (0x7F / 0xFF) under a finite power-of-
+    two scale must stay NaN through that step, as the torch path's dequantisation has it: a NaN
+    in a key makes its request's rows NaN, one only in a value row (GQA) its column (and, as
+    everywhere on this path, that column's pair partner)."""
+    monkeypatch.delenv("DCPGRAPH_NATIVE_AMX", raising=False)
+    _amx_or_skip(torch.float8_e4m3fn)
+    from dcpgraph.ops import quant
+
+    (k, v, ks, vs), _ = _cache(11, torch.float8_e4m3fn, 8, 16, 1, d, dv, latent)
+    k.view(torch.uint8)[1, 3, 0, d - 60] = 0x7F  # request 0 (blocks 0-3): key 19, in its last group
+    if not latent:
+        v.view(torch.uint8)[5, 2, 0, 200] = 0xFF  # request 1 (blocks 4-7): value 2 of block 5
+    assert torch.all(torch.frexp(ks)[0] == 0.5)  # power-of-two scales: the stepped staging
+    k_ref = quant.dequantize_fp8(k, ks, torch.float32)
+    v_ref = k_ref[..., :dv] if latent else quant.dequantize_fp8(v, vs, torch.float32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    cu, lens = torch.arange(3, dtype=torch.int32), torch.tensor([60, 64], dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    ref_o, ref_l = paged._paged_partial_attention_torch(q.float(), k_ref, v_ref, table, cu, lens, None, 0.2)
+    out, lse = native.native_paged_decode(q, k, v, table, cu, lens, 0.2, k_scales=ks,
+                                          v_scales=None if latent else vs)
+    assert torch.isnan(ref_o[0]).all() and torch.isnan(ref_l[0]).all()
+    # the value product reads a column pair per dword: a NaN value also makes its partner NaN
+    pairs = torch.isnan(ref_o).view(2, hq, dv // 2, 2).any(-1, keepdim=True).expand(2, hq, dv // 2, 2)
+    assert torch.equal(torch.isnan(out.float()), pairs.reshape(2, hq, dv))
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_l))
+    clean = ~pairs.reshape(2, hq, dv)
+    torch.testing.assert_close(out.float()[clean], ref_o[clean], atol=native.AMX_OUT_TOL, rtol=native.AMX_OUT_TOL)
+
+
 @pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
 def test_fp8_every_byte_is_read_exactly(latent, monkeypatch):
     """Each request sees one key, so its softmax weight is exactly 1 and its output is that

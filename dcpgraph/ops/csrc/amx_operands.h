@@ -206,11 +206,13 @@ class Operands {
                             : left <= 0 ? _mm512_setzero_si512()
                                         : _mm512_maskz_loadu_epi8((__mmask64(1) << left) - 1, row + x);
         __m512i a, b;
-        fp8x64_to_bf16(lut, raw, a, b);
         if (stepped) {
-          a = add_exponent(a, steps[chunk_group_[x / 32]]);
-          if (x + 32 < padded) b = add_exponent(b, steps[chunk_group_[x / 32 + 1]]);
-        } else if (scales) {
+          fp8x64_to_bf16_stepped(lut, raw, steps[chunk_group_[x / 32]],
+                                 x + 32 < padded ? steps[chunk_group_[x / 32 + 1]] : 0, a, b);
+        } else {
+          fp8x64_to_bf16(lut, raw, a, b);
+        }
+        if (!stepped && scales) {
           a = apply_scale(a, row_scale(x < width ? scales[x / c_.group] : 1.f));
           b = apply_scale(b, row_scale(x + 32 < width ? scales[(x + 32) / c_.group] : 1.f));
         }

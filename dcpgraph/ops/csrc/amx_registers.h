@@ -71,6 +71,18 @@ inline __m512i add_exponent(__m512i v, int16_t step) {
   return _mm512_mask_add_epi16(v, finite, v, _mm512_set1_epi16(step));
 }
 
+// fp8x64_to_bf16 with the elements of a (0-31) and of b (32-63) scaled by the powers of two whose
+// exponent steps are sa and sb (exponent_steps). The lanes to step, neither zero nor NaN, come
+// from the input bytes in one compare for all 64 (add_exponent takes two per 32 elements, on
+// the shuffle port the table lookup already saturates).
+inline void fp8x64_to_bf16_stepped(const Fp8Lut& t, __m512i x, int16_t sa, int16_t sb, __m512i& a, __m512i& b) {
+  fp8x64_to_bf16(t, x, a, b);
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi8(0x7F));
+  const __mmask64 live = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(mag, _mm512_set1_epi8(1)), _mm512_set1_epi8(0x7E));
+  a = _mm512_mask_add_epi16(a, static_cast<__mmask32>(live), a, _mm512_set1_epi16(sa));
+  b = _mm512_mask_add_epi16(b, static_cast<__mmask32>(live >> 32), b, _mm512_set1_epi16(sb));
+}
+
 // How one scale group of a row becomes bf16: a power of two 2^k within [2^-117, 2^119] is an
 // exponent step k << 7 (nonzero, non-NaN lanes only; the exact bf16 forms' exponents 118..135
 // stay normal); any other scale multiplies in fp32.

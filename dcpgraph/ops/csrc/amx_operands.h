@@ -198,7 +198,7 @@ class Operands {
   void stage_row(const Fp8Lut& lut, const T* row, const float* scales, int64_t width, int64_t padded,
                  uint16_t* dst) const {
     if constexpr (kFp8) {
-      alignas(64) int16_t steps[32] = {};
+      alignas(64) int16_t steps[32];  // written by exponent_steps (only rows with scales: not GQA's folded rows)
       const bool stepped = scales && exponent_steps(scales, (width + c_.group - 1) / c_.group, steps);
       for (int64_t x = 0; x < padded; x += 64) {
         const int64_t left = width - x;

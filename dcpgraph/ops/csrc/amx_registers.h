@@ -108,10 +108,10 @@ inline __m512i apply_scale(__m512i v, const RowScale& s) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, f), _mm512_mul_ps(lo, f));
 }
 
-// The exponent steps k << 7 of a row's ``groups`` (at most 16) scales into steps[0..groups) when
-// every one is a power of two 2^k within [2^-117, 2^119] (row_scale's exact case); false, and
-// steps untouched, otherwise.
-inline bool exponent_steps(const float* scales, int64_t groups, int16_t* steps) {
+// The exponent steps k << 7 of a row's ``groups`` (at most 16) scales into steps[0..groups), and
+// 0 into the rest, when every one is a power of two 2^k within [2^-117, 2^119] (row_scale's
+// exact case); false, and steps untouched, otherwise.
+inline bool exponent_steps(const float* scales, int64_t groups, int16_t (&steps)[32]) {
   if (groups > 16) return false;
   const __mmask16 lanes = static_cast<__mmask16>((1u << groups) - 1u);
   const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, scales));
@@ -121,7 +121,7 @@ inline bool exponent_steps(const float* scales, int64_t groups, int16_t* steps) 
   const __mmask16 in_range = _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(-117)) &
                              _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(119));
   if ((pow2 & in_range & lanes) != lanes) return false;
-  _mm256_mask_storeu_epi16(steps, lanes, _mm512_cvtepi32_epi16(_mm512_slli_epi32(k, 7)));
+  _mm512_storeu_si512(steps, _mm512_zextsi256_si512(_mm512_maskz_cvtepi32_epi16(lanes, _mm512_slli_epi32(k, 7))));
   return true;
 }
 // r[i][c] -> r[c][i] for a 16 x 16 matrix of 32-bit elements: 32-bit and 64-bit interleaves

@@ -216,3 +216,34 @@ def test_the_link_follows_the_collective_backend():
     assert link_hardware("hccl").name == "ascend-910b"
     with pytest.raises(ValueError, match="gloo"):
         link_hardware("mpi")
+
+
+def _auto_rank(rank: int, world: int, measure: bool):
+    import os
+
+    os.environ["DCPGRAPH_MEASURE_LINKS"] = "1" if measure else "0"
+    engine = dcpgraph.compile(build_model("llama"), tp=world, dcp=world, block_size=BLOCK_SIZE,
+                              max_batched_tokens=MAX_BATCHED)
+    return {"report": engine.report(), "tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW)}
+
+
+@pytest.mark.gloo
+def test_gloo_ranks_price_with_the_links_they_measure_and_agree():
+    """Under a real gloo world ``comm="auto"`` times ``all_gather`` and ``all_to_all`` between the
+    ranks at start-up and prices with the slowest rank's figures: both ranks name the same
+    measured link and choose the same lowering (a disagreement would build mismatched collectives
+    and hang), the choice generates HF's tokens, and ``DCPGRAPH_MEASURE_LINKS=0`` prices the preset."""
+    from dcpgraph.runtime.distributed import spawn
+
+    llama = build_model("llama")
+    reference = [hf_greedy(llama, p, MAX_NEW) for p in PROMPTS]
+    measured = spawn(_auto_rank, 2, True, timeout_s=180)
+    reasons = [r["report"]["comm_choice"] for r in measured]
+    assert reasons[0] == reasons[1] and measured[0]["report"]["comm"] == measured[1]["report"]["comm"]
+    assert "on host-gloo, measured at start-up (link " in reasons[0]
+    latency_us = float(reasons[0].split("(link ", 1)[1].split(" us", 1)[0])
+    assert latency_us > 0
+    assert all(r["tokens"] == reference for r in measured)
+    preset = spawn(_auto_rank, 2, False, timeout_s=180)
+    expected = f"on host-gloo (link {link_hardware('gloo').link_latency_s * 1e6:.0f} us"
+    assert all(expected in r["report"]["comm_choice"] for r in preset)

@@ -56,13 +56,22 @@ def _device_name(link: str, device: torch.device) -> str:
 def compile_workload(program: Program, *, tp: int, distributed: bool, backend, max_model_len: int,
                      max_num_seqs: int, cache_size: dict):
     """The :class:`~dcpgraph.plan.comm_choice.CommWorkload` of an engine ``dcpgraph.compile``
-    builds: ranks of one host share it (``LOCAL_WORLD_SIZE`` of them under torchrun, else ``tp``)."""
-    from ..plan.comm_choice import CommWorkload, link_hardware
+    builds: ranks of one host share it (``LOCAL_WORLD_SIZE`` of them under torchrun, else ``tp``).
+    Ranks of a running gloo world price with their links as measured now, agreed by all of them
+    (:func:`~dcpgraph.plan.comm_choice.measured_link`; ``DCPGRAPH_MEASURE_LINKS=0`` keeps the
+    preset figures); NCCL and HCCL links take their presets, and the emulated executor prices the
+    gloo preset it stands in for."""
+    import torch.distributed as dist
+
+    from ..plan.comm_choice import CommWorkload, link_hardware, measured_link
 
     device = _weights_device(program)
     link = collective_backend(distributed, device, backend)
     hw = link_hardware(link, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", tp)),
                        device_name=_device_name(link, device))
+    if (link == "gloo" and distributed and dist.is_available() and dist.is_initialized()
+            and os.environ.get("DCPGRAPH_MEASURE_LINKS", "1") != "0"):
+        hw = measured_link(hw)
     sizes = tuple((k, int(v)) for k, v in sorted(cache_size.items()) if v is not None)
     return CommWorkload(hw, max_model_len=max_model_len, max_num_seqs=max_num_seqs, cache_size=sizes)
 

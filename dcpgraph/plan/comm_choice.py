@@ -65,6 +65,31 @@ def link_hardware(backend: str, *, ranks_per_host: int = 1, device_name: str = "
     raise ValueError(f"no link figures for collective backend {backend!r}; known: {list(LINK_BACKENDS)}")
 
 
+def measured_link(hw: Hardware, reps: int = 5) -> Hardware:
+    """``hw`` with the link figures of the running gloo world, measured now
+    (:func:`.calibration.measure_links`: ``all_gather`` and ``all_to_all``, the means of their
+    latencies and bandwidths) and agreed by every rank: each takes the slowest rank's latency and
+    bandwidth (one ``all_reduce`` of MAX), so every rank prices, and chooses, alike. Call on every
+    rank at once, as every collective; the figures include this host's load at start-up."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from .calibration import measure_links
+
+    links = measure_links(reps)
+    latency = statistics.mean(lat for lat, _ in links.values())
+    bandwidth = statistics.mean(bw for _, bw in links.values())
+    agreed = torch.tensor([latency, 1.0 / bandwidth], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    latency, bandwidth = float(agreed[0]), 1.0 / float(agreed[1])
+    world = dist.get_world_size()
+    return replace(hw, name=f"{hw.name}, measured at start-up", link_latency_s=latency, link_bandwidth=bandwidth,
+                   source=f"all_gather and all_to_all timed between the {world} gloo ranks at start-up "
+                          f"(the slowest rank's figures); the rest: {hw.source}")
+
+
 @dataclass(frozen=True)
 class CommWorkload:
     """What ``comm="auto"`` is evaluated for (module docstring): the link's hardware, and the

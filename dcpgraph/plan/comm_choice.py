@@ -8,7 +8,8 @@ projection feeds its own TP all-reduce). A refused lowering is listed with the r
 chosen. Each candidate is priced with :func:`.cost.decode_step`, the planner's per-rank model:
 
 * its DCP collectives and TP all-reduces per layer (``latency + bytes / bandwidth`` each), over
-  the link of the collective backend in use (:func:`link_hardware`);
+  the link of the collective backend in use (:func:`link_hardware`; under a running gloo world,
+  as its ranks measure it at start-up, :func:`measured_link`);
 * its weight read: the program's own per-rank weight bytes, plus for ``ag`` the bytes its rules
   add (the DCP group's query projection, and the whole output projection at ``dcp == tp``);
 * the attention, the same for every candidate (it only moves the working set a little).

@@ -193,8 +193,9 @@ class Operands {
   // scale group (a multiple of 32 elements). Whole 64-element steps load without a mask (measured:
   // the per-step mask and table reloads were a large share of fp8 GQA staging). A row whose group
   // scales are all powers of two in range (what quant.quantize_fp8 writes) takes each group's
-  // exponent step from one vector computed per row (measured, fp8 MLA in cache: a scalar
-  // row_scale and a division per 32 elements were 20 of 120 ns a token).
+  // exponent step from one vector computed per row (measured, fp8 MLA in cache: a scalar scale
+  // check and a division per 32 elements were 20 of 120 ns a token); any other row multiplies
+  // in fp32 (scale_bf16).
   void stage_row(const Fp8Lut& lut, const T* row, const float* scales, int64_t width, int64_t padded,
                  uint16_t* dst) const {
     if constexpr (kFp8) {
@@ -211,10 +212,10 @@ class Operands {
                                  x + 32 < padded ? steps[chunk_group_[x / 32 + 1]] : 0, a, b);
         } else {
           fp8x64_to_bf16(lut, raw, a, b);
-        }
-        if (!stepped && scales) {
-          a = apply_scale(a, row_scale(x < width ? scales[x / c_.group] : 1.f));
-          b = apply_scale(b, row_scale(x + 32 < width ? scales[(x + 32) / c_.group] : 1.f));
+          if (scales) {
+            a = scale_bf16(a, x < width ? scales[x / c_.group] : 1.f);
+            b = scale_bf16(b, x + 32 < width ? scales[(x + 32) / c_.group] : 1.f);
+          }
         }
         _mm512_storeu_si512(dst + x, a);
         if (x + 32 < padded) _mm512_storeu_si512(dst + x + 32, b);

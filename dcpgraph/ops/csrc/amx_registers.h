@@ -1,5 +1,5 @@
 // Register-level helpers of the AMX paged decoder (paged_decode_amx.h): masks, fp8 e4m3 -> bf16
-// conversion by table (exact) and a row's scale, a 16 x 16 transpose of 32-bit lanes, the
+// conversion by table (exact) and a row's group scales, a 16 x 16 transpose of 32-bit lanes, the
 // even/odd output interleave, and the two-token vectors and weight tile of the packed rows.
 // Compiled only with AMX-BF16 code (included from inside paged_decode_amx.h's guard).
 #pragma once
@@ -17,8 +17,8 @@ inline __mmask32 mask32(int64_t width, int64_t x) {
 // looked up as two byte tables (vpermi2b reads an index's low 7 bits, so the sign bit needs no
 // masking), the sign is or-ed into the high byte, and the bytes are interleaved into words. The
 // input bytes are first permuted so that the in-lane interleave yields elements in order. NaN
-// (0x7F / 0xFF) becomes the bf16 NaN 0xFFC0 whatever its sign (apply_scale() recognises it by
-// that pattern). Five shuffles and one logic op per 64 elements.
+// (0x7F / 0xFF) becomes the bf16 NaN 0xFFC0 whatever its sign (a scale keeps it NaN). Five
+// shuffles and one logic op per 64 elements.
 struct Fp8Lut {
   __m512i order, lo0, lo1, hi0, hi1;
 };
@@ -64,17 +64,11 @@ inline void fp8x64_to_bf16(const Fp8Lut& t, __m512i x, __m512i& a, __m512i& b) {
   b = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// Scale the nonzero, non-NaN bf16 lanes of v by the power of two whose exponent step is ``step``.
-inline __m512i add_exponent(__m512i v, int16_t step) {
-  const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
-  const __mmask32 finite = _mm512_mask_cmpneq_epi16_mask(nonzero, v, _mm512_set1_epi16(static_cast<int16_t>(0xFFC0)));
-  return _mm512_mask_add_epi16(v, finite, v, _mm512_set1_epi16(step));
-}
-
 // fp8x64_to_bf16 with the elements of a (0-31) and of b (32-63) scaled by the powers of two whose
-// exponent steps are sa and sb (exponent_steps). The lanes to step, neither zero nor NaN, come
-// from the input bytes in one compare for all 64 (add_exponent takes two per 32 elements, on
-// the shuffle port the table lookup already saturates).
+// exponent steps are sa and sb (exponent_steps): k << 7 added to every lane that is neither zero
+// nor NaN (the exact bf16 forms' exponents 118..135 stay normal for k in [-117, 119]). Those
+// lanes come from the input bytes in one compare for all 64 (two word compares per 32 outputs
+// would sit on the shuffle port the table lookup already fills).
 inline void fp8x64_to_bf16_stepped(const Fp8Lut& t, __m512i x, int16_t sa, int16_t sb, __m512i& a, __m512i& b) {
   fp8x64_to_bf16(t, x, a, b);
   const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi8(0x7F));
@@ -83,34 +77,19 @@ inline void fp8x64_to_bf16_stepped(const Fp8Lut& t, __m512i x, int16_t sa, int16
   b = _mm512_mask_add_epi16(b, static_cast<__mmask32>(live >> 32), b, _mm512_set1_epi16(sb));
 }
 
-// How one scale group of a row becomes bf16: a power of two 2^k within [2^-117, 2^119] is an
-// exponent step k << 7 (nonzero, non-NaN lanes only; the exact bf16 forms' exponents 118..135
-// stay normal); any other scale multiplies in fp32.
-struct RowScale {
-  bool exact;
-  int16_t step;
-  float value;
-};
-inline RowScale row_scale(float s) {
-  uint32_t b;
-  std::memcpy(&b, &s, 4);
-  const int32_t k = static_cast<int32_t>((b >> 23) & 0xFF) - 127;
-  if ((b & 0x807FFFFFu) == 0 && k >= -117 && k <= 119) return {true, static_cast<int16_t>(k * 128), s};
-  return {false, 0, s};
-}
-inline __m512i apply_scale(__m512i v, const RowScale& s) {
-  if (s.exact) {
-    return s.step == 0 ? v : add_exponent(v, s.step);
-  }
-  const __m512 f = _mm512_set1_ps(s.value);
+// v (32 bf16) times s, in fp32, rounded to bf16: the scale of a row not all of whose group
+// scales are powers of two in range (those rows take exponent_steps instead). A power of two in
+// range comes out exact here too.
+inline __m512i scale_bf16(__m512i v, float s) {
+  const __m512 f = _mm512_set1_ps(s);
   const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
   const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, f), _mm512_mul_ps(lo, f));
 }
 
 // The exponent steps k << 7 of a row's ``groups`` (at most 16) scales into steps[0..groups), and
-// 0 into the rest, when every one is a power of two 2^k within [2^-117, 2^119] (row_scale's
-// exact case); false, and steps untouched, otherwise.
+// 0 into the rest, when every one is a power of two 2^k within [2^-117, 2^119]; false, and
+// steps untouched, otherwise.
 inline bool exponent_steps(const float* scales, int64_t groups, int16_t (&steps)[32]) {
   if (groups > 16) return false;
   const __mmask16 lanes = static_cast<__mmask16>((1u << groups) - 1u);

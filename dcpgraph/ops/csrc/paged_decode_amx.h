@@ -38,9 +38,9 @@
 // rounded to bf16 as p * vs[t] (l sums p). For a power-of-two scale (what quant.quantize_fp8
 // writes) both equal the products of the dequantised values exactly; for any other scale they
 // skip the dequantised value's rounding to bf16. Rows with several scale groups (MLA's latent
-// and rope) get their scales applied while staged: a power of two 2^k adds k to the exponent,
-// exactly; any other scale multiplies in fp32 and rounds to bf16 (as the torch path's
-// dequantisation to bf16 does).
+// and rope) get their scales applied while staged: a row whose scales are all powers of two 2^k
+// (in range) adds each group's k to the exponents, exactly; any other row multiplies in fp32 and
+// rounds to bf16 (as the torch path's dequantisation to bf16 does).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \

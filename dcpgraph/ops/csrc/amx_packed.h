@@ -130,23 +130,16 @@ class PackedDecoder {
     return _mm512_mask_mov_ps(_mm512_set1_ps(f[t]), 0xFF00, _mm512_set1_ps(f[t + 1]));
   }
 
-  // s_[t, n] = K[t, :] . Q[n, :] for the key group's (at most two) token tiles. Decoder::scores'
-  // loop with other tiles: GCC's AMX intrinsics paste the tile numbers into the instruction text,
-  // so the roles cannot be template parameters of one shared loop.
+  // s_[t, n] = K[t, :] . Q[n, :] for the key group's (at most two) token tiles: Decoder::scores
+  // with tiles 0, 1 for the scores, 2 for the queries and 3 for the key rows.
   void scores(const Rows& keys, int64_t nt) {
     const int64_t ksteps = dp_ / 32, nq = (nt + 15) / 16;
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kk = 0; kk < ksteps; ++kk) {
-      pf_.step();
       _tile_loadd(2, in_.queries(0) + kk * TILE_ELEMS, 64);
-      _tile_loadd(3, keys.base[0] + kk * 32, keys.stride[0]);
-      _tile_dpbf16ps(0, 3, 2);
-      if (nq > 1) {
-        pf_.step();
-        _tile_loadd(3, keys.base[1] + kk * 32, keys.stride[1]);
-        _tile_dpbf16ps(1, 3, 2);
-      }
+      DCPGRAPH_SCORE_TILE(pf_, keys, 0, kk, 3, 0, 2);
+      if (nq > 1) DCPGRAPH_SCORE_TILE(pf_, keys, 1, kk, 3, 1, 2);
     }
     _tile_stored(0, s_, 64);
     _tile_stored(1, s_ + 16 * COLS, 64);

@@ -122,6 +122,17 @@ struct Rows {
   int64_t stride[MAX_QT];
 };
 
+// Token tile i's share of score step kk (32 key columns), in both decoders' score loops: the
+// prefetcher stepped, the tile's key rows loaded into tile KT and multiplied into score tile ACC
+// against the queries in tile QTILE. A macro because GCC's AMX intrinsics take tile numbers as
+// text, so tile roles cannot be function or template parameters.
+#define DCPGRAPH_SCORE_TILE(pf, keys, i, kk, KT, ACC, QTILE)              \
+  do {                                                                    \
+    (pf).step();                                                          \
+    _tile_loadd(KT, (keys).base[i] + (kk) * 32, (keys).stride[i]);        \
+    _tile_dpbf16ps(ACC, KT, QTILE);                                       \
+  } while (0)
+
 }  // namespace amx
 
 #include "amx_prefetch.h"
@@ -201,25 +212,11 @@ class Decoder {
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kk = 0; kk < ksteps; ++kk) {
-      pf_.step();
       _tile_loadd(4, qb + kk * TILE_ELEMS, 64);
-      _tile_loadd(5, keys.base[0] + kk * 32, keys.stride[0]);
-      _tile_dpbf16ps(0, 5, 4);
-      if (nq > 1) {
-        pf_.step();
-        _tile_loadd(6, keys.base[1] + kk * 32, keys.stride[1]);
-        _tile_dpbf16ps(1, 6, 4);
-      }
-      if (nq > 2) {
-        pf_.step();
-        _tile_loadd(5, keys.base[2] + kk * 32, keys.stride[2]);
-        _tile_dpbf16ps(2, 5, 4);
-      }
-      if (nq > 3) {
-        pf_.step();
-        _tile_loadd(6, keys.base[3] + kk * 32, keys.stride[3]);
-        _tile_dpbf16ps(3, 6, 4);
-      }
+      DCPGRAPH_SCORE_TILE(pf_, keys, 0, kk, 5, 0, 4);
+      if (nq > 1) DCPGRAPH_SCORE_TILE(pf_, keys, 1, kk, 6, 1, 4);
+      if (nq > 2) DCPGRAPH_SCORE_TILE(pf_, keys, 2, kk, 5, 2, 4);
+      if (nq > 3) DCPGRAPH_SCORE_TILE(pf_, keys, 3, kk, 6, 3, 4);
     }
     _tile_stored(0, s_.data(), 64);
     if (QT > 1) _tile_stored(1, s_.data() + 16 * COLS, 64);
@@ -370,4 +367,5 @@ class Decoder {
 }  // namespace amx
 
 #include "amx_packed.h"
+#undef DCPGRAPH_SCORE_TILE
 #endif

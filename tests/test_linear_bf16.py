@@ -3,8 +3,8 @@
 The native kernel is checked against an fp32 reference (``x.float() @ W.float().T + b``), with
 torch's own bf16 linear as the yardstick for the error bf16 allows: both round an fp32 sum once,
 so each output is within half a bf16 ulp of the reference, plus fp32 summation-order error.
-Without an AVX512-BF16 CPU (or with ``DCPGRAPH_NATIVE=0``) the kernel tests skip, naming why;
-the fallback and pass-skipping tests still run.
+Without an AVX512-BF16 or AVX2 + FMA CPU (or with ``DCPGRAPH_NATIVE=0``) the kernel tests skip,
+naming why; the fallback and pass-skipping tests still run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dcpgraph.testing.generation import teacher_forced_logits
 
 def _need_native():
     if not linear.native_enabled():
-        pytest.skip(f"native bf16 linear unavailable: {linear.reason()} (runs on an AVX512-BF16 CPU)")
+        pytest.skip(f"native bf16 linear unavailable: {linear.reason()} (runs on an AVX512-BF16 or AVX2 + FMA CPU)")
 
 
 def _reference(x, w, b):
@@ -87,9 +87,10 @@ def test_native_kernel_runs_for_decode_rows_and_torch_beyond():
     the rule says, and each result is right."""
     kernels = _kernels()
     gen = torch.Generator().manual_seed(1)
-    for k in (98, 99):  # even K: AMX where present; odd K: the dot kernel up to DOT_MAX_ROWS
+    dot_rows = linear.dot_max_rows()
+    for k in (98, 99):  # even K: AMX where present; odd K: the dot kernel up to dot_max_rows()
         w = torch.randn(70, k, generator=gen).bfloat16()
-        for rows in (1, linear.DOT_MAX_ROWS, linear.DOT_MAX_ROWS + 1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+        for rows in sorted({1, dot_rows, dot_rows + 1, linear.MAX_ROWS, linear.MAX_ROWS + 1}):
             x = torch.randn(1, rows, k, generator=gen).bfloat16()  # the graph's [1, T, K]
             expected = linear.native_kernel(x, w) or "torch"
             before = _calls()
@@ -100,7 +101,7 @@ def test_native_kernel_runs_for_decode_rows_and_torch_beyond():
             ref, bound = _reference(x, w, None)
             _assert_bf16_close(got, ref, bound)
             amx = "amx" in kernels and k % 2 == 0
-            want = ("amx" if amx else "dot" if rows <= linear.DOT_MAX_ROWS else "torch") \
+            want = ("amx" if amx else "dot" if rows <= dot_rows else "torch") \
                 if rows <= linear.MAX_ROWS else "torch"
             assert expected == want, (k, rows)
 

@@ -9,8 +9,11 @@ nn.Linear's row-major layout; fp32 accumulation; one bf16 rounding of ``acc + b`
 * ``"amx"`` for 1 ≤ M ≤ :data:`MAX_ROWS` and even K where the CPU has AMX-BF16 and the OS grants
   it: Y^T = W · X^T on 16×16 tiles (90-100% of read bandwidth at M = 1..16 on 1024×4096 and
   2816×1024 weights, against torch's 57-80%);
-* ``"dot"`` (AVX512-BF16 dot products, MB×NB register blocks) for 1 ≤ M ≤ :data:`DOT_MAX_ROWS`
-  otherwise: it is compute-bound beyond a few rows (16 multiply-adds per weight run at ~35%);
+* ``"dot"`` (MB×NB register blocks) for 1 ≤ M ≤ :func:`dot_max_rows` otherwise: AVX512-BF16 dot
+  products up to :data:`DOT_MAX_ROWS` rows (compute-bound beyond: 16 multiply-adds per weight run
+  at ~35%), or, on CPUs with AVX2 + FMA but no AVX512-BF16 (AMD Zen 1-3, older Intel), bf16
+  widened to fp32 in registers with fp32 FMAs up to :data:`DOT_MAX_ROWS_AVX2` (torch's bf16
+  linear there is slower at every such M);
 * torch's ``torch.nn.functional.linear`` for everything else (prefill, fp32, other devices).
 
 :func:`native_kernel` is the checker: CPU tensors, bf16 ``x`` and ``W``, ``W`` 2-D with dense
@@ -43,8 +46,13 @@ EXTENSION = NativeExtension(
 )
 # Rows up to which the AMX kernel runs (one 16-column B tile: decode batches); more go to torch.
 MAX_ROWS = 16
-# Rows up to which the AVX512-BF16 dot kernel beats torch (odd K, or no AMX).
+# Rows up to which the register-block ("dot") kernel beats torch (odd K, or no AMX), per its
+# instruction set. AVX512-BF16 dot products: 3 (compute-bound beyond). AVX2 + FMA on bf16 widened to
+# fp32: every row the op takes (MAX_ROWS), since torch's bf16 linear on AVX2 runs each row as its own
+# compute-bound pass (measured on an AMD EPYC (Zen 2) core, 4096x4096 and 11008x2048 weights: the
+# kernel 12 GB/s at M = 1 and 2.2 at M = 16, torch 5.1-5.6 and 0.4: 2.2-5.4x).
 DOT_MAX_ROWS = 3
+DOT_MAX_ROWS_AVX2 = MAX_ROWS
 # Software prefetch distance along each W row, in bytes (0: none), per kernel: measured best on
 # this machine's Sapphire Rapids (AMX streams 16-32 rows at once and its prefetch only got in the way).
 PREFETCH_BYTES = {"amx": 0, "dot": 512}
@@ -59,7 +67,7 @@ def reason() -> str | None:
 
 
 def native_enabled() -> bool:
-    """Built, on an AVX512-BF16 build, and its self-check against an fp32 reference passed;
+    """Built (with AVX512-BF16 or AVX2 + FMA), and its self-check against an fp32 reference passed;
     decided once per process (the reason when not is in :func:`reason`)."""
     if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
         return _off("native kernels turned off (DCPGRAPH_NATIVE=0)")
@@ -81,8 +89,10 @@ def _self_check() -> bool:
     mod = EXTENSION.load()
     if mod is None:
         return _off(EXTENSION.reason or "native bf16 linear kernel unavailable")
-    if not mod.has_bf16_dot():
-        return _off("native bf16 linear kernel built without AVX512-BF16 (this CPU lacks it)")
+    isa = mod.dot_isa()
+    if not isa:
+        return _off("native bf16 linear kernel built without AVX512-BF16 or AVX2 + FMA (this CPU lacks both)")
+    _state["isa"] = isa
     _state["amx"] = False
     failed = _check_kernel("dot", mod.linear_bf16)
     if failed:
@@ -93,7 +103,7 @@ def _self_check() -> bool:
         _state["amx_reason"] = failed  # the dot kernel still runs
     _state["reason"] = None
     prefetch = os.environ.get("DCPGRAPH_LINEAR_PREFETCH")
-    mod.configure(True, bool(_state["amx"]), MAX_ROWS, DOT_MAX_ROWS,
+    mod.configure(True, bool(_state["amx"]), MAX_ROWS, dot_max_rows(),
                   *(int(prefetch if prefetch is not None else PREFETCH_BYTES[k]) for k in ("amx", "dot")))
     return True
 
@@ -117,6 +127,11 @@ def _check_kernel(name: str, run) -> str | None:
     return None
 
 
+def dot_max_rows() -> int:
+    """Rows up to which the built register-block kernel runs (its instruction set's limit)."""
+    return DOT_MAX_ROWS_AVX2 if _state.get("isa") == "avx2" else DOT_MAX_ROWS
+
+
 def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
     """``"amx"``, ``"dot"`` or ``None`` (torch): which kernel :func:`linear_bf16` runs
     ``x @ weight.T (+ bias)`` on (rules in the module docstring)."""
@@ -133,7 +148,7 @@ def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     if k % 2 == 0 and _state.get("amx"):
         return "amx"
-    return "dot" if rows <= DOT_MAX_ROWS else None
+    return "dot" if rows <= dot_max_rows() else None
 
 
 def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

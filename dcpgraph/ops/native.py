@@ -5,7 +5,7 @@ does without ``kv_bound`` (row ``r``'s queries attend to its first ``kv_lens[r]`
 reading K and V **in place through the block table** (no gather copy, so a scattered table costs
 what a contiguous one does). KV caches of fp32, bf16 or float8_e4m3fn with its per-group scales
 (:mod:`dcpgraph.ops.quant`; the group size is passed to the kernel) are read as stored (bf16/fp8
-need an AVX-512 build: :func:`kv_dtypes`). fp32 queries are computed in fp32, stored elements
+need an AVX-512 or AVX2 + FMA build, ``csrc/simd_f32.h``: :func:`kv_dtypes`). fp32 queries are computed in fp32, stored elements
 converted in registers. bf16 queries (a bf16 model) over a bf16/fp8 cache take the AMX-BF16 path
 (``csrc/paged_decode_amx.h``: bf16 products with fp32 accumulation and softmax, the softmax weights
 rounded to bf16 for the value product, within :data:`AMX_OUT_TOL` / :data:`AMX_LSE_TOL` of fp32)
@@ -32,7 +32,7 @@ from .quant import FP8_SCALE_GROUP as _FP8_SCALE_GROUP
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 _HEADERS = tuple(_SRC.parent / h for h in ("paged_decode_amx.h", "amx_packed.h", "amx_registers.h", "amx_prefetch.h",
-                                             "amx_operands.h", "kv_cache_write.h", "line_aligned.h"))  # included
+                                             "amx_operands.h", "kv_cache_write.h", "line_aligned.h", "simd_f32.h"))  # included
 EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode kernel", "decode runs on the torch path",
                             headers=_HEADERS)
 _clear_stale_lock = clear_stale_lock

@@ -2,7 +2,7 @@
 
 Every ``aten.linear(x, W, b?)`` whose weight ``W`` is a 2-D bf16 parameter (a state input of the
 program) on the CPU becomes ``dcpgraph.linear_bf16(x, W, b?)``, an op with torch's meaning whose
-CPU kernel runs few-row calls (decode) through the native AVX512-BF16 kernel and every other call
+CPU kernel runs few-row calls (decode) through the native kernel (AMX, AVX512-BF16, or AVX2 + FMA) and every other call
 through ``torch.nn.functional.linear`` (the checker and the numerics: :mod:`dcpgraph.ops.linear`).
 The pass applies only where that kernel is built and past its self-check in this process, so a
 machine without it keeps plain ``aten.linear``; fp32/fp64 programs, activations-by-activations

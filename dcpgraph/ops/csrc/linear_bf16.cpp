@@ -49,6 +49,15 @@
 #else
 #define DCP_HAVE_BF16_DOT 0
 #endif
+// AVX2 + FMA without bf16 dot products (AMD Zen 1-3, Intel before Cooper Lake): the same register
+// blocks with W and x widened to fp32 in registers (a bf16 is the high half of its fp32) and fp32
+// FMAs, 8 k at a time.
+#if !DCP_HAVE_BF16_DOT && defined(__AVX2__) && defined(__FMA__)
+#define DCP_HAVE_FMA_DOT 1
+#else
+#define DCP_HAVE_FMA_DOT 0
+#endif
+#define DCP_HAVE_DOT (DCP_HAVE_BF16_DOT || DCP_HAVE_FMA_DOT)
 
 namespace {
 
@@ -106,6 +115,72 @@ inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, in
     for (int j = 0; j < NB; ++j) sums[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+#elif DCP_HAVE_FMA_DOT
+
+// 8 bf16 at p widened to fp32 (exact); the first n of them, zeros after (a K tail).
+inline __m256 widen8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const bf16* p, int64_t n) {
+  alignas(16) uint16_t b[8] = {};
+  std::memcpy(b, p, static_cast<size_t>(n) * sizeof(uint16_t));
+  return widen8(reinterpret_cast<const bf16*>(b));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sums[i * NB + j] = dot(x row i, W row j) over K: MB x-row vectors live across the NB W rows,
+// each W vector widened once and used MB times (MB*NB + MB + 1 <= 16 registers).
+template <int MB, int NB>
+inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, int64_t prefetch,
+                      float* sums) {
+  __m256 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  auto step = [&](int64_t k, auto widen) {
+    __m256 xv[MB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) xv[i] = widen(x + i * ldx + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const __m256 wv = widen(w + j * ldw + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+    }
+  };
+  auto whole = [](const bf16* p) { return widen8(p); };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // a 64-byte line of each W row per round
+    if (prefetch > 0)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + prefetch, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int u = 0; u < 32; u += 8) step(k + u, whole);
+  }
+  for (; k + 8 <= K; k += 8) step(k, whole);
+  if (k < K) {
+    const int64_t n = K - k;
+    step(k, [n](const bf16* p) { return widen8(p, n); });
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) sums[i * NB + j] = hsum8(acc[i][j]);
+}
+
+#endif
+
+#if DCP_HAVE_DOT
+
 using BlockFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*);
 
 // dot_block<mb, NB> for a runtime mb in 1..4 (the M tail of a block of 4 rows).
@@ -119,9 +194,16 @@ BlockFn block_for_rows(int64_t mb) {
   }
 }
 
-// Rows of x per register block, and W rows per block for that many x rows: MB*NB accumulators.
+// Rows of x per register block, and W rows per block for that many x rows: MB*NB accumulators
+// (AVX-512's 32 vector registers, AVX2's 16).
 constexpr int kMaxRowsPerBlock = 4;
-inline int w_rows_per_block(int64_t mb) { return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 5 : 4; }
+inline int w_rows_per_block(int64_t mb) {
+#if DCP_HAVE_BF16_DOT
+  return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 5 : 4;
+#else
+  return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 4 : 2;
+#endif
+}
 
 BlockFn block_fn(int64_t mb, int nb) {
   switch (nb) {
@@ -129,6 +211,7 @@ BlockFn block_fn(int64_t mb, int nb) {
     case 6: return block_for_rows<6>(mb);
     case 5: return block_for_rows<5>(mb);
     case 4: return block_for_rows<4>(mb);
+    case 2: return block_for_rows<2>(mb);
     default: return block_for_rows<1>(mb);
   }
 }
@@ -141,7 +224,7 @@ void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_
     }
 }
 
-#endif  // DCP_HAVE_BF16_DOT
+#endif  // DCP_HAVE_DOT
 
 // The checks both kernels make on y = x·Wᵀ (+ b); returns the bias's data (nullptr without one).
 [[maybe_unused]] const float* checked_args(const at::Tensor& x, const at::Tensor& w,
@@ -161,7 +244,7 @@ void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_
 
 bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y,
                  int64_t prefetch) {
-#if DCP_HAVE_BF16_DOT
+#if DCP_HAVE_DOT
   const float* b = checked_args(x, w, bias, y, "linear_bf16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const bf16* xp = x.data_ptr<bf16>();
@@ -195,7 +278,7 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   return true;
 #else
   (void)x; (void)w; (void)bias; (void)y; (void)prefetch;
-  return false;  // built for a CPU without AVX512-BF16
+  return false;  // built for a CPU without AVX512-BF16 or AVX2 + FMA
 #endif
 }
 
@@ -356,6 +439,9 @@ bool has_amx() {
 
 bool has_bf16_dot() { return DCP_HAVE_BF16_DOT != 0; }
 
+// The instruction set of the register-block kernel linear_bf16: "avx512bf16", "avx2" or "" (none built).
+std::string dot_isa() { return DCP_HAVE_BF16_DOT ? "avx512bf16" : DCP_HAVE_FMA_DOT ? "avx2" : ""; }
+
 // What linear_bf16_op dispatches on; off until configure() is called after the self-check.
 struct OpConfig {
   bool enabled = false;
@@ -416,4 +502,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_amx", &linear_bf16_amx, "the same for 1 <= M <= 16 and even K, on AMX tiles");
   m.def("has_amx", &has_amx, "whether this build has AMX-BF16 and the OS granted it");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the AVX512-BF16 kernel");
+  m.def("dot_isa", &dot_isa, "the register-block kernel's instruction set (avx512bf16, avx2) or empty");
 }

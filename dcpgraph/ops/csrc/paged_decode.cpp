@@ -10,7 +10,7 @@
 //
 // KV element types: fp32; bf16 and float8_e4m3fn (with fp32 scales [NB, B, H, ceil(D/group)], one
 // per ``scale_group`` elements of a row) are converted to fp32 in registers as they are loaded
-// (AVX-512 builds only). fp32 queries: all arithmetic is fp32. bf16 queries (a bf16 model) over a
+// (AVX-512 or AVX2 + FMA builds: simd_f32.h). fp32 queries: all arithmetic is fp32. bf16 queries (a bf16 model) over a
 // bf16/fp8 cache: the AMX-BF16 path of paged_decode_amx.h (bf16 products, fp32 accumulation and
 // softmax, P rounded to bf16 for the value product), on builds and processes that have AMX.
 // Outputs out [T, Hq, Dv] fp32 and natural-log lse [T, Hq] fp32; rows with no keys are left as
@@ -27,9 +27,7 @@
 #include <string>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd_f32.h"  // DCPGRAPH_SIMD: the fp32 vectors of AVX-512 or AVX2 builds
 
 #include "kv_cache_write.h"  // the cache-write op's CPU kernel, registered with this extension
 #include "line_aligned.h"
@@ -183,44 +181,73 @@ class RowPrefetch {
   int64_t left_ = 0, per_ = 0, line_ = 0;
 };
 
-#ifdef __AVX512F__
-// KV element loaders: 16 consecutive elements of one cache row as fp32 in a register (masked
-// lanes are zero). ``sc`` is that row's fp32 scales (one per ``grp`` elements, a multiple of 16;
-// fp8 only) and ``x`` the offset of the first element in the row, a multiple of 16.
+#if DCPGRAPH_SIMD
+using simd::Simd;
+using Vec = Simd::V;
+using Lanes = Simd::Mask;
+using simd::All;
+constexpr int64_t W = Simd::W;  // fp32 lanes per vector
+
+// KV element loaders: W consecutive elements of one cache row from offset x (a multiple of W)
+// as fp32 in a register (lanes past the mask zero; ``All``: every lane). fp8 only: ``sc`` is the
+// row's fp32 scales and vg[x / W] the index of the scale of vector x / W (scale groups are
+// multiples of 16 elements, so one vector has one scale).
 
 struct LoadF32 {
   using T = float;
-  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk, int64_t = 0) {
-    return _mm512_maskz_loadu_ps(mk, row + x);
+  template <class M>
+  static inline Vec load(const T* row, const float*, int64_t x, M mk, const int32_t* = nullptr) {
+    return Simd::load(row + x, mk);
   }
 };
 
 struct LoadBF16 {  // bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 word
   using T = uint16_t;
-  static inline __m512 load(const T* row, const float*, int64_t x, __mmask16 mk, int64_t = 0) {
-    const __m256i h = _mm256_maskz_loadu_epi16(mk, row + x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  template <class M>
+  static inline Vec load(const T* row, const float*, int64_t x, M mk, const int32_t* = nullptr) {
+    return Simd::as_float(Simd::shl<16>(Simd::words(row + x, mk)));
   }
 };
 
-struct LoadFP8 {  // float8_e4m3fn bytes s.eeee.mmm, times the row's scale for this group
+// float8_e4m3fn bytes s.eeee.mmm, times the row's scale for this group. The sign-extended byte
+// shifted left by 20 and masked to sign | eeee.mmm is the fp32 number e4m3 * 2^-120 exactly
+// (eeee.mmm lands on the top of fp32's exponent and mantissa fields; a subnormal e4m3 becomes
+// an fp32 denormal of the same ratio), so one exact multiply by 2^120 and the scale's finish it:
+// eight vector ops where building the exponent and blending in the subnormals took fourteen.
+// NaN (s.1111.111) is set apart. Needs denormal inputs kept (MXCSR.DAZ clear, as a process starts
+// and as torch leaves it unless set_flush_denormal(True)); LoadFP8Exact otherwise.
+struct LoadFP8 {
   using T = uint8_t;
-  static inline __m512 load(const T* row, const float* sc, int64_t x, __mmask16 mk, int64_t grp) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, row + x));
-    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
-    // Normal (e > 0): exponent and mantissa bits moved into fp32's fields, bias 7 -> 127.
-    const __m512 normal = _mm512_castsi512_ps(
-        _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-    // Subnormal (e = 0): m * 2^-9, computed without fp32 denormals.
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
-    const __mmask16 is_normal = _mm512_cmpge_epi32_mask(em, _mm512_set1_epi32(8));
-    __m512 v = _mm512_mask_blend_ps(is_normal, sub, normal);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));  // s.1111.111
-    return _mm512_mul_ps(v, _mm512_set1_ps(sc[x / grp]));
+  template <class M>
+  static inline Vec load(const T* row, const float* sc, int64_t x, M mk, const int32_t* vg) {
+    using S = Simd;
+    const S::I f = S::iand(S::shl<20>(S::sbytes(row + x, mk)), S::iset1(static_cast<int32_t>(0x87F00000u)));
+    const Vec v = S::nan_where_eq(S::iand(f, S::iset1(0x7FF00000)), S::iset1(0x07F00000), S::as_float(f));
+    return S::mul(S::mul(v, S::set1(0x1p120f)), S::set1(sc[vg[x / W]]));
   }
 };
+
+// The same values without fp32 denormals (for threads that treat denormal inputs as zero).
+struct LoadFP8Exact {
+  using T = uint8_t;
+  template <class M>
+  static inline Vec load(const T* row, const float* sc, int64_t x, M mk, const int32_t* vg) {
+    using S = Simd;
+    const S::I b = S::bytes(row + x, mk);
+    const S::I em = S::iand(b, S::iset1(0x7F));
+    // Normal (e > 0): exponent and mantissa bits moved into fp32's fields, bias 7 -> 127.
+    const Vec normal = S::as_float(S::iadd(S::shl<20>(em), S::iset1(120 << 23)));
+    // Subnormal (e = 0): m * 2^-9, computed without fp32 denormals.
+    const Vec sub = S::mul(S::to_float(em), S::set1(1.0f / 512.0f));
+    Vec v = S::select_ge(em, S::iset1(8), normal, sub);
+    v = S::as_float(S::ior(S::as_int(v), S::shl<24>(S::iand(b, S::iset1(0x80)))));
+    v = S::select_eq(em, S::iset1(0x7F), S::set1(NAN), v);  // s.1111.111
+    return S::mul(v, S::set1(sc[vg[x / W]]));
+  }
+};
+
+// Whether this thread treats denormal inputs as zero (MXCSR.DAZ, bit 6).
+inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040u) != 0; }
 
 template <class T> struct LoaderForT;
 template <> struct LoaderForT<float> { using type = LoadF32; };
@@ -228,32 +255,21 @@ template <> struct LoaderForT<uint16_t> { using type = LoadBF16; };
 template <> struct LoaderForT<uint8_t> { using type = LoadFP8; };
 template <class T> using LoaderFor = typename LoaderForT<T>::type;
 
-// AVX-512 micro-kernels (compiled with -march=native on a machine that has it): register tiles of
-// RR query rows x TT tokens for the scores and RR rows x NV 16-float vectors for the values, so
-// each K/V vector load (converted to fp32 in the register) feeds several FMAs and the accumulators
-// stay in registers. K/V rows are ``ks`` elements apart and their scale rows ``kss`` floats apart.
-template <class L, int RR, int TT>
-inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
-                       int64_t kss, int64_t grp, float* s, int64_t ss) {
-  __m512 acc[RR][TT];
-  #pragma GCC unroll 16
-  for (int i = 0; i < RR; ++i)
-    #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t x = 0; x < d; x += 16) {
-    const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
-    __m512 kv[TT];
-    #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk, grp);
-    #pragma GCC unroll 16
-    for (int i = 0; i < RR; ++i) {
-      const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i * d + x);
-      #pragma GCC unroll 16
-      for (int j = 0; j < TT; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
-    }
-  }
+// Register tiles (compiled with -march=native): TILE_ROWS query rows x TILE_TOKS tokens for the
+// scores and TILE_ROWS rows x VALUE_VECS vectors for the values, so each K/V vector load
+// (converted to fp32 in the register) feeds several FMAs and the accumulators stay in registers:
+// 4 x 4 + 4 + 1 of AVX-512's 32 registers, 4 x 3 + 3 + 1 of AVX2's 16.
+constexpr int TILE_ROWS = 4;
+constexpr int TILE_TOKS = W == 16 ? 4 : 3;
+constexpr int VALUE_VECS = W == 16 ? 4 : 3;
+
+// s[i * ss + j] = sum of acc[i][j]'s lanes, for a 4-row tile: transpose-add trees, so the
+// horizontal sums cost a few shuffles per row rather than a reduction per accumulator.
+template <int RR, int TT>
+inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ss) {
+#ifdef __AVX512F__
   if constexpr (RR == 4 && TT == 4) {
-    // Sixteen horizontal sums at once (a transpose-add tree): lane 4i + j of r is sum(acc[i][j]).
+    // Sixteen horizontal sums at once: lane 4i + j of r is sum(acc[i][j]).
     __m512 a[8], b[4];
     #pragma GCC unroll 16
     for (int u = 0; u < 8; ++u) {
@@ -274,150 +290,227 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
     _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(r, 1));
     _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(r, 2));
     _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(r, 3));
-  } else {
-    #pragma GCC unroll 16
-    for (int i = 0; i < RR; ++i)
-      #pragma GCC unroll 16
-      for (int j = 0; j < TT; ++j) s[i * ss + j] = _mm512_reduce_add_ps(acc[i][j]);
+    return;
   }
+#else
+  if constexpr (TT >= 2) {
+    // Per row, pairwise horizontal adds of its (up to four) accumulators: lane j of the low half
+    // plus lane j of the high half is sum(acc[i][j]).
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i) {
+      const __m256 z = _mm256_setzero_ps();
+      const __m256 h01 = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+      const __m256 h23 = _mm256_hadd_ps(TT > 2 ? acc[i][TT > 2 ? 2 : 0] : z, TT > 3 ? acc[i][TT > 3 ? 3 : 0] : z);
+      const __m256 h = _mm256_hadd_ps(h01, h23);
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      alignas(16) float out[4];
+      _mm_store_ps(out, r);
+      #pragma GCC unroll 4
+      for (int j = 0; j < TT; ++j) s[i * ss + j] = out[j];
+    }
+    return;
+  }
+#endif
+  #pragma GCC unroll 16
+  for (int i = 0; i < RR; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) s[i * ss + j] = Simd::sum(acc[i][j]);
+}
+
+// K/V rows are ``ks`` elements apart and their scale rows ``kss`` floats apart.
+template <class L, int RR, int TT>
+inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
+                       int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+  Vec acc[RR][TT];
+  #pragma GCC unroll 16
+  for (int i = 0; i < RR; ++i)
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) acc[i][j] = Simd::zero();
+  auto step = [&](int64_t x, auto mk) {
+    Vec kv[TT];
+    #pragma GCC unroll 16
+    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk, vg);
+    #pragma GCC unroll 16
+    for (int i = 0; i < RR; ++i) {
+      const Vec qv = Simd::load(q + i * d + x, mk);
+      #pragma GCC unroll 16
+      for (int j = 0; j < TT; ++j) acc[i][j] = Simd::fmadd(qv, kv[j], acc[i][j]);
+    }
+  };
+  int64_t x = 0;
+  for (; x + W <= d; x += W) step(x, All{});
+  if (x < d) step(x, Simd::first(d - x));
+  store_sums<RR, TT>(acc, s, ss);
 }
 
 struct NoStep {
   void operator()() const {}
 };
 
-// ``step()`` runs before every register tile (the caller's spread prefetch, see RowPrefetch).
+// One score tile of rr <= TILE_ROWS rows and tt <= TILE_TOKS tokens (run-time sizes).
+template <class L, int RR, int TT = TILE_TOKS>
+inline void score_tile_of(int64_t tt, const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
+                          int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+  if constexpr (TT > 1) {
+    if (tt < TT) return score_tile_of<L, RR, TT - 1>(tt, q, d, k, ks, ksc, kss, vg, s, ss);
+  }
+  score_tile<L, RR, TT>(q, d, k, ks, ksc, kss, vg, s, ss);
+}
+template <class L, int RR = TILE_ROWS>
+inline void score_tile_of(int64_t rr, int64_t tt, const float* q, int64_t d, const typename L::T* k, int64_t ks,
+                          const float* ksc, int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+  if constexpr (RR > 1) {
+    if (rr < RR) return score_tile_of<L, RR - 1>(rr, tt, q, d, k, ks, ksc, kss, vg, s, ss);
+  }
+  score_tile_of<L, RR>(tt, q, d, k, ks, ksc, kss, vg, s, ss);
+}
+
+// s[i * ss + t] = <q_i, k_t> for rows i < m, tokens t < nt. ``step()`` runs before every
+// register tile (the caller's spread prefetch, see RowPrefetch).
 template <class L, class Step = NoStep>
-inline void block_scores_avx(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
-                             const float* ksc, int64_t kss, int64_t grp, int64_t nt, float* s, int64_t ss,
-                             Step&& step = Step()) {
-  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, float*,
-                      int64_t);
-  static const Fn table[4][4] = {
-      {score_tile<L, 1, 1>, score_tile<L, 1, 2>, score_tile<L, 1, 3>, score_tile<L, 1, 4>},
-      {score_tile<L, 2, 1>, score_tile<L, 2, 2>, score_tile<L, 2, 3>, score_tile<L, 2, 4>},
-      {score_tile<L, 3, 1>, score_tile<L, 3, 2>, score_tile<L, 3, 3>, score_tile<L, 3, 4>},
-      {score_tile<L, 4, 1>, score_tile<L, 4, 2>, score_tile<L, 4, 3>, score_tile<L, 4, 4>},
-  };
-  for (int64_t i = 0; i < m; i += 4) {
-    const int64_t rr = std::min<int64_t>(4, m - i);
-    for (int64_t t = 0; t < nt; t += 4) {
-      const int64_t tt = std::min<int64_t>(4, nt - t);
+inline void block_scores_simd(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
+                              const float* ksc, int64_t kss, const int32_t* vg, int64_t nt, float* s, int64_t ss,
+                              Step&& step = Step()) {
+  for (int64_t i = 0; i < m; i += TILE_ROWS) {
+    const int64_t rr = std::min<int64_t>(TILE_ROWS, m - i);
+    for (int64_t t = 0; t < nt; t += TILE_TOKS) {
       step();
-      table[rr - 1][tt - 1](q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss, grp, s + i * ss + t, ss);
+      score_tile_of<L>(rr, std::min<int64_t>(TILE_TOKS, nt - t), q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss,
+                       vg, s + i * ss + t, ss);
     }
   }
 }
 
-// acc[i, x0 : x0 + 16 NV] += sum_t p[i * ps + t] * v_t[x0 : ...] (the last vector masked by ``last``).
-template <class L, int RR, int NV>
+// acc[i, x0 : x0 + W NV] += sum_t p[i * ps + t] * v_t[x0 : ...] (the last vector's lanes ``last``).
+template <class L, int RR, int NV, class M>
 inline void value_tile(const float* p, int64_t ps, const typename L::T* v, int64_t vs, const float* vsc,
-                       int64_t vss, int64_t grp, int64_t x0, int64_t nt, float* acc, int64_t dv, __mmask16 last) {
-  __m512 a[RR][NV];
+                       int64_t vss, const int32_t* vg, int64_t x0, int64_t nt, float* acc, int64_t dv, M last) {
+  // vector c's lanes: all but the last vector's, which are ``last``
+  auto load_acc = [&](int i, int c) {
+    return c == NV - 1 ? Simd::load(acc + i * dv + x0 + W * c, last) : Simd::load(acc + i * dv + x0 + W * c, All{});
+  };
+  Vec a[RR][NV];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c)
-      a[i][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? last : 0xFFFF, acc + i * dv + x0 + 16 * c);
+    for (int c = 0; c < NV; ++c) a[i][c] = load_acc(i, c);
   for (int64_t t = 0; t < nt; ++t) {
-    __m512 vv[NV];
+    Vec vv[NV];
     #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c)
-      vv[c] = L::load(v + t * vs, vsc + t * vss, x0 + 16 * c, c == NV - 1 ? last : 0xFFFF, grp);
+      vv[c] = c == NV - 1 ? L::load(v + t * vs, vsc + t * vss, x0 + W * c, last, vg)
+                          : L::load(v + t * vs, vsc + t * vss, x0 + W * c, All{}, vg);
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
-      const __m512 w = _mm512_set1_ps(p[i * ps + t]);
+      const Vec w = Simd::set1(p[i * ps + t]);
       #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a[i][c] = _mm512_fmadd_ps(w, vv[c], a[i][c]);
+      for (int c = 0; c < NV; ++c) a[i][c] = Simd::fmadd(w, vv[c], a[i][c]);
     }
   }
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c)
-      _mm512_mask_storeu_ps(acc + i * dv + x0 + 16 * c, c == NV - 1 ? last : 0xFFFF, a[i][c]);
+    for (int c = 0; c < NV; ++c) {
+      if (c == NV - 1)
+        Simd::store(acc + i * dv + x0 + W * c, last, a[i][c]);
+      else
+        Simd::store(acc + i * dv + x0 + W * c, All{}, a[i][c]);
+    }
 }
 
 // dst[t * d + x] = row t of a block, converted to fp32 (t < nt, x < d): a stored block staged
 // once when several register blocks of query rows would otherwise each convert it again.
 template <class L>
-inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc, int64_t scs, int64_t grp,
+inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc, int64_t scs, const int32_t* vg,
                        int64_t nt, int64_t d, float* dst) {
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t x = 0; x < d; x += 16) {
-      const __mmask16 mk = d - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - x)) - 1u);
-      _mm512_mask_storeu_ps(dst + t * d + x, mk, L::load(src + t * stride, sc + t * scs, x, mk, grp));
+  for (int64_t t = 0; t < nt; ++t) {
+    int64_t x = 0;
+    for (; x + W <= d; x += W)
+      Simd::store(dst + t * d + x, All{}, L::load(src + t * stride, sc + t * scs, x, All{}, vg));
+    if (x < d) {
+      const Lanes mk = Simd::first(d - x);
+      Simd::store(dst + t * d + x, mk, L::load(src + t * stride, sc + t * scs, x, mk, vg));
     }
+  }
+}
+
+template <class L, int RR, int NV, class M>
+inline void value_tile_of(int64_t rr, const float* p, int64_t ps, const typename L::T* v, int64_t vs,
+                          const float* vsc, int64_t vss, const int32_t* vg, int64_t x0, int64_t nt, float* acc,
+                          int64_t dv, M last) {
+  if constexpr (RR > 1) {
+    if (rr < RR) return value_tile_of<L, RR - 1, NV>(rr, p, ps, v, vs, vsc, vss, vg, x0, nt, acc, dv, last);
+  }
+  value_tile<L, RR, NV>(p, ps, v, vs, vsc, vss, vg, x0, nt, acc, dv, last);
 }
 
 template <class L, class Step = NoStep>
-inline void block_values_avx(const float* p, int64_t ps, int64_t m, const typename L::T* vb, int64_t vs,
-                             const float* vsc, int64_t vss, int64_t grp, int64_t nt, int64_t dv, float* acc,
-                             Step&& step = Step()) {
-  using Fn = void (*)(const float*, int64_t, const typename L::T*, int64_t, const float*, int64_t, int64_t, int64_t,
-                      int64_t, float*, int64_t, __mmask16);
-  static const Fn four[4] = {value_tile<L, 1, 4>, value_tile<L, 2, 4>, value_tile<L, 3, 4>, value_tile<L, 4, 4>};
-  static const Fn one[4] = {value_tile<L, 1, 1>, value_tile<L, 2, 1>, value_tile<L, 3, 1>, value_tile<L, 4, 1>};
-  for (int64_t i = 0; i < m; i += 4) {
-    const int64_t rr = std::min<int64_t>(4, m - i);
+inline void block_values_simd(const float* p, int64_t ps, int64_t m, const typename L::T* vb, int64_t vs,
+                              const float* vsc, int64_t vss, const int32_t* vg, int64_t nt, int64_t dv, float* acc,
+                              Step&& step = Step()) {
+  for (int64_t i = 0; i < m; i += TILE_ROWS) {
+    const int64_t rr = std::min<int64_t>(TILE_ROWS, m - i);
     int64_t x = 0;
-    for (; x + 64 <= dv; x += 64) {
+    for (; x + W * VALUE_VECS <= dv; x += W * VALUE_VECS) {
       step();
-      four[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, 0xFFFF);
+      value_tile_of<L, TILE_ROWS, VALUE_VECS>(rr, p + i * ps, ps, vb, vs, vsc, vss, vg, x, nt, acc + i * dv, dv,
+                                               All{});
     }
-    for (; x < dv; x += 16) {
-      const __mmask16 mk = dv - x >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - x)) - 1u);
+    for (; x + W <= dv; x += W) {
       step();
-      one[rr - 1](p + i * ps, ps, vb, vs, vsc, vss, grp, x, nt, acc + i * dv, dv, mk);
+      value_tile_of<L, TILE_ROWS, 1>(rr, p + i * ps, ps, vb, vs, vsc, vss, vg, x, nt, acc + i * dv, dv, All{});
+    }
+    if (x < dv) {
+      step();
+      value_tile_of<L, TILE_ROWS, 1>(rr, p + i * ps, ps, vb, vs, vsc, vss, vg, x, nt, acc + i * dv, dv,
+                                      Simd::first(dv - x));
     }
   }
 }
 
-// exp(x) for x <= 0 (softmax weights): Cody-Waite range reduction, degree-7 Taylor, 2^n by scalef.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.f / 5040.f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 720.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
+// Register tiles of one block's scores and values (the step() calls a block makes).
+inline int64_t register_tiles(int64_t m, int64_t nt, int64_t dv) {
+  const int64_t vw = W * VALUE_VECS;
+  return (m + TILE_ROWS - 1) / TILE_ROWS * ((nt + TILE_TOKS - 1) / TILE_TOKS + dv / vw + (dv % vw + W - 1) / W);
 }
 
-// Block max of s[0:nt] (nt <= ss, ss a multiple of 16) over its numbers; ``nan``: whether any is NaN.
-inline float block_max(const float* s, int64_t nt, bool& nan_seen) {
-  __m512 mv = _mm512_set1_ps(-3.0e38f);
-  __mmask16 nan = 0;
-  for (int64_t u = 0; u < nt; u += 16) {
-    const __mmask16 mk = nt - u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nt - u)) - 1u);
-    const __m512 x = _mm512_maskz_loadu_ps(mk, s + u);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    mv = _mm512_mask_max_ps(mv, mk, mv, x);
-  }
-  nan_seen = nan != 0;
-  return _mm512_reduce_max_ps(mv);
-}
-
-// s[u] = exp(s[u] - mx) for u < nt, zero beyond (up to the next multiple of 16); returns the sum.
-inline float block_exp(float* s, int64_t nt, float mx) {
-  __m512 tot = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(mx);
-  for (int64_t u = 0; u < nt; u += 16) {
-    const __mmask16 mk = nt - u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nt - u)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + u), m)));
-    _mm512_storeu_ps(s + u, e);
-    tot = _mm512_add_ps(tot, e);
-  }
-  return _mm512_reduce_add_ps(tot);
-}
+#ifdef __AVX512F__
+// The AMX decoder's softmax (paged_decode_amx.h) takes its exp at 16 lanes.
+inline __m512 exp512(__m512 x) { return simd::exp_nonpositive(x); }
 #endif
+
+// Block max of s[0:nt] over its numbers; ``nan``: whether any is NaN.
+inline float block_max(const float* s, int64_t nt, bool& nan_seen) {
+  Vec mv = Simd::set1(-3.0e38f);
+  bool nan = false;
+  for (int64_t u = 0; u < nt; u += W) {
+    const Lanes mk = Simd::first(nt - u);
+    mv = Simd::max_live(mv, Simd::load(s + u, mk), mk, nan);
+  }
+  nan_seen = nan;
+  return Simd::max(mv);
+}
+
+// s[u] = exp(s[u] - mx) for u < nt, zero beyond (up to the next multiple of W); returns the sum.
+inline float block_exp(float* s, int64_t nt, float mx) {
+  Vec tot = Simd::zero();
+  const Vec m = Simd::set1(mx);
+  for (int64_t u = 0; u < nt; u += W) {
+    const Lanes mk = Simd::first(nt - u);
+    const Vec e = Simd::zero_outside(simd::exp_nonpositive(Simd::sub(Simd::load(s + u, mk), m)), mk);
+    Simd::store(s + u, Simd::first(W), e);
+    tot = Simd::add(tot, e);
+  }
+  return Simd::sum(tot);
+}
+#else
+inline int64_t register_tiles(int64_t, int64_t, int64_t) { return 1; }
+#endif
+
+template <class L>
+struct LoaderType {
+  using type = L;
+};
 
 struct Item {
   int64_t r, h, t0, t1, slot;  // request, KV head, key range [t0, t1), partial-result slot
@@ -548,6 +641,13 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
   }
 #endif
+#if DCPGRAPH_SIMD
+  // The scale of each W-element vector of a row (its index among the row's scales; 0 where a row
+  // has one scale or none): a table, so no loader divides by the group size.
+  std::vector<int32_t> vgroup((std::max(d, dv) + W - 1) / W, 0);
+  if (group > 0)
+    for (size_t i = 0; i < vgroup.size(); ++i) vgroup[i] = static_cast<int32_t>(int64_t(i) * W / group);
+#endif
   if (!bf16_queries) at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t ss = (bsz + 15) / 16 * 16;  // score row stride (whole vectors)
     LineVector<float> qbuf(max_m * d), sbuf(max_m * ss);
@@ -556,110 +656,123 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     LineVector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
     RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
                    vs1 * int64_t(sizeof(T)));
-    for (int64_t it = begin; it < end; ++it) {
-      const Item& w = items[it];
-      const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
-      // Gather this head group's query rows (scaled) into [M, d]: row j * g + gi.
-      for (int64_t j = 0; j < lq; ++j)
-        for (int64_t gi = 0; gi < g; ++gi) {
-          const float* src = qp + ((cu[w.r] + j) * hq + w.h * g + gi) * d;
-          float* dst = qbuf.data() + (j * g + gi) * d;
-          for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * sc;
-        }
-      float* acc = pacc.data() + w.slot * max_m * dv;
-      float* mx = pmax.data() + w.slot * max_m;
-      float* sm = psum.data() + w.slot * max_m;
-      std::fill(acc, acc + m * dv, 0.f);
-      bool started = false;
-      for (int64_t t = w.t0; t < w.t1;) {
-        const int64_t blk = table[w.r * width + t / bsz], off = t % bsz;
-        const int64_t nt = std::min(bsz - off, w.t1 - t);
-        const T* kb = kp + blk * ks0 + off * ks1 + w.h * ks2;
-        const T* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
-        const float* ksb = ksp + blk * kss0 + off * kss1 + w.h * kss2;
-        const float* vsb = vsp + blk * vss0 + off * vss1 + w.h * vss2;
-        // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
-        // table, which the hardware prefetcher cannot follow for a scattered table), a few lines
-        // before each register tile rather than in one burst (see RowPrefetch).
-        const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
-        if (prefetch_blocks > 0 && ahead < w.t1) {
-          const int64_t pb = table[w.r * width + ahead / bsz];
-          const int64_t tiles = (m + 3) / 4 * ((nt + 3) / 4 + (dv + 63) / 64);
-          pf.start(reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2),
-                   reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2), std::min(bsz, w.t1 - ahead), tiles);
-        } else {
-          pf.start(nullptr, nullptr, 0, 1);
-        }
-        float* s = sbuf.data();
-#ifdef __AVX512F__
-        // One register block of query rows converts each K/V vector once in registers. With more,
-        // fp8 blocks are staged in fp32 once and every register block reads the staged copy (its
-        // conversion costs more than a store and reload; bf16's shift does not: measured with
-        // benchmarks/attention_bandwidth.py, MLA 16 heads fp8 0.76 -> 1.24 GB/s, bf16 2.6 -> 2.2).
-        const bool staged = std::is_same_v<T, uint8_t> && m > 4;
-        if (staged) {
-          stage_rows<LoaderFor<T>>(kb, ks1, ksb, kss1, group, nt, d, kstage.data());
-          block_scores_avx<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, 0, nt, s, ss, pf);
-        } else {
-          block_scores_avx<LoaderFor<T>>(qbuf.data(), m, d, kb, ks1, ksb, kss1, group, nt, s, ss, pf);
-        }
-#else
-        pf.rest();  // the scalar path makes no step() calls: the block's lines at once
-        if constexpr (std::is_same_v<T, float>) block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
-#endif
-        for (int64_t i = 0; i < m; ++i) {
-          float* si = s + i * ss;
-          // A NaN score makes the row's normaliser NaN for good (its output and LSE then are, as
-          // softmax gives); the block's max is taken over its other scores.
-          bool nan = false;
-#ifdef __AVX512F__
-          const float bm = block_max(si, nt, nan);
-#else
-          float bm = -3.0e38f;
-          for (int64_t u = 0; u < nt; ++u) {
-            nan = nan || std::isnan(si[u]);
-            if (!std::isnan(si[u])) bm = std::max(bm, si[u]);
+    // ``loader``: a LoaderType naming the element loader L of the cache rows
+    auto run_items = [&](auto loader) {
+      using L = typename decltype(loader)::type;
+      (void)sizeof(loader);
+      for (int64_t it = begin; it < end; ++it) {
+        const Item& w = items[it];
+        const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
+        // Gather this head group's query rows (scaled) into [M, d]: row j * g + gi.
+        for (int64_t j = 0; j < lq; ++j)
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float* src = qp + ((cu[w.r] + j) * hq + w.h * g + gi) * d;
+            float* dst = qbuf.data() + (j * g + gi) * d;
+            for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * sc;
           }
+        float* acc = pacc.data() + w.slot * max_m * dv;
+        float* mx = pmax.data() + w.slot * max_m;
+        float* sm = psum.data() + w.slot * max_m;
+        std::fill(acc, acc + m * dv, 0.f);
+        bool started = false;
+        for (int64_t t = w.t0; t < w.t1;) {
+          const int64_t blk = table[w.r * width + t / bsz], off = t % bsz;
+          const int64_t nt = std::min(bsz - off, w.t1 - t);
+          const T* kb = kp + blk * ks0 + off * ks1 + w.h * ks2;
+          const T* vb = vp + blk * vs0 + off * vs1 + w.h * vs2;
+          const float* ksb = ksp + blk * kss0 + off * kss1 + w.h * kss2;
+          const float* vsb = vsp + blk * vss0 + off * vss1 + w.h * vss2;
+          // Prefetch the K/V rows of the block prefetch_blocks ahead (its address comes from the
+          // table, which the hardware prefetcher cannot follow for a scattered table), a few lines
+          // before each register tile rather than in one burst (see RowPrefetch).
+          const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
+          if (prefetch_blocks > 0 && ahead < w.t1) {
+            const int64_t pb = table[w.r * width + ahead / bsz];
+            const int64_t tiles = register_tiles(m, nt, dv);
+            pf.start(reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2),
+                     reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2), std::min(bsz, w.t1 - ahead), tiles);
+          } else {
+            pf.start(nullptr, nullptr, 0, 1);
+          }
+          float* s = sbuf.data();
+#if DCPGRAPH_SIMD
+          // One register block of query rows converts each K/V vector once in registers. With more,
+          // fp8 blocks are staged in fp32 once and every register block reads the staged copy (its
+          // conversion costs more than a store and reload; bf16's shift does not: measured with
+          // benchmarks/attention_bandwidth.py, MLA 16 heads fp8 0.76 -> 1.24 GB/s, bf16 2.6 -> 2.2).
+          const bool staged = std::is_same_v<T, uint8_t> && m > TILE_ROWS;
+          if (staged) {
+            stage_rows<L>(kb, ks1, ksb, kss1, vgroup.data(), nt, d, kstage.data());
+            block_scores_simd<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, nullptr, nt, s, ss, pf);
+          } else {
+            block_scores_simd<L>(qbuf.data(), m, d, kb, ks1, ksb, kss1, vgroup.data(), nt, s, ss, pf);
+          }
+#else
+          pf.rest();  // the scalar path makes no step() calls: the block's lines at once
+          if constexpr (std::is_same_v<T, float>) block_scores(qbuf.data(), m, d, kb, ks1, nt, s, ss);
 #endif
-          float nm = started ? std::max(mx[i], bm) : bm;
-          if (started && nm > mx[i]) {
-            const float alpha = std::exp(mx[i] - nm);
-            float* ai = acc + i * dv;
+          for (int64_t i = 0; i < m; ++i) {
+            float* si = s + i * ss;
+            // A NaN score makes the row's normaliser NaN for good (its output and LSE then are, as
+            // softmax gives); the block's max is taken over its other scores.
+            bool nan = false;
+#if DCPGRAPH_SIMD
+            const float bm = block_max(si, nt, nan);
+#else
+            float bm = -3.0e38f;
+            for (int64_t u = 0; u < nt; ++u) {
+              nan = nan || std::isnan(si[u]);
+              if (!std::isnan(si[u])) bm = std::max(bm, si[u]);
+            }
+#endif
+            float nm = started ? std::max(mx[i], bm) : bm;
+            if (started && nm > mx[i]) {
+              const float alpha = std::exp(mx[i] - nm);
+              float* ai = acc + i * dv;
 #pragma omp simd
-            for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
-            sm[i] *= alpha;
-          }
-#ifdef __AVX512F__
-          const float total = block_exp(si, nt, nm);
+              for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
+              sm[i] *= alpha;
+            }
+#if DCPGRAPH_SIMD
+            const float total = block_exp(si, nt, nm);
 #else
-          float total = 0.f;
+            float total = 0.f;
 #pragma omp simd reduction(+ : total)
-          for (int64_t u = 0; u < nt; ++u) {
-            const float e = std::exp(si[u] - nm);
-            si[u] = e;
-            total += e;
+            for (int64_t u = 0; u < nt; ++u) {
+              const float e = std::exp(si[u] - nm);
+              si[u] = e;
+              total += e;
+            }
+#endif
+            sm[i] = nan ? NAN : (started ? sm[i] : 0.f) + total;
+            mx[i] = nm;
           }
-#endif
-          sm[i] = nan ? NAN : (started ? sm[i] : 0.f) + total;
-          mx[i] = nm;
-        }
-        started = true;
-#ifdef __AVX512F__
-        if (staged && value_prefix) {
-          block_values_avx<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, 0, nt, dv, acc, pf);
-        } else if (staged) {
-          stage_rows<LoaderFor<T>>(vb, vs1, vsb, vss1, group, nt, dv, vstage.data());
-          block_values_avx<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, 0, nt, dv, acc, pf);
-        } else {
-          block_values_avx<LoaderFor<T>>(s, ss, m, vb, vs1, vsb, vss1, group, nt, dv, acc, pf);
-        }
+          started = true;
+#if DCPGRAPH_SIMD
+          if (staged && value_prefix) {
+            block_values_simd<LoadF32>(s, ss, m, kstage.data(), d, nullptr, 0, nullptr, nt, dv, acc, pf);
+          } else if (staged) {
+            stage_rows<L>(vb, vs1, vsb, vss1, vgroup.data(), nt, dv, vstage.data());
+            block_values_simd<LoadF32>(s, ss, m, vstage.data(), dv, nullptr, 0, nullptr, nt, dv, acc, pf);
+          } else {
+            block_values_simd<L>(s, ss, m, vb, vs1, vsb, vss1, vgroup.data(), nt, dv, acc, pf);
+          }
 #else
-        if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);
+          if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);
 #endif
-        pf.rest();  // what rounding left
-        t += nt;
+          pf.rest();  // what rounding left
+          t += nt;
+        }
       }
+    };
+#if DCPGRAPH_SIMD
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      if (denormals_are_zero()) return run_items(LoaderType<LoadFP8Exact>{});
     }
+    run_items(LoaderType<LoaderFor<T>>{});
+#else
+    run_items(LoaderType<void>{});
+#endif
   });
 
   // Merge each (request, head)'s chunks by LSE and write out / lse.
@@ -719,7 +832,7 @@ bool paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   if (kind == at::kFloat)
     return paged_decode_typed<float>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q, kv_lens,
                                      scale, out, lse, chunk_tokens, prefetch_blocks, bound);
-#ifdef __AVX512F__
+#if DCPGRAPH_SIMD
   if (kind == at::kBFloat16)
     return paged_decode_typed<uint16_t>(q, k_cache, v_cache, nullptr, nullptr, 0, 0, 0, block_table, cu_seqlens_q,
                                         kv_lens, scale, out, lse, chunk_tokens, prefetch_blocks, bound);
@@ -765,7 +878,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
     int64_t prefetch_blocks, int64_t scale_group) {
   const auto qt = q.scalar_type(), kind = k_cache.scalar_type();
   const bool readable = kind == at::kFloat
-#ifdef __AVX512F__
+#if DCPGRAPH_SIMD
                         || kind == at::kBFloat16 || kind == at::kFloat8_e4m3fn
 #endif
       ;
@@ -824,9 +937,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> paged_attention(
   return std::make_tuple(qt == at::kFloat ? out : out.to(qt), lse);
 }
 
-// The KV dtypes this build reads (bf16 and fp8 need AVX-512).
+// The KV dtypes this build reads (bf16 and fp8 need AVX-512 or AVX2 + FMA).
 std::vector<std::string> kv_dtypes() {
-#ifdef __AVX512F__
+#if DCPGRAPH_SIMD
   return {"float32", "bfloat16", "float8_e4m3fn"};
 #else
   return {"float32"};

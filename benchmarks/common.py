@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+# Where results are written: ``DCPGRAPH_RESULTS_DIR`` keeps another machine's runs apart (results
+# are this machine's figures; e.g. benchmarks/results/amd_epyc_zen2 for an AVX2 machine's).
+RESULTS = Path(os.environ.get("DCPGRAPH_RESULTS_DIR") or ROOT / "benchmarks" / "results")
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
@@ -53,12 +55,24 @@ def write(name: str, records: list[dict], out: Path | None = None) -> Path:
     return out
 
 
-def load_note() -> str:
-    """The 1-minute load average (the machine is shared): part of every config string."""
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (empty where it gives none)."""
     try:
-        return f"load={os.getloadavg()[0]:.1f}/{os.cpu_count()}cpu"
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     except OSError:
-        return "load=?"
+        pass
+    return ""
+
+
+def load_note() -> str:
+    """The CPU and the 1-minute load average (the machine is shared): part of every config string."""
+    cpu = cpu_name().replace(" ", "_")
+    try:
+        return f"cpu={cpu or '?'} load={os.getloadavg()[0]:.1f}/{os.cpu_count()}cpu"
+    except OSError:
+        return f"cpu={cpu or '?'} load=?"
 
 
 def last_level_cache_bytes(default: int = 64 << 20) -> int:

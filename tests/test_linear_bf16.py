@@ -79,7 +79,7 @@ def test_each_kernel_matches_an_fp32_reference(kernel, rows, shape):
 
 
 def _calls():
-    return dict(zip(("amx", "dot", "torch"), linear.EXTENSION.module.kernel_calls()))
+    return dict(zip(("amx", "dot", "torch", "fp32"), linear.EXTENSION.module.kernel_calls()))
 
 
 def test_native_kernel_runs_for_decode_rows_and_torch_beyond():
@@ -102,8 +102,23 @@ def test_native_kernel_runs_for_decode_rows_and_torch_beyond():
             _assert_bf16_close(got, ref, bound)
             amx = "amx" in kernels and k % 2 == 0
             want = ("amx" if amx else "dot" if rows <= dot_rows else "torch") \
-                if rows <= linear.MAX_ROWS else "torch"
+                if rows <= linear.MAX_ROWS else "fp32" if linear.fp32_beyond() else "torch"
             assert expected == want, (k, rows)
+
+
+def test_fp32_kernel_matches_the_reference_over_several_slabs():
+    """The many-row kernel of AVX2 builds widens W a slab of rows at a time (8 MiB of fp32): a
+    weight of three slabs and a ragged last one, with a bias, rounds the fp32 result once."""
+    _need_native()
+    gen = torch.Generator().manual_seed(3)
+    k = 4096  # 512 rows a slab
+    x = torch.randn(2, 10, k, generator=gen).bfloat16()
+    w = torch.randn(1100, k, generator=gen).bfloat16()
+    b = torch.randn(1100, generator=gen).bfloat16()
+    got = linear.EXTENSION.module.linear_fp32(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 10, 1100)
+    ref, bound = _reference(x.reshape(-1, k), w, b)
+    _assert_bf16_close(got.reshape(-1, 1100), ref, bound)
 
 
 def test_native_kernel_reads_strided_rows():
@@ -122,7 +137,9 @@ def test_checker_declines_what_the_kernel_does_not_run():
     w = torch.randn(8, 64).bfloat16()
     assert not linear.native_applies(x.float(), w.float())
     assert not linear.native_applies(x, w.float())
-    assert not linear.native_applies(torch.randn(linear.MAX_ROWS + 1, 64).bfloat16(), w)
+    # more rows than the kernels take: torch's bf16 linear, or the fp32 GEMM on AVX2 builds
+    many = torch.randn(linear.MAX_ROWS + 1, 64).bfloat16()
+    assert linear.native_kernel(many, w) == ("fp32" if linear.fp32_beyond() else None)
     assert not linear.native_applies(x, w.t().contiguous().t())  # columns not dense
     assert not linear.native_applies(x, w, torch.randn(8))  # an fp32 bias: torch would refuse it
     # fp32 through the op is torch's linear exactly

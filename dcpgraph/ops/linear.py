@@ -14,7 +14,10 @@ nn.Linear's row-major layout; fp32 accumulation; one bf16 rounding of ``acc + b`
   at ~35%), or, on CPUs with AVX2 + FMA but no AVX512-BF16 (AMD Zen 1-3, older Intel), bf16
   widened to fp32 in registers with fp32 FMAs up to :data:`DOT_MAX_ROWS_AVX2` (torch's bf16
   linear there is slower at every such M);
-* torch's ``torch.nn.functional.linear`` for everything else (prefill, fp32, other devices).
+* ``"fp32"`` for more than :data:`MAX_ROWS` rows (prefill) on AVX2 builds (:func:`fp32_beyond`):
+  ``x`` and slabs of ``W`` widened to fp32 for torch's fp32 GEMM, the output rounded once to bf16
+  (torch's bf16 GEMM there has no bf16 dot products to use and runs 2-4.5x slower);
+* torch's ``torch.nn.functional.linear`` for everything else (prefill elsewhere, fp32, other devices).
 
 :func:`native_kernel` is the checker: CPU tensors, bf16 ``x`` and ``W``, ``W`` 2-D with dense
 rows, ``x``'s rows (all leading dimensions together) within the limits above, a bf16 bias of
@@ -104,7 +107,8 @@ def _self_check() -> bool:
     _state["reason"] = None
     prefetch = os.environ.get("DCPGRAPH_LINEAR_PREFETCH")
     mod.configure(True, bool(_state["amx"]), MAX_ROWS, dot_max_rows(),
-                  *(int(prefetch if prefetch is not None else PREFETCH_BYTES[k]) for k in ("amx", "dot")))
+                  *(int(prefetch if prefetch is not None else PREFETCH_BYTES[k]) for k in ("amx", "dot")),
+                  fp32_beyond())
     return True
 
 
@@ -127,13 +131,20 @@ def _check_kernel(name: str, run) -> str | None:
     return None
 
 
+def fp32_beyond() -> bool:
+    """Whether calls of more than :data:`MAX_ROWS` rows run in fp32 (``"fp32"``): where the build has
+    no bf16 dot products (AVX2), torch's bf16 GEMM is several times slower than its fp32 GEMM plus
+    widening W (measured on one Zen 2 core, 4096x4096: 2.2x at 16 rows, 4.5x at 256)."""
+    return _state.get("isa") == "avx2"
+
+
 def dot_max_rows() -> int:
     """Rows up to which the built register-block kernel runs (its instruction set's limit)."""
     return DOT_MAX_ROWS_AVX2 if _state.get("isa") == "avx2" else DOT_MAX_ROWS
 
 
 def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """``"amx"``, ``"dot"`` or ``None`` (torch): which kernel :func:`linear_bf16` runs
+    """``"amx"``, ``"dot"``, ``"fp32"`` or ``None`` (torch): which kernel :func:`linear_bf16` runs
     ``x @ weight.T (+ bias)`` on (rules in the module docstring)."""
     if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"):
         return None
@@ -144,8 +155,10 @@ def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     k = weight.shape[1]
     rows = x.numel() // max(1, k)
-    if not (0 < rows <= MAX_ROWS and k > 0 and native_enabled()):
+    if not (0 < rows and k > 0 and native_enabled()):
         return None
+    if rows > MAX_ROWS:
+        return "fp32" if fp32_beyond() else None
     if k % 2 == 0 and _state.get("amx"):
         return "amx"
     return "dot" if rows <= dot_max_rows() else None
@@ -162,6 +175,8 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     kernel = native_kernel(x, weight, bias)
     if kernel is None:
         return torch.nn.functional.linear(x, weight, bias)
+    if kernel == "fp32":
+        return EXTENSION.module.linear_fp32(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

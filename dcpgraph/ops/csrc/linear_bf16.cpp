@@ -30,6 +30,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -450,20 +451,42 @@ struct OpConfig {
   int64_t dot_max_rows = 0;
   int64_t prefetch_amx = 0;
   int64_t prefetch_dot = 0;
+  bool fp32_beyond = false;  // calls of more than max_rows rows in fp32 (linear_fp32) instead of torch's bf16
 };
 OpConfig g_config;
-std::atomic<int64_t> g_calls[3];  // amx, dot, torch
+std::atomic<int64_t> g_calls[4];  // amx, dot, torch, fp32
 
 void configure(bool enabled, bool amx, int64_t max_rows, int64_t dot_max_rows, int64_t prefetch_amx,
-               int64_t prefetch_dot) {
-  g_config = OpConfig{enabled, amx, max_rows, dot_max_rows, prefetch_amx, prefetch_dot};
+               int64_t prefetch_dot, bool fp32_beyond) {
+  g_config = OpConfig{enabled, amx, max_rows, dot_max_rows, prefetch_amx, prefetch_dot, fp32_beyond};
 }
 
-std::vector<int64_t> kernel_calls() { return {g_calls[0].load(), g_calls[1].load(), g_calls[2].load()}; }
+std::vector<int64_t> kernel_calls() {
+  return {g_calls[0].load(), g_calls[1].load(), g_calls[2].load(), g_calls[3].load()};
+}
+
+// x @ W^T (+ b) computed in fp32 and rounded once to bf16, W widened a slab of rows at a time (at most
+// 8 MiB of fp32, so a large weight never has a full fp32 copy): for many rows (prefill) on CPUs whose
+// torch bf16 GEMM has no bf16 dot products (AVX2), where torch's fp32 GEMM is several times faster.
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat);
+  at::Tensor y = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
+  const int64_t slab = std::max<int64_t>(16, (int64_t(8) << 20) / (4 * K));
+  for (int64_t n0 = 0; n0 < N; n0 += slab) {
+    const int64_t n1 = std::min(N, n0 + slab);
+    at::Tensor part = y.narrow(1, n0, n1 - n0);
+    at::mm_out(part, xf, w.narrow(0, n0, n1 - n0).to(at::kFloat).t());
+  }
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(at::kBFloat16).view(sizes);
+}
 
 at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const OpConfig cfg = g_config;
-  int kernel = 2;  // 0: amx, 1: dot, 2: torch
+  int kernel = 2;  // 0: amx, 1: dot, 2: torch, 3: fp32
   if (cfg.enabled && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
       w.device().is_cpu() && w.dim() == 2 && w.stride(1) == 1 && x.dim() > 0 && x.size(-1) == w.size(1) &&
       w.size(1) > 0 &&
@@ -473,10 +496,13 @@ at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& w, const c10::o
     if (rows > 0 && rows <= cfg.max_rows) {
       if (w.size(1) % 2 == 0 && cfg.amx) kernel = 0;
       else if (rows <= cfg.dot_max_rows) kernel = 1;
+    } else if (rows > cfg.max_rows && cfg.fp32_beyond) {
+      kernel = 3;
     }
   }
   g_calls[kernel].fetch_add(1, std::memory_order_relaxed);
   if (kernel == 2) return at::linear(x, w, bias);
+  if (kernel == 3) return linear_fp32(x, w, bias);
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -497,7 +523,8 @@ TORCH_LIBRARY_IMPL(dcpgraph, CPU, m) { m.impl("linear_bf16", &linear_bf16_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure, "enable the op's CPU kernel with its rule's parameters");
-  m.def("kernel_calls", &kernel_calls, "calls of the op's CPU kernel so far: [amx, dot, torch]");
+  m.def("kernel_calls", &kernel_calls, "calls of the op's CPU kernel so far: [amx, dot, torch, fp32]");
+  m.def("linear_fp32", &linear_fp32, "x @ W^T (+ b) in fp32 (W widened a slab at a time), rounded to bf16");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b), bf16 in and out, fp32 accumulation");
   m.def("linear_bf16_amx", &linear_bf16_amx, "the same for 1 <= M <= 16 and even K, on AMX tiles");
   m.def("has_amx", &has_amx, "whether this build has AMX-BF16 and the OS granted it");

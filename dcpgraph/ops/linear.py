@@ -51,8 +51,8 @@ EXTENSION = NativeExtension(
 MAX_ROWS = 16
 # Rows up to which the register-block ("dot") kernel beats torch (odd K, or no AMX), per its
 # instruction set. AVX512-BF16 dot products: 3 (compute-bound beyond). AVX2 + FMA on bf16 widened to
-# fp32: every row the op takes (MAX_ROWS), since torch's bf16 linear on AVX2 runs each row as its own
-# compute-bound pass (measured on an AMD EPYC (Zen 2) core, 4096x4096 and 11008x2048 weights: the
+# fp32: every row the op takes (MAX_ROWS), since torch's bf16 linear on AVX2 slows in proportion to
+# the rows (measured in one run on an AMD EPYC (Zen 2) core, 4096x4096 and 11008x2048 weights: the
 # kernel 12 GB/s at M = 1 and 2.2 at M = 16, torch 5.1-5.6 and 0.4: 2.2-5.4x).
 DOT_MAX_ROWS = 3
 DOT_MAX_ROWS_AVX2 = MAX_ROWS

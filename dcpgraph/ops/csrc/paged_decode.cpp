@@ -241,7 +241,7 @@ struct LoadFP8Exact {
     const Vec sub = S::mul(S::to_float(em), S::set1(1.0f / 512.0f));
     Vec v = S::select_ge(em, S::iset1(8), normal, sub);
     v = S::as_float(S::ior(S::as_int(v), S::shl<24>(S::iand(b, S::iset1(0x80)))));
-    v = S::select_eq(em, S::iset1(0x7F), S::set1(NAN), v);  // s.1111.111
+    v = S::nan_where_eq(em, S::iset1(0x7F), v);  // s.1111.111
     return S::mul(v, S::set1(sc[vg[x / W]]));
   }
 };
@@ -659,7 +659,6 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     // ``loader``: a LoaderType naming the element loader L of the cache rows
     auto run_items = [&](auto loader) {
       using L = typename decltype(loader)::type;
-      (void)sizeof(loader);
       for (int64_t it = begin; it < end; ++it) {
         const Item& w = items[it];
         const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;

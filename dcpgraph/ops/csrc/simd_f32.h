@@ -5,9 +5,9 @@
 // neither ISA is available (the scalar loops of paged_decode.cpp then serve fp32 caches only).
 //
 // Lane masks are the vector's first ``n`` lanes (n clamped to [0, W]): a __mmask16 under
-// AVX-512, a lane count under AVX2 (a vmaskmovps load costs more than a plain one on AMD's
-// cores). Loops take their whole vectors with ``All`` (the unmasked overloads) and only a tail
-// with a mask.
+// AVX-512, a lane count under AVX2. Loops take their whole vectors with ``All`` (the unmasked
+// overloads, so an inner loop carries no mask and, under AVX2, no branch) and only a tail with a
+// mask.
 #pragma once
 
 #include <cstdint>
@@ -78,9 +78,8 @@ struct Simd {
   static V as_float(I a) { return _mm512_castsi512_ps(a); }
   static I as_int(V a) { return _mm512_castps_si512(a); }
   static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  // where(ge(a, b)) x else y, and where(eq(a, b)) x else y, per 32-bit lane
+  // where(a >= b) x else y, per 32-bit lane
   static V select_ge(I a, I b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(a, b), y, x); }
-  static V select_eq(I a, I b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(a, b), y, x); }
 };
 #else
 struct Simd {
@@ -165,9 +164,6 @@ struct Simd {
   static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static V select_ge(I a, I b, V x, V y) {  // a >= b  <=>  !(b > a)
     return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, a)));
-  }
-  static V select_eq(I a, I b, V x, V y) {
-    return _mm256_blendv_ps(y, x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)));
   }
 };
 #endif

@@ -66,6 +66,9 @@ using bf16 = c10::BFloat16;
 
 #if DCP_HAVE_BF16_DOT
 
+// x rows as the dot kernel reads them: bf16, multiplied in pairs by vdpbf16ps.
+using XElem = bf16;
+
 inline __m512bh load_bf16(const bf16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
@@ -118,12 +121,12 @@ inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, in
 
 #elif DCP_HAVE_FMA_DOT
 
-// 8 bf16 at p widened to fp32 (exact); the first n of them, zeros after (a K tail).
+// 8 bf16 at p widened to fp32 (exact).
 inline __m256 widen8(const bf16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline __m256 widen8(const bf16* p, int64_t n) {
+inline __m256 widen8(const bf16* p, int64_t n) {  // the first n, zeros after
   alignas(16) uint16_t b[8] = {};
   std::memcpy(b, p, static_cast<size_t>(n) * sizeof(uint16_t));
   return widen8(reinterpret_cast<const bf16*>(b));
@@ -136,10 +139,18 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sums[i * NB + j] = dot(x row i, W row j) over K: MB x-row vectors live across the NB W rows,
-// each W vector widened once and used MB times (MB*NB + MB + 1 <= 16 registers).
+// x rows as the dot kernel reads them: fp32, widened once per call (exact), so a register block
+// widens only its W vectors (a widen is a load, a zero-extend and a shift, on the pipes the FMAs
+// leave free), and an x vector is one load.
+using XElem = float;
+
+// sums[i * NB + j] = dot(x row i, W row j) over K: each W vector widened once and used MB times,
+// each x vector loaded once and used NB times. One operand side stays in registers for a step: the
+// MB x vectors while the W vectors pass through one at a time (MB*NB + MB + 1 <= 16 registers), or,
+// where that does not fit (MB = 4, NB = 3), the NB W vectors while the x vectors pass (MB*NB + NB + 1).
+// x rows are zero-padded to a multiple of 8 (ldx >= K rounded up), so a K tail reads x whole.
 template <int MB, int NB>
-inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, int64_t prefetch,
+inline void dot_block(const float* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, int64_t prefetch,
                       float* sums) {
   __m256 acc[MB][NB];
 #pragma GCC unroll 8
@@ -147,14 +158,26 @@ inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, in
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   auto step = [&](int64_t k, auto widen) {
-    __m256 xv[MB];
+    if constexpr (MB * NB + MB + 1 <= 16) {
+      __m256 xv[MB];
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) xv[i] = widen(x + i * ldx + k);
+      for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      const __m256 wv = widen(w + j * ldw + k);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 wv = widen(w + j * ldw + k);
 #pragma GCC unroll 8
-      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    } else {
+      __m256 wv[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) wv[j] = widen(w + j * ldw + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
     }
   };
   auto whole = [](const bf16* p) { return widen8(p); };
@@ -168,6 +191,7 @@ inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, in
   }
   for (; k + 8 <= K; k += 8) step(k, whole);
   if (k < K) {
+    // The K tail: W's last n elements, zeros after (never read past the row); x is zero there too.
     const int64_t n = K - k;
     step(k, [n](const bf16* p) { return widen8(p, n); });
   }
@@ -181,7 +205,7 @@ inline void dot_block(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, in
 
 #if DCP_HAVE_DOT
 
-using BlockFn = void (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*);
+using BlockFn = void (*)(const XElem*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*);
 
 // dot_block<mb, NB> for a runtime mb in 1..4 (the M tail of a block of 4 rows).
 template <int NB>
@@ -201,7 +225,7 @@ inline int w_rows_per_block(int64_t mb) {
 #if DCP_HAVE_BF16_DOT
   return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 5 : 4;
 #else
-  return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 4 : 2;
+  return mb == 1 ? 8 : mb == 2 ? 6 : mb == 3 ? 4 : 3;
 #endif
 }
 
@@ -220,6 +244,7 @@ BlockFn block_fn(int64_t mb, int nb) {
     case 6: return block_for_rows<6>(mb);
     case 5: return block_for_rows<5>(mb);
     case 4: return block_for_rows<4>(mb);
+    case 3: return block_for_rows<3>(mb);
     case 2: return block_for_rows<2>(mb);
     default: return block_for_rows<1>(mb);
   }
@@ -252,6 +277,17 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const bf16* wp = w.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+#if DCP_HAVE_FMA_DOT
+  // x widened to fp32 once (exact), rows zero-padded to a multiple of 8.
+  const int64_t ldxe = (K + 7) / 8 * 8;
+  LineVector<float> xwide(static_cast<size_t>(M * ldxe), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xwide[m * ldxe + k] = static_cast<float>(xp[m * ldx + k]);
+  const XElem* xe = xwide.data();
+#else
+  const XElem* xe = xp;
+  const int64_t ldxe = ldx;
+#endif
   const int64_t mb_full = M < kMaxRowsPerBlock ? M : kMaxRowsPerBlock;
   const int nb = w_rows_per_block(mb_full);
   // Block b holds W rows b * step + j * spread, j < nb, for b < blocks; rows from nb * blocks on (only
@@ -263,7 +299,7 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   auto run_rows = [&](int64_t n0, int rows, int64_t row_step, float* sums) {
     for (int64_t m0 = 0; m0 < M; m0 += mb_full) {
       const int64_t mb = std::min<int64_t>(mb_full, M - m0);
-      block_fn(mb, rows)(xp + m0 * ldx, ldx, wp + n0 * ldw, row_step * ldw, K, prefetch, sums);
+      block_fn(mb, rows)(xe + m0 * ldxe, ldxe, wp + n0 * ldw, row_step * ldw, K, prefetch, sums);
       for (int64_t i = 0; i < mb; ++i)
         for (int j = 0; j < rows; ++j) {
           const int64_t n = n0 + j * row_step;

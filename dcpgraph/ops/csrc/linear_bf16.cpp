@@ -51,8 +51,8 @@
 #define DCP_HAVE_BF16_DOT 0
 #endif
 // AVX2 + FMA without bf16 dot products (AMD Zen 1-3, Intel before Cooper Lake): the same register
-// blocks with W and x widened to fp32 in registers (a bf16 is the high half of its fp32) and fp32
-// FMAs, 8 k at a time.
+// blocks in fp32, 8 k at a time: W widened in registers (a bf16 is the high half of its fp32), x
+// widened once per call, fp32 FMAs; blocks spread over W's rows (kSpreadBlocks).
 #if !DCP_HAVE_BF16_DOT && defined(__AVX2__) && defined(__FMA__)
 #define DCP_HAVE_FMA_DOT 1
 #else

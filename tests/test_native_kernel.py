@@ -211,22 +211,24 @@ def test_typed_kv_matches_reference_on_its_values(kv_dtype, hq, hkv, d, dv, pref
 
 
 @pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "daz"])
-def test_every_fp8_byte_decodes_exactly(flush_denormal):
-    """One key per row: the output is that key's value row, so it shows the in-register
+@pytest.mark.parametrize("rows", [1, 2], ids=["two-scales-a-row", "one-scale-a-row"])
+def test_every_fp8_byte_decodes_exactly(flush_denormal, rows):
+    """One key per request: the output is that key's value row, so it shows the in-register
     conversion of every finite e4m3fn byte (normals, subnormals, both zeros), times its scale.
     The fast conversion passes subnormals through fp32 denormals; a thread that treats denormal
     inputs as zero (``torch.set_flush_denormal(True)``, one thread so the kernel runs in it) takes
-    the exact conversion instead."""
+    the exact conversion instead. With one scale a row (``one-scale-a-row``: the 254 bytes as two
+    rows of 127) the scale is applied to the softmax weights rather than to each element."""
     if flush_denormal and not torch.set_flush_denormal(False):
         pytest.skip("this CPU has no denormal flushing to test (torch.set_flush_denormal returned False)")
     if torch.float8_e4m3fn not in native.kv_dtypes():
         pytest.skip(f"this native build reads {native.kv_dtypes()} only (fp8 needs AVX-512 or AVX2 + FMA)")
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 values
-    v = finite.view(torch.float8_e4m3fn).view(1, 1, 1, -1)  # one block, one slot, one head
-    scales = torch.tensor([0.5, 2.0]).view(1, 1, 1, 2)  # elements 0-127 and 128-253
-    k = torch.zeros(1, 1, 1, 16, dtype=torch.float8_e4m3fn)
-    k_scales = torch.ones(1, 1, 1, 1)
-    q = torch.zeros(1, 1, 16)
+    v = finite.view(torch.float8_e4m3fn).view(1, 1, rows, -1)  # one block, one slot, 1 or 2 heads
+    scales = torch.tensor([0.5, 2.0]).view(1, 1, rows, -1)  # elements 0-127 and 128-253, or a row each
+    k = torch.zeros(1, 1, rows, 16, dtype=torch.float8_e4m3fn)
+    k_scales = torch.ones(1, 1, rows, 1)
+    q = torch.zeros(1, rows, 16)
     one = torch.ones(1, dtype=torch.int32)
     threads = torch.get_num_threads()
     try:
@@ -237,8 +239,8 @@ def test_every_fp8_byte_decodes_exactly(flush_denormal):
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
-    expected = quant.dequantize_fp8(v.view(1, 1, -1), scales.view(1, 1, -1), torch.float32).view(-1)
-    assert torch.equal(out.view(-1), expected) and float(lse) == 0.0
+    expected = quant.dequantize_fp8(v.view(1, rows, -1), scales.view(1, rows, -1), torch.float32).view(-1)
+    assert torch.equal(out.view(-1), expected) and torch.equal(lse, torch.zeros_like(lse))
 
 
 def test_bf16_queries_get_bf16_output_from_fp32_arithmetic(kv_dtype, monkeypatch):

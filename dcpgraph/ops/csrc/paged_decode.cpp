@@ -722,9 +722,10 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
   const bool row_scaled = kgroups == 1 && vgroups == 1 && !value_prefix;
 #endif
   if (!bf16_queries) at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    // Value rows of fp32/bf16 blocks wait, their weights in the score buffer, until SPAN_TOKENS
-    // (fp8 blocks, converted or staged per block, do not wait).
-    constexpr bool spans = SPAN_TOKENS > 0 && !std::is_same_v<T, uint8_t>;
+    // Value rows of fp32/bf16 blocks and of folded fp8 blocks wait, their weights in the score
+    // buffer, until SPAN_TOKENS (other fp8 blocks, converted or staged, go one at a time).
+    constexpr bool fp8 = std::is_same_v<T, uint8_t>;
+    constexpr bool spans = SPAN_TOKENS > 0;
     const int64_t ss = (std::max(bsz, SPAN_TOKENS) + 31) / 16 * 16;  // score row stride (whole vectors)
     std::vector<ValueRows<T>> waiting;
     int64_t waiting_tokens = 0;
@@ -845,21 +846,10 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           }
           started = true;
 #if DCPGRAPH_SIMD
-          if constexpr (spans) {
+          if (spans && (!fp8 || folded)) {
+            if constexpr (fp8) colscale.apply(s, ss, m, nt, vsb, vss1);  // the weights times V's scales (their sums are taken)
             waiting.push_back({vb, vsb, nt, waiting_tokens});
             waiting_tokens += nt;
-            if (waiting_tokens + bsz > SPAN_TOKENS || t + nt >= w.t1) {
-              block_values_simd<L>(sbuf.data(), ss, m, waiting.data(), static_cast<int64_t>(waiting.size()), vs1, vss1,
-                                   vgroup.data(), dv, acc);
-              waiting.clear();
-              waiting_tokens = 0;
-            }
-          } else if (folded) {
-            if constexpr (std::is_same_v<T, uint8_t>) {
-              colscale.apply(s, ss, m, nt, vsb, vss1);  // the weights times V's scales (their sums are taken)
-              const ValueRows<uint8_t> rows{vb, nullptr, nt, 0};
-              block_values_simd<LoadFP8Unscaled>(s, ss, m, &rows, 1, vs1, 0, nullptr, dv, acc, pf);
-            }
           } else if (staged) {
             const ValueRows<float> rows{value_prefix ? kstage.data() : vstage.data(), nullptr, nt, 0};
             if (!value_prefix) stage_rows<L>(vb, vs1, vsb, vss1, vgroup.data(), nt, dv, vstage.data());
@@ -867,6 +857,13 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           } else {
             const ValueRows<T> rows{vb, vsb, nt, 0};
             block_values_simd<L>(s, ss, m, &rows, 1, vs1, vss1, vgroup.data(), dv, acc, pf);
+          }
+          if (!waiting.empty() && (waiting_tokens + bsz > SPAN_TOKENS || t + nt >= w.t1)) {
+            using WaitingLoader = std::conditional_t<fp8, LoadFP8Unscaled, L>;
+            block_values_simd<WaitingLoader>(sbuf.data(), ss, m, waiting.data(), static_cast<int64_t>(waiting.size()),
+                                             vs1, fp8 ? 0 : vss1, vgroup.data(), dv, acc);
+            waiting.clear();
+            waiting_tokens = 0;
           }
 #else
           if constexpr (std::is_same_v<T, float>) block_values(s, ss, m, vb, vs1, nt, dv, acc);

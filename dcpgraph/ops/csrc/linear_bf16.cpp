@@ -250,6 +250,16 @@ BlockFn block_fn(int64_t mb, int nb) {
   }
 }
 
+// y[i * ldy + n0 + j * row_step] = bf16(sums[i * nb + j] + bias) for i < mb, j < nb.
+void store_rows(const float* sums, int64_t mb, int nb, const float* bias, int64_t n0, int64_t row_step, bf16* y,
+                int64_t ldy) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int j = 0; j < nb; ++j) {
+      const int64_t n = n0 + j * row_step;
+      y[i * ldy + n] = bf16(sums[i * nb + j] + (bias ? bias[n] : 0.0f));  // round to nearest even
+    }
+}
+
 #endif  // DCP_HAVE_DOT
 
 // The checks both kernels make on y = x·Wᵀ (+ b); returns the bias's data (nullptr without one).
@@ -300,11 +310,7 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
     for (int64_t m0 = 0; m0 < M; m0 += mb_full) {
       const int64_t mb = std::min<int64_t>(mb_full, M - m0);
       block_fn(mb, rows)(xe + m0 * ldxe, ldxe, wp + n0 * ldw, row_step * ldw, K, prefetch, sums);
-      for (int64_t i = 0; i < mb; ++i)
-        for (int j = 0; j < rows; ++j) {
-          const int64_t n = n0 + j * row_step;
-          yp[(m0 + i) * ldy + n] = bf16(sums[i * rows + j] + (b ? b[n] : 0.0f));  // round to nearest even
-        }
+      store_rows(sums, mb, rows, b, n0, row_step, yp + m0 * ldy, ldy);
     }
   };
   // ~64 KiB of W per task at least, so small layers do not pay for waking threads.
@@ -470,7 +476,7 @@ bool linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const c10::option
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerBlock) {
       const int64_t mb = std::min<int64_t>(kMaxRowsPerBlock, M - m0);
       block_fn(mb, 1)(xp + m0 * ldx, ldx, wp + n * ldw, ldw, K, 0, sums);
-      store_rows(sums, mb, 1, b, n, yp + m0 * ldy, ldy);
+      store_rows(sums, mb, 1, b, n, 1, yp + m0 * ldy, ldy);
     }
   return true;
 #else

@@ -52,8 +52,8 @@ MAX_ROWS = 16
 # Rows up to which the register-block ("dot") kernel beats torch (odd K, or no AMX), per its
 # instruction set. AVX512-BF16 dot products: 3 (compute-bound beyond). AVX2 + FMA on bf16 widened to
 # fp32: every row the op takes (MAX_ROWS), since torch's bf16 linear on AVX2 slows in proportion to
-# the rows (measured on an AMD EPYC (Zen 2) core, 4096x4096 weights: the kernel 20 GB/s at M = 1
-# and 3.7 at M = 16, torch 5.1 and 0.4).
+# the rows (measured in one run on an AMD EPYC (Zen 2) core, 4096x4096 weights: the kernel 20.6 GB/s
+# at M = 1 and 4.0 at M = 16, torch 6.9 and 0.5).
 DOT_MAX_ROWS = 3
 DOT_MAX_ROWS_AVX2 = MAX_ROWS
 # Software prefetch distance along each W row, in bytes (0: none), per kernel: measured best on a

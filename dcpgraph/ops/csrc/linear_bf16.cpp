@@ -300,12 +300,10 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 #endif
   const int64_t mb_full = M < kMaxRowsPerBlock ? M : kMaxRowsPerBlock;
   const int nb = w_rows_per_block(mb_full);
-  // Block b holds W rows b * step + j * spread, j < nb, for b < blocks; rows from nb * blocks on (only
-  // with spread > 1) form one-row blocks after them.
-  const int64_t spread = kSpreadBlocks ? N / nb : 1;
-  const int64_t step = kSpreadBlocks ? 1 : nb;
-  const int64_t blocks = kSpreadBlocks ? spread : (N + nb - 1) / nb;
-  const int64_t tail_start = kSpreadBlocks ? nb * spread : N;
+  // Full blocks b < N / nb hold W rows b * step + j * spread, j < nb (contiguous: step nb, spread 1;
+  // spread: step 1, spread N / nb); the last N % nb rows run one at a time after them.
+  const int64_t blocks = N / nb;
+  const int64_t step = kSpreadBlocks ? 1 : nb, spread = kSpreadBlocks ? blocks : 1;
   auto run_rows = [&](int64_t n0, int rows, int64_t row_step, float* sums) {
     for (int64_t m0 = 0; m0 < M; m0 += mb_full) {
       const int64_t mb = std::min<int64_t>(mb_full, M - m0);
@@ -317,20 +315,10 @@ bool linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, nb * K * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     float sums[kMaxRowsPerBlock * 8];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * step;
-      const int rows = static_cast<int>(std::min<int64_t>(nb, (N - n0 + spread - 1) / spread));
-      if (rows == nb) {
-        run_rows(n0, nb, spread, sums);
-      } else {
-        for (int r = 0; r < rows; ++r) run_rows(n0 + r, 1, 1, sums);  // the last, partial block: one row at a time
-      }
-    }
+    for (int64_t blk = begin; blk < end; ++blk) run_rows(blk * step, nb, spread, sums);
   });
-  for (int64_t n = tail_start; n < N; ++n) {
-    float sums[kMaxRowsPerBlock];
-    run_rows(n, 1, 1, sums);
-  }
+  float sums[kMaxRowsPerBlock];
+  for (int64_t n = blocks * nb; n < N; ++n) run_rows(n, 1, 1, sums);
   return true;
 #else
   (void)x; (void)w; (void)bias; (void)y; (void)prefetch;

@@ -531,12 +531,10 @@ inline void block_values_simd(const float* p, int64_t ps, int64_t m, const Value
   }
 }
 
-// Register tiles of one block's scores and, unless they wait for later blocks (``values``
-// false), its values (the step() calls a block makes).
-inline int64_t register_tiles(int64_t m, int64_t nt, int64_t dv, bool values = true) {
-  const int64_t vw = W * VALUE_VECS;
-  const int64_t value_tiles = values ? dv / vw + (dv % vw + W - 1) / W : 0;
-  return (m + TILE_ROWS - 1) / TILE_ROWS * ((nt + TILE_TOKS - 1) / TILE_TOKS + value_tiles);
+// Register tiles of one block's scores: the step() calls over which its prefetch is spread (value
+// rows mostly wait for later blocks; where they go a block at a time, its lines are issued by then).
+inline int64_t score_tiles(int64_t m, int64_t nt) {
+  return (m + TILE_ROWS - 1) / TILE_ROWS * ((nt + TILE_TOKS - 1) / TILE_TOKS);
 }
 
 // Tokens whose value rows one register tile takes in one pass (fp32 and bf16 caches): a block's
@@ -575,7 +573,7 @@ inline float block_exp(float* s, int64_t nt, float mx) {
   return Simd::sum(tot);
 }
 #else
-inline int64_t register_tiles(int64_t, int64_t, int64_t, bool = true) { return 1; }
+inline int64_t score_tiles(int64_t, int64_t) { return 1; }
 constexpr int64_t SPAN_TOKENS = 0;
 #endif
 
@@ -725,22 +723,21 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     // Value rows of fp32/bf16 blocks and of folded fp8 blocks wait, their weights in the score
     // buffer, until SPAN_TOKENS (other fp8 blocks, converted or staged, go one at a time).
     constexpr bool fp8 = std::is_same_v<T, uint8_t>;
-    constexpr bool spans = SPAN_TOKENS > 0;
     const int64_t ss = (std::max(bsz, SPAN_TOKENS) + 31) / 16 * 16;  // score row stride (whole vectors)
     std::vector<ValueRows<T>> waiting;
     int64_t waiting_tokens = 0;
     LineVector<float> qbuf(max_m * d), sbuf(max_m * ss);
     // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
-    LineVector<float> kstage(std::is_same_v<T, uint8_t> ? bsz * d : 0);
-    LineVector<float> vstage(std::is_same_v<T, uint8_t> && !value_prefix ? bsz * dv : 0);
+    LineVector<float> kstage(fp8 ? bsz * d : 0);
+    LineVector<float> vstage(fp8 && !value_prefix ? bsz * dv : 0);
 #if DCPGRAPH_SIMD
-    ColumnScales colscale(std::is_same_v<T, uint8_t> ? bsz : 0);
+    ColumnScales colscale(fp8 ? bsz : 0);
 #endif
     RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
                    vs1 * int64_t(sizeof(T)));
     // ``loader``: a LoaderType naming the element loader L of the cache rows
     auto run_items = [&](auto loader) {
-      using L = typename decltype(loader)::type;
+      using L [[maybe_unused]] = typename decltype(loader)::type;  // unused by the scalar build
       for (int64_t it = begin; it < end; ++it) {
         const Item& w = items[it];
         const int64_t lq = cu[w.r + 1] - cu[w.r], m = lq * g;
@@ -771,7 +768,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
           if (prefetch_blocks > 0 && ahead < w.t1) {
             const int64_t pb = table[w.r * width + ahead / bsz];
-            const int64_t tiles = register_tiles(m, nt, dv, !spans);
+            const int64_t tiles = score_tiles(m, nt);
             pf.start(reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2),
                      reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2), std::min(bsz, w.t1 - ahead), tiles);
           } else {
@@ -790,9 +787,9 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           bool folded = false;
           if constexpr (std::is_same_v<L, LoadFP8>)
             folded = row_scaled && !fp8_rows_hold_nan(kb, ks1, nt, d) && !fp8_rows_hold_nan(vb, vs1, nt, dv);
-          const bool staged = std::is_same_v<T, uint8_t> && m > TILE_ROWS && !folded;
+          const bool staged = fp8 && m > TILE_ROWS && !folded;
           if (folded) {
-            if constexpr (std::is_same_v<T, uint8_t>) {
+            if constexpr (fp8) {
               block_scores_simd<LoadFP8Unscaled>(qbuf.data(), m, d, kb, ks1, nullptr, 0, nullptr, nt, s, ss, pf);
               colscale.apply(s, ss, m, nt, ksb, kss1);
             }
@@ -846,7 +843,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           }
           started = true;
 #if DCPGRAPH_SIMD
-          if (spans && (!fp8 || folded)) {
+          if (!fp8 || folded) {
             if constexpr (fp8) colscale.apply(s, ss, m, nt, vsb, vss1);  // the weights times V's scales (their sums are taken)
             waiting.push_back({vb, vsb, nt, waiting_tokens});
             waiting_tokens += nt;
@@ -861,7 +858,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           if (!waiting.empty() && (waiting_tokens + bsz > SPAN_TOKENS || t + nt >= w.t1)) {
             using WaitingLoader = std::conditional_t<fp8, LoadFP8Unscaled, L>;
             block_values_simd<WaitingLoader>(sbuf.data(), ss, m, waiting.data(), static_cast<int64_t>(waiting.size()),
-                                             vs1, fp8 ? 0 : vss1, vgroup.data(), dv, acc);
+                                             vs1, vss1, vgroup.data(), dv, acc);
             waiting.clear();
             waiting_tokens = 0;
           }

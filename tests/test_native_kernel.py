@@ -243,6 +243,29 @@ def test_every_fp8_byte_decodes_exactly(flush_denormal, rows):
     assert torch.equal(out.view(-1), expected) and torch.equal(lse, torch.zeros_like(lse))
 
 
+@pytest.mark.parametrize("q_times,k_times,v_times", [(1, 1, 1), (2e4, 1e-4, 1), (1, 1, 1e6)],
+                         ids=["folded", "queries-past-the-fold-bound", "value-scales-past-the-fold-bound"])
+def test_fp8_rows_of_one_scale_fold_only_where_the_products_stay_finite(q_times, k_times, v_times):
+    """fp8 rows of one scale read as e4m3 * 2^-120 with 2^120 moved onto the queries and the
+    softmax weights times V's scales; queries or V scales at or past 2^7 would overflow there, so
+    those items and blocks take the scaled loader instead, whose 2^120 must not be multiplied into
+    the scale first (-ffast-math did: inf for scales from 2^8 up). All three agree with fp32
+    attention on the stored values."""
+    if torch.float8_e4m3fn not in native.kv_dtypes():
+        pytest.skip(f"this native build reads {native.kv_dtypes()} only (fp8 needs AVX-512 or AVX2 + FMA)")
+    q, k, v, table = _case(13, 64, 16, 1, 128, 128, 8, 5, 10, False)
+    (ks8, kss, k_exact), (vs8, vss, v_exact) = (paged._stored_as(x, torch.float8_e4m3fn)
+                                                for x in (3 * k_times * k, v_times * v))
+    q = q * q_times
+    assert (q.abs().max() * 0.2 >= 128) == (q_times > 1) and (vss.max() >= 128) == (v_times > 1)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    lens = torch.tensor([7, 150, 16, 0, 64], dtype=torch.int32)
+    out, lse = native.native_paged_decode(q, ks8, vs8, table, cu, lens, 0.2, k_scales=kss, v_scales=vss)
+    ref = _torch_path(q, k_exact, v_exact, table, cu, lens, None, 0.2)
+    torch.testing.assert_close(out, ref[0], atol=ATOL * v_times, rtol=ATOL)
+    torch.testing.assert_close(lse, ref[1], atol=ATOL, rtol=ATOL)
+
+
 def test_bf16_queries_get_bf16_output_from_fp32_arithmetic(kv_dtype, monkeypatch):
     """With the AMX path off (tests/test_native_amx.py covers it), bf16 queries are computed in fp32."""
     monkeypatch.setenv("DCPGRAPH_NATIVE_AMX", "0")

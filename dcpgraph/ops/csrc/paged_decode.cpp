@@ -225,6 +225,9 @@ using Lanes = Simd::Mask;
 using simd::All;
 constexpr int64_t W = Simd::W;  // fp32 lanes per vector
 
+// An optimisation barrier on v's value: it stays computed as written (no reassociation through it).
+inline void opaque(Vec& v) { __asm__("" : "+v"(v)); }
+
 // KV element loaders: W consecutive elements of one cache row from offset x (a multiple of W)
 // as fp32 in a register (lanes past the mask zero; ``All``: every lane). fp8 only: ``sc`` is the
 // row's fp32 scales and vg[x / W] the index of the scale of vector x / W (scale groups are
@@ -260,7 +263,9 @@ struct LoadFP8 {
     using S = Simd;
     const S::I f = S::iand(S::shl<20>(S::sbytes(row + x, mk)), S::iset1(static_cast<int32_t>(0x87F00000u)));
     const Vec v = S::nan_where_eq(S::iand(f, S::iset1(0x7FF00000)), S::iset1(0x07F00000), S::as_float(f));
-    return S::mul(S::mul(v, S::set1(0x1p120f)), S::set1(sc[vg[x / W]]));
+    Vec e = S::mul(v, S::set1(0x1p120f));  // e4m3 exactly
+    opaque(e);  // so -ffast-math cannot multiply 2^120 into the scale first (inf from scales of 2^8 up)
+    return S::mul(e, S::set1(sc[vg[x / W]]));
   }
 };
 
@@ -283,18 +288,31 @@ struct LoadFP8Exact {
   }
 };
 
-// LoadFP8 without its scale, and without setting NaN apart: e4m3 exactly, for rows with one scale
-// each (folded into the scores and the weights instead, see ColumnScales) in blocks checked to hold
-// no NaN code (fp8_rows_hold_nan). Four vector ops a vector, one more than bf16's widen.
+// LoadFP8 without its scale, its 2^120 or setting NaN apart: e4m3 * 2^-120 exactly, for rows with
+// one scale each in blocks checked to hold no NaN code (fp8_rows_hold_nan). The scales and the
+// 2^120 go to the other operand instead (FOLD_UP: the queries, and V's scales applied to the
+// weights, see ColumnScales): (a * 2^120) * (e * 2^-120) is the product a * e with the same
+// rounding wherever a * 2^120 stays finite, so the sums are bit for bit those of the full loader.
+// Three vector ops a vector, as bf16's widen, and none on the FMA pipes.
 struct LoadFP8Unscaled {
   using T = uint8_t;
   template <class M>
   static inline Vec load(const T* row, const float*, int64_t x, M mk, const int32_t* = nullptr) {
     using S = Simd;
-    const S::I f = S::iand(S::shl<20>(S::sbytes(row + x, mk)), S::iset1(static_cast<int32_t>(0x87F00000u)));
-    return S::mul(S::as_float(f), S::set1(0x1p120f));
+    return S::as_float(S::iand(S::shl<20>(S::sbytes(row + x, mk)), S::iset1(static_cast<int32_t>(0x87F00000u))));
   }
 };
+// What LoadFP8Unscaled's other operand is multiplied by, and the bound below which that operand
+// (queries; softmax weights <= 1 times V's scales) must stay so the product stays finite.
+constexpr float FOLD_UP = 0x1p120f;
+constexpr float FOLD_BOUND = 0x1p7f;
+
+// Whether every |x[i]| (i < n) is below FOLD_BOUND (NaN is not).
+inline bool below_fold_bound(const float* x, int64_t n, int64_t stride = 1) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok = ok && std::fabs(x[i * stride]) < FOLD_BOUND;
+  return ok;
+}
 
 // Whether any of ``rows`` rows of n e4m3fn bytes (``stride`` apart) is NaN (s.1111.111).
 inline bool fp8_rows_hold_nan(const uint8_t* p, int64_t stride, int64_t rows, int64_t n) {
@@ -318,8 +336,9 @@ inline bool fp8_rows_hold_nan(const uint8_t* p, int64_t stride, int64_t rows, in
 struct ColumnScales {
   LineVector<float> c;
   explicit ColumnScales(int64_t bsz) : c((bsz + W - 1) / W * W) {}
-  void apply(float* s, int64_t ss, int64_t m, int64_t nt, const float* sc, int64_t scs) {
-    for (int64_t t = 0; t < nt; ++t) c[t] = sc[t * scs];
+  // ``up``: a power of two the scales are multiplied by (exactly) first.
+  void apply(float* s, int64_t ss, int64_t m, int64_t nt, const float* sc, int64_t scs, float up = 1.f) {
+    for (int64_t t = 0; t < nt; ++t) c[t] = sc[t * scs] * up;
     for (int64_t i = 0; i < m; ++i)
       for (int64_t u = 0; u < nt; u += W) {
         const Lanes mk = Simd::first(nt - u);
@@ -771,6 +790,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     LineVector<float> vstage(fp8 && !value_prefix ? bsz * dv : 0);
 #if DCPGRAPH_SIMD
     ColumnScales colscale(fp8 ? bsz : 0);
+    LineVector<float> qfold(fp8 && row_scaled ? max_m * d : 0);  // qbuf * FOLD_UP (LoadFP8Unscaled's queries)
 #endif
     RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
                    vs1 * int64_t(sizeof(T)));
@@ -787,6 +807,16 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
             float* dst = qbuf.data() + (j * g + gi) * d;
             for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * sc;
           }
+        // fp8 rows of one scale: blocks may fold (LoadFP8Unscaled) if the queries times FOLD_UP stay finite
+        [[maybe_unused]] bool fold_queries = false;
+#if DCPGRAPH_SIMD
+        if constexpr (fp8) {
+          if (row_scaled && below_fold_bound(qbuf.data(), m * d)) {
+            fold_queries = true;
+            for (int64_t x = 0; x < m * d; ++x) qfold[x] = qbuf[x] * FOLD_UP;
+          }
+        }
+#endif
         float* acc = pacc.data() + w.slot * max_m * dv;
         float* mx = pmax.data() + w.slot * max_m;
         float* sm = psum.data() + w.slot * max_m;
@@ -825,11 +855,12 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           // on a Zen 2 core, 150 ns a token either way, 166 staged with scales as before).
           bool folded = false;
           if constexpr (std::is_same_v<L, LoadFP8>)
-            folded = row_scaled && !fp8_rows_hold_nan(kb, ks1, nt, d) && !fp8_rows_hold_nan(vb, vs1, nt, dv);
+            folded = fold_queries && below_fold_bound(vsb, nt, vss1) && !fp8_rows_hold_nan(kb, ks1, nt, d) &&
+                     !fp8_rows_hold_nan(vb, vs1, nt, dv);
           const bool staged = fp8 && m > TILE_ROWS && !folded;
           if (folded) {
             if constexpr (fp8) {
-              block_scores_simd<LoadFP8Unscaled>(qbuf.data(), m, d, kb, ks1, nullptr, 0, nullptr, nt, s, ss, pf);
+              block_scores_simd<LoadFP8Unscaled>(qfold.data(), m, d, kb, ks1, nullptr, 0, nullptr, nt, s, ss, pf);
               colscale.apply(s, ss, m, nt, ksb, kss1);
             }
           } else if (staged) {
@@ -883,7 +914,7 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           started = true;
 #if DCPGRAPH_SIMD
           if (!fp8 || folded) {
-            if constexpr (fp8) colscale.apply(s, ss, m, nt, vsb, vss1);  // the weights times V's scales (their sums are taken)
+            if constexpr (fp8) colscale.apply(s, ss, m, nt, vsb, vss1, FOLD_UP);  // the weights times V's scales (their sums are taken)
             waiting.push_back({vb, vsb, nt, waiting_tokens});
             waiting_tokens += nt;
           } else if (staged) {

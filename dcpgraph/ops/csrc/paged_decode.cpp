@@ -299,7 +299,19 @@ struct LoadFP8Unscaled {
   template <class M>
   static inline Vec load(const T* row, const float*, int64_t x, M mk, const int32_t* = nullptr) {
     using S = Simd;
+#ifdef __AVX512F__
     return S::as_float(S::iand(S::shl<20>(S::sbytes(row + x, mk)), S::iset1(static_cast<int32_t>(0x87F00000u))));
+#else
+    // AVX2: the mask (sign | eeee.mmm) is a memory operand, not a register held across the tile's
+    // loop: a 4 x 3 tile (12 accumulators, 3 K or V vectors, a query or weight) holding it too
+    // spilled an accumulator to the stack, and that store-reload chain doubled the tile's time.
+    alignas(32) static constexpr int32_t keep[8] = {
+        int32_t(0x87F00000u), int32_t(0x87F00000u), int32_t(0x87F00000u), int32_t(0x87F00000u),
+        int32_t(0x87F00000u), int32_t(0x87F00000u), int32_t(0x87F00000u), int32_t(0x87F00000u)};
+    S::I v = S::shl<20>(S::sbytes(row + x, mk));
+    __asm__("vpand %1, %0, %0" : "+x"(v) : "m"(*reinterpret_cast<const __m256i*>(keep)));
+    return S::as_float(v);
+#endif
   }
 };
 // What LoadFP8Unscaled's other operand is multiplied by, and the bound below which that operand

@@ -431,8 +431,8 @@ inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ss) {
 }
 
 // Keeps v in a register: the compiler would otherwise fold its load into every FMA that reads it,
-// and a 4 x 3 AVX2 score tile then issues 15 loads per 12 FMAs (Zen 2 takes two loads a cycle), so
-// the tile waits on its loads rather than its FMAs.
+// and a 4 x 3 AVX2 tile then issues 15 or 16 loads per 12 FMAs (Zen 2 takes two loads a cycle), so
+// the tile waits on its loads rather than its FMAs (a query vector; an fp32 K or V vector).
 inline void pin_register(Vec& v) {
 #ifdef __AVX512F__
   (void)v;
@@ -453,7 +453,11 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
   auto step = [&](int64_t x, auto mk) {
     Vec kv[TT];
     #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) kv[j] = L::load(k + j * ks, ksc + j * kss, x, mk, vg);
+    for (int j = 0; j < TT; ++j) {
+      Vec kj = L::load(k + j * ks, ksc + j * kss, x, mk, vg);
+      if constexpr (std::is_same_v<L, LoadF32>) pin_register(kj);  // converted vectors are in registers
+      kv[j] = kj;
+    }
     #pragma GCC unroll 16
     for (int i = 0; i < RR; ++i) {
       Vec qv = Simd::load(q + i * d + x, mk);
@@ -527,9 +531,12 @@ inline void value_tile(const float* p, int64_t ps, const ValueRows<typename L::T
     for (int64_t t = 0; t < blocks[b].nt; ++t) {
       Vec vv[NV];
       #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c)
-        vv[c] = c == NV - 1 ? L::load(v + t * vs, vsc + t * vss, x0 + W * c, last, vg)
-                            : L::load(v + t * vs, vsc + t * vss, x0 + W * c, All{}, vg);
+      for (int c = 0; c < NV; ++c) {
+        Vec vc = c == NV - 1 ? L::load(v + t * vs, vsc + t * vss, x0 + W * c, last, vg)
+                             : L::load(v + t * vs, vsc + t * vss, x0 + W * c, All{}, vg);
+        if constexpr (std::is_same_v<L, LoadF32>) pin_register(vc);
+        vv[c] = vc;
+      }
       #pragma GCC unroll 16
       for (int i = 0; i < RR; ++i) {
         const Vec w = Simd::set1(pb[i * ps + t]);

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, linear, mla_preprocess, paged, quant, rms_norm, rotary
+from . import kernels, linear, merge_native, mla_preprocess, paged, quant, rms_norm, rotary
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -146,7 +146,8 @@ def _paged_attention_fake(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len
 
 
 def _merge_attention(outs, lses):
-    return merge_attention_reference(outs, lses)
+    merged = merge_native.merge_attention(outs, lses)  # CPU: one pass in C++ once self-checked
+    return merge_attention_reference(outs, lses) if merged is None else merged
 
 
 def _merge_attention_fake(outs, lses):
@@ -154,7 +155,8 @@ def _merge_attention_fake(outs, lses):
 
 
 def _rescale_to_global(out, lse, lses_all):
-    return rescale_to_global_reference(out, lse, lses_all)
+    scaled = merge_native.rescale_to_global(out, lse, lses_all)  # CPU: the merge's row LSE, in C++
+    return rescale_to_global_reference(out, lse, lses_all) if scaled is None else scaled
 
 
 def _rescale_to_global_fake(out, lse, lses_all):

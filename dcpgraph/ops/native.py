@@ -32,7 +32,8 @@ from .quant import FP8_SCALE_GROUP as _FP8_SCALE_GROUP
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 _HEADERS = tuple(_SRC.parent / h for h in ("paged_decode_amx.h", "amx_packed.h", "amx_registers.h", "amx_prefetch.h",
-                                             "amx_operands.h", "kv_cache_write.h", "line_aligned.h", "simd_f32.h"))  # included
+                                             "amx_operands.h", "kv_cache_write.h", "line_aligned.h", "merge_lse.h",
+                                             "simd_f32.h"))  # included
 EXTENSION = NativeExtension("dcpgraph_paged_decode", _SRC, "native paged-decode kernel", "decode runs on the torch path",
                             headers=_HEADERS)
 _clear_stale_lock = clear_stale_lock

@@ -30,6 +30,7 @@
 #include "simd_f32.h"  // DCPGRAPH_SIMD: the fp32 vectors of AVX-512 or AVX2 builds
 
 #include "kv_cache_write.h"  // the cache-write op's CPU kernel, registered with this extension
+#include "merge_lse.h"       // merge_attention's CPU kernel (called from dcpgraph/ops/merge_native.py)
 #include "line_aligned.h"
 
 namespace {
@@ -1146,4 +1147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_cache_write_fp8", &kv_write::kv_cache_write_fp8,
         "quantise rows to e4m3 with power-of-two group scales and write them (false: not dense rows)");
   m.def("amx_status", &amx_status, "empty if bf16 queries can take the AMX path, else why not");
+  m.def("merge_attention", &merge_lse::merge_attention,
+        "exact LSE merge of N partials (None: not this kernel's inputs; the reference runs)");
+  m.def("rescale_to_global", &merge_lse::rescale_to_global,
+        "this rank's partial scaled to its share of the merge (None: not this kernel's inputs)");
 }

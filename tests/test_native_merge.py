@@ -96,3 +96,15 @@ def test_native_rescale_to_global_shares_the_merges_lse_and_sums_to_it(dtype):
     assert not bool(total.isnan().any()) and torch.equal(total[0, 4], torch.zeros_like(total[0, 4]))
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(total.to(dtype), out, atol=tol, rtol=tol)
+
+
+def test_a_merge_never_starts_the_build(monkeypatch):
+    """With the extension not loaded in this process the op runs the reference and loads nothing."""
+    monkeypatch.setattr(merge_native.MERGE.extension, "module", None)
+    monkeypatch.setattr(merge_native.MERGE.extension, "load", lambda: pytest.fail("a merge started the build"))
+    outs, lses = torch.randn(3, 2, 8), torch.randn(3, 2)
+    assert merge_native.merge_attention(outs, lses) is None
+    assert merge_native.rescale_to_global(outs[0], lses[0], lses) is None
+    out, lse = torch.ops.dcpgraph.merge_attention(outs, lses)
+    ref = merge_attention_reference(outs, lses)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])

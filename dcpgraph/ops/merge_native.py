@@ -2,9 +2,10 @@
 (``csrc/merge_lse.h``: one row-LSE routine for both, so a rank's global LSE from either is the same
 bit for bit).
 
-It serves once it agreed with :func:`~dcpgraph.ops.merge.merge_attention_reference` on
-:func:`_merge_check`'s cases in this process; otherwise, and for inputs it does not take (other
-devices, more than 64 partials, other dtypes), the reference runs. The two agree to rounding: the
+It serves once the extension is loaded in this process (a merge never builds it) and it agreed
+with :func:`~dcpgraph.ops.merge.merge_attention_reference` on :func:`_merge_check`'s cases;
+otherwise, and for inputs it does not take (other devices, more than 64 partials, non-float
+dtypes), the reference runs. The two agree to rounding: the
 native kernel's ``exp``/``log`` are the C library's, the reference's torch's vectorised ones, so
 an output may differ in its last bit; the edge rules (empty shards, NaN and +inf LSEs, NaN outputs
 of weight 0) are the same bit for bit.
@@ -68,10 +69,17 @@ def _merge_check(module) -> str | None:
 MERGE = SelfCheckedKernel(native.EXTENSION, _merge_check)
 
 
+def _ready() -> bool:
+    """The extension is loaded in this process (by the paged kernel or a cache write: a merge never
+    starts a build, which can take a minute, inside a rank's step) and passed the self-check."""
+    return MERGE.extension.module is not None and MERGE.enabled()
+
+
 def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native merge's ``(out, lse)``, or ``None`` where it does not run (not CPU, off, or inputs
-    it does not take): the caller then runs the reference."""
-    if outs.device.type != "cpu" or not MERGE.enabled():
+    """The native merge's ``(out, lse)``, or ``None`` where it does not run (not CPU, the extension
+    not loaded in this process yet, off, or inputs it does not take): the caller then runs the
+    reference."""
+    if outs.device.type != "cpu" or not _ready():
         return None
     return MERGE.extension.module.merge_attention(outs, lses)
 
@@ -79,6 +87,6 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
 def rescale_to_global(out: torch.Tensor, lse: torch.Tensor,
                       lses_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native ``rescale_to_global``'s ``(scaled, lse_global)``, or ``None`` where it does not run."""
-    if out.device.type != "cpu" or not MERGE.enabled():
+    if out.device.type != "cpu" or not _ready():
         return None
     return MERGE.extension.module.rescale_to_global(out, lse, lses_all)

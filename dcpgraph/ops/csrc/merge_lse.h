@@ -109,7 +109,7 @@ inline std::optional<std::tuple<at::Tensor, at::Tensor>> merge_attention(const a
   if (!floating(lt) || !floating(ot)) return std::nullopt;
   const int64_t n = outs.size(0), d = outs.size(-1);
   if (n < 1 || n > kMaxParts) return std::nullopt;
-  const int64_t rows = n > 0 && d > 0 ? outs.numel() / (n * d) : lses.numel() / std::max<int64_t>(n, 1);
+  const int64_t rows = lses.numel() / n;  // lses is outs without its last dim
   const at::Tensor o = outs.contiguous(), l = lses.contiguous();
   auto shape = outs.sizes().vec();
   shape.erase(shape.begin());

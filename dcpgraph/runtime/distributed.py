@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from torch._C._distributed_c10d import (
 
 from ..collectives.groups import DCP_GROUP, TP_GROUP
 from ..mesh import Mesh
+from .ports import free_port
 
 __all__ = [
     "RankFailedError",
@@ -138,13 +138,6 @@ class RankFailedError(RuntimeError):
         self.detail = detail
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another process could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def backend_for(device: str | torch.device) -> str:
     """The collective backend for ranks on ``device``: NCCL for CUDA, gloo for the host."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -223,7 +216,7 @@ def spawn(
         # Only read when the server starts (once per parent process); later calls are no-ops.
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [
         ctx.Process(
             target=_child,

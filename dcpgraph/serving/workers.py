@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import errors
+from ..runtime.ports import free_port
 from ..runtime.scheduler import StepEvent
 from .channel import ChannelClosedError, recv_frame, send_frame
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
@@ -107,12 +108,6 @@ def worker_main(rank: int, world: int, dist_port: int, driver: tuple[str, int], 
 
 
 # -- the driver side ------------------------------------------------------------------------------
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class RemoteEngine:
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
                  start_method: str | None = None):
@@ -131,7 +126,7 @@ class RemoteEngine:
         listener.bind((host, 0))
         listener.listen(world)
         driver = listener.getsockname()[:2]
-        dist_port = _free_port(host)
+        dist_port = free_port(host)
         self.procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
                                   args=(rank, world, dist_port, driver, config.to_json(), timeout_s))
                       for rank in range(world)]

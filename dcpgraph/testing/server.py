@@ -6,17 +6,15 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from ..runtime.ports import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ServerProcess", "free_port", "running_dcpgraph", "running_server"]
+START_ATTEMPTS = 3  # fresh ports for a server whose own port was taken before it bound
 
 
 @dataclass
@@ -51,35 +49,71 @@ def running_dcpgraph(subcommand: str, *args: str, log_path: str, start_timeout_s
                      env: dict | None = None):
     """``dcpgraph <subcommand> *args --host 127.0.0.1 --port <free>`` (``serve``, ``proxy``) as
     :func:`running_server` describes."""
-    import httpx
+    for attempt in range(START_ATTEMPTS):
+        server = _start(subcommand, args, log_path, env)
+        try:
+            _wait_healthy(server, start_timeout_s)
+            break
+        except BaseException as err:
+            _stop(server)
+            if not isinstance(err, _PortTaken) or attempt + 1 == START_ATTEMPTS:
+                raise
+    try:
+        yield server
+    finally:
+        _stop(server)
 
-    port = free_port()
+
+class _PortTaken(RuntimeError):
+    """The server exited because its own port was bound by someone else first."""
+
+
+def _start(subcommand: str, args: tuple[str, ...], log_path: str, env: dict | None) -> ServerProcess:
+    port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "dcpgraph", subcommand, *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {process.returncode}:\n{server.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server was not healthy within {start_timeout_s} s:\n{server.log()[-4000:]}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        for pid in server.worker_pids():  # a worker the server could not stop (only after SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+    return ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+
+
+def _port_of(server: ServerProcess) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def _wait_healthy(server: ServerProcess, start_timeout_s: float) -> None:
+    """Poll ``/health`` until 200 (bounded). Raises :class:`_PortTaken` if the server exited on
+    its own port being in use, ``RuntimeError`` with its log if it exited otherwise, and
+    ``TimeoutError`` with its log past the deadline."""
+    import httpx
+
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        if server.process.poll() is not None:
+            log = server.log()
+            clashes = [line for line in log.lower().splitlines() if "address already in use" in line]
+            if any(str(_port_of(server)) in line for line in clashes):
+                raise _PortTaken(f"port {_port_of(server)} was taken before the server bound it:\n{log[-2000:]}")
+            raise RuntimeError(f"the server exited with code {server.process.returncode}:\n{log[-4000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server was not healthy within {start_timeout_s} s:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def _stop(server: ServerProcess) -> None:
+    """SIGTERM, then SIGKILL after 30 s; then any worker the server logged and could not stop."""
+    process = server.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    for pid in server.worker_pids():  # a worker the server could not stop (only after SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)

@@ -26,7 +26,9 @@ each row's config as ``comm=<chosen> requested=auto`` and its reason printed); `
 all-reduce, the MLP's all-reduce). On request (``--variants``): ``dcp2-ag``, ``comm="ag"`` (per
 layer: one all-gather of packed partials of every head and the MLP's all-reduce, the attention
 projections replicated; :mod:`dcpgraph.passes.shard_dcp_replicated`), and ``dcp2-ag_rs`` (query
-all-gather, LSE all-gather, reduce-scatter, two all-reduces). dcp1 has two collectives per layer.
+all-gather, LSE all-gather, reduce-scatter, two all-reduces), and ``dcp2-split``, ``dcp2`` with
+``fuse_new_tokens=False`` (a separate new-token attention and a two-way merge after the DCP merge,
+the form the Ascend backends build). dcp1 has two collectives per layer.
 
 Per context length ``C`` (16K…128K; ``--quick``: 4K and 16K) the meshes take turns step by step,
 each with its own request (the logical group names are re-registered for the engine about to run,
@@ -81,12 +83,14 @@ QUICK_CONTEXTS = (4096, 16384)
 PARTS = ("query all-gather launch", "query all-gather wait", "merge exchange launch", "merge exchange wait",
          "tp all-reduce launch", "tp all-reduce wait", "local attention", "new-token attention", "merge",
          "layout copies", "other ops", "engine")
-# The compared meshes, all tp=2 in the same two processes: name -> (dcp, comm). "dcp2" is what
-# users get (comm="auto", the cost model's choice); the others pin a lowering: a2a (query all-gather,
-# packed all-to-all, output all-reduce), ag (one all-gather of packed partials per layer, see
-# shard_dcp_replicated), ag_rs (query all-gather, LSE all-gather, reduce-scatter).
-VARIANTS = {"dcp1": (1, "auto"), "dcp2": (2, "auto"), "dcp2-a2a": (2, "a2a"), "dcp2-ag": (2, "ag"),
-            "dcp2-ag_rs": (2, "ag_rs")}
+# The compared meshes, all tp=2 in the same two processes: name -> (dcp, comm, fuse_new_tokens).
+# "dcp2" is what users get (comm="auto", the cost model's choice; the new tokens read with the
+# context); the others pin a lowering: a2a (query all-gather, packed all-to-all, output all-reduce),
+# ag (one all-gather of packed partials per layer, see shard_dcp_replicated), ag_rs (query
+# all-gather, LSE all-gather, reduce-scatter); "dcp2-split" is "dcp2" with the new-token attention
+# kept apart (the Ascend backends' form), to measure what reading them with the context saves.
+VARIANTS = {"dcp1": (1, "auto", True), "dcp2": (2, "auto", True), "dcp2-a2a": (2, "a2a", True),
+            "dcp2-ag": (2, "ag", True), "dcp2-ag_rs": (2, "ag_rs", True), "dcp2-split": (2, "auto", False)}
 DEFAULT_VARIANTS = ("dcp1", "dcp2", "dcp2-a2a")  # ag and ag_rs pinned on request
 BASELINE = "dcp1"
 
@@ -199,9 +203,9 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
     dtype = DTYPES[dtype_name]
     program = dcpgraph.trace(build_model(layers, dtype))
     engines = {}
-    for name, (dcp, comm) in variants.items():
+    for name, (dcp, comm, fuse) in variants.items():
         engines[name] = dcpgraph.compile(
-            program, tp=TP, dcp=dcp, comm=comm, block_size=BLOCK, backend="eager", max_num_seqs=1,
+            program, tp=TP, dcp=dcp, comm=comm, fuse_new_tokens=fuse, block_size=BLOCK, backend="eager", max_num_seqs=1,
             max_batched_tokens=256, max_model_len=longest + per_request + timed_steps + 8,
             kv_cache_tokens=longest + per_request + timed_steps + 8, capture_limit=1,
         )
@@ -342,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         attn = {n: statistics.median(c["attn"][n]) * 1e3 for n in names}
         attn_r1 = {n: statistics.median(ranks[1]["contexts"][ctx]["attn"][n]) * 1e3 for n in names}
         for n in names:
-            dcp, comm = variants[n]
+            dcp, comm, fuse = variants[n]
             built = r0["comm"][n]
-            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 {args.dtype} tp={TP} dcp={dcp} comm={built} requested={comm} gloo ctx={ctx} "
+            config = (f"qwen3 L={layers} hq=8 hkv=1 d=128 {args.dtype} tp={TP} dcp={dcp} comm={built} requested={comm} "
+                      f"new_tokens={'fused' if fuse else 'split'} variant={n} gloo ctx={ctx} "
                       f"local_len={c['local_len'][n]} heads_in_op={r0['heads'][n]} {load}")
             base = {} if n == BASELINE else {"baseline": step[BASELINE]}
             rec = common.record(NAME, config, "decode_step_time", step[n], "ms", digits=4, **base)
@@ -376,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         if "target" in r:
             comm = r["config"].split(" comm=")[1].split()[0]
-            print(f"target (comm={comm}): {r['target']}: {r['ratio']:.2f} "
+            variant = r["config"].split(" variant=")[1].split()[0]
+            print(f"target ({variant}, comm={comm}): {r['target']}: {r['ratio']:.2f} "
                   f"({'MET' if r['met'] else 'MISSED: ' + r['miss']})")
     out = common.write(NAME if args.dtype == "fp32" else f"{NAME}_{args.dtype}", records)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")

@@ -100,7 +100,11 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     pool sized for their window, see :mod:`dcpgraph.runtime.layer_groups`; not with prefix
     caching or ``kv_allocation="whole_request"``), ``compile_cache_dir`` (default None: inductor's
     own, under the temp directory; a path keeps compiled graphs there across processes, so a second
-    start-up compiles from its cache; process-wide, as inductor's cache directory is).
+    start-up compiles from its cache; process-wide, as inductor's cache directory is),
+    ``fuse_new_tokens`` (default None: True except on the Ascend backends; True: each layer reads
+    its context and this step's new tokens in one paged read bounded by position, under DCP each
+    rank the new tokens it owns; False: a separate new-token attention and a two-way merge, which
+    FusedInferAttentionScore needs, see :mod:`dcpgraph.passes.fuse_new_tokens`).
 
     A compiling backend compiles every decode bucket and the mixed graph before ``compile``
     returns (:mod:`dcpgraph.runtime.capture`): no request waits for a compile. Times per graph and
@@ -141,6 +145,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
                     max_model_len=max_model_len)
     from .passes.pipeline import compile_program
 
+    fuse_new = opts["fuse_new_tokens"]
     program = model if isinstance(model, Program) else trace(model)
     windows = ()
     if opts["hybrid_kv_cache"]:
@@ -165,7 +170,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
-        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload,
+        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload, fuse_new=fuse_new,
     )
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import layer_group_tables
@@ -190,6 +195,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         draft_program = compile_program(
             draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,
             verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
+            fuse_new=fuse_new,
         )
         draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
     return Engine(

@@ -36,7 +36,7 @@ _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
 _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_parallel": False, "mlapo": True,
           "hybrid_kv_cache": False}
 _OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config",
-          "compile_cache_dir")
+          "compile_cache_dir", "fuse_new_tokens")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
 
 
@@ -91,10 +91,26 @@ def compile_options(**given: Any) -> dict[str, Any]:
     backend = given.get("backend", "auto")
     from .backends.registry import resolve_backend
 
-    resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
+    name, _ = resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
+    fuse_new = _fuse_new_tokens(given.get("fuse_new_tokens"), name)
     from .speculative.config import speculative_config
 
     spec = speculative_config(given.get("speculative_config"), out["speculative_tokens"])
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
             "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec,
-            "compile_cache_dir": None if cache_dir is None else os.fspath(cache_dir)}
+            "compile_cache_dir": None if cache_dir is None else os.fspath(cache_dir), "fuse_new_tokens": fuse_new}
+
+
+def _fuse_new_tokens(value: Any, backend: str) -> bool:
+    """``fuse_new_tokens``: None (default) fuses except for the backends that cannot lower a fused
+    read (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`); True/False force it."""
+    from .backends.registry import SPLIT_NEW_TOKENS
+
+    if value is None:
+        return backend not in SPLIT_NEW_TOKENS
+    if not isinstance(value, bool):
+        raise ConfigError(f"fuse_new_tokens must be None (by backend), True or False, got {value!r}")
+    if value and backend in SPLIT_NEW_TOKENS:
+        raise ConfigError(f"fuse_new_tokens=True cannot lower on backend {backend!r}: its paged attention "
+                          "takes no causal bound inside the cache; leave it None or False")
+    return value

@@ -63,6 +63,9 @@ BAD = [
     ({"executor": "gpu"}, ConfigError, r"executor must be 'auto', 'emulated' or 'distributed'"),
     ({"backend": "tpu-magic"}, ConfigError, r"unknown backend 'tpu-magic'; choose from"),
     ({"plan": ["colwise"]}, ConfigError, r"plan must be None or a dict"),
+    ({"fuse_new_tokens": 1}, ConfigError, r"fuse_new_tokens must be None \(by backend\), True or False, got 1"),
+    ({"fuse_new_tokens": True, "backend": "torchair"}, ConfigError,
+     r"fuse_new_tokens=True cannot lower on backend 'torchair': its paged attention takes no causal bound"),
     ({"capture_limt": 4}, TypeError, r"unknown options: \['capture_limt'\]; compile takes \[.*'capture_limit'"),
     ({"tp": 0}, ConfigError, r"tp must be a positive int"),
 ]
@@ -90,3 +93,8 @@ def test_defaults_and_every_valid_name():
     assert (opts["capture_limit"], opts["speculative_tokens"], opts["max_num_seqs"], opts["block_size"]) == (32, 0, 8, 16)
     assert opts["verify"] is True and opts["plan"] is None and opts["num_blocks"] is None
     assert compile_options(num_blocks=torch.tensor(3).item(), capture_limit=0)["num_blocks"] == 3
+    # the new tokens join the paged read except on the Ascend backends (FIAS takes no causal bound)
+    assert opts["fuse_new_tokens"] is True
+    assert compile_options(backend="torchair")["fuse_new_tokens"] is False
+    assert compile_options(backend="npugraph_ex")["fuse_new_tokens"] is False
+    assert compile_options(fuse_new_tokens=False)["fuse_new_tokens"] is False

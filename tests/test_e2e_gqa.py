@@ -224,6 +224,23 @@ def test_greedy_matches_hf(zoo, name, tp, dcp, interleave, comm):
     assert engine.steps >= MAX_NEW + 2  # prefill was chunked (21 tokens over an 8-token budget)
 
 
+SPLIT_CASES = [("llama", 4, 4, 1, "a2a"), ("qwen3", 4, 2, 2, "ag_rs"), ("llama", 2, 2, BLOCK_SIZE, "ag"),
+               ("qwen2", 2, 1, 1, "a2a")]
+
+
+@pytest.mark.parametrize(("name", "tp", "dcp", "interleave", "comm"), SPLIT_CASES,
+                         ids=[f"{n}-tp{t}-dcp{d}-il{i}-{c}" for n, t, d, i, c in SPLIT_CASES])
+def test_the_split_new_token_form_matches_hf_too(zoo, name, tp, dcp, interleave, comm):
+    """``fuse_new_tokens=False`` (what the Ascend backends build: a separate new-token attention,
+    merged after the DCP merge) gives HF's tokens as the default fused read does."""
+    engine = zoo.engine(name, tp, dcp, interleave=interleave, comm=comm, fuse_new_tokens=False)
+    ops = [n.target for n in engine.program.graph_module.graph.nodes]
+    assert ops.count(torch.ops.dcpgraph.partial_attention.default) == 2  # one a layer
+    got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == zoo.reference(name, prompt), f"prompt of length {len(prompt)}"
+
+
 # -- KV memory ------------------------------------------------------------------------------------
 def _allocated(engine, rank: int) -> int:
     return sum(t.numel() * t.element_size() for t in engine.executor.caches[rank].values())

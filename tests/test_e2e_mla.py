@@ -239,6 +239,20 @@ def test_greedy_matches_hf(zoo, name, tp, dcp, interleave, comm):
     assert engine.steps >= MAX_NEW + 2  # the 19-token prompt was prefilled in chunks of <= 8
 
 
+@pytest.mark.parametrize(("name", "tp", "dcp", "interleave", "comm"),
+                         [("deepseek_v2", 4, 4, 1, "a2a"), ("deepseek_v3", 4, 2, BLOCK_SIZE, "ag_rs")])
+def test_the_split_new_token_form_matches_hf_too(zoo, name, tp, dcp, interleave, comm):
+    """``fuse_new_tokens=False`` (the Ascend backends' form) gives HF's tokens like the fused read."""
+    engine = dcpgraph.compile(zoo.program(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm,
+                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
+                              fuse_new_tokens=False)
+    ops = [n.target for n in engine.program.graph_module.graph.nodes]
+    assert ops.count(torch.ops.dcpgraph.partial_attention.default) == LAYERS
+    got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == zoo.reference(name, prompt), f"prompt of length {len(prompt)}"
+
+
 # -- 2. absorbed == decompressed == HF ------------------------------------------------------------
 def _logits(program, ids: torch.Tensor, positions: torch.Tensor, state=None) -> torch.Tensor:
     """Run a (pre-cache) Program's graph on one sequence; logits [1, T, V]."""
@@ -363,9 +377,10 @@ def test_explain_shows_latent_cache_and_absorbed_projections(zoo):
         values = [ln for ln in lines if re.fullmatch(rf"  %\w+ = aten\.slice\.Tensor\({cache}, -1, 0, 32\) .*", ln)]
         assert len(values) == 1  # the values are a view: the first 32 dims of the latent cache
         value = values[0].split()[0]
-        # queries gathered over the DCP group (8 = 2 ranks x 4 heads), latent key and value caches
+        # queries gathered over the DCP group (8 = 2 ranks x 4 heads), latent key and value caches, this
+            # rank's counts of keys and causal bounds (context and new tokens in one read)
         assert any(re.fullmatch(rf"  %\w+ = dcpgraph\.paged_attention\(%\w+, {cache}, {value}, %block_table, "
-                                r"%cu_seqlens_q, %local_context_lens, None, [\d.]+\) : "
+                                r"%cu_seqlens_q, %\w+, %\w+, [\d.]+\) : "
                                 r"\(\[6, 8, 32\] float64, \[6, 8\] float64\)", ln) for ln in lines)
     assert not re.search(r"%[kv]_cache_\d", text)  # no decompressed per-head K/V caches
     assert "kv_b_proj_weight" not in text  # the up-projection weight is gone

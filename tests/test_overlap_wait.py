@@ -1,8 +1,8 @@
 """``overlap_wait``: independent pure work moves between a collective and its wait, nothing else.
 
 Checked on a hand-built graph (what moves, what stops the scan, the graph still valid) and on the
-``a2a`` lowering of a real model, where the new-token attention runs while the all-to-all of the
-partial results is in flight.
+``a2a`` lowering of a real model, where this rank's counts of keys are computed while the first
+query all-gather is in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.fx
 from test_e2e_gqa import BLOCK_SIZE, build_model
 
 import dcpgraph
-from dcpgraph.collectives import ALL_TO_ALL, WAIT
+from dcpgraph.collectives import ALL_GATHER, WAIT
 from dcpgraph.passes.collectives import all_reduce, overlap_wait
 
 aten = torch.ops.aten
@@ -50,12 +50,13 @@ def test_refuses_a_node_that_is_not_a_wait():
         overlap_wait(n["free"])
 
 
-def test_a2a_lowering_runs_the_new_token_attention_during_the_exchange():
+def test_a2a_lowering_computes_the_local_key_counts_during_the_query_gather():
+    from dcpgraph.passes.shard_dcp import KV_BOUND, KV_LENS
+
     program = dcpgraph.compile(build_model("llama"), tp=2, dcp=2, comm="a2a", block_size=BLOCK_SIZE).program
     nodes = list(program.graph_module.graph.nodes)
-    exchanges = [x for x in nodes if x.op == "call_function" and x.target is ALL_TO_ALL.op]
-    assert exchanges
-    for exchange in exchanges:
-        (wait,) = [u for u in exchange.users if u.target is WAIT]
-        between = nodes[nodes.index(exchange) + 1:nodes.index(wait)]
-        assert any(x.target is torch.ops.dcpgraph.partial_attention.default for x in between), exchange.name
+    gathers = [x for x in nodes if x.op == "call_function" and x.target is ALL_GATHER.op]
+    (wait,) = [u for u in gathers[0].users if u.target is WAIT]
+    between = set(nodes[nodes.index(gathers[0]) + 1:nodes.index(wait)])
+    reads = [x for x in nodes if x.target is torch.ops.dcpgraph.paged_attention.default]
+    assert reads and all(read.args[i] in between for read in reads for i in (KV_LENS, KV_BOUND))

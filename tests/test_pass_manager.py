@@ -52,8 +52,9 @@ MISORDERED = [
      ["trace", "canonicalize_attention"]),
     ([insert_kv_cache, shard_dcp], "pass 'shard_dcp' requires 'shard_tp' to have run",
      ["trace", "canonicalize_attention", "insert_kv_cache"]),
-    ([insert_kv_cache, _tp(), fuse_new_tokens], "pass 'fuse_new_tokens' requires 'shard_dcp' to have run",
-     ["trace", "canonicalize_attention", "insert_kv_cache", "shard_tp"]),
+    ([insert_kv_cache, _tp(), shard_dcp, fuse_new_tokens],
+     "pass 'fuse_new_tokens' requires 'shard_dcp' not to have run yet",
+     ["trace", "canonicalize_attention", "insert_kv_cache", "shard_tp", "shard_dcp"]),
     ([insert_kv_cache, _tp(), select_logits], "pass 'select_logits' requires 'shard_tp' not to have run yet",
      ["trace", "canonicalize_attention", "insert_kv_cache", "shard_tp"]),
 ]

@@ -276,19 +276,26 @@ def test_explain_fills_in_missing_shapes(traced):
     assert attention and all(line.endswith(": [1, 4, 6, 16] float32") for line in attention)
 
 
-def test_fuse_new_tokens_only_without_dcp():
-    """dcp=1: one paged read per layer covers context and new tokens; dcp>1 keeps the split."""
+def test_fuse_new_tokens_under_every_mesh_reads_local_counts_under_dcp():
+    """One paged read per layer covers context and new tokens, with or without DCP; under DCP its
+    key counts and causal bounds are this rank's (computed from ``dcp_rank``), never global."""
     from dcpgraph.models import build_model
     from dcpgraph.passes.pipeline import compile_program
+    from dcpgraph.passes.shard_dcp import KV_BOUND, KV_LENS, _rank_local
 
     model = build_model("llama", dtype=torch.float64)
     ops_of = lambda p: [n.target for n in p.graph_module.graph.nodes if n.op == "call_function"]  # noqa: E731
     program = dcpgraph.trace(model)
-    fused = compile_program(program, dcpgraph.Mesh(2, 1), block_size=4)
-    assert torch.ops.dcpgraph.partial_attention.default not in ops_of(fused)
-    assert torch.ops.dcpgraph.merge_attention.default not in ops_of(fused)
-    assert ops_of(fused).count(torch.ops.dcpgraph.paged_attention.default) == 2
-    split = compile_program(program, dcpgraph.Mesh(2, 2), block_size=4)
-    assert ops_of(split).count(torch.ops.dcpgraph.partial_attention.default) == 2
-    assert "context/new split is the DCP form" in next(p.summary for p in split.provenance
-                                                       if p.name == "fuse_new_tokens")
+    for mesh in (dcpgraph.Mesh(2, 1), dcpgraph.Mesh(2, 2)):
+        for comm in ("a2a", "ag_rs", "ag"):
+            fused = compile_program(program, mesh, block_size=4, comm=comm)
+            ops = ops_of(fused)
+            assert torch.ops.dcpgraph.partial_attention.default not in ops
+            reads = [n for n in fused.graph_module.graph.nodes if n.target is torch.ops.dcpgraph.paged_attention.default]
+            assert len(reads) == 2
+            for read in reads:
+                assert read.args[KV_BOUND] is not None
+                assert all(_rank_local(read.args[i]) == (mesh.dcp > 1) for i in (KV_LENS, KV_BOUND))
+            if mesh.dcp == 1:
+                assert torch.ops.dcpgraph.merge_attention.default not in ops
+                break

@@ -62,6 +62,12 @@ _BACKENDS: dict[str, Factory | None] = {
 }
 
 
+# Backends whose paged attention takes no per-query causal bound inside the cache: Ascend's
+# FusedInferAttentionScore reads a request's keys up to its length, so a program for them keeps the
+# context/new split of ``insert_kv_cache`` (``fuse_new_tokens`` off) and every read lowers to it.
+SPLIT_NEW_TOKENS = frozenset({"torchair", "npugraph_ex"})
+
+
 def ascend_available() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 

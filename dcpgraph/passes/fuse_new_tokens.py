@@ -1,17 +1,22 @@
-"""``fuse_new_tokens`` (dcp=1 only): fold the new-token attention into the paged read.
+"""``fuse_new_tokens``: fold the new-token attention into the paged read.
 
 ``insert_kv_cache`` splits each attention into a paged read of the context and a causal attention
-over the step's new tokens, merged by LSE — the form DCP needs, because under DCP the new tokens'
-K/V are identical on every rank while the context is sharded. Without DCP the split only costs
-time: the writes come first in the graph, so the cache already holds the new tokens, and one
-paged read over ``context + new`` keys with a causal bound by position gives the same result::
+over the step's new tokens, merged by LSE. The writes come first in the graph, so by the read the
+cache already holds the new tokens, and one paged read over ``context + new`` keys with a causal
+bound by position gives the same result::
 
     o = paged_attention(q, k_cache, v_cache, table, cu_seqlens_q,
                         kv_lens = context_lens + (cu[1:] − cu[:-1]), kv_bound = position + 1)
 
-That removes, per layer, the varlen attention, two stacks and the merge. A sliding window's
-``kv_start`` and a soft-cap stay on the paged read (both are per query, by position); a layer
-with attention sinks keeps a two-way merge of the fused read with its sink partial.
+That removes, per layer, the varlen attention, two stacks and the merge. The lengths and bounds
+are global (positions); ``shard_dcp``, which runs next, turns them into each rank's local counts
+(``layout.local_len``) as it does a window's start: a new token is written only to its owner's
+shard, so under DCP each rank reads the new tokens it owns with the context it holds, and the
+DCP merge that follows combines them with the rest. (Where the split was kept under DCP, every
+rank recomputed the new-token attention over its heads and paid a second merge.) A sliding
+window's ``kv_start`` and a soft-cap stay on the paged read (both are per query, by position); a
+layer with attention sinks keeps a two-way merge of the fused read with its sink partial. Reads
+that already carry a bound, and sparse reads, keep the split.
 """
 
 from __future__ import annotations
@@ -23,30 +28,36 @@ import torch
 from ..errors import VerificationError
 from ..program import Program
 from .graph_edit import Emitter, nodes_calling
-from .manager import program_pass, ran
+from .manager import not_yet_run, program_pass
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 
 
 def _ensures(program: Program) -> None:
-    if program.mesh.dcp == 1 and nodes_calling(program.graph_module.graph, dcp_ops.partial_attention.default):
-        raise VerificationError("dcp=1 program still splits context and new-token attention")
-
-
-def _single_user(node):
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
+    if program.options.get("new_tokens") == "split":
+        return
+    left = nodes_calling(program.graph_module.graph, dcp_ops.partial_attention.default)
+    if left:
+        raise VerificationError(f"{left[0].name}: a layer still splits context and new-token attention")
 
 
 @program_pass(
     "fuse_new_tokens",
-    requires=[ran("shard_dcp", "fusing removes the context/new split that DCP sharding needs")],
+    requires=[
+        "insert_kv_cache",
+        not_yet_run("shard_dcp", "it matches each paged read's own output in the two-way merge, before the "
+                    "DCP merge stands between them, and shard_dcp makes its global counts local"),
+    ],
     ensures=[_ensures],
 )
-def fuse_new_tokens(program: Program):
-    if program.mesh.dcp != 1:
-        return program, f"dcp={program.mesh.dcp}: the context/new split is the DCP form; kept"
+def fuse_new_tokens(program: Program, enabled: bool = True):
+    """``enabled=False`` (the Ascend backends, :data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`)
+    keeps the split: their paged attention reads a request's keys up to its length, no causal
+    bound inside the cache."""
+    if not enabled:
+        return (program.replace(options={**program.options, "new_tokens": "split"}),
+                "kept the context/new split (the backend's paged attention takes no causal bound)")
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
@@ -82,4 +93,5 @@ def fuse_new_tokens(program: Program):
         fused += 1
     graph.eliminate_dead_code()
     gm.recompile()
-    return program.replace(graph_module=gm), f"{fused} layers read context and new tokens in one paged attention"
+    return (program.replace(graph_module=gm, options={**program.options, "new_tokens": "fused"}),
+            f"{fused} layers read context and new tokens in one paged attention")

@@ -7,8 +7,9 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 2. ``insert_kv_cache``  canonical attention → paged KV cache read + new-token attention + merge;
 3. ``select_logits``    the LM head computes only the rows that will be sampled;
 4. ``shard_tp``         tensor parallelism from the TP plan (collectives, sharded state);
-5. ``shard_dcp``        context attention sharded over DCP groups (LSE merge across ranks);
-6. ``fuse_new_tokens``  dcp=1 only: one paged read covers context and new tokens;
+5. ``fuse_new_tokens``  one paged read covers context and new tokens (global counts; off for the
+                        Ascend backends, whose attention takes no causal bound in the cache);
+6. ``shard_dcp``        paged reads sharded over DCP groups: local counts, LSE merge across ranks;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
 8. ``native_linear``    linears by bf16 CPU weights → ``linear_bf16`` (native for decode rows);
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
@@ -40,8 +41,8 @@ PIPELINE: tuple[ProgramPass, ...] = (
     insert_kv_cache,
     select_logits,
     shard_tp,
-    shard_dcp,
     fuse_new_tokens,
+    shard_dcp,
     fuse_mla_preprocess,
     native_linear,
     native_rms_norm,
@@ -50,13 +51,15 @@ PIPELINE: tuple[ProgramPass, ...] = (
 
 
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cache_dtype: str = "auto",
-                   mlapo: bool = True, return_hidden: bool = False, comm_workload=None) -> list[ProgramPass]:
+                   mlapo: bool = True, return_hidden: bool = False, comm_workload=None,
+                   fuse_new: bool = True) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`)."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
         shard_dcp.name: {"comm": comm, "workload": comm_workload},
+        fuse_new_tokens.name: {"enabled": fuse_new},
         fuse_mla_preprocess.name: {"enabled": mlapo},
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
@@ -68,14 +71,17 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
-    return_hidden: bool = False, comm_workload=None,
+    return_hidden: bool = False, comm_workload=None, fuse_new: bool = True,
 ) -> Program:
-    """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`)."""
+    """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
+    ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
+    causal bound (:func:`dcpgraph.backends.fuses_new_tokens`)."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
     program = program.replace(options={**program.options, "interleave": interleave})
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
-                            mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload)
+                            mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,
+                            fuse_new=fuse_new)
     return run_passes(program, passes, verify=verify)

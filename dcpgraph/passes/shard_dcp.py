@@ -14,15 +14,21 @@ For each paged (context) attention of a layer, on every rank of a DCP group of `
 A sliding window's per-query start ``kv_start`` (a global position, from ``insert_kv_cache``)
 becomes this rank's local index ``layout.local_len(kv_start, dcp_rank)``, emitted in the graph
 from the ``dcp_rank`` input: a rank's local tokens are in increasing global order, so the keys at
-global positions ``>= s`` are exactly its local suffix from ``local_len(s, r)``.
+global positions ``>= s`` are exactly its local suffix from ``local_len(s, r)``, and likewise the
+keys below a causal bound ``b`` its local prefix of ``local_len(b, r)``.
 
 Sparse (DSA) layers shard their indexer and merge the top-k exactly across the group before the
 sparse read, which is then gathered and merged like a context read (:mod:`.shard_dcp_sparse`).
 
-The new-token part and the final two-way merge that ``insert_kv_cache`` emitted are unchanged,
-and the KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a
-rank does not own. The context length input becomes ``local_context_lens`` (per rank,
-``layout.local_len``). Every rank issues the same collectives in the same order; the only per-rank
+The KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a rank
+does not own, so each new token lands in its owner's shard before the read. Every count of keys a
+read takes becomes this rank's: the ``context_lens`` input becomes ``local_context_lens`` (per
+rank, ``layout.local_len``), and a count computed in the graph (``fuse_new_tokens``'s
+``context + new`` lengths and ``position + 1`` causal bounds, a window's start) becomes
+``local_len(count, dcp_rank)`` in the graph, once per count. So a fused read attends over the
+context and the new tokens this rank holds, and the DCP merge completes the attention. Where the
+split was kept (the Ascend backends), the new-token part and the final two-way merge that
+``insert_kv_cache`` emitted stay unchanged after the DCP merge. Every rank issues the same collectives in the same order; the only per-rank
 values are inputs (``dcp_rank``, lengths, slots), never control flow.
 
 Cost model for ``comm="auto"`` (:mod:`.shard_dcp_auto`, :mod:`dcpgraph.plan.comm_choice`): the
@@ -59,6 +65,7 @@ from .verify import propagate_shapes
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 COMMS = ("a2a", "ag_rs", "ag")
+KV_LENS, KV_BOUND, KV_START = 5, 6, 8  # paged_attention's arguments counted in keys (global positions)
 
 
 def _ensures_dcp(program: Program) -> None:
@@ -70,8 +77,21 @@ def _ensures_dcp(program: Program) -> None:
     if len(gathers) < program.facts.num_layers:
         raise VerificationError("every layer's context attention must gather queries over the DCP group")
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):
-        if node.args[5].name != "local_context_lens":
-            raise VerificationError(f"{node.name} reads global context lengths under dcp={n}")
+        for i, what in ((KV_LENS, "key counts"), (KV_BOUND, "causal bounds")):
+            if i < len(node.args) and node.args[i] is not None and not _rank_local(node.args[i]):
+                raise VerificationError(f"{node.name} reads global {what} ({node.args[i].name}) under dcp={n}")
+
+
+def _rank_local(count) -> bool:
+    """Whether ``count`` is this rank's: the ``local_context_lens`` input, or computed from ``dcp_rank``."""
+    seen, stack = set(), [count]
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder" and node.name in ("local_context_lens", "dcp_rank"):
+            return True
+        seen.add(node)
+        stack.extend(x for x in node.all_input_nodes if x not in seen)
+    return False
 
 
 @program_pass("shard_dcp", requires=["insert_kv_cache", "shard_tp"], ensures=[_ensures_dcp])
@@ -111,9 +131,18 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
     graph = gm.graph
     e = Emitter(graph)
     local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
+    placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
     rewritten = 0
     interleave = int(program.options.get("interleave", 1))
-    local_starts: dict = {}  # global kv_start node -> this rank's local index
+    local: dict = {placeholders["context_lens"]: local_lens}  # global count of keys -> this rank's
+
+    def local_counts(count, read):
+        """``layout.local_len(count, dcp_rank)``, emitted once per global count node."""
+        if count not in local:
+            with graph.inserting_before(read):
+                local[count] = _emit_local_len(e, count, dcp_rank, n, interleave)
+        return local[count]
+
     indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
     specs = {s.name: s for s in program.inputs}
     rules: dict = {}  # comm="ag": parameters that become replicated
@@ -138,13 +167,12 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
         if node.target is dcp_ops.paged_sparse_attention.default:  # reads its own selection, no lengths
             node.args = (q_all, *node.args[1:])
         else:
-            node.args = (q_all, *node.args[1:5], local_lens, *node.args[6:])
-        if node.target is dcp_ops.paged_attention.default and len(node.args) > 8 and node.args[8] is not None:
-            start = node.args[8]
-            if start not in local_starts:
-                with graph.inserting_before(node):
-                    local_starts[start] = _emit_local_len(e, start, dcp_rank, n, interleave)
-            node.args = (*node.args[:8], local_starts[start], *node.args[9:])
+            args = list(node.args)
+            args[0] = q_all
+            for i in (KV_LENS, KV_BOUND, KV_START):  # global counts of keys -> this rank's local counts
+                if i < len(args) and args[i] is not None:
+                    args[i] = local_counts(args[i], node)
+            node.args = tuple(args)
         users = getitem_users(node)
         anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
         with graph.inserting_before(anchor.next):

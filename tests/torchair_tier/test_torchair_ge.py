@@ -102,7 +102,7 @@ def _rank(rank: int, world: int, tier, cases: dict, dump_root: str):
     for name, (arch, comm, merge) in cases.items():
         t0 = time.perf_counter()
         program = compile_program(dcpgraph.trace(build_model(arch, dtype=torch.float32, layers=1)), mesh,
-                                  block_size=BLOCK_SIZE, comm=comm)
+                                  block_size=BLOCK_SIZE, comm=comm, fuse_new=False)  # as compile(backend="torchair") builds
         t1 = time.perf_counter()
         args = _step_args(program, mesh, rank)
         ref_args = _clone(args)

@@ -59,7 +59,8 @@ def _rank(rank: int, world: int, tier, dump_root: str):
     traced = dcpgraph.trace(_model())
     results = {}
     for mlapo in (True, False):
-        program = compile_program(traced, mesh, block_size=BLOCK_SIZE, comm="a2a", mlapo=mlapo)
+        program = compile_program(traced, mesh, block_size=BLOCK_SIZE, comm="a2a", mlapo=mlapo,
+                                  fuse_new=False)  # as compile(backend="torchair") builds
         args = _step_args(program, mesh, rank)
         ref_args = _clone(args)
         reference = _outputs(program, ref_args, program.graph_module(*ref_args))

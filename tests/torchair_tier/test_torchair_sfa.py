@@ -47,7 +47,8 @@ def _rank(rank: int, world: int, tier, dump_root: str, mlapo: bool):
     mesh = dcpgraph.Mesh(WORLD, WORLD)
     register_mesh_groups(mesh)
     model = sfa_models.build("deepseek_v32", layers=1).to(torch.float32)
-    program = compile_program(dcpgraph.trace(model), mesh, block_size=128, comm="a2a", mlapo=mlapo)
+    program = compile_program(dcpgraph.trace(model), mesh, block_size=128, comm="a2a", mlapo=mlapo,
+                              fuse_new=False)  # as compile(backend="torchair") builds
     args = _step_args(program, mesh, rank)
     ref_args = _clone(args)
     reference = _outputs(program, ref_args, program.graph_module(*ref_args))

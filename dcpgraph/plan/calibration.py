@@ -151,21 +151,26 @@ def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int,
 
 def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
     """``{collective: (latency_s, bandwidth bytes/s)}`` for ``all_gather`` and ``all_to_all`` in
-    the current gloo world (call on every rank at once; the figures are this rank's)."""
+    the current gloo world, over the transport the graphs' collectives will take (shared memory
+    where every rank is on this host, :mod:`dcpgraph.runtime.host_collectives`; else gloo). Call
+    on every rank at once; the figures are this rank's."""
     import torch
+    import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
+
+    from ..runtime import host_collectives
 
     world = dist.get_world_size()
     elements = LINK_CHUNK_BYTES // 4
+    group, _ = host_collectives.wrap(dist.group.WORLD, list(range(world)))
 
     def run(name: str, n: int) -> float:
-        send = torch.ones(n)
         if name == "all_gather":
-            out = [torch.empty(n) for _ in range(world)]
-            call = lambda: dist.all_gather(out, send)  # noqa: E731
+            send, out = torch.ones(n), torch.empty(n * world)
+            call = lambda: group._allgather_base(out, send, c10d.AllgatherOptions()).wait()  # noqa: E731
         else:
             send, out = torch.ones(n * world), torch.empty(n * world)
-            call = lambda: dist.all_to_all_single(out, send)  # noqa: E731
+            call = lambda: group.alltoall_base(out, send, [], [], c10d.AllToAllOptions()).wait()  # noqa: E731
         call()
         best = float("inf")
         for _ in range(reps):
@@ -176,13 +181,17 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
         return best
 
     out = {}
-    for name in ("all_gather", "all_to_all"):
-        latency = run(name, 1)
-        big = run(name, elements)
-        # a latency sample slower than the big call was slowed by the machine's load: then the whole
-        # big call counts as transfer (a lower bound on the bandwidth)
-        transfer = big - latency if big > latency else big
-        out[name] = (latency, (world - 1) * LINK_CHUNK_BYTES / transfer)
+    try:
+        for name in ("all_gather", "all_to_all"):
+            latency = run(name, 1)
+            big = run(name, elements)
+            # a latency sample slower than the big call was slowed by the machine's load: then the
+            # whole big call counts as transfer (a lower bound on the bandwidth)
+            transfer = big - latency if big > latency else big
+            out[name] = (latency, (world - 1) * LINK_CHUNK_BYTES / transfer)
+    finally:
+        if isinstance(group, host_collectives.SharedMemoryGroup):
+            group.close()
     return out
 
 

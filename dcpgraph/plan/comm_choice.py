@@ -87,7 +87,8 @@ def measured_link(hw: Hardware, reps: int = 5) -> Hardware:
     latency, bandwidth = float(agreed[0]), 1.0 / float(agreed[1])
     world = dist.get_world_size()
     return replace(hw, name=f"{hw.name}, measured at start-up", link_latency_s=latency, link_bandwidth=bandwidth,
-                   source=f"all_gather and all_to_all timed between the {world} gloo ranks at start-up "
+                   source=f"all_gather and all_to_all timed between the {world} ranks at start-up (over shared "
+                          "memory where they share a host, else gloo) "
                           f"(the slowest rank's figures); the rest: {hw.source}")
 
 

@@ -30,12 +30,14 @@ from torch._C._distributed_c10d import (
 
 from ..collectives.groups import DCP_GROUP, TP_GROUP
 from ..mesh import Mesh
+from . import host_collectives
 from .ports import free_port
 
 __all__ = [
     "RankFailedError",
     "register_mesh_groups",
     "run_distributed_graph",
+    "transports",
     "spawn",
     "unregister_mesh_groups",
 ]
@@ -75,7 +77,7 @@ def register_mesh_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup]:
             f"the world has {dist.get_world_size()} processes but {mesh} has {mesh.world_size}"
         )
     state = _registered
-    if state is not None and state["world"] is world and _names_resolve_to(state["groups"]):
+    if state is not None and state["world"] is world and _names_resolve_to(state["registered"]):
         if state["mesh"] == mesh:
             return dict(state["groups"])
         unregister_mesh_groups()
@@ -90,11 +92,21 @@ def register_mesh_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup]:
     if mine is None:  # cannot happen for a valid Mesh; guards against a changed Mesh.dcp_groups
         raise RuntimeError(f"rank {rank} is in no DCP group of {mesh}")
     groups = {"tp": world, "dcp": mine}
-    for name, group in ((TP_GROUP, world), (DCP_GROUP, mine)):
+    served = {"tp": host_collectives.wrap(world, list(range(mesh.world_size))),
+              "dcp": host_collectives.wrap(mine, list(mesh.dcp_group(rank)))}
+    registered = {kind: group for kind, (group, _) in served.items()}
+    for name, kind in ((TP_GROUP, "tp"), (DCP_GROUP, "dcp")):
         _unregister_process_group(name)  # a no-op when the name is free
-        _register_process_group(name, group)
-    _registered = {"mesh": mesh, "world": world, "groups": groups, "owned": created}
+        _register_process_group(name, registered[kind])
+    _registered = {"mesh": mesh, "world": world, "groups": groups, "owned": created, "registered": registered,
+                   "transport": {kind: note for kind, (_, note) in served.items()}}
     return dict(groups)
+
+
+def transports() -> dict[str, str]:
+    """How this process's registered groups move data: ``{"tp": ..., "dcp": ...}`` ("shared
+    memory", or why gloo); empty before :func:`register_mesh_groups`."""
+    return dict(_registered["transport"]) if _registered is not None else {}
 
 
 def unregister_mesh_groups() -> None:
@@ -103,6 +115,9 @@ def unregister_mesh_groups() -> None:
     state, _registered = _registered, None
     for name in (TP_GROUP, DCP_GROUP):
         _unregister_process_group(name)
+    for group in (state or {}).get("registered", {}).values():
+        if isinstance(group, host_collectives.SharedMemoryGroup):
+            group.close()
     if state is None or not dist.is_initialized() or state["world"] is not dist.group.WORLD:
         return  # the world was destroyed, and our subgroups with it
     for group in state["owned"]:
@@ -120,7 +135,7 @@ def run_distributed_graph(
     """
     if mesh is not None:
         register_mesh_groups(mesh)
-    elif _registered is None or not _names_resolve_to(_registered["groups"]):
+    elif _registered is None or not _names_resolve_to(_registered["registered"]):
         raise RuntimeError(
             f"the group names {TP_GROUP!r}/{DCP_GROUP!r} are not registered in this process: "
             "call register_mesh_groups(mesh) first, or pass mesh="

@@ -1,0 +1,165 @@
+"""Shared-memory collectives on real processes: every functional collective a graph issues gives
+the emulator's exact result (the collective registry's semantics, a by-hand reference), what it
+does not serve goes through gloo with the same result, a dead peer is an error in the survivors
+rather than a hang, and ``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dcpgraph import Mesh
+from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, TP_GROUP, DCP_GROUP, bind
+from dcpgraph.runtime.distributed import RankFailedError, spawn
+
+pytestmark = pytest.mark.gloo
+c10d = torch.ops._c10d_functional
+
+
+def _inputs(rank: int, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(rows, 3, 5, generator=gen) * 4).to(dtype)
+
+
+def _calls(x: torch.Tensor, n: int, group: str):
+    """(name, registry entry, functional call args) of every collective, over ``group``."""
+    return [
+        ("all_reduce sum", ALL_REDUCE, (x, "sum", group)),
+        ("all_reduce max", ALL_REDUCE, (x, "max", group)),
+        ("all_reduce avg", ALL_REDUCE, (x, "avg" if x.is_floating_point() else "min", group)),
+        ("all_gather", ALL_GATHER, (x, n, group)),
+        ("reduce_scatter sum", REDUCE_SCATTER, (x, "sum", n, group)),
+        ("all_to_all", ALL_TO_ALL, (x, [x.shape[0] // n] * n, [x.shape[0] // n] * n, group)),
+    ]
+
+
+def _run_every_collective(rank: int, world: int, dcp: int, dtype_name: str, rows: int):
+    from dcpgraph.runtime.distributed import register_mesh_groups, transports
+
+    mesh = Mesh(world, dcp)
+    register_mesh_groups(mesh)
+    dtype = getattr(torch, dtype_name)
+    x = _inputs(rank, dtype, rows)
+    out = {}
+    for group, n in ((TP_GROUP, world), (DCP_GROUP, dcp)):
+        for name, coll, args in _calls(x, n, group):
+            out[(group, name)] = c10d.wait_tensor(coll.op(*args))
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    served = {g: getattr(_resolve_process_group(g), "served", None) for g in (TP_GROUP, DCP_GROUP)}
+    return out, transports(), served
+
+
+def _expected(world: int, dcp: int, dtype: torch.dtype, rows: int):
+    """The emulator's semantics (the registry's ``emulate``) over every group, per rank."""
+    mesh = Mesh(world, dcp)
+    xs = [_inputs(r, dtype, rows) for r in range(world)]
+    want = [{} for _ in range(world)]
+    for group, kind, n in ((TP_GROUP, "tp", world), (DCP_GROUP, "dcp", dcp)):
+        for members in {mesh.group(kind, r) for r in range(world)}:
+            calls = {r: _calls(xs[r], n, group) for r in members}
+            for i, (name, coll, _) in enumerate(calls[members[0]]):
+                params = [bind(coll.op, calls[r][i][2], {}) for r in members]
+                for r, result in zip(members, coll.emulate(params)):
+                    want[r][(group, name)] = result
+    return want
+
+
+@pytest.mark.parametrize(("world", "dcp", "dtype", "rows"), [
+    (2, 2, "float32", 4), (2, 1, "bfloat16", 2), (4, 2, "float32", 8), (2, 2, "int64", 6),
+])
+def test_every_collective_equals_the_emulators_semantics(world, dcp, dtype, rows):
+    results = spawn(_run_every_collective, world, dcp, dtype, rows, timeout_s=240)
+    want = _expected(world, dcp, getattr(torch, dtype), rows)
+    for rank, (got, transport, served) in enumerate(results):
+        assert transport["tp"] == "shared memory", transport
+        assert transport["dcp"] == ("shared memory" if dcp > 1 else "one member or not gloo"), transport
+        assert served[TP_GROUP] == 6 and (dcp == 1 or served[DCP_GROUP] == 6), served
+        for key, value in want[rank].items():
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key], value), (rank, key)
+
+
+def _too_big_for_a_slot(rank: int, world: int):
+    from dcpgraph.runtime.distributed import register_mesh_groups
+
+    os.environ["DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"] = "1"  # in the rank: forked ranks keep the fork server's env
+    register_mesh_groups(Mesh(world, 1))
+    x = torch.full((300_000,), float(rank + 1))  # 1.2 MB > the 1 MiB slot set below
+    y = c10d.wait_tensor(c10d.all_reduce(x, "sum", TP_GROUP))
+    small = c10d.wait_tensor(c10d.all_reduce(torch.ones(3), "sum", TP_GROUP))
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return y[:3].tolist(), small.tolist(), _resolve_process_group(TP_GROUP).served
+
+
+def test_a_payload_larger_than_a_slot_goes_through_gloo():
+    for big, small, served in spawn(_too_big_for_a_slot, 2, timeout_s=240):
+        assert big == [3.0, 3.0, 3.0] and small == [2.0, 2.0, 2.0]
+        assert served == 1  # only the small one
+
+
+def _transport(rank: int, world: int, setting: str):
+    from dcpgraph.runtime.distributed import register_mesh_groups, transports
+
+    os.environ["DCPGRAPH_HOST_COLLECTIVES"] = setting
+    register_mesh_groups(Mesh(world, world))
+    y = c10d.wait_tensor(c10d.all_reduce(torch.ones(2) * rank, "sum", DCP_GROUP))
+    return transports(), y.tolist()
+
+
+def test_gloo_when_asked():
+    for transport, y in spawn(_transport, 2, "gloo", timeout_s=240):
+        assert transport == {"tp": "gloo: DCPGRAPH_HOST_COLLECTIVES=gloo", "dcp": "gloo: DCPGRAPH_HOST_COLLECTIVES=gloo"}
+        assert y == [1.0, 1.0]
+
+
+def _one_rank_dies(rank: int, port: int, report: str) -> None:
+    """Launched by hand (spawn would kill the survivor as soon as it saw the dead rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dcpgraph.runtime.distributed import register_mesh_groups
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    register_mesh_groups(Mesh(2, 1))
+    c10d.wait_tensor(c10d.all_reduce(torch.ones(2), "sum", TP_GROUP))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        c10d.wait_tensor(c10d.all_reduce(torch.ones(2), "sum", TP_GROUP))
+        outcome = "returned"
+    except RuntimeError as err:
+        outcome = f"{time.monotonic() - start:.3f} s: {err}"
+    with open(report, "w") as f:
+        f.write(outcome)
+    os._exit(0)  # no teardown: the world has a dead member
+
+
+def test_a_dead_peer_is_an_error_in_the_survivor_not_a_hang(tmp_path):
+    import torch.multiprocessing as mp
+
+    from dcpgraph.runtime.ports import free_port
+
+    report, port = tmp_path / "rank0.txt", free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_one_rank_dies, args=(r, port, str(report)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(90)
+        assert procs[0].exitcode == 0, "the survivor hung or crashed"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    seconds, _, message = report.read_text().partition(" s: ")
+    assert "exited while group rank 0 waited for it in shared-memory collective #2" in message
+    assert float(seconds) < 5

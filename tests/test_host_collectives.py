@@ -103,19 +103,30 @@ def test_a_payload_larger_than_a_slot_goes_through_gloo():
         assert served == 1  # only the small one
 
 
-def _transport(rank: int, world: int, setting: str):
+def _transport(rank: int, world: int, env: dict):
     from dcpgraph.runtime.distributed import register_mesh_groups, transports
 
-    os.environ["DCPGRAPH_HOST_COLLECTIVES"] = setting
+    os.environ.update(env)  # in the rank: forked ranks keep the fork server's env
     register_mesh_groups(Mesh(world, world))
     y = c10d.wait_tensor(c10d.all_reduce(torch.ones(2) * rank, "sum", DCP_GROUP))
     return transports(), y.tolist()
 
 
 def test_gloo_when_asked():
-    for transport, y in spawn(_transport, 2, "gloo", timeout_s=240):
+    for transport, y in spawn(_transport, 2, {"DCPGRAPH_HOST_COLLECTIVES": "gloo"}, timeout_s=240):
         assert transport == {"tp": "gloo: DCPGRAPH_HOST_COLLECTIVES=gloo", "dcp": "gloo: DCPGRAPH_HOST_COLLECTIVES=gloo"}
         assert y == [1.0, 1.0]
+
+
+def test_gloo_when_the_segment_cannot_be_reserved():
+    """A segment larger than /dev/shm can hold is refused at set-up (posix_fallocate), never a
+    SIGBUS in the middle of a step; the ranks agree on gloo and keep working."""
+    huge = {"DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB": str(1 << 30)}  # a PiB per slot
+    results = spawn(_transport, 2, huge, timeout_s=240)
+    for transport, y in results:
+        assert all(note.startswith("gloo: the shared segment could not be created") for note in transport.values())
+        assert y == [1.0, 1.0]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("dcpgraph-collectives-")]
 
 
 def _one_rank_dies(rank: int, port: int, report: str) -> None:

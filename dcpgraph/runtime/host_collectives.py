@@ -31,6 +31,7 @@ different hosts or the small C++ helper (``ops/csrc/host_sync.cpp``) cannot be b
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -48,7 +49,8 @@ _SRC = Path(__file__).resolve().parent.parent / "ops" / "csrc" / "host_sync.cpp"
 EXTENSION = NativeExtension("dcpgraph_host_sync", _SRC, "shared-memory collectives", "collectives go through gloo")
 ENV = "DCPGRAPH_HOST_COLLECTIVES"  # "shm" (default) or "gloo"
 SLOT_ENV = "DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"
-SLOT_MIB = 16  # largest payload a member publishes per collective; larger ones go through gloo
+SLOT_MIB = 4  # largest payload a member publishes per collective (a 256-token prefill chunk's fp32
+# all-reduce at hidden 4096); larger ones go through gloo. A group reserves 2 · members · slot bytes.
 LINE = 64
 FLAG_STRIDE = LINE // 8  # int64s between two members' arrival counts
 SPINS = 4096  # pause rounds per wait_all call before yielding
@@ -97,8 +99,9 @@ class Segment:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
-            if create:
+            if create:  # reserved now: a full /dev/shm is a clear fallback here, not a SIGBUS mid-step
                 os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -294,6 +297,8 @@ def wrap(group: dist.ProcessGroup, ranks: list[int]) -> tuple[dist.ProcessGroup,
             path[0] = os.path.join(directory, f"dcpgraph-collectives-{uuid.uuid4().hex}")
             segment = Segment(path[0], len(ranks), slot_bytes, create=True)
         except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(path[0])
             path[0], why = None, f"gloo: the shared segment could not be created ({err})"
     dist.broadcast_object_list(path, src=ranks[0], group=group)
     if path[0] is None:

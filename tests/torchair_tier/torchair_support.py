@@ -309,6 +309,9 @@ def activate(tier: TorchairTier):
     """In a worker: stand-ins, ``npu::`` ops, ``sys.path``; returns the imported ``torchair``."""
     if tier.skip_reason:
         raise RuntimeError(tier.skip_reason)
+    # gloo stands in for HCCL here, and on Ascend the groups stay HCCL's: torchair's converters
+    # read a c10d-registered group's ranks, which dcpgraph's shared-memory host groups are not.
+    os.environ["DCPGRAPH_HOST_COLLECTIVES"] = "gloo"
     for path in (tier.pydeps_dir, tier.dynamo_dir):
         if path and path not in sys.path:
             sys.path.insert(0, path)

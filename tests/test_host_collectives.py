@@ -30,7 +30,7 @@ def _calls(x: torch.Tensor, n: int, group: str):
     return [
         ("all_reduce sum", ALL_REDUCE, (x, "sum", group)),
         ("all_reduce max", ALL_REDUCE, (x, "max", group)),
-        ("all_reduce avg", ALL_REDUCE, (x, "avg" if x.is_floating_point() else "min", group)),
+        ("all_reduce avg", ALL_REDUCE, (x, "avg" if x.is_floating_point() else "bxor", group)),
         ("all_gather", ALL_GATHER, (x, n, group)),
         ("reduce_scatter sum", REDUCE_SCATTER, (x, "sum", n, group)),
         ("all_to_all", ALL_TO_ALL, (x, [x.shape[0] // n] * n, [x.shape[0] // n] * n, group)),

@@ -55,6 +55,7 @@ __all__ = [
     "bind",
     "collective_name",
     "collective_of",
+    "reduce_in_rank_order",
 ]
 
 NAMESPACE = "_c10d_functional"
@@ -181,8 +182,9 @@ def _require_rows(params: Sequence[tuple], name: str) -> None:
         raise GroupMismatch(f"{name} needs inputs with a dim 0", [tuple(p[0].shape) for p in params])
 
 
-def _reduce(inputs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """``((x0 ∘ x1) ∘ x2) ∘ …`` in group-rank order, into a fresh contiguous tensor."""
+def reduce_in_rank_order(inputs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """``((x0 ∘ x1) ∘ x2) ∘ …`` in group-rank order, into a fresh contiguous tensor (the emulator's
+    reduction, and the shared-memory transport's, so both give the same bits)."""
     if op not in REDUCE_OPS:
         raise GroupMismatch(f"unknown reduce_op {op!r}; torch accepts {', '.join(REDUCE_OPS)}")
     acc = inputs[0].clone(memory_format=torch.contiguous_format)
@@ -239,7 +241,7 @@ def _emulate_reduce_scatter(params: Sequence[tuple]) -> list[torch.Tensor]:
     rows = params[0][0].shape[0]
     if rows % n:
         raise GroupMismatch(f"dim 0 ({rows}) is not divisible by the group size {n}")
-    total = _reduce([p[0] for p in params], params[0][1])
+    total = reduce_in_rank_order([p[0] for p in params], params[0][1])
     return [chunk.clone() for chunk in total.split(rows // n, 0)]
 
 
@@ -257,7 +259,7 @@ REDUCE_SCATTER = Collective(
 def _emulate_all_reduce(params: Sequence[tuple]) -> list[torch.Tensor]:
     _require_same(params, "reduce_op", lambda p: p[1])
     _require_same(params, "input shape", lambda p: tuple(p[0].shape))
-    total = _reduce([p[0] for p in params], params[0][1])
+    total = reduce_in_rank_order([p[0] for p in params], params[0][1])
     return [total, *(total.clone() for _ in params[1:])]
 
 

@@ -21,8 +21,8 @@ A member writes buffer ``s mod 2`` only after it saw every member arrive at ``s 
 after each of them finished reading collective ``s − 2``, the last one that used that buffer: no
 second wait per collective. A member that dies while others wait for it is seen by its pid within
 :data:`LIVENESS_S` and raises in every waiting member (gloo sees the closed connection); one that
-never arrives raises at the group's timeout. Served: ``all_reduce`` (sum, avg, product, min, max),
-``all_gather_into_tensor``, ``reduce_scatter_tensor`` (sum, avg, product, min, max) and
+never arrives raises at the group's timeout. Served: ``all_reduce`` and ``reduce_scatter_tensor``
+(sum, avg of floating tensors, product, min, max, band, bor, bxor), ``all_gather_into_tensor`` and
 ``all_to_all_single`` with equal splits, of CPU tensors whose payload fits a slot; the choice
 depends only on what every member's call has alike (sizes, dtype, op), so all members choose the
 same way. ``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off; it is also off where the members are on
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..collectives.registry import reduce_in_rank_order
 from ..ops.native_build import NativeExtension
 
 _SRC = Path(__file__).resolve().parent.parent / "ops" / "csrc" / "host_sync.cpp"
@@ -57,7 +58,8 @@ SPINS = 4096  # pause rounds per wait_all call before yielding
 LIVENESS_S = 0.05  # how often a waiting member checks its peers' pids and its deadline
 _REDUCE = {dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.AVG: "avg",
            dist.ReduceOp.RedOpType.PRODUCT: "product", dist.ReduceOp.RedOpType.MIN: "min",
-           dist.ReduceOp.RedOpType.MAX: "max"}
+           dist.ReduceOp.RedOpType.MAX: "max", dist.ReduceOp.RedOpType.BAND: "band",
+           dist.ReduceOp.RedOpType.BOR: "bor", dist.ReduceOp.RedOpType.BXOR: "bxor"}
 
 
 def _reduce_op(opts) -> str | None:
@@ -180,20 +182,8 @@ class SharedMemoryGroup(dist.ProcessGroup):
 
     @staticmethod
     def _reduce(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
-        """``out = ((p0 ∘ p1) ∘ p2) ∘ …`` in group-rank order (avg: the sum divided by the count)."""
-        acc = parts[0].clone()
-        for p in parts[1:]:
-            if op in ("sum", "avg"):
-                acc.add_(p)
-            elif op == "product":
-                acc.mul_(p)
-            elif op == "min":
-                torch.minimum(acc, p, out=acc)
-            else:
-                torch.maximum(acc, p, out=acc)
-        if op == "avg":
-            acc.div_(len(parts))
-        out.copy_(acc.view(out.shape))
+        """``out = ((p0 ∘ p1) ∘ p2) ∘ …`` in group-rank order: the emulator's own reduction."""
+        out.copy_(reduce_in_rank_order(parts, op).view(out.shape))
 
     @staticmethod
     def _done(result):

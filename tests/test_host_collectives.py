@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from dcpgraph import Mesh
-from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, TP_GROUP, DCP_GROUP, bind
-from dcpgraph.runtime.distributed import RankFailedError, spawn
+from dcpgraph.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    DCP_GROUP,
+    REDUCE_SCATTER,
+    TP_GROUP,
+    bind,
+)
+from dcpgraph.runtime.distributed import spawn
 
 pytestmark = pytest.mark.gloo
 c10d = torch.ops._c10d_functional

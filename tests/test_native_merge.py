@@ -19,7 +19,7 @@ def test_the_native_merge_passes_its_self_check_and_serves_the_op(monkeypatch):
     assert merge_native.MERGE.enabled(), merge_native.MERGE.reason
     calls = []
     real = merge_native.merge_attention
-    monkeypatch.setattr(merge_native, "merge_attention", lambda o, l: calls.append(1) or real(o, l))
+    monkeypatch.setattr(merge_native, "merge_attention", lambda o, lse: calls.append(1) or real(o, lse))
     outs, lses = torch.randn(3, 2, 8, 64), torch.randn(3, 2, 8)
     out, lse = torch.ops.dcpgraph.merge_attention(outs, lses)
     assert calls and out.shape == (2, 8, 64) and lse.shape == (2, 8)

@@ -48,6 +48,7 @@ def _calls(x: torch.Tensor, n: int, group: str):
 def _run_every_collective(rank: int, world: int, dcp: int, dtype_name: str, rows: int):
     from dcpgraph.runtime.distributed import register_mesh_groups, transports
 
+    os.environ["DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"] = "1"  # small segments: fits a container's 64 MiB /dev/shm
     mesh = Mesh(world, dcp)
     register_mesh_groups(mesh)
     dtype = getattr(torch, dtype_name)

@@ -145,7 +145,6 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
                     max_model_len=max_model_len)
     from .passes.pipeline import compile_program
 
-    fuse_new = opts["fuse_new_tokens"]
     program = model if isinstance(model, Program) else trace(model)
     windows = ()
     if opts["hybrid_kv_cache"]:
@@ -170,7 +169,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     program = compile_program(
         program, mesh, block_size=block_size, interleave=interleave, comm=comm,
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
-        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload, fuse_new=fuse_new,
+        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload,
+        fuse_new=opts["fuse_new_tokens"],
     )
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import layer_group_tables
@@ -195,7 +195,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         draft_program = compile_program(
             draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,
             verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
-            fuse_new=fuse_new,
+            fuse_new=opts["fuse_new_tokens"],
         )
         draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
     return Engine(

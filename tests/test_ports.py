@@ -56,6 +56,7 @@ def test_without_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch):
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 100, 60999))
     port = ports.free_port(rng=Draws())
     assert ports.binds("127.0.0.1", port)
+    assert port >= ports.LOWEST_PORT + 100  # the kernel's pick, not a draw from the 100 ports below
 
 
 def test_the_range_is_read_from_the_kernel_or_defaults(monkeypatch, tmp_path):

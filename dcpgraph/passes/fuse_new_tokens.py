@@ -15,8 +15,9 @@ shard, so under DCP each rank reads the new tokens it owns with the context it h
 DCP merge that follows combines them with the rest. (Where the split was kept under DCP, every
 rank recomputed the new-token attention over its heads and paid a second merge.) A sliding
 window's ``kv_start`` and a soft-cap stay on the paged read (both are per query, by position); a
-layer with attention sinks keeps a two-way merge of the fused read with its sink partial. Reads
-that already carry a bound, and sparse reads, keep the split.
+layer with attention sinks keeps a two-way merge of the fused read with its sink partial. Sparse
+(DSA) layers have no split to fold: they read context and new tokens together through their
+selection.
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def compile_program(
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
     ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
-    causal bound (:func:`dcpgraph.backends.fuses_new_tokens`)."""
+    causal bound (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`; ``compile``'s
+    ``fuse_new_tokens`` option)."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"

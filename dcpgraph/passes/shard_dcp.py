@@ -28,7 +28,8 @@ rank, ``layout.local_len``), and a count computed in the graph (``fuse_new_token
 ``local_len(count, dcp_rank)`` in the graph, once per count. So a fused read attends over the
 context and the new tokens this rank holds, and the DCP merge completes the attention. Where the
 split was kept (the Ascend backends), the new-token part and the final two-way merge that
-``insert_kv_cache`` emitted stay unchanged after the DCP merge. Every rank issues the same collectives in the same order; the only per-rank
+``insert_kv_cache`` emitted stay unchanged after the DCP merge. Every rank issues the same
+collectives in the same order; the only per-rank
 values are inputs (``dcp_rank``, lengths, slots), never control flow.
 
 Cost model for ``comm="auto"`` (:mod:`.shard_dcp_auto`, :mod:`dcpgraph.plan.comm_choice`): the

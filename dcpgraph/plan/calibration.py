@@ -162,7 +162,7 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
 
     world = dist.get_world_size()
     elements = LINK_CHUNK_BYTES // 4
-    group, _ = host_collectives.wrap(dist.group.WORLD, list(range(world)))
+    group, _ = host_collectives.wrap(dist.group.WORLD)
 
     def run(name: str, n: int) -> float:
         if name == "all_gather":
@@ -190,8 +190,7 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
             transfer = big - latency if big > latency else big
             out[name] = (latency, (world - 1) * LINK_CHUNK_BYTES / transfer)
     finally:
-        if isinstance(group, host_collectives.SharedMemoryGroup):
-            group.close()
+        host_collectives.release(group)
     return out
 
 

@@ -92,8 +92,7 @@ def register_mesh_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup]:
     if mine is None:  # cannot happen for a valid Mesh; guards against a changed Mesh.dcp_groups
         raise RuntimeError(f"rank {rank} is in no DCP group of {mesh}")
     groups = {"tp": world, "dcp": mine}
-    served = {"tp": host_collectives.wrap(world, list(range(mesh.world_size))),
-              "dcp": host_collectives.wrap(mine, list(mesh.dcp_group(rank)))}
+    served = {"tp": host_collectives.wrap(world), "dcp": host_collectives.wrap(mine)}
     registered = {kind: group for kind, (group, _) in served.items()}
     for name, kind in ((TP_GROUP, "tp"), (DCP_GROUP, "dcp")):
         _unregister_process_group(name)  # a no-op when the name is free
@@ -116,8 +115,7 @@ def unregister_mesh_groups() -> None:
     for name in (TP_GROUP, DCP_GROUP):
         _unregister_process_group(name)
     for group in (state or {}).get("registered", {}).values():
-        if isinstance(group, host_collectives.SharedMemoryGroup):
-            group.close()
+        host_collectives.release(group)
     if state is None or not dist.is_initialized() or state["world"] is not dist.group.WORLD:
         return  # the world was destroyed, and our subgroups with it
     for group in state["owned"]:

@@ -153,6 +153,11 @@ class SharedMemoryGroup(dist.ProcessGroup):
         self.served += 1
         return [slots[j, :nbytes].view(x.dtype).view(x.shape) for j in range(self.n)]
 
+    def _my_chunks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Chunk ``me`` (of ``n`` equal flat chunks) of every member's ``x``, in group-rank order."""
+        chunk = x.numel() // self.n
+        return [p.reshape(-1)[self.me * chunk:(self.me + 1) * chunk] for p in self._exchange(x)]
+
     def _wait(self, seq: int) -> None:
         flags = self.segment.base
         if self.sync.wait_all(flags, FLAG_STRIDE, self.n, seq, SPINS):
@@ -202,18 +207,14 @@ class SharedMemoryGroup(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's name
         if not self._fits(input, output) or output.numel() != input.numel() * self.n:
             return self.fallback._allgather_base(output, input, opts)
-        parts = self._exchange(input)
-        torch.cat([p.reshape(-1) for p in parts], out=output.view(-1)) if output.is_contiguous() else \
-            output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
+        output.copy_(torch.cat([p.reshape(-1) for p in self._exchange(input)]).view(output.shape))
         return self._done([output])
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         op = _reduce_op(opts)
         if not self._serves(op, input) or not self._fits(input, output) or input.numel() != output.numel() * self.n:
             return self.fallback._reduce_scatter_base(output, input, opts)
-        chunk = output.numel()
-        parts = [p.reshape(-1)[self.me * chunk:(self.me + 1) * chunk] for p in self._exchange(input)]
-        self._reduce(parts, op, output)
+        self._reduce(self._my_chunks(input), op, output)
         return self._done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -234,9 +235,7 @@ class SharedMemoryGroup(dist.ProcessGroup):
         if not (self._equal_splits(output_split_sizes, rows) and self._equal_splits(input_split_sizes, rows)) \
                 or not self._fits(input, output) or input.numel() != output.numel() or input.numel() % self.n:
             return self.fallback.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-        chunk = input.numel() // self.n
-        parts = [p.reshape(-1)[self.me * chunk:(self.me + 1) * chunk] for p in self._exchange(input)]
-        output.copy_(torch.cat(parts).view(output.shape))
+        output.copy_(torch.cat(self._my_chunks(input)).view(output.shape))
         return self._done([output])
 
     def barrier(self, opts=None):
@@ -263,10 +262,11 @@ def _timeout_s(group: dist.ProcessGroup) -> float:
         return 600.0
 
 
-def wrap(group: dist.ProcessGroup, ranks: list[int]) -> tuple[dist.ProcessGroup, str]:
-    """``(group to register, note)``: a :class:`SharedMemoryGroup` over ``group`` (members
-    ``ranks``, global, in group-rank order) where every member is on this host and can use it,
-    else ``group`` itself. Collective over ``group``: every member calls it at the same point."""
+def wrap(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, str]:
+    """``(group to register, note)``: a :class:`SharedMemoryGroup` over ``group`` where every member
+    is on this host and can use it, else ``group`` itself. Collective over ``group``: every member
+    calls it at the same point. Undo with :func:`release`."""
+    ranks = dist.get_process_group_ranks(group)  # global, in group-rank order
     if len(ranks) == 1 or dist.get_backend(group) != "gloo":
         return group, "one member or not gloo"
     host = (socket.gethostname(), Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -300,3 +300,9 @@ def wrap(group: dist.ProcessGroup, ranks: list[int]) -> tuple[dist.ProcessGroup,
     if me == 0:
         os.unlink(path[0])
     return SharedMemoryGroup(group, segment, _timeout_s(group), EXTENSION.module), "shared memory"
+
+
+def release(group: dist.ProcessGroup) -> None:
+    """Unmap what :func:`wrap` mapped for ``group`` (nothing for a group it left as it was)."""
+    if isinstance(group, SharedMemoryGroup):
+        group.close()

@@ -50,6 +50,7 @@ struct Simd {
     nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q) != 0;
     return _mm512_mask_max_ps(acc, m & _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), acc, x);
   }
+  static V max_live(V acc, V x, All, bool& nan) { return max_live(acc, x, Mask(0xFFFF), nan); }
   static float max(V v) { return _mm512_reduce_max_ps(v); }
   static V zero_outside(V v, Mask m) { return _mm512_maskz_mov_ps(m, v); }
   // 2^n for integral n in [-126, 0] (exp's range reduction)
@@ -117,6 +118,10 @@ struct Simd {
     nan |= _mm256_movemask_ps(unord) != 0;
     const V use = _mm256_andnot_ps(unord, live);
     return _mm256_blendv_ps(acc, _mm256_max_ps(acc, x), use);
+  }
+  static V max_live(V acc, V x, All, bool& nan) {  // max(acc, x) returns acc where x is NaN
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0;
+    return _mm256_max_ps(x, acc);
   }
   static float max(V v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -22,7 +22,7 @@ from ..speculative.rejection import verify
 from .graph_mode import DecodeBuckets
 from .sampling import sample, token_logprobs
 from .scheduler import RowOutput, ScheduledChunk
-from .step_inputs import Chunk, build_step_inputs
+from .step_inputs import Chunk, TableRows, build_step_inputs
 from .verify_buckets import VerifyBuckets
 
 
@@ -38,6 +38,7 @@ class ModelRunner:
         self.proposer = proposer
         self.verify_buckets = verify_buckets
         self.steps = 0
+        self.table_rows = TableRows()  # block-table rows of the last step, reused while unchanged
         self.graph_steps: dict[str, int] = {}
         self.last_hidden: torch.Tensor | None = None  # [tokens of the last step, H] (return_hidden)
 
@@ -69,7 +70,7 @@ class ModelRunner:
         """Logits ``[sum of logits_rows, V]`` of ``chunks``; a decode-only step runs in the
         smallest decode bucket that holds it (padded), a step of decode rows with drafts (every
         token a query row) in its verification bucket, anything else in the dynamic graph."""
-        shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave)
+        shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave, self.table_rows)
         counts = [len(c.tokens) for c in chunks]
         key, name, pick = "mixed", "mixed", None
         if self.buckets is not None and all(n == 1 for n in counts):

@@ -67,10 +67,24 @@ class Request:
     finished: bool = False
     speculative: bool = True  # whether its decode rows may carry drafts
     preemptions: int = 0
+    _joined: tuple = field(default=(None, None, 0, 0, None), init=False, repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """``prompt + output``: one list kept between calls and extended as ``output`` grows (a
+        long prompt is not copied on every step); rebuilt when either list is replaced or shrinks.
+        Read it; do not change it."""
+        prompt, output, np_, no, joined = self._joined
+        if prompt is not self.prompt or output is not self.output or np_ != len(self.prompt) or no > len(self.output):
+            joined = self.prompt + self.output
+        elif no < len(self.output):
+            joined.extend(self.output[no:])
+        self._joined = (self.prompt, self.output, len(self.prompt), len(self.output), joined)
+        return joined
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
 
     @property
     def reserve_tokens(self) -> int:
@@ -219,17 +233,17 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         plan: list[ScheduledChunk] = []
         preemptions = self.stats["preemptions"]
-        for request in sorted(self.running, key=lambda r: len(r.tokens) - r.computed > 1):  # decodes first
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.computed > 1):  # decodes first
             budget = self._budget(plan)
             if budget == 0:
                 break
             if request not in self.running:  # preempted for an older request earlier in this loop
                 continue
-            n = min(len(request.tokens) - request.computed, budget)
+            n = min(request.num_tokens - request.computed, budget)
             if n <= 0:
                 continue
             end = request.computed + n
-            room = self._draft_room(request, n, end == len(request.tokens))
+            room = self._draft_room(request, n, end == request.num_tokens)
             room = max(0, min(room, self.blocks.room(request.id) - end))  # drafts never preempt anyone
             if self._fit(request, end + room, plan):
                 self._chunk(request, n, plan)

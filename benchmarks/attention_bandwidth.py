@@ -42,6 +42,12 @@ bytes), visited in turn like a decode step's walk over its layers, with the copi
 twice the last-level cache (``common.copies_past_cache``): each copy is read from memory.
 ``incache_ceiling`` alone stays in cache, as its name says.
 
+Compute ceiling (bf16/fp8 cases on the fp32 path, i.e. without AMX): ``fp32_fma_ceiling_bw``, the
+KV bandwidth at which a token's ``rows · (d + dv)`` multiply-adds take all of the thread's
+measured fp32 FMA rate (:mod:`fma_peak`). A target above it is out of reach of any kernel that
+multiplies in fp32 FMAs on that CPU; the op's figure over it is the share of the arithmetic peak
+the kernel keeps.
+
 KV bytes: GQA reads K and V (``tokens · Hkv · (D + Dv) · 4``); MLA reads its one latent cache
 (``tokens · 576 · 4``; values are a prefix view of the same memory). Clock: with 1 thread the
 process CPU time (``time.process_time``: the machine is shared, and a run preempted by another
@@ -61,6 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the checkout on sys.path)
 import block_read  # noqa: E402
+import fma_peak  # noqa: E402
 import torch  # noqa: E402
 
 import dcpgraph.ops.library  # noqa: E402,F401  (registers torch.ops.dcpgraph)
@@ -408,19 +415,35 @@ def run_typed_case(case, kv_name: str, huge_pages: bool, threads: int, reps: int
     print_ceilings(label, bw)
     native_on = paged.native_enabled(kv_dtype)
     path = "amx" if amx else f"fp32 ({native.amx_reason})"
+    # The fp32 path's compute ceiling: rows · (d + dv) multiply-adds a token per KV head, at this
+    # CPU's measured FMA rate (one thread's, times the threads), per stored byte of the token.
+    ceiling = None
+    if not amx and (rate := fma_peak.fma_rate()) is not None:
+        rows = hq // hkv
+        token_bytes = kv_bytes / (nb * BLOCK * hkv)
+        ceiling = fma_peak.compute_ceiling(rate * threads, rows, d, dv, token_bytes) / 1e9
+        print(f"  {label} {kv_name}: fp32 FMA compute ceiling {ceiling:.2f} GB/s ({ceiling / read:.0%} of read: "
+              f"{rows} rows x {d}+{dv} multiply-adds per {token_bytes:.0f} B token at {rate / 1e9:.1f} G lanes/s a "
+              f"thread); the op at {bw['paged_scattered'] / ceiling:.0%} of it (scattered)")
+    elif not amx:
+        print(f"  compute ceiling left out: {fma_peak.unavailable_reason()}")
     config = (f"{label} {kv_name} q=bf16 path={path} block={BLOCK} threads={threads} native={'on' if native_on else 'off'} "
               f"KV={kv_bytes / 2**20:.0f}MiB x {layers} layers{' pages=2M' if huge_pages else ''} "
               f"clock={'cpu' if threads == 1 else 'wall'} min-of-{reps} "
               f"{common.load_note()}")
     recs = [common.record(NAME, config, "read_bandwidth", read, "GB/s", digits=4)]
+    if ceiling is not None:
+        recs.append(common.record(NAME, config, "fp32_fma_ceiling_bw", ceiling, "GB/s", baseline=read, digits=4))
     for name in fns:
         if name == "read":
             continue
         rec = common.record(NAME, config, f"{name}_bw", bw[name], "GB/s", baseline=read, digits=4)
         if name in ("paged_contiguous", "paged_scattered"):  # the bf16-query op: the target rows
             ratio = bw[name] / read
+            bound = ("" if ceiling is None else
+                     f"; this CPU's fp32 FMA ceiling is {ceiling / read:.0%} of read, the op at {bw[name] / ceiling:.0%} of it")
             common.with_target(rec, f"≥ {TYPED_TARGET:.0%} of read bandwidth", ratio >= TYPED_TARGET,
-                               f"at {ratio:.0%} of read ({bw[name]:.1f} of {read:.1f} GB/s)")
+                               f"at {ratio:.0%} of read ({bw[name]:.1f} of {read:.1f} GB/s){bound}")
         recs.append(rec)
     return recs
 

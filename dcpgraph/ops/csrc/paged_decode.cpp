@@ -344,21 +344,18 @@ inline bool fp8_rows_hold_nan(const uint8_t* p, int64_t stride, int64_t rows, in
   return tail || !_mm256_testz_si256(hit, hit);
 }
 
-// s[i * ss + t] *= scale of token t, for rows i < m and tokens t < nt: a per-row fp8 scale applied
+// s[t * ts + i] *= scale of token t, for rows i < m and tokens t < nt: a per-row fp8 scale applied
 // to a block's scores (K's scales) or softmax weights (V's), since (q . k) * c = q . (k * c).
-struct ColumnScales {
-  LineVector<float> c;
-  explicit ColumnScales(int64_t bsz) : c((bsz + W - 1) / W * W) {}
-  // ``up``: a power of two the scales are multiplied by (exactly) first.
-  void apply(float* s, int64_t ss, int64_t m, int64_t nt, const float* sc, int64_t scs, float up = 1.f) {
-    for (int64_t t = 0; t < nt; ++t) c[t] = sc[t * scs] * up;
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t u = 0; u < nt; u += W) {
-        const Lanes mk = Simd::first(nt - u);
-        Simd::store(s + i * ss + u, mk, Simd::mul(Simd::load(s + i * ss + u, mk), Simd::load(c.data() + u, mk)));
-      }
+// ``up``: a power of two the scales are multiplied by (exactly) first.
+inline void scale_columns(float* s, int64_t ts, int64_t m, int64_t nt, const float* sc, int64_t scs, float up = 1.f) {
+  for (int64_t t = 0; t < nt; ++t) {
+    const Vec c = Simd::set1(sc[t * scs] * up);
+    for (int64_t u = 0; u < m; u += W) {
+      const Lanes mk = Simd::first(m - u);
+      Simd::store(s + t * ts + u, mk, Simd::mul(Simd::load(s + t * ts + u, mk), c));
+    }
   }
-};
+}
 
 // Whether this thread treats denormal inputs as zero (MXCSR.DAZ, bit 6).
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040u) != 0; }
@@ -377,17 +374,17 @@ constexpr int TILE_ROWS = 4;
 constexpr int TILE_TOKS = W == 16 ? 4 : 3;
 constexpr int VALUE_VECS = W == 16 ? 4 : 3;
 
-// s[i * ss + j] = sum of acc[i][j]'s lanes, for a 4-row tile: transpose-add trees, so the
-// horizontal sums cost a few shuffles per row rather than a reduction per accumulator.
+// s[j * ts + i] = sum of acc[i][j]'s lanes (scores token-major: a token's query rows side by
+// side): per token one tree of horizontal adds over the tile's rows, and one store of its sums.
 template <int RR, int TT>
-inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ss) {
+inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ts) {
 #ifdef __AVX512F__
   if constexpr (RR == 4 && TT == 4) {
-    // Sixteen horizontal sums at once: lane 4i + j of r is sum(acc[i][j]).
+    // Sixteen horizontal sums at once, fed token by token: lane 4j + i of r is sum(acc[i][j]).
     __m512 a[8], b[4];
     #pragma GCC unroll 16
     for (int u = 0; u < 8; ++u) {
-      const __m512 x = acc[(2 * u) / 4][(2 * u) % 4], y = acc[(2 * u + 1) / 4][(2 * u + 1) % 4];
+      const __m512 x = acc[(2 * u) % 4][(2 * u) / 4], y = acc[(2 * u + 1) % 4][(2 * u + 1) / 4];
       a[u] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
     }
     #pragma GCC unroll 16
@@ -401,26 +398,30 @@ inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ss) {
     const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
     _mm_storeu_ps(s, _mm512_extractf32x4_ps(r, 0));
-    _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(r, 1));
-    _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(r, 2));
-    _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(r, 3));
+    _mm_storeu_ps(s + ts, _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(s + 2 * ts, _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(s + 3 * ts, _mm512_extractf32x4_ps(r, 3));
     return;
   }
 #else
-  if constexpr (TT >= 2) {
-    // Per row, pairwise horizontal adds of its (up to four) accumulators: lane j of the low half
-    // plus lane j of the high half is sum(acc[i][j]).
+  if constexpr (RR >= 2) {
+    // Per token, pairwise horizontal adds of its (up to four) rows' accumulators: lane i of the
+    // low half plus lane i of the high half is sum(acc[i][j]).
     #pragma GCC unroll 16
-    for (int i = 0; i < RR; ++i) {
+    for (int j = 0; j < TT; ++j) {
       const __m256 z = _mm256_setzero_ps();
-      const __m256 h01 = _mm256_hadd_ps(acc[i][0], acc[i][1]);
-      const __m256 h23 = _mm256_hadd_ps(TT > 2 ? acc[i][TT > 2 ? 2 : 0] : z, TT > 3 ? acc[i][TT > 3 ? 3 : 0] : z);
+      const __m256 h01 = _mm256_hadd_ps(acc[0][j], acc[1][j]);
+      const __m256 h23 = _mm256_hadd_ps(RR > 2 ? acc[RR > 2 ? 2 : 0][j] : z, RR > 3 ? acc[RR > 3 ? 3 : 0][j] : z);
       const __m256 h = _mm256_hadd_ps(h01, h23);
       const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      alignas(16) float out[4];
-      _mm_store_ps(out, r);
-      #pragma GCC unroll 4
-      for (int j = 0; j < TT; ++j) s[i * ss + j] = out[j];
+      if constexpr (RR == 4) {
+        _mm_storeu_ps(s + j * ts, r);
+      } else {
+        alignas(16) float out[4];
+        _mm_store_ps(out, r);
+        #pragma GCC unroll 4
+        for (int i = 0; i < RR; ++i) s[j * ts + i] = out[i];
+      }
     }
     return;
   }
@@ -428,7 +429,7 @@ inline void store_sums(const Vec (&acc)[RR][TT], float* s, int64_t ss) {
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
     #pragma GCC unroll 16
-    for (int j = 0; j < TT; ++j) s[i * ss + j] = Simd::sum(acc[i][j]);
+    for (int j = 0; j < TT; ++j) s[j * ts + i] = Simd::sum(acc[i][j]);
 }
 
 // Keeps v in a register: the compiler would otherwise fold its load into every FMA that reads it,
@@ -445,7 +446,7 @@ inline void pin_register(Vec& v) {
 // K/V rows are ``ks`` elements apart and their scale rows ``kss`` floats apart.
 template <class L, int RR, int TT>
 inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
-                       int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+                       int64_t kss, const int32_t* vg, float* s, int64_t ts) {
   Vec acc[RR][TT];
   #pragma GCC unroll 16
   for (int i = 0; i < RR; ++i)
@@ -470,7 +471,7 @@ inline void score_tile(const float* q, int64_t d, const typename L::T* k, int64_
   int64_t x = 0;
   for (; x + W <= d; x += W) step(x, All{});
   if (x < d) step(x, Simd::first(d - x));
-  store_sums<RR, TT>(acc, s, ss);
+  store_sums<RR, TT>(acc, s, ts);
 }
 
 struct NoStep {
@@ -480,41 +481,41 @@ struct NoStep {
 // One score tile of rr <= TILE_ROWS rows and tt <= TILE_TOKS tokens (run-time sizes).
 template <class L, int RR, int TT = TILE_TOKS>
 inline void score_tile_of(int64_t tt, const float* q, int64_t d, const typename L::T* k, int64_t ks, const float* ksc,
-                          int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+                          int64_t kss, const int32_t* vg, float* s, int64_t ts) {
   if constexpr (TT > 1) {
-    if (tt < TT) return score_tile_of<L, RR, TT - 1>(tt, q, d, k, ks, ksc, kss, vg, s, ss);
+    if (tt < TT) return score_tile_of<L, RR, TT - 1>(tt, q, d, k, ks, ksc, kss, vg, s, ts);
   }
-  score_tile<L, RR, TT>(q, d, k, ks, ksc, kss, vg, s, ss);
+  score_tile<L, RR, TT>(q, d, k, ks, ksc, kss, vg, s, ts);
 }
 template <class L, int RR = TILE_ROWS>
 inline void score_tile_of(int64_t rr, int64_t tt, const float* q, int64_t d, const typename L::T* k, int64_t ks,
-                          const float* ksc, int64_t kss, const int32_t* vg, float* s, int64_t ss) {
+                          const float* ksc, int64_t kss, const int32_t* vg, float* s, int64_t ts) {
   if constexpr (RR > 1) {
-    if (rr < RR) return score_tile_of<L, RR - 1>(rr, tt, q, d, k, ks, ksc, kss, vg, s, ss);
+    if (rr < RR) return score_tile_of<L, RR - 1>(rr, tt, q, d, k, ks, ksc, kss, vg, s, ts);
   }
-  score_tile_of<L, RR>(tt, q, d, k, ks, ksc, kss, vg, s, ss);
+  score_tile_of<L, RR>(tt, q, d, k, ks, ksc, kss, vg, s, ts);
 }
 
-// s[i * ss + t] = <q_i, k_t> for rows i < m, tokens t < nt. ``step()`` runs before every
+// s[t * ts + i] = <q_i, k_t> for rows i < m, tokens t < nt. ``step()`` runs before every
 // register tile (the caller's spread prefetch, see RowPrefetch).
 template <class L, class Step = NoStep>
 inline void block_scores_simd(const float* q, int64_t m, int64_t d, const typename L::T* kb, int64_t ks,
-                              const float* ksc, int64_t kss, const int32_t* vg, int64_t nt, float* s, int64_t ss,
+                              const float* ksc, int64_t kss, const int32_t* vg, int64_t nt, float* s, int64_t ts,
                               Step&& step = Step()) {
   for (int64_t i = 0; i < m; i += TILE_ROWS) {
     const int64_t rr = std::min<int64_t>(TILE_ROWS, m - i);
     for (int64_t t = 0; t < nt; t += TILE_TOKS) {
       step();
       score_tile_of<L>(rr, std::min<int64_t>(TILE_TOKS, nt - t), q + i * d, d, kb + t * ks, ks, ksc + t * kss, kss,
-                       vg, s + i * ss + t, ss);
+                       vg, s + t * ts + i, ts);
     }
   }
 }
 
-// acc[i, x0 : x0 + W NV] += sum over the blocks' rows t of p[i * ps + off + t] * v_t[x0 : ...]
+// acc[i, x0 : x0 + W NV] += sum over the blocks' rows t of p[(off + t) * ts + i] * v_t[x0 : ...]
 // (the last vector's lanes ``last``): the accumulators stay in registers across the blocks.
 template <class L, int RR, int NV, class M>
-inline void value_tile(const float* p, int64_t ps, const ValueRows<typename L::T>* blocks, int64_t nblocks,
+inline void value_tile(const float* p, int64_t ts, const ValueRows<typename L::T>* blocks, int64_t nblocks,
                        int64_t vs, int64_t vss, const int32_t* vg, int64_t x0, float* acc, int64_t dv, M last) {
   // vector c's lanes: all but the last vector's, which are ``last``
   auto load_acc = [&](int i, int c) {
@@ -528,7 +529,7 @@ inline void value_tile(const float* p, int64_t ps, const ValueRows<typename L::T
   for (int64_t b = 0; b < nblocks; ++b) {
     const typename L::T* v = blocks[b].v;
     const float* vsc = blocks[b].sc;
-    const float* pb = p + blocks[b].off;
+    const float* pb = p + blocks[b].off * ts;
     for (int64_t t = 0; t < blocks[b].nt; ++t) {
       Vec vv[NV];
       #pragma GCC unroll 16
@@ -540,7 +541,7 @@ inline void value_tile(const float* p, int64_t ps, const ValueRows<typename L::T
       }
       #pragma GCC unroll 16
       for (int i = 0; i < RR; ++i) {
-        const Vec w = Simd::set1(pb[i * ps + t]);
+        const Vec w = Simd::set1(pb[t * ts + i]);
         #pragma GCC unroll 16
         for (int c = 0; c < NV; ++c) a[i][c] = Simd::fmadd(w, vv[c], a[i][c]);
       }
@@ -574,37 +575,38 @@ inline void stage_rows(const typename L::T* src, int64_t stride, const float* sc
 }
 
 template <class L, int RR, int NV, class M>
-inline void value_tile_of(int64_t rr, const float* p, int64_t ps, const ValueRows<typename L::T>* blocks,
+inline void value_tile_of(int64_t rr, const float* p, int64_t ts, const ValueRows<typename L::T>* blocks,
                           int64_t nblocks, int64_t vs, int64_t vss, const int32_t* vg, int64_t x0, float* acc,
                           int64_t dv, M last) {
   if constexpr (RR > 1) {
-    if (rr < RR) return value_tile_of<L, RR - 1, NV>(rr, p, ps, blocks, nblocks, vs, vss, vg, x0, acc, dv, last);
+    if (rr < RR) return value_tile_of<L, RR - 1, NV>(rr, p, ts, blocks, nblocks, vs, vss, vg, x0, acc, dv, last);
   }
-  value_tile<L, RR, NV>(p, ps, blocks, nblocks, vs, vss, vg, x0, acc, dv, last);
+  value_tile<L, RR, NV>(p, ts, blocks, nblocks, vs, vss, vg, x0, acc, dv, last);
 }
 
-// acc[i] += the blocks' value rows weighted by p's rows, for rows i < m. ``step()`` runs before every
-// register tile (the caller's spread prefetch, see RowPrefetch).
+// acc[i] += the blocks' value rows weighted by row i of the token-major weights p (p[t * ts + i]),
+// for rows i < m. ``step()`` runs before every register tile (the caller's spread prefetch, see
+// RowPrefetch).
 template <class L, class Step = NoStep>
-inline void block_values_simd(const float* p, int64_t ps, int64_t m, const ValueRows<typename L::T>* blocks,
+inline void block_values_simd(const float* p, int64_t ts, int64_t m, const ValueRows<typename L::T>* blocks,
                               int64_t nblocks, int64_t vs, int64_t vss, const int32_t* vg, int64_t dv, float* acc,
                               Step&& step = Step()) {
   for (int64_t i = 0; i < m; i += TILE_ROWS) {
     const int64_t rr = std::min<int64_t>(TILE_ROWS, m - i);
-    const float* pi = p + i * ps;
+    const float* pi = p + i;
     float* ai = acc + i * dv;
     int64_t x = 0;
     for (; x + W * VALUE_VECS <= dv; x += W * VALUE_VECS) {
       step();
-      value_tile_of<L, TILE_ROWS, VALUE_VECS>(rr, pi, ps, blocks, nblocks, vs, vss, vg, x, ai, dv, All{});
+      value_tile_of<L, TILE_ROWS, VALUE_VECS>(rr, pi, ts, blocks, nblocks, vs, vss, vg, x, ai, dv, All{});
     }
     for (; x + W <= dv; x += W) {
       step();
-      value_tile_of<L, TILE_ROWS, 1>(rr, pi, ps, blocks, nblocks, vs, vss, vg, x, ai, dv, All{});
+      value_tile_of<L, TILE_ROWS, 1>(rr, pi, ts, blocks, nblocks, vs, vss, vg, x, ai, dv, All{});
     }
     if (x < dv) {
       step();
-      value_tile_of<L, TILE_ROWS, 1>(rr, pi, ps, blocks, nblocks, vs, vss, vg, x, ai, dv, Simd::first(dv - x));
+      value_tile_of<L, TILE_ROWS, 1>(rr, pi, ts, blocks, nblocks, vs, vss, vg, x, ai, dv, Simd::first(dv - x));
     }
   }
 }
@@ -626,37 +628,53 @@ constexpr int64_t SPAN_TOKENS = 64;
 inline __m512 exp512(__m512 x) { return simd::exp_nonpositive(x); }
 #endif
 
-// Block max of s[0:nt] over its numbers; ``nan``: whether any is NaN.
-inline float block_max(const float* s, int64_t nt, bool& nan_seen) {
-  Vec mv = Simd::set1(-3.0e38f);
-  bool nan = false;
-  int64_t u = 0;
-  for (; u + W <= nt; u += W) mv = Simd::max_live(mv, Simd::load(s + u, All{}), All{}, nan);
-  if (u < nt) {
-    const Lanes mk = Simd::first(nt - u);
-    mv = Simd::max_live(mv, Simd::load(s + u, mk), mk, nan);
+// Online softmax over the token-major score columns s[t * ts + i] (t < ncols, i < m), W rows a
+// vector: each row's running max mx[i] and sum sm[i] take in the columns, its accumulator row
+// (acc + i dv) is rescaled where the max grew, and the columns become the weights exp(s - max).
+// The max and the sums are lane-wise over the tokens, with no horizontal reduction and no chain
+// per row. A NaN score makes the row's sum NaN for good (its output and LSE then are, as softmax
+// gives); the max is taken over its other scores. Lanes past row m (the columns' padding up to
+// ``ts``, a multiple of W) are read and written but hold finite numbers or are never used.
+inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool started, float* mx, float* sm,
+                            float* acc, int64_t dv) {
+  alignas(64) float bm[W], nm[W], tot[W];
+  alignas(64) uint32_t nan[W];
+  for (int64_t r0 = 0; r0 < m; r0 += W) {
+    const int64_t rows = std::min<int64_t>(W, m - r0);
+    Vec mv = Simd::set1(-3.0e38f), nanv = Simd::zero();
+    for (int64_t t = 0; t < ncols; ++t) {
+      const Vec x = Simd::load(s + t * ts + r0, All{});
+      nanv = Simd::either(nanv, Simd::nan_lanes(x));
+      mv = Simd::max(x, mv);  // mv where x is NaN
+    }
+    Simd::store(bm, All{}, mv);
+    Simd::store(reinterpret_cast<float*>(nan), All{}, nanv);
+    for (int64_t i = rows; i < W; ++i) nm[i] = 3.0e38f;  // padding lanes: exp(-87), finite
+    for (int64_t i = 0; i < rows; ++i) {
+      float* mi = mx + r0 + i;
+      const float n = started ? std::max(*mi, bm[i]) : bm[i];
+      if (started && n > *mi) {
+        const float alpha = std::exp(*mi - n);
+        float* ai = acc + (r0 + i) * dv;
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
+        sm[r0 + i] *= alpha;
+      }
+      nm[i] = n;
+    }
+    const Vec nmv = Simd::load(nm, All{});
+    Vec tv = Simd::zero();
+    for (int64_t t = 0; t < ncols; ++t) {
+      const Vec e = simd::exp_nonpositive(Simd::sub(Simd::load(s + t * ts + r0, All{}), nmv));
+      Simd::store(s + t * ts + r0, All{}, e);
+      tv = Simd::add(tv, e);
+    }
+    Simd::store(tot, All{}, tv);
+    for (int64_t i = 0; i < rows; ++i) {
+      sm[r0 + i] = nan[i] ? NAN : (started ? sm[r0 + i] : 0.f) + tot[i];
+      mx[r0 + i] = nm[i];
+    }
   }
-  nan_seen = nan;
-  return Simd::max(mv);
-}
-
-// s[u] = exp(s[u] - mx) for u < nt, zero beyond (up to the next multiple of W); returns the sum.
-inline float block_exp(float* s, int64_t nt, float mx) {
-  Vec tot = Simd::zero();
-  const Vec m = Simd::set1(mx);
-  int64_t u = 0;
-  for (; u + W <= nt; u += W) {
-    const Vec e = simd::exp_nonpositive(Simd::sub(Simd::load(s + u, All{}), m));
-    Simd::store(s + u, All{}, e);
-    tot = Simd::add(tot, e);
-  }
-  if (u < nt) {
-    const Lanes mk = Simd::first(nt - u);
-    const Vec e = Simd::zero_outside(simd::exp_nonpositive(Simd::sub(Simd::load(s + u, mk), m)), mk);
-    Simd::store(s + u, All{}, e);
-    tot = Simd::add(tot, e);
-  }
-  return Simd::sum(tot);
 }
 #else
 inline int64_t score_tiles(int64_t, int64_t) { return 1; }
@@ -809,15 +827,23 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     // Value rows of fp32/bf16 blocks and of folded fp8 blocks wait, their weights in the score
     // buffer, until SPAN_TOKENS (other fp8 blocks, converted or staged, go one at a time).
     constexpr bool fp8 = std::is_same_v<T, uint8_t>;
-    const int64_t ss = (std::max(bsz, SPAN_TOKENS) + 31) / 16 * 16;  // score row stride (whole vectors)
+    const int64_t span = std::max(bsz, SPAN_TOKENS);  // the most score columns waiting at once
+#if DCPGRAPH_SIMD
+    // Scores token-major: column t (a token) holds the rows' scores side by side, ``ts`` apart
+    // (the rows rounded up to whole vectors; the padding starts zero, so it stays finite).
+    const int64_t ts = (max_m + W - 1) / W * W;
+    LineVector<float> sbuf(span * ts);
+#else
+    const int64_t ss = span;  // scores row-major: row i's columns ``ss`` apart
+    LineVector<float> sbuf(max_m * ss);
+#endif
     std::vector<ValueRows<T>> waiting;
     int64_t waiting_tokens = 0;
-    LineVector<float> qbuf(max_m * d), sbuf(max_m * ss);
+    LineVector<float> qbuf(max_m * d);
     // fp8 blocks staged as fp32 (K rows, then V rows unless they are a prefix of K's).
     LineVector<float> kstage(fp8 ? bsz * d : 0);
     LineVector<float> vstage(fp8 && !value_prefix ? bsz * dv : 0);
 #if DCPGRAPH_SIMD
-    ColumnScales colscale(fp8 ? bsz : 0);
     LineVector<float> qfold(fp8 && row_scaled ? max_m * d : 0);  // qbuf * FOLD_UP (LoadFP8Unscaled's queries)
 #endif
     RowPrefetch pf(d * int64_t(sizeof(T)), value_prefix ? 0 : dv * int64_t(sizeof(T)), ks1 * int64_t(sizeof(T)),
@@ -850,61 +876,57 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
         float* sm = psum.data() + w.slot * max_m;
         std::fill(acc, acc + m * dv, 0.f);
         bool started = false;
+#if DCPGRAPH_SIMD
+        // Online softmax over the score columns [0, ncols) at s (softmax_columns).
+        auto softmax = [&](float* s, int64_t ncols) {
+          softmax_columns(s, ts, m, ncols, started, mx, sm, acc, dv);
+          started = true;
+        };
+#else
         // Online softmax over the score columns [0, ncols) of s's rows: each row's running max
         // and sum take in the columns, its accumulator is rescaled where the max grew, and the
-        // columns become the weights exp(s - max).
+        // columns become the weights exp(s - max). A NaN score makes the row's sum NaN for good.
         auto softmax = [&](float* s, int64_t ncols) {
           for (int64_t i = 0; i < m; ++i) {
             float* si = s + i * ss;
-            // A NaN score makes the row's normaliser NaN for good (its output and LSE then are, as
-            // softmax gives); the max is taken over its other scores.
             bool nan = false;
-#if DCPGRAPH_SIMD
-            const float bm = block_max(si, ncols, nan);
-#else
             float bm = -3.0e38f;
             for (int64_t u = 0; u < ncols; ++u) {
               nan = nan || std::isnan(si[u]);
               if (!std::isnan(si[u])) bm = std::max(bm, si[u]);
             }
-#endif
             const float nm = started ? std::max(mx[i], bm) : bm;
             if (started && nm > mx[i]) {
               const float alpha = std::exp(mx[i] - nm);
               float* ai = acc + i * dv;
-#pragma omp simd
               for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
               sm[i] *= alpha;
             }
-#if DCPGRAPH_SIMD
-            const float total = block_exp(si, ncols, nm);
-#else
             float total = 0.f;
-#pragma omp simd reduction(+ : total)
             for (int64_t u = 0; u < ncols; ++u) {
               const float e = std::exp(si[u] - nm);
               si[u] = e;
               total += e;
             }
-#endif
             sm[i] = nan ? NAN : (started ? sm[i] : 0.f) + total;
             mx[i] = nm;
           }
           started = true;
         };
+#endif
         waiting.clear();
         waiting_tokens = 0;
 #if DCPGRAPH_SIMD
-        // The waiting blocks' span: one softmax over its columns (a row's max, exp and sum chains
-        // once a span rather than once a block: GQA 8:1 bf16 in cache on a Zen 2 core, 92 -> 86 ns
-        // a token; fp32 in cache 96 -> 107, from memory unchanged), then their value rows.
+        // The waiting blocks' span: one softmax over its columns (a row's max, exp and sum once a
+        // span rather than once a block), then their value rows.
         auto flush = [&]() {
           softmax(sbuf.data(), waiting_tokens);
           if constexpr (fp8) {  // the weights times V's scales (their sums are taken)
-            for (const ValueRows<T>& b : waiting) colscale.apply(sbuf.data() + b.off, ss, m, b.nt, b.sc, vss1, FOLD_UP);
+            for (const ValueRows<T>& b : waiting)
+              scale_columns(sbuf.data() + b.off * ts, ts, m, b.nt, b.sc, vss1, FOLD_UP);
           }
           using WaitingLoader = std::conditional_t<fp8, LoadFP8Unscaled, L>;
-          block_values_simd<WaitingLoader>(sbuf.data(), ss, m, waiting.data(), static_cast<int64_t>(waiting.size()),
+          block_values_simd<WaitingLoader>(sbuf.data(), ts, m, waiting.data(), static_cast<int64_t>(waiting.size()),
                                            vs1, vss1, vgroup.data(), dv, acc);
           waiting.clear();
           waiting_tokens = 0;
@@ -947,17 +969,17 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           const bool waits = !fp8 || folded;
           if (!waits && !waiting.empty()) flush();
           const bool staged = fp8 && m > TILE_ROWS && !folded;
-          float* s = sbuf.data() + waiting_tokens;  // this block's score columns
+          float* s = sbuf.data() + waiting_tokens * ts;  // this block's score columns
           if (folded) {
             if constexpr (fp8) {
-              block_scores_simd<LoadFP8Unscaled>(qfold.data(), m, d, kb, ks1, nullptr, 0, nullptr, nt, s, ss, pf);
-              colscale.apply(s, ss, m, nt, ksb, kss1);
+              block_scores_simd<LoadFP8Unscaled>(qfold.data(), m, d, kb, ks1, nullptr, 0, nullptr, nt, s, ts, pf);
+              scale_columns(s, ts, m, nt, ksb, kss1);
             }
           } else if (staged) {
             stage_rows<L>(kb, ks1, ksb, kss1, vgroup.data(), nt, d, kstage.data());
-            block_scores_simd<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, nullptr, nt, s, ss, pf);
+            block_scores_simd<LoadF32>(qbuf.data(), m, d, kstage.data(), d, nullptr, 0, nullptr, nt, s, ts, pf);
           } else {
-            block_scores_simd<L>(qbuf.data(), m, d, kb, ks1, ksb, kss1, vgroup.data(), nt, s, ss, pf);
+            block_scores_simd<L>(qbuf.data(), m, d, kb, ks1, ksb, kss1, vgroup.data(), nt, s, ts, pf);
           }
           if (waits) {
             waiting.push_back({vb, vsb, nt, waiting_tokens});
@@ -968,10 +990,10 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
             if (staged) {
               const ValueRows<float> rows{value_prefix ? kstage.data() : vstage.data(), nullptr, nt, 0};
               if (!value_prefix) stage_rows<L>(vb, vs1, vsb, vss1, vgroup.data(), nt, dv, vstage.data());
-              block_values_simd<LoadF32>(s, ss, m, &rows, 1, value_prefix ? d : dv, 0, nullptr, dv, acc, pf);
+              block_values_simd<LoadF32>(s, ts, m, &rows, 1, value_prefix ? d : dv, 0, nullptr, dv, acc, pf);
             } else {
               const ValueRows<T> rows{vb, vsb, nt, 0};
-              block_values_simd<L>(s, ss, m, &rows, 1, vs1, vss1, vgroup.data(), dv, acc, pf);
+              block_values_simd<L>(s, ts, m, &rows, 1, vs1, vss1, vgroup.data(), dv, acc, pf);
             }
           }
 #else

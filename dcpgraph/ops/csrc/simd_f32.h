@@ -45,14 +45,13 @@ struct Simd {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  // Lanes outside m are -3e38; NaN lanes are skipped and reported.
-  static V max_live(V acc, V x, Mask m, bool& nan) {
-    nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q) != 0;
-    return _mm512_mask_max_ps(acc, m & _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), acc, x);
-  }
-  static V max_live(V acc, V x, All, bool& nan) { return max_live(acc, x, Mask(0xFFFF), nan); }
   static float max(V v) { return _mm512_reduce_max_ps(v); }
   static V zero_outside(V v, Mask m) { return _mm512_maskz_mov_ps(m, v); }
+  // all-ones lanes where x is NaN, zero elsewhere; the lanes of a or b
+  static V nan_lanes(V x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+  }
+  static V either(V a, V b) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
   // 2^n for integral n in [-126, 0] (exp's range reduction)
   static V scale_pow2(V y, V n) { return _mm512_scalef_ps(y, n); }
   static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -112,17 +111,6 @@ struct Simd {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static V max_live(V acc, V x, Mask m, bool& nan) {
-    const V live = _mm256_castsi256_ps(lanes(m));
-    const V unord = _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), live);
-    nan |= _mm256_movemask_ps(unord) != 0;
-    const V use = _mm256_andnot_ps(unord, live);
-    return _mm256_blendv_ps(acc, _mm256_max_ps(acc, x), use);
-  }
-  static V max_live(V acc, V x, All, bool& nan) {  // max(acc, x) returns acc where x is NaN
-    nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0;
-    return _mm256_max_ps(x, acc);
-  }
   static float max(V v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -130,6 +118,9 @@ struct Simd {
     return _mm_cvtss_f32(s);
   }
   static V zero_outside(V v, Mask m) { return m == 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(lanes(m))); }
+  // all-ones lanes where x is NaN, zero elsewhere; the lanes of a or b
+  static V nan_lanes(V x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q); }
+  static V either(V a, V b) { return _mm256_or_ps(a, b); }
   // 2^n for integral n in [-126, 0]: n + 127 as an fp32 exponent field (a normal number)
   static V scale_pow2(V y, V n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

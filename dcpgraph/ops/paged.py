@@ -112,8 +112,8 @@ def native_enabled(kv_dtype: torch.dtype = torch.float32) -> bool:
 
     ``DCPGRAPH_NATIVE=0`` disables it. Otherwise, on first use for a KV dtype, the kernel is built
     (or loaded from its persistent build directory) and must match the torch path, run on the same
-    values in fp32, on a tiny self-check (GQA, separate and prefix-view values, scattered blocks,
-    lengths 0 / partial block); any failure leaves that dtype off for this process, with the reason
+    values in fp32, on a tiny self-check (GQA with 3 and 4 query heads per KV head, separate and
+    prefix-view values, scattered blocks, lengths 0 / partial block); any failure leaves that dtype off for this process, with the reason
     in ``_native_state[("reason", kv_dtype)]`` (and ``_native_state["reason"]``)."""
     if os.environ.get("DCPGRAPH_NATIVE", "1") == "0":
         return False
@@ -144,14 +144,17 @@ def _native_self_check(kv_dtype: torch.dtype) -> bool:
         return _native_off(kv_dtype, f"this native build reads {native.kv_dtypes()} KV caches only")
     try:
         gen = torch.Generator().manual_seed(1234)
-        nb, block, hkv, d, hq = 12, 4, 2, 24, 6
+        nb, block, hkv, d = 12, 4, 2, 24
         k_cache, k_scales, k_exact = _stored_as(torch.randn(nb, block, hkv, d, generator=gen), kv_dtype)
         v_cache, v_scales, v_exact = _stored_as(torch.randn(nb, block, hkv, 16, generator=gen), kv_dtype)
         table = torch.randperm(nb, generator=gen)[:9].view(3, 3).to(torch.int32)
         lens = torch.tensor([0, 5, 11], dtype=torch.int32)
-        q = torch.randn(3, hq, d, generator=gen)
         cu = torch.arange(4, dtype=torch.int32)
-        for v, vs, v_ref in ((v_cache, v_scales, v_exact), (k_cache[..., :16], None, k_exact[..., :16])):
+        # 3 and 4 query heads per KV head: partial and whole 4-row register tiles (each ISA's
+        # widest tile, whose horizontal sums are written per ISA, is a whole one)
+        cases = [(torch.randn(3, hq, d, generator=gen), v, vs, v_ref) for hq in (6, 8)
+                 for v, vs, v_ref in ((v_cache, v_scales, v_exact), (k_cache[..., :16], None, k_exact[..., :16]))]
+        for q, v, vs, v_ref in cases:
             ref = _paged_partial_attention_torch(q, k_exact, v_ref, table, cu, lens, None, 0.3)
             got = native.native_paged_decode(q, k_cache, v, table, cu, lens, 0.3, k_scales=k_scales, v_scales=vs,
                                              chunk_tokens=4)

@@ -1,7 +1,8 @@
 """Shared-memory collectives on real processes: every functional collective a graph issues gives
-the emulator's exact result (the collective registry's semantics, a by-hand reference), what it
-does not serve goes through gloo with the same result, a dead peer is an error in the survivors
-rather than a hang, and ``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off."""
+the emulator's exact result (the collective registry's semantics, a by-hand reference), also when
+its payload goes in slot-sized pieces, what it does not serve goes through gloo with the same
+result, a dead peer is an error in the survivors rather than a hang, and
+``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off."""
 
 from __future__ import annotations
 
@@ -45,10 +46,14 @@ def _calls(x: torch.Tensor, n: int, group: str):
     ]
 
 
-def _run_every_collective(rank: int, world: int, dcp: int, dtype_name: str, rows: int):
+SLOT_1_MIB = "1"  # small segments: fits a container's 64 MiB /dev/shm
+SLOT_64_BYTES = str(64 / (1 << 20))  # every payload below in pieces, their bounds across the chunks
+
+
+def _run_every_collective(rank: int, world: int, dcp: int, dtype_name: str, rows: int, slot_mib: str):
     from dcpgraph.runtime.distributed import register_mesh_groups, transports
 
-    os.environ["DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"] = "1"  # small segments: fits a container's 64 MiB /dev/shm
+    os.environ["DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"] = slot_mib  # in the rank: forked ranks keep the fork server's env
     mesh = Mesh(world, dcp)
     register_mesh_groups(mesh)
     dtype = getattr(torch, dtype_name)
@@ -78,11 +83,14 @@ def _expected(world: int, dcp: int, dtype: torch.dtype, rows: int):
     return want
 
 
-@pytest.mark.parametrize(("world", "dcp", "dtype", "rows"), [
-    (2, 2, "float32", 4), (2, 1, "bfloat16", 2), (4, 2, "float32", 8), (2, 2, "int64", 6),
+@pytest.mark.parametrize(("world", "dcp", "dtype", "rows", "slot_mib"), [
+    (2, 2, "float32", 4, SLOT_1_MIB), (2, 1, "bfloat16", 2, SLOT_1_MIB), (4, 2, "float32", 8, SLOT_1_MIB),
+    (2, 2, "int64", 6, SLOT_1_MIB),
+    # pieces of 16 fp32 / 8 int64 / 32 bf16 elements: 8 pieces over 4 chunks of 30, 12 over 2 of 45, 2 of 60
+    (4, 2, "float32", 8, SLOT_64_BYTES), (2, 2, "int64", 6, SLOT_64_BYTES), (2, 1, "bfloat16", 4, SLOT_64_BYTES),
 ])
-def test_every_collective_equals_the_emulators_semantics(world, dcp, dtype, rows):
-    results = spawn(_run_every_collective, world, dcp, dtype, rows, timeout_s=240)
+def test_every_collective_equals_the_emulators_semantics(world, dcp, dtype, rows, slot_mib):
+    results = spawn(_run_every_collective, world, dcp, dtype, rows, slot_mib, timeout_s=240)
     want = _expected(world, dcp, getattr(torch, dtype), rows)
     for rank, (got, transport, served) in enumerate(results):
         assert transport["tp"] == "shared memory", transport
@@ -93,23 +101,26 @@ def test_every_collective_equals_the_emulators_semantics(world, dcp, dtype, rows
             assert torch.equal(got[key], value), (rank, key)
 
 
-def _too_big_for_a_slot(rank: int, world: int):
+def _larger_than_a_slot(rank: int, world: int):
     from dcpgraph.runtime.distributed import register_mesh_groups
 
     os.environ["DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"] = "1"  # in the rank: forked ranks keep the fork server's env
     register_mesh_groups(Mesh(world, 1))
-    x = torch.full((300_000,), float(rank + 1))  # 1.2 MB > the 1 MiB slot set below
-    y = c10d.wait_tensor(c10d.all_reduce(x, "sum", TP_GROUP))
-    small = c10d.wait_tensor(c10d.all_reduce(torch.ones(3), "sum", TP_GROUP))
+    x = torch.arange(300_000, dtype=torch.float32) * (rank + 1)  # 1.2 MB: two pieces of a 1 MiB slot
+    total = c10d.wait_tensor(c10d.all_reduce(x, "sum", TP_GROUP))
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, TP_GROUP))
     from torch._C._distributed_c10d import _resolve_process_group
 
-    return y[:3].tolist(), small.tolist(), _resolve_process_group(TP_GROUP).served
+    group = _resolve_process_group(TP_GROUP)
+    return total, gathered, group.served, group.seq
 
 
-def test_a_payload_larger_than_a_slot_goes_through_gloo():
-    for big, small, served in spawn(_too_big_for_a_slot, 2, timeout_s=240):
-        assert big == [3.0, 3.0, 3.0] and small == [2.0, 2.0, 2.0]
-        assert served == 1  # only the small one
+def test_a_payload_larger_than_a_slot_goes_in_pieces():
+    x = torch.arange(300_000, dtype=torch.float32)
+    for total, gathered, served, exchanges in spawn(_larger_than_a_slot, 2, timeout_s=240):
+        assert torch.equal(total, x + 2 * x)
+        assert torch.equal(gathered, torch.cat([x, 2 * x]))
+        assert served == 2 and exchanges == 4  # two collectives, two pieces each
 
 
 def _transport(rank: int, world: int, env: dict):

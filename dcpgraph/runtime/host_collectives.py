@@ -23,9 +23,11 @@ second wait per collective. A member that dies while others wait for it is seen 
 :data:`LIVENESS_S` and raises in every waiting member (gloo sees the closed connection); one that
 never arrives raises at the group's timeout. Served: ``all_reduce`` and ``reduce_scatter_tensor``
 (sum, avg of floating tensors, product, min, max, band, bor, bxor), ``all_gather_into_tensor`` and
-``all_to_all_single`` with equal splits, of CPU tensors whose payload fits a slot; the choice
-depends only on what every member's call has alike (sizes, dtype, op), so all members choose the
-same way. ``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off; it is also off where the members are on
+``all_to_all_single`` with equal splits, of CPU tensors. A payload larger than a slot goes as
+consecutive slot-sized pieces of its flat elements, one exchange each, every member taking from
+each piece what its result needs before publishing the next (so a piece's views are never
+overwritten while read). The choice (served or not, and the pieces) depends only on what every
+member's call has alike (sizes, dtype, op), so all members choose the same way. ``DCPGRAPH_HOST_COLLECTIVES=gloo`` turns it off; it is also off where the members are on
 different hosts or the small C++ helper (``ops/csrc/host_sync.cpp``) cannot be built.
 """
 
@@ -50,8 +52,8 @@ _SRC = Path(__file__).resolve().parent.parent / "ops" / "csrc" / "host_sync.cpp"
 EXTENSION = NativeExtension("dcpgraph_host_sync", _SRC, "shared-memory collectives", "collectives go through gloo")
 ENV = "DCPGRAPH_HOST_COLLECTIVES"  # "shm" (default) or "gloo"
 SLOT_ENV = "DCPGRAPH_HOST_COLLECTIVE_SLOT_MIB"
-SLOT_MIB = 4  # largest payload a member publishes per collective (a 256-token prefill chunk's fp32
-# all-reduce at hidden 4096); larger ones go through gloo. A group reserves 2 · members · slot bytes.
+SLOT_MIB = 4  # largest payload a member publishes per exchange (a 256-token prefill chunk's fp32
+# all-reduce at hidden 4096); larger ones go in pieces of this size. A group reserves 2 · members · slot bytes.
 LINE = 64
 FLAG_STRIDE = LINE // 8  # int64s between two members' arrival counts
 SPINS = 4096  # pause rounds per wait_all call before yielding
@@ -138,25 +140,53 @@ class SharedMemoryGroup(dist.ProcessGroup):
         return "dcpgraph-shm"
 
     # -- the exchange ------------------------------------------------------------------------------
-    def _fits(self, *tensors: torch.Tensor) -> bool:
-        return all(t.device.type == "cpu" and not t.is_sparse for t in tensors) and \
-            tensors[0].numel() * tensors[0].element_size() <= self.segment.slot_bytes
+    @staticmethod
+    def _local(*tensors: torch.Tensor) -> bool:
+        return all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every member's ``x`` (same shape and dtype on all), as views of the shared buffer."""
-        x = x.contiguous()
+        """Every member's flat contiguous ``x`` (at most a slot; same size and dtype on all), as
+        views of the shared buffer: valid until this member's next exchange."""
         nbytes = x.numel() * x.element_size()
         self.seq += 1
         slots = self.segment.buffers[self.seq & 1]
         self.sync.publish(slots[self.me].data_ptr(), x.data_ptr(), nbytes, self.segment.flag_address(self.me), self.seq)
         self._wait(self.seq)
-        self.served += 1
-        return [slots[j, :nbytes].view(x.dtype).view(x.shape) for j in range(self.n)]
+        return [slots[j, :nbytes].view(x.dtype) for j in range(self.n)]
 
-    def _my_chunks(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Chunk ``me`` (of ``n`` equal flat chunks) of every member's ``x``, in group-rank order."""
-        chunk = x.numel() // self.n
-        return [p.reshape(-1)[self.me * chunk:(self.me + 1) * chunk] for p in self._exchange(x)]
+    def _pieces(self, flat: torch.Tensor):
+        """``(start, stop, parts)`` for consecutive ranges of the flat contiguous ``flat`` of at
+        most a slot each (one empty range for an empty tensor): ``parts[j]`` is member ``j``'s
+        ``flat[start:stop]``, valid until the next piece is asked for."""
+        per = max(1, self.segment.slot_bytes // flat.element_size())
+        start = 0
+        while True:
+            stop = min(flat.numel(), start + per)
+            yield start, stop, self._exchange(flat[start:stop])
+            start = stop
+            if start >= flat.numel():
+                return
+
+    @staticmethod
+    def _flat_out(out: torch.Tensor) -> torch.Tensor:
+        """``out``'s elements as a flat tensor to write (``out`` itself where contiguous)."""
+        return out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
+
+    @staticmethod
+    def _finish(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if flat.data_ptr() != out.data_ptr() or not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
+
+    def _mine(self, flat_in: torch.Tensor, flat_out: torch.Tensor, combine) -> None:
+        """For chunk ``me`` of ``n`` equal flat chunks of every member's input: ``combine(lo, hi,
+        parts)`` with each member's elements ``[lo, hi)`` of that chunk (offsets within it), piece
+        by piece."""
+        chunk = flat_in.numel() // self.n
+        first, last = self.me * chunk, (self.me + 1) * chunk
+        for a, b, parts in self._pieces(flat_in):
+            lo, hi = max(a, first), min(b, last)
+            if lo < hi:
+                combine(lo - first, hi - first, [p[lo - a:hi - a] for p in parts])
 
     def _wait(self, seq: int) -> None:
         flags = self.segment.base
@@ -186,11 +216,6 @@ class SharedMemoryGroup(dist.ProcessGroup):
         return op is not None and (op != "avg" or x.is_floating_point())
 
     @staticmethod
-    def _reduce(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
-        """``out = ((p0 ∘ p1) ∘ p2) ∘ …`` in group-rank order: the emulator's own reduction."""
-        out.copy_(reduce_in_rank_order(parts, op).view(out.shape))
-
-    @staticmethod
     def _done(result):
         future = torch.futures.Future()
         future.set_result(result)
@@ -199,22 +224,39 @@ class SharedMemoryGroup(dist.ProcessGroup):
     # -- the ProcessGroup methods functional collectives call ----------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts)
-        if len(tensors) != 1 or not self._serves(op, tensors[0]) or not self._fits(tensors[0]):
+        if len(tensors) != 1 or not self._serves(op, tensors[0]) or not self._local(tensors[0]):
             return self.fallback.allreduce(tensors, opts)
-        self._reduce(self._exchange(tensors[0]), op, tensors[0])
+        out = tensors[0]
+        flat = out.contiguous().view(-1)  # read piece by piece, each range written after its exchange
+        for a, b, parts in self._pieces(flat):
+            flat[a:b] = reduce_in_rank_order(parts, op)
+        self._finish(out, flat)
+        self.served += 1
         return self._done(tensors)
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's name
-        if not self._fits(input, output) or output.numel() != input.numel() * self.n:
+        if not self._local(input, output) or output.numel() != input.numel() * self.n:
             return self.fallback._allgather_base(output, input, opts)
-        output.copy_(torch.cat([p.reshape(-1) for p in self._exchange(input)]).view(output.shape))
+        flat_in, flat_out, size = input.contiguous().view(-1), self._flat_out(output), input.numel()
+        for a, b, parts in self._pieces(flat_in):
+            for j, p in enumerate(parts):
+                flat_out[j * size + a:j * size + b] = p
+        self._finish(output, flat_out)
+        self.served += 1
         return self._done([output])
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         op = _reduce_op(opts)
-        if not self._serves(op, input) or not self._fits(input, output) or input.numel() != output.numel() * self.n:
+        if not self._serves(op, input) or not self._local(input, output) or input.numel() != output.numel() * self.n:
             return self.fallback._reduce_scatter_base(output, input, opts)
-        self._reduce(self._my_chunks(input), op, output)
+        flat_out = self._flat_out(output)
+
+        def reduce(lo, hi, parts):
+            flat_out[lo:hi] = reduce_in_rank_order(parts, op)
+
+        self._mine(input.contiguous().view(-1), flat_out, reduce)
+        self._finish(output, flat_out)
+        self.served += 1
         return self._done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -233,13 +275,22 @@ class SharedMemoryGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         rows = input.shape[0] if input.dim() else 0
         if not (self._equal_splits(output_split_sizes, rows) and self._equal_splits(input_split_sizes, rows)) \
-                or not self._fits(input, output) or input.numel() != output.numel() or input.numel() % self.n:
+                or not self._local(input, output) or input.numel() != output.numel() or input.numel() % self.n:
             return self.fallback.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-        output.copy_(torch.cat(self._my_chunks(input)).view(output.shape))
+        flat_out, chunk = self._flat_out(output), input.numel() // self.n
+
+        def gather(lo, hi, parts):
+            for j, p in enumerate(parts):
+                flat_out[j * chunk + lo:j * chunk + hi] = p
+
+        self._mine(input.contiguous().view(-1), flat_out, gather)
+        self._finish(output, flat_out)
+        self.served += 1
         return self._done([output])
 
     def barrier(self, opts=None):
         self._exchange(torch.zeros(1, dtype=torch.int8))
+        self.served += 1
         return self._done([])
 
     def close(self) -> None:
@@ -277,7 +328,8 @@ def wrap(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, str]:
     refusals = sorted({w for _, w in seen if w})
     if refusals or len({h for h, _ in seen}) != 1:
         return group, f"gloo: {refusals[0] if refusals else 'members on different hosts'}"
-    slot_bytes = int(float(os.environ.get(SLOT_ENV, SLOT_MIB)) * (1 << 20))
+    # whole cache lines (so every slot starts aligned for any dtype), at least one
+    slot_bytes = max(LINE, int(float(os.environ.get(SLOT_ENV, SLOT_MIB)) * (1 << 20)) // LINE * LINE)
     me = dist.get_rank(group)
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = [None]

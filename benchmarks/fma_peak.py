@@ -14,6 +14,7 @@ says how much of the arithmetic it loses.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from dcpgraph.ops.native_build import NativeExtension
@@ -25,9 +26,11 @@ EXTENSION = NativeExtension(
 ITERATIONS = 20_000_000  # 240 M vector FMAs: ~0.1 s at 2 a cycle and 2 GHz
 
 
+@functools.cache
 def fma_rate(repeats: int = 5) -> float | None:
-    """The best of ``repeats`` measurements of one thread's fp32 multiply-add lanes per second;
-    ``None`` where the extension does not build or the build has no vector FMA."""
+    """The best of ``repeats`` measurements of one thread's fp32 multiply-add lanes per second
+    (measured once per process); ``None`` where the extension does not build or the build has no
+    vector FMA."""
     module = EXTENSION.load()
     if module is None:
         return None

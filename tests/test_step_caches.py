@@ -97,3 +97,19 @@ def test_step_inputs_with_kept_rows_equal_fresh_ones(steps):
         for mine, theirs in zip(kept[1], fresh[1]):
             for k in theirs:
                 assert torch.equal(mine[k], theirs[k]), k
+
+
+def test_frozen_table_is_one_tuple_until_the_table_changes():
+    from dcpgraph.runtime.blocks import BlockManager
+
+    blocks = BlockManager(num_blocks=8, tokens_per_block=4)
+    blocks.allocate(1, 6)
+    first = blocks.frozen_table(1)
+    assert first == tuple(blocks.table(1)) and len(first) == 2
+    assert blocks.grow(1, 8) and blocks.frozen_table(1) is first  # same two blocks: not copied again
+    assert blocks.grow(1, 9)
+    grown = blocks.frozen_table(1)
+    assert grown == tuple(blocks.table(1)) and len(grown) == 3 and grown[:2] == first
+    blocks.release(1)
+    blocks.allocate(1, 3)  # the id again, a new table
+    assert blocks.frozen_table(1) == tuple(blocks.table(1)) and len(blocks.frozen_table(1)) == 1

@@ -85,6 +85,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, count 0; LRU first
         self._tables: dict[int, list[int]] = {}
+        self._frozen: dict[int, tuple[int, ...]] = {}  # request -> its table as a tuple, until it changes
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block id -> hash (registered blocks only)
         self._by_hash: dict[bytes, int] = {}  # hash -> block id
@@ -193,6 +194,7 @@ class BlockManager:
             self._ref[block] += 1
         table = prefix + [self._allocate() for _ in range(self.blocks_for(tokens) - len(prefix))]
         self._tables[request_id] = table
+        self._frozen.pop(request_id, None)
         if self.enable_prefix_caching:
             self._shared[request_id] = len(prefix)
             self._chain[request_id] = (len(prefix), self._hash_of[prefix[-1]] if prefix else None)
@@ -209,7 +211,9 @@ class BlockManager:
         need = self.blocks_for(tokens) - len(table)
         if need > self.free_blocks:
             return False
-        table.extend(self._allocate() for _ in range(need))
+        if need > 0:
+            table.extend(self._allocate() for _ in range(need))
+            self._frozen.pop(request_id, None)
         return True
 
     def holds(self, request_id: int) -> bool:
@@ -250,6 +254,14 @@ class BlockManager:
     def table(self, request_id: int) -> list[int]:
         return self._tables[request_id]
 
+    def frozen_table(self, request_id: int) -> tuple[int, ...]:
+        """:meth:`table` as a tuple, made again only after the table changed (it changes at block
+        boundaries: a decode step between two copies nothing of a long context's table)."""
+        frozen = self._frozen.get(request_id)
+        if frozen is None:
+            frozen = self._frozen[request_id] = tuple(self._tables[request_id])
+        return frozen
+
     def group_table(self, request_id: int) -> list[int] | None:
         """The sliding layers' own table (:mod:`.layer_groups`); ``None``: every layer uses
         :meth:`table`."""
@@ -270,6 +282,7 @@ class BlockManager:
         cached until evicted). Released tail first."""
         self._chain.pop(request_id, None)
         self._shared.pop(request_id, None)
+        self._frozen.pop(request_id, None)
         for block in reversed(self._tables.pop(request_id)):
             self._ref[block] -= 1
             assert self._ref[block] >= 0

@@ -304,9 +304,9 @@ class Scheduler:
     def _chunk(self, request: Request, n: int, plan: list[ScheduledChunk]) -> None:
         tokens, start = request.tokens, request.computed
         self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
-        table = self.blocks.table(request.id)
-        sliding = self.blocks.group_table(request.id)
-        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, tuple(table),
+        table = self.blocks.frozen_table(request.id)
+        sliding = self.blocks.group_table(request.id)  # nulled in place as the window moves: copied
+        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, table,
                       sliding_table=None if sliding is None else tuple(sliding))
         samples = start + n == len(tokens)
         room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)

@@ -44,10 +44,12 @@ class Chunk:
 class TableRows:
     """Block-table rows as int32 tensors, kept per request from one step to the next.
 
-    A row equal to the request's row of the last step is that step's tensor; a row that only grew
-    is it plus the new entries. Converting a row from Python ints costs ~0.1 µs an entry (a 128K
-    context's row at 16-token blocks: ~1 ms a step), comparing it with the last one ~3 ns. Rows of
-    requests absent from a step are dropped. The tensors are shared between steps: read them only."""
+    The row object of the last step (the block manager hands out the same tuple until the table
+    changes, :meth:`BlockManager.frozen_table`) is that step's tensor, with no pass over it; a
+    row equal to it is too; a row that only grew is it plus the new entries. Converting a row from
+    Python ints costs ~0.1 µs an entry (a 128K context's row at 16-token blocks: ~1 ms a step).
+    Rows of requests absent from a step are dropped. The tensors are shared between steps: read
+    them only."""
 
     def __init__(self) -> None:
         self._rows: dict[tuple[str, int], tuple[tuple[int, ...], torch.Tensor]] = {}
@@ -58,7 +60,7 @@ class TableRows:
         for request_id, row in rows:
             key = (kind, request_id)
             last = self._rows.get(key)
-            if last is not None and last[0] == row:
+            if last is not None and (last[0] is row or last[0] == row):
                 tensor = last[1]
             elif last is not None and len(row) > len(last[0]) and row[: len(last[0])] == last[0]:
                 tensor = torch.cat([last[1], torch.tensor(row[len(last[0]):], dtype=torch.int32)])

@@ -45,8 +45,6 @@ struct Simd {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  static float max(V v) { return _mm512_reduce_max_ps(v); }
-  static V zero_outside(V v, Mask m) { return _mm512_maskz_mov_ps(m, v); }
   // all-ones lanes where x is NaN, zero elsewhere; the lanes of a or b
   static V nan_lanes(V x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
@@ -111,13 +109,6 @@ struct Simd {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static float max(V v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  static V zero_outside(V v, Mask m) { return m == 8 ? v : _mm256_and_ps(v, _mm256_castsi256_ps(lanes(m))); }
   // all-ones lanes where x is NaN, zero elsewhere; the lanes of a or b
   static V nan_lanes(V x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q); }
   static V either(V a, V b) { return _mm256_or_ps(a, b); }

@@ -3,7 +3,7 @@
 // Row r's query rows q[cu[r]:cu[r+1]] attend to its first lens[r] cached tokens; local key j lives
 // at physical block table[r, j / B], slot j % B. For each (request, KV head, key chunk) the G query
 // heads of that KV head (times the request's query rows) are processed together: every K/V row is
-// read once per KV head, with an online softmax (running max/sum per row) over key blocks. Chunks
+// read once per KV head, with an online softmax (running max/sum per row) over spans of key blocks. Chunks
 // of one request are merged by LSE at the end (split-K, so one long request uses every thread).
 // When the values are a prefix of the key rows (MLA's latent: v = k[..., :dv]) they are read from
 // the key rows themselves.
@@ -292,7 +292,7 @@ struct LoadFP8Exact {
 // LoadFP8 without its scale, its 2^120 or setting NaN apart: e4m3 * 2^-120 exactly, for rows with
 // one scale each in blocks checked to hold no NaN code (fp8_rows_hold_nan). The scales and the
 // 2^120 go to the other operand instead (FOLD_UP: the queries, and V's scales applied to the
-// weights, see ColumnScales): (a * 2^120) * (e * 2^-120) is the product a * e with the same
+// weights, see scale_columns): (a * 2^120) * (e * 2^-120) is the product a * e with the same
 // rounding wherever a * 2^120 stays finite, so the sums are bit for bit those of the full loader.
 // Three vector ops a vector, as bf16's widen, and none on the FMA pipes.
 struct LoadFP8Unscaled {

@@ -113,3 +113,52 @@ def test_frozen_table_is_one_tuple_until_the_table_changes():
     blocks.release(1)
     blocks.allocate(1, 3)  # the id again, a new table
     assert blocks.frozen_table(1) == tuple(blocks.table(1)) and len(blocks.frozen_table(1)) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "trim", "release", "read"]), st.integers(1, 12)), max_size=30))
+def test_frozen_sliding_table_equals_the_table_and_is_kept_until_it_changes(ops):
+    """A hybrid model's sliding table, frozen, always equals the live one; between changes it is
+    the same tuple (no copy a decode step), after a trim that nulled a block or a growth it is new."""
+    from dcpgraph.runtime.layer_groups import HybridBlockManager
+
+    blocks = HybridBlockManager(num_blocks=64, sliding_blocks=32, tokens_per_block=4, window=5)
+    tokens = 3
+    blocks.allocate(1, tokens)
+    last = blocks.frozen_group_table(1)
+    for op, n in ops:
+        before = list(blocks.group_table(1))
+        if op == "grow" and blocks.grow(1, tokens + n):
+            tokens += n
+        elif op == "trim":
+            blocks.trim(1, tokens)
+        elif op == "release":
+            blocks.release(1)
+            tokens = n
+            blocks.allocate(1, tokens)
+            before = None
+        frozen = blocks.frozen_group_table(1)
+        assert frozen == tuple(blocks.group_table(1))
+        if before is not None and before == blocks.group_table(1):
+            assert frozen is last  # unchanged: not copied again
+        last = frozen
+
+
+def test_a_plain_block_manager_has_no_sliding_table():
+    from dcpgraph.runtime.blocks import BlockManager
+
+    blocks = BlockManager(num_blocks=4, tokens_per_block=4)
+    blocks.allocate(1, 3)
+    assert blocks.frozen_group_table(1) is None and blocks.group_table(1) is None
+
+
+def test_int32_row_converts_any_row_and_refuses_entries_outside_int32():
+    import pytest
+
+    from dcpgraph.runtime.step_inputs import int32_row
+
+    assert int32_row(()).dtype == torch.int32 and int32_row(()).numel() == 0
+    row = tuple(range(0, 3000, 7)) + (2**31 - 1,)
+    assert torch.equal(int32_row(row), torch.tensor(row, dtype=torch.int32))
+    with pytest.raises(OverflowError):
+        int32_row((2**31,))

@@ -267,6 +267,10 @@ class BlockManager:
         :meth:`table`."""
         return None
 
+    def frozen_group_table(self, request_id: int) -> tuple[int, ...] | None:
+        """:meth:`group_table` as a tuple, made again only after it changed (as :meth:`frozen_table`)."""
+        return None
+
     def trim(self, request_id: int, computed: int) -> None:
         """Drop blocks no future query reads (only :mod:`.layer_groups`' sliding group has any)."""
 

@@ -78,6 +78,7 @@ class HybridBlockManager(BlockManager):
         self._sliding_free: deque[int] = deque(range(sliding_blocks - 1, NULL_BLOCK, -1))
         self._sliding: dict[int, list[int]] = {}
         self._dead: dict[int, int] = {}  # request -> leading entries already nulled
+        self._frozen_sliding: dict[int, tuple[int, ...]] = {}  # request -> its sliding table, until it changes
         self.sliding_stats = {"peak_used": 0, "dropped": 0}
 
     # -- the sliding group ---------------------------------------------------------------------
@@ -92,6 +93,14 @@ class HybridBlockManager(BlockManager):
     def group_table(self, request_id: int) -> list[int]:
         return self._sliding[request_id]
 
+    def frozen_group_table(self, request_id: int) -> tuple[int, ...]:
+        """The sliding table as a tuple, made again only after :meth:`trim` nulled an entry or the
+        table grew: between block boundaries a decode step copies none of it."""
+        frozen = self._frozen_sliding.get(request_id)
+        if frozen is None:
+            frozen = self._frozen_sliding[request_id] = tuple(self._sliding[request_id])
+        return frozen
+
     def dead_blocks(self, computed: int) -> int:
         """Leading virtual blocks no query at a position ``>= computed`` can see."""
         return max(0, (computed - self.window + 1) // self.tokens_per_block)
@@ -104,10 +113,13 @@ class HybridBlockManager(BlockManager):
             self._sliding_free.append(table[j])
             table[j] = NULL_BLOCK
             self.sliding_stats["dropped"] += 1
+            self._frozen_sliding.pop(request_id, None)
         self._dead[request_id] = max(dead, self._dead.get(request_id, 0))
 
-    def _take(self, table: list[int], count: int) -> None:
-        table.extend(self._sliding_free.pop() for _ in range(count))
+    def _take(self, request_id: int, count: int) -> None:
+        if count:
+            self._frozen_sliding.pop(request_id, None)
+        self._sliding[request_id].extend(self._sliding_free.pop() for _ in range(count))
         self.sliding_stats["peak_used"] = max(self.sliding_stats["peak_used"], self.sliding_used_blocks)
 
     # -- BlockManager's interface, all or nothing across both groups ----------------------------
@@ -119,7 +131,8 @@ class HybridBlockManager(BlockManager):
             raise MemoryError(f"need {self.blocks_for(tokens)} sliding blocks, {self.sliding_free_blocks} free")
         table = super().allocate(request_id, tokens, prefix)
         self._sliding[request_id] = []
-        self._take(self._sliding[request_id], self.blocks_for(tokens))
+        self._frozen_sliding.pop(request_id, None)
+        self._take(request_id, self.blocks_for(tokens))
         return table
 
     def room(self, request_id: int) -> int:
@@ -131,7 +144,7 @@ class HybridBlockManager(BlockManager):
         need = max(0, self.blocks_for(tokens) - len(table))
         if need > self.sliding_free_blocks or not super().grow(request_id, tokens):
             return False
-        self._take(table, need)
+        self._take(request_id, need)
         return True
 
     def release(self, request_id: int) -> None:
@@ -139,6 +152,7 @@ class HybridBlockManager(BlockManager):
             if block != NULL_BLOCK:
                 self._sliding_free.append(block)
         self._dead.pop(request_id, None)
+        self._frozen_sliding.pop(request_id, None)
         super().release(request_id)
 
 

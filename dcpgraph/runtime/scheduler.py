@@ -305,9 +305,8 @@ class Scheduler:
         tokens, start = request.tokens, request.computed
         self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
         table = self.blocks.frozen_table(request.id)
-        sliding = self.blocks.group_table(request.id)  # nulled in place as the window moves: copied
         chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, table,
-                      sliding_table=None if sliding is None else tuple(sliding))
+                      sliding_table=self.blocks.frozen_group_table(request.id))
         samples = start + n == len(tokens)
         room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)
         plan.append(ScheduledChunk(request, chunk, samples, room))

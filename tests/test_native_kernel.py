@@ -7,8 +7,12 @@ this machine, every test here is skipped with the build's reason.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dcpgraph.ops import native, paged, quant
 
@@ -54,6 +58,38 @@ def test_gqa_grouping_and_lengths(hq, hkv):
     q, k, v, table = _case(0, 64, 16, hkv, 40, 40, hq, 5, 10)
     out, lse = _check(q, k, v, table, [0, 5, 16, 37, 150])
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(g=st.integers(1, 20), hkv=st.integers(1, 2), tokens=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       lens=st.lists(st.integers(0, 130), min_size=3, max_size=3), block=st.sampled_from([4, 16, 80]),
+       shift=st.sampled_from([0.0, -200.0]), seed=st.integers(0, 2**16))
+def test_any_rows_per_kv_head_and_any_length_match_the_torch_path(g, hkv, tokens, lens, block, shift, seed):
+    """Every score-column stride (rows per KV head from 1 to 20: a few rows share a vector, or
+    span several), context lengths that end anywhere in a vector, several query tokens per
+    request, blocks over the softmax span (80), and queries whose every score is far below zero
+    (a lane past the last column taken as 0 would become the max, and every weight exp(-87))."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, d = len(tokens), 24
+    nb = sum((n + block - 1) // block for n in lens[:rows]) + 1
+    k = torch.randn(nb, block, hkv, d, generator=gen)
+    v = torch.randn(nb, block, hkv, d, generator=gen)
+    width = max(1, max((n + block - 1) // block for n in lens[:rows]))
+    table = torch.randint(0, nb, (rows, width), generator=gen, dtype=torch.int32)
+    cu = torch.tensor([0] + list(itertools.accumulate(tokens)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), g * hkv, d, generator=gen)
+    if shift:  # a query component along a key direction every key shares: all scores near shift
+        k[..., 0] = 1.0
+        q[..., 0] = shift / 0.2
+    klens = torch.tensor(lens[:rows], dtype=torch.int32)
+    ref = _torch_path(q, k, v, table, cu, klens, None, 0.2)
+    got = native.native_paged_decode(q, k, v, table, cu, klens, 0.2)
+    # scores near -200 carry fp32's absolute rounding there (~1e-5) into every weight; a wrong
+    # max would be off by far more (every weight exp(-87), or an underflowed sum)
+    tol = ATOL if not shift else 1e-3
+    torch.testing.assert_close(got[0], ref[0], atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(ref[1]))
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=ATOL)
 
 
 @pytest.mark.parametrize("chunk_tokens", [None, 16, 48, 4096])

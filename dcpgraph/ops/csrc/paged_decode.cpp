@@ -346,8 +346,24 @@ inline bool fp8_rows_hold_nan(const uint8_t* p, int64_t stride, int64_t rows, in
 
 // s[t * ts + i] *= scale of token t, for rows i < m and tokens t < nt: a per-row fp8 scale applied
 // to a block's scores (K's scales) or softmax weights (V's), since (q . k) * c = q . (k * c).
-// ``up``: a power of two the scales are multiplied by (exactly) first.
+// ``up``: a power of two the scales are multiplied by (exactly) first. Where ts < W (a few rows,
+// column_stride), W / ts tokens share a vector: the columns are scaled as one run of nt * ts
+// floats, padding rows too (finite: they stay finite).
 inline void scale_columns(float* s, int64_t ts, int64_t m, int64_t nt, const float* sc, int64_t scs, float up = 1.f) {
+  if (ts < W) {
+    alignas(64) float c[W];
+    const int64_t per = W / ts;  // tokens a vector
+    for (int64_t t0 = 0; t0 < nt; t0 += per) {
+      const int64_t tokens = std::min(per, nt - t0);
+      for (int64_t j = 0; j < tokens; ++j) {
+        const float x = sc[(t0 + j) * scs] * up;
+        for (int64_t r = 0; r < ts; ++r) c[j * ts + r] = x;
+      }
+      const Lanes mk = Simd::first(tokens * ts);
+      Simd::store(s + t0 * ts, mk, Simd::mul(Simd::load(s + t0 * ts, mk), Simd::load(c, mk)));
+    }
+    return;
+  }
   for (int64_t t = 0; t < nt; ++t) {
     const Vec c = Simd::set1(sc[t * scs] * up);
     for (int64_t u = 0; u < m; u += W) {
@@ -628,17 +644,85 @@ constexpr int64_t SPAN_TOKENS = 64;
 inline __m512 exp512(__m512 x) { return simd::exp_nonpositive(x); }
 #endif
 
-// Online softmax over the token-major score columns s[t * ts + i] (t < ncols, i < m), W rows a
-// vector: each row's running max mx[i] and sum sm[i] take in the columns, its accumulator row
-// (acc + i dv) is rescaled where the max grew, and the columns become the weights exp(s - max).
-// The max and the sums are lane-wise over the tokens, with no horizontal reduction and no chain
-// per row. A NaN score makes the row's sum NaN for good (its output and LSE then are, as softmax
-// gives); the max is taken over its other scores. Lanes past row m (the columns' padding up to
-// ``ts``, a multiple of W) are read and written but hold finite numbers or are never used.
+// The stride of the token-major score columns for at most m rows: m rounded up to whole vectors,
+// or, below one vector, to a power of two that divides it (W / ts tokens then share a vector, so
+// the softmax's loads, exps and stores run full: one query head per KV head on 16 lanes took 16
+// times the softmax work of its scores' lanes).
+inline int64_t column_stride(int64_t m) {
+  if (m >= W) return (m + W - 1) / W * W;
+  int64_t ts = 1;
+  while (ts < m) ts *= 2;
+  return ts;
+}
+
+// softmax_columns' per-row steps. take_span_max: row i's shift nm[i] = max(mx[i], bm[i]) (the
+// span's column max bm[i]), its sum and accumulator row (acc + i dv) rescaled where the max grew.
+// take_span_sums: its sum takes in the span's total tot[i] (NaN for good where nan[i]), its max
+// becomes nm[i].
+inline void take_span_max(int64_t rows, const float* bm, bool started, float* mx, float* sm, float* acc, int64_t dv,
+                          float* nm) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float n = started ? std::max(mx[i], bm[i]) : bm[i];
+    if (started && n > mx[i]) {
+      const float alpha = std::exp(mx[i] - n);
+      float* ai = acc + i * dv;
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
+      sm[i] *= alpha;
+    }
+    nm[i] = n;
+  }
+}
+inline void take_span_sums(int64_t rows, const float* tot, const uint32_t* nan, const float* nm, bool started,
+                           float* mx, float* sm) {
+  for (int64_t i = 0; i < rows; ++i) {
+    sm[i] = nan[i] ? NAN : (started ? sm[i] : 0.f) + tot[i];
+    mx[i] = nm[i];
+  }
+}
+
+// Online softmax over the token-major score columns s[t * ts + i] (t < ncols, i < m; ts from
+// column_stride): each row's running max mx[i] and sum sm[i] take in the columns, its accumulator
+// row (acc + i dv) is rescaled where the max grew, and the columns become the weights
+// exp(s - max). The max and the sums are lane-wise over the tokens, with no chain per row; where
+// ts < W a vector holds W / ts tokens, and its lanes i, i + ts, ... (row i) are folded at the end.
+// A NaN score makes the row's sum NaN for good (its output and LSE then are, as softmax gives);
+// the max is taken over its other scores. Lanes of rows m .. ts (padding) are read and written
+// but hold finite numbers or are never used; nothing past column ncols is read or written.
 inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool started, float* mx, float* sm,
                             float* acc, int64_t dv) {
   alignas(64) float bm[W], nm[W], tot[W];
   alignas(64) uint32_t nan[W];
+  if (ts < W) {  // W / ts tokens a vector: one pass over ncols * ts floats, the last vector masked
+    const int64_t n = ncols * ts;
+    Vec mv = Simd::set1(-3.0e38f), nanv = Simd::zero();
+    for (int64_t u = 0; u < n; u += W) {
+      const Vec x = Simd::load_else(s + u, Simd::first(n - u), -3.0e38f);
+      nanv = Simd::either(nanv, Simd::nan_lanes(x));
+      mv = Simd::max(x, mv);  // mv where x is NaN
+    }
+    Simd::store(bm, All{}, mv);
+    Simd::store(reinterpret_cast<float*>(nan), All{}, nanv);
+    for (int64_t l = ts; l < W; ++l) {  // fold lane l into lane l mod ts (row l mod ts)
+      bm[l % ts] = std::max(bm[l % ts], bm[l]);
+      nan[l % ts] |= nan[l];
+    }
+    const int64_t rows = std::min(m, ts);
+    take_span_max(rows, bm, started, mx, sm, acc, dv, nm);
+    for (int64_t i = rows; i < ts; ++i) nm[i] = 3.0e38f;  // padding rows: exp(-87), finite
+    for (int64_t l = ts; l < W; ++l) nm[l] = nm[l % ts];
+    const Vec nmv = Simd::load(nm, All{});
+    Vec tv = Simd::zero();
+    for (int64_t u = 0; u < n; u += W) {
+      const Lanes live = Simd::first(n - u);
+      Simd::store(s + u, live, simd::exp_nonpositive(Simd::sub(Simd::load(s + u, live), nmv)));
+      tv = Simd::add(tv, Simd::load(s + u, live));  // zero past column ncols
+    }
+    Simd::store(tot, All{}, tv);
+    for (int64_t l = ts; l < W; ++l) tot[l % ts] += tot[l];
+    take_span_sums(rows, tot, nan, nm, started, mx, sm);
+    return;
+  }
   for (int64_t r0 = 0; r0 < m; r0 += W) {
     const int64_t rows = std::min<int64_t>(W, m - r0);
     Vec mv = Simd::set1(-3.0e38f), nanv = Simd::zero();
@@ -650,18 +734,7 @@ inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool
     Simd::store(bm, All{}, mv);
     Simd::store(reinterpret_cast<float*>(nan), All{}, nanv);
     for (int64_t i = rows; i < W; ++i) nm[i] = 3.0e38f;  // padding lanes: exp(-87), finite
-    for (int64_t i = 0; i < rows; ++i) {
-      float* mi = mx + r0 + i;
-      const float n = started ? std::max(*mi, bm[i]) : bm[i];
-      if (started && n > *mi) {
-        const float alpha = std::exp(*mi - n);
-        float* ai = acc + (r0 + i) * dv;
-#pragma omp simd
-        for (int64_t x = 0; x < dv; ++x) ai[x] *= alpha;
-        sm[r0 + i] *= alpha;
-      }
-      nm[i] = n;
-    }
+    take_span_max(rows, bm, started, mx + r0, sm + r0, acc + r0 * dv, dv, nm);
     const Vec nmv = Simd::load(nm, All{});
     Vec tv = Simd::zero();
     for (int64_t t = 0; t < ncols; ++t) {
@@ -670,10 +743,7 @@ inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool
       tv = Simd::add(tv, e);
     }
     Simd::store(tot, All{}, tv);
-    for (int64_t i = 0; i < rows; ++i) {
-      sm[r0 + i] = nan[i] ? NAN : (started ? sm[r0 + i] : 0.f) + tot[i];
-      mx[r0 + i] = nm[i];
-    }
+    take_span_sums(rows, tot, nan, nm, started, mx + r0, sm + r0);
   }
 }
 #else
@@ -830,8 +900,8 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
     const int64_t span = std::max(bsz, SPAN_TOKENS);  // the most score columns waiting at once
 #if DCPGRAPH_SIMD
     // Scores token-major: column t (a token) holds the rows' scores side by side, ``ts`` apart
-    // (the rows rounded up to whole vectors; the padding starts zero, so it stays finite).
-    const int64_t ts = (max_m + W - 1) / W * W;
+    // (column_stride; the padding starts zero, so it stays finite).
+    const int64_t ts = column_stride(max_m);
     LineVector<float> sbuf(span * ts);
 #else
     const int64_t ss = span;  // scores row-major: row i's columns ``ss`` apart

@@ -38,6 +38,8 @@ struct Simd {
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
   static V load(const float* p, All) { return _mm512_loadu_ps(p); }
+  // the first m lanes from p, ``fill`` in the others (nothing read there)
+  static V load_else(const float* p, Mask m, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), m, p); }
   static void store(float* p, Mask m, V v) { _mm512_mask_storeu_ps(p, m, v); }
   static void store(float* p, All, V v) { _mm512_storeu_ps(p, v); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -92,6 +94,11 @@ struct Simd {
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p, Mask m) { return m == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes(m)); }
   static V load(const float* p, All) { return _mm256_loadu_ps(p); }
+  static V load_else(const float* p, Mask m, float fill) {
+    if (m == 8) return _mm256_loadu_ps(p);
+    const __m256i live = lanes(m);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, live), _mm256_castsi256_ps(live));
+  }
   static void store(float* p, Mask m, V v) {
     if (m == 8)
       _mm256_storeu_ps(p, v);

@@ -629,7 +629,9 @@ inline void block_values_simd(const float* p, int64_t ts, int64_t m, const Value
 // Register tiles of one block's scores, each one step() call. A block's prefetch is spread over
 // these and its share of its span's value tiles (value_tiles * nt / span): with the values' calls
 // left out, a span's lines went out during its scores only (GQA 8:1 from memory, fp32 and bf16
-// caches on the Intel host: 2-4% slower).
+// caches on the Intel host: 2-4% slower). Not where the values are a prefix of the key rows (MLA):
+// there the value tiles read lines the scores fetched, so they get no share (bf16 MLA measured the
+// same either way, within this host's noise).
 inline int64_t score_tiles(int64_t m, int64_t nt) {
   return (m + TILE_ROWS - 1) / TILE_ROWS * ((nt + TILE_TOKS - 1) / TILE_TOKS);
 }
@@ -1024,8 +1026,9 @@ bool paged_decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at
           const int64_t ahead = (t / bsz + prefetch_blocks) * bsz;
           if (prefetch_blocks > 0 && ahead < w.t1) {
             const int64_t pb = table[w.r * width + ahead / bsz];
-            // the block's score tiles and its share of its span's value tiles (which take pf too)
-            const int64_t tiles = score_tiles(m, nt) + value_tiles(m, dv) * nt / span;
+            // the block's score tiles and its share of its span's value tiles (which take pf too),
+            // unless the values are a prefix of the key rows, whose lines the scores already fetch
+            const int64_t tiles = score_tiles(m, nt) + (value_prefix ? 0 : value_tiles(m, dv) * nt / span);
             pf.start(reinterpret_cast<const char*>(kp + pb * ks0 + w.h * ks2),
                      reinterpret_cast<const char*>(vp + pb * vs0 + w.h * vs2), std::min(bsz, w.t1 - ahead), tiles);
           } else {

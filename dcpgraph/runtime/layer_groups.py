@@ -109,12 +109,14 @@ class HybridBlockManager(BlockManager):
         """Return the sliding blocks of ``request_id`` that fell out of the window."""
         table = self._sliding[request_id]
         dead = min(self.dead_blocks(computed), len(table))
-        for j in range(self._dead.get(request_id, 0), dead):
+        first = self._dead.get(request_id, 0)
+        for j in range(first, dead):
             self._sliding_free.append(table[j])
             table[j] = NULL_BLOCK
             self.sliding_stats["dropped"] += 1
+        if dead > first:
             self._frozen_sliding.pop(request_id, None)
-        self._dead[request_id] = max(dead, self._dead.get(request_id, 0))
+        self._dead[request_id] = max(dead, first)
 
     def _take(self, request_id: int, count: int) -> None:
         if count:
@@ -131,7 +133,6 @@ class HybridBlockManager(BlockManager):
             raise MemoryError(f"need {self.blocks_for(tokens)} sliding blocks, {self.sliding_free_blocks} free")
         table = super().allocate(request_id, tokens, prefix)
         self._sliding[request_id] = []
-        self._frozen_sliding.pop(request_id, None)
         self._take(request_id, self.blocks_for(tokens))
         return table
 

@@ -703,11 +703,16 @@ inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool
                             float* acc, int64_t dv) {
   alignas(64) float bm[W], nm[W], tot[W];
   alignas(64) uint32_t nan[W];
-  if (ts < W) {  // W / ts tokens a vector: one pass over ncols * ts floats, the last vector masked
-    const int64_t n = ncols * ts;
+  // Stripes of ``lanes`` rows (one where ts < W), each vector ``step`` floats after the last:
+  // ts >= W, a token's W rows a vector; ts < W, a run of ncols * ts floats, lane l row l mod ts,
+  // its last vector masked at column ncols.
+  const int64_t lanes = std::min<int64_t>(ts, W), step = std::max<int64_t>(ts, W), total = ncols * lanes;
+  for (int64_t r0 = 0; r0 < m; r0 += W) {
+    const int64_t rows = std::min(lanes, m - r0);
+    float* base = s + r0;
     Vec mv = Simd::set1(-3.0e38f), nanv = Simd::zero();
-    for (int64_t u = 0; u < n; u += W) {
-      const Vec x = Simd::load_else(s + u, Simd::first(n - u), -3.0e38f);
+    for (int64_t u = 0, k = 0; u < total; u += W, ++k) {
+      const Vec x = Simd::load_else(base + k * step, Simd::first(total - u), -3.0e38f);
       nanv = Simd::either(nanv, Simd::nan_lanes(x));
       mv = Simd::max(x, mv);  // mv where x is NaN
     }
@@ -717,42 +722,20 @@ inline void softmax_columns(float* s, int64_t ts, int64_t m, int64_t ncols, bool
       bm[l % ts] = std::max(bm[l % ts], bm[l]);
       nan[l % ts] |= nan[l];
     }
-    const int64_t rows = std::min(m, ts);
-    take_span_max(rows, bm, started, mx, sm, acc, dv, nm);
-    for (int64_t i = rows; i < ts; ++i) nm[i] = 3.0e38f;  // padding rows: exp(-87), finite
+    take_span_max(rows, bm, started, mx + r0, sm + r0, acc + r0 * dv, dv, nm);
+    for (int64_t i = rows; i < lanes; ++i) nm[i] = 3.0e38f;  // padding rows: exp(-87), finite
     for (int64_t l = ts; l < W; ++l) nm[l] = nm[l % ts];
     const Vec nmv = Simd::load(nm, All{});
     Vec tv = Simd::zero();
-    for (int64_t u = 0; u < n; u += W) {
-      const Lanes live = Simd::first(n - u);
-      Simd::store(s + u, live, simd::exp_nonpositive(Simd::sub(Simd::load(s + u, live), nmv)));
-      tv = Simd::add(tv, Simd::load(s + u, live));  // zero past column ncols
+    for (int64_t u = 0, k = 0; u < total; u += W, ++k) {
+      float* p = base + k * step;
+      const Lanes live = Simd::first(total - u);
+      const Vec e = simd::exp_nonpositive(Simd::sub(Simd::load(p, live), nmv));
+      Simd::store(p, live, e);
+      tv = Simd::add(tv, total - u >= W ? e : Simd::load(p, live));  // zero past column ncols
     }
     Simd::store(tot, All{}, tv);
     for (int64_t l = ts; l < W; ++l) tot[l % ts] += tot[l];
-    take_span_sums(rows, tot, nan, nm, started, mx, sm);
-    return;
-  }
-  for (int64_t r0 = 0; r0 < m; r0 += W) {
-    const int64_t rows = std::min<int64_t>(W, m - r0);
-    Vec mv = Simd::set1(-3.0e38f), nanv = Simd::zero();
-    for (int64_t t = 0; t < ncols; ++t) {
-      const Vec x = Simd::load(s + t * ts + r0, All{});
-      nanv = Simd::either(nanv, Simd::nan_lanes(x));
-      mv = Simd::max(x, mv);  // mv where x is NaN
-    }
-    Simd::store(bm, All{}, mv);
-    Simd::store(reinterpret_cast<float*>(nan), All{}, nanv);
-    for (int64_t i = rows; i < W; ++i) nm[i] = 3.0e38f;  // padding lanes: exp(-87), finite
-    take_span_max(rows, bm, started, mx + r0, sm + r0, acc + r0 * dv, dv, nm);
-    const Vec nmv = Simd::load(nm, All{});
-    Vec tv = Simd::zero();
-    for (int64_t t = 0; t < ncols; ++t) {
-      const Vec e = simd::exp_nonpositive(Simd::sub(Simd::load(s + t * ts + r0, All{}), nmv));
-      Simd::store(s + t * ts + r0, All{}, e);
-      tv = Simd::add(tv, e);
-    }
-    Simd::store(tot, All{}, tv);
     take_span_sums(rows, tot, nan, nm, started, mx + r0, sm + r0);
   }
 }

@@ -243,6 +243,39 @@ def test_measure_links_times_both_collectives_between_two_gloo_ranks():
             assert 0 < latency < 1.0 and 1e6 < bandwidth < 1e12
 
 
+def _links_one_rank_late(rank, world):
+    """measure_links with rank 1 leaving every barrier 50 ms after rank 0 (a skew far beyond a
+    scheduler slice, so a timing that includes it cannot be mistaken for the link)."""
+    import time
+
+    import torch.distributed as dist
+
+    from dcpgraph.plan import measure_links
+
+    barrier = dist.barrier
+
+    def late_barrier(*args, **kwargs):
+        barrier(*args, **kwargs)
+        if rank == 1:
+            time.sleep(0.05)
+
+    dist.barrier = late_barrier
+    try:
+        return measure_links(reps=3)
+    finally:
+        dist.barrier = barrier
+
+
+@pytest.mark.gloo
+def test_measure_links_times_the_link_not_the_ranks_skew_leaving_the_barrier():
+    """Rank 0 would time rank 1's 50 ms lateness if its timed call followed the barrier."""
+    from dcpgraph.runtime.distributed import spawn
+
+    for links in spawn(_links_one_rank_late, 2, timeout_s=120):
+        for name, (latency, _) in links.items():
+            assert latency < 0.025, (name, latency)
+
+
 # -- comm="ag": the replicated-query-projection lowering ------------------------------------------
 def test_ag_collectives_and_allreduces_follow_shard_dcp_replicated():
     from dcpgraph.plan.cost import tp_allreduces_per_layer

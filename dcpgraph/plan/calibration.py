@@ -25,8 +25,8 @@ otherwise. Four timings give the four figures:
    is measured, not derived from sysfs.
 
 The cache size is the machine's own (sysfs: the largest cache private to cpu0, its L2 here), not a
-constant. Links (:func:`measure_links`, inside a gloo world): per collective, the best wall time
-of a one-element call is the latency, and the best of a 1 MiB-per-peer call, less that latency,
+constant. Links (:func:`measure_links`, inside a gloo world): per collective, the best mean wall
+time of a burst of back-to-back one-element calls is the latency, and the best of a 1 MiB-per-peer call, less that latency,
 gives the bandwidth from the bytes each rank sends, ``(N−1)·chunk``, as :mod:`.cost` counts them.
 """
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from .hardware import HARDWARE_NAMES, MEASURED, PRESETS, Hardware, physical_memory
 
 LINK_CHUNK_BYTES = 1 << 20
+LINK_BURST = 8  # back-to-back calls per timing in measure_links
 CURVE_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 CURVE_BUFFERS = 2  # a decode step reads other layers' KV before it reads this one again
 SMALL_REPS = 50
@@ -153,7 +154,13 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
     """``{collective: (latency_s, bandwidth bytes/s)}`` for ``all_gather`` and ``all_to_all`` in
     the current gloo world, over the transport the graphs' collectives will take (shared memory
     where every rank is on this host, :mod:`dcpgraph.runtime.host_collectives`; else gloo). Call
-    on every rank at once; the figures are this rank's."""
+    on every rank at once; the figures are this rank's.
+
+    A call's time is that of ``LINK_BURST`` back-to-back calls over their count, after one untimed
+    call: the ranks leave a barrier up to a scheduler slice apart, and a single timed call after
+    it measured that skew (113-119 µs on this host's shared-memory transport, whose collective
+    takes tens of µs), not the link. Within the burst each call starts when the last one ended
+    on every rank, as a layer's collectives do in a decode step."""
     import torch
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
@@ -175,9 +182,11 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
         best = float("inf")
         for _ in range(reps):
             dist.barrier()
+            call()  # absorbs the ranks' skew leaving the barrier; the rest start together
             start = time.perf_counter()
-            call()
-            best = min(best, time.perf_counter() - start)
+            for _ in range(LINK_BURST):
+                call()
+            best = min(best, (time.perf_counter() - start) / LINK_BURST)
         return best
 
     out = {}

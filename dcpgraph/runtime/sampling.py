@@ -79,15 +79,28 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: Sequen
     return scores
 
 
+def greedy_tokens(rows: torch.Tensor) -> list[int]:
+    """Per row of ``rows [..., V]`` the index of its first largest value, NaN counting as largest:
+    ``torch.argmax(rows, -1)``. Computed as ``torch.max(rows, -1).indices`` (documented to pick
+    the first maximum, NaN included, as argmax does), in fp32 for bf16 rows (exact, so the same
+    index): torch's CPU max reduction is vectorised and its argmax is not (16 rows of 32K:
+    ~350 against ~740 µs)."""
+    rows = rows.float() if rows.dtype in (torch.bfloat16, torch.float16) else rows
+    return torch.max(rows, -1).indices.reshape(-1).tolist()
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """:func:`greedy_tokens` of one ``[V]`` row."""
+    return greedy_tokens(logits)[0]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            prompt: Sequence[int] = (), output: Sequence[int] = ()) -> int:
     """One token id from a ``[V]`` row of logits; ``prompt`` and ``output`` (the request's tokens
     so far) feed the penalties."""
     logits = apply_penalties(logits, params, prompt, output)
     if params.greedy:
-        # bf16 -> fp32 is exact, so the same index (ties included); torch's CPU argmax over a bf16
-        # row of 32K is ~3x slower than the cast and an fp32 argmax (16 rows a step at batch 16)
-        return int(torch.argmax(logits.float() if logits.dtype == torch.bfloat16 else logits))
+        return greedy_token(logits)
     scores = logits.double() / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]

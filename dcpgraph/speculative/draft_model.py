@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError
+from ..runtime.sampling import greedy_token
 from ..runtime.step_inputs import Chunk
 from .proposer import NO_DRAFTS, Drafts
 from .rejection import probabilities
@@ -119,7 +120,7 @@ class DraftModelProposer:
     def _choose(item, row: torch.Tensor, tokens: list[int], probs: list[torch.Tensor]) -> None:
         params = item.request.params
         if params.greedy:
-            tokens.append(int(row.argmax()))
+            tokens.append(greedy_token(row))
             return
         q = probabilities(row, params)
         tokens.append(int(torch.multinomial(q, 1, generator=item.request.generator)))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams, greedy_tokens
 from .proposer import Drafts
 
 
@@ -76,7 +76,7 @@ def rejection_sample(target: torch.Tensor, drafts: list[int], draft_probs: torch
 def verify(rows: torch.Tensor, drafts: Drafts, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
     """Tokens for a chunk verified with ``drafts`` from its ``1 + k`` logits rows (see above)."""
     if params.greedy:
-        return [int(r.argmax()) for r in rows]
+        return greedy_tokens(rows)
     return rejection_sample(probabilities(rows, params), drafts.tokens, drafts.probs, generator)
 
 

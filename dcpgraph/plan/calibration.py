@@ -25,9 +25,10 @@ otherwise. Four timings give the four figures:
    is measured, not derived from sysfs.
 
 The cache size is the machine's own (sysfs: the largest cache private to cpu0, its L2 here), not a
-constant. Links (:func:`measure_links`, inside a gloo world): per collective, the best mean wall
-time of a burst of back-to-back one-element calls is the latency, and the best of a 1 MiB-per-peer call, less that latency,
-gives the bandwidth from the bytes each rank sends, ``(N−1)·chunk``, as :mod:`.cost` counts them.
+constant. Links (:func:`measure_links`, inside a gloo world): per collective, a call's time is
+the best mean over bursts of back-to-back calls; a one-element call's is the latency, and a
+1 MiB-per-peer call's, less that latency, gives the bandwidth from the bytes each rank sends,
+``(N−1)·chunk``, as :mod:`.cost` counts them.
 """
 
 from __future__ import annotations
@@ -157,10 +158,9 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
     on every rank at once; the figures are this rank's.
 
     A call's time is that of ``LINK_BURST`` back-to-back calls over their count, after one untimed
-    call: the ranks leave a barrier up to a scheduler slice apart, and a single timed call after
-    it measured that skew (113-119 µs on this host's shared-memory transport, whose collective
-    takes tens of µs), not the link. Within the burst each call starts when the last one ended
-    on every rank, as a layer's collectives do in a decode step."""
+    call that absorbs the ranks' skew leaving the barrier (up to a scheduler slice, more than a
+    shared-memory collective takes): within the burst each call starts when the last one ended on
+    every rank, as a layer's collectives do in a decode step."""
     import torch
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
@@ -182,7 +182,7 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
         best = float("inf")
         for _ in range(reps):
             dist.barrier()
-            call()  # absorbs the ranks' skew leaving the barrier; the rest start together
+            call()  # absorbs the skew
             start = time.perf_counter()
             for _ in range(LINK_BURST):
                 call()

@@ -89,10 +89,12 @@ def _paged_applies(site: Site) -> str | None:
     if (reason := _modifiers(site, 8)) is not None:
         return reason
     if len(site.args) > 10 or site.args[1].dtype == torch.float8_e4m3fn:
-        # FIAS's antiquant inputs take per-channel / per-token-per-head scales in its own layout;
-        # dcpgraph's per-(token, head, 128-group) scale caches are not mapped onto them (yet).
-        return ("an fp8 KV cache (kv_cache_dtype='fp8_e4m3') has no lowering to torchair's "
-                "quantised-KV attention here; compile with kv_cache_dtype='auto' or 'bf16' for Ascend")
+        # torch-npu 2.13's FIAS documentation lists int8 and int4 keys/values for its quantised-KV
+        # ("antiquant") inputs on Atlas A2/A3, not float8_e4m3fn, so there is no Ascend op to map
+        # dcpgraph's e4m3 blocks and per-(token, head, 128-group) scales onto.
+        return ("an fp8 KV cache (kv_cache_dtype='fp8_e4m3') has no lowering: FusedInferAttentionScore "
+                "reads quantised KV as int8/int4 only on Atlas A2/A3 (torch-npu 2.13); compile with "
+                "kv_cache_dtype='auto' or 'bf16' for Ascend")
     if site.args[6] is not None:
         return "kv_bound (a per-query causal bound inside the cache) has no FIAS form"
     return _fias_dtype(site.args[0])

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from ..errors import KVTransferError, RequestError
 from .engine_loop import EngineDeadError, EngineLoop, Piece
 from .logprobs import chat_logprobs, completion_logprobs
-from .metrics import Metrics
+from .metrics import Metrics, cache_config_info
 from .prompts import Prompt, chat_prompt, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -86,7 +86,7 @@ def _sse(data: dict | str) -> str:
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               kv_agent=None) -> FastAPI:
     """``kv_agent``: this instance's P/D side (:class:`~.kv_connector.agent.KVAgent`), if any."""
-    metrics = Metrics(served_model_name)
+    metrics = Metrics(served_model_name, cache_config_info(llm.config))
     engine_loop = EngineLoop(llm, metrics, kv_agent)
 
     @contextlib.asynccontextmanager

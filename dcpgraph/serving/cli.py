@@ -12,7 +12,9 @@ import logging
 import os
 import sys
 
-from ..errors import DcpGraphError
+from ..backends.registry import available_backends
+from ..errors import ConfigError, DcpGraphError
+from ..options import KV_CACHE_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
                         '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}')
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 "
+                        "power-of-two scale per token, KV head and 128 elements)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition a MoE model's routed experts over the tensor-parallel ranks instead of "
+                        "slicing every expert")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the program eagerly: nothing is compiled at start-up (the 'eager' backend)")
+    p.add_argument("--backend", default=None, choices=available_backends(),
+                   help="dcpgraph's compiler backend (default auto: torchair on Ascend, inductor on CUDA, "
+                        "eager on CPU); every decode bucket is compiled before the server listens")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="a directory that keeps compiled graphs across processes and restarts, so a second "
+                        "start-up compiles from it")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -66,6 +82,16 @@ def llm_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         worker_host=args.worker_host,
     )
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.enable_expert_parallel:
+        options["enable_expert_parallel"] = True
+    if args.enforce_eager and args.backend not in (None, "eager"):
+        raise ConfigError(f"--enforce-eager runs the 'eager' backend; it contradicts --backend {args.backend}")
+    if args.enforce_eager or args.backend is not None:
+        options["backend"] = "eager" if args.enforce_eager else args.backend
+    if args.compile_cache_dir is not None:
+        options["compile_cache_dir"] = args.compile_cache_dir
     if args.speculative_config is not None:
         options["speculative_config"] = args.speculative_config
     if args.num_gpu_blocks_override is not None:

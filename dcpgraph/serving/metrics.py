@@ -33,9 +33,26 @@ class Histogram:
         return out + [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.count}"]
 
 
+def cache_config_info(config) -> dict[str, str]:
+    """vLLM's ``cache_config_info`` labels for an :class:`~.engine_config.EngineConfig`: the KV
+    cache as the server was started (``cache_dtype`` as given: ``auto`` is the model's dtype)."""
+    options = config.engine_options
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": str(options.get("kv_cache_dtype", "auto")),
+        "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+        "num_gpu_blocks": str(options.get("num_blocks", "auto")),
+        "tensor_parallel_size": str(config.tensor_parallel_size),
+        "decode_context_parallel_size": str(config.decode_context_parallel_size),
+        "cp_kv_cache_interleave_size": str(config.cp_kv_cache_interleave_size),
+        "backend": str(options.get("backend", "auto")),
+    }
+
+
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None):
         self.model_name = model_name
+        self.cache_info = dict(cache_info or {})
         self.lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -78,6 +95,10 @@ class Metrics:
         def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
             lines.extend([f"# HELP dcpgraph:{name} {help_text}", f"# TYPE dcpgraph:{name} {kind}", *values])
 
+        if self.cache_info:
+            info = ",".join(f'{k}="{v}"' for k, v in self.cache_info.items())
+            metric("cache_config_info", "gauge", "The KV cache configuration the server was started with.",
+                   [f"dcpgraph:cache_config_info{{{labels},{info}}} 1"])
         metric("num_requests_running", "gauge", "Requests that have produced a token and are not finished.",
                [f"dcpgraph:num_requests_running{{{labels}}} {snapshot['running']}"])
         metric("num_requests_waiting", "gauge", "Requests queued or in prefill (no token yet).",

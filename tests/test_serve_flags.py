@@ -1,0 +1,105 @@
+"""``dcpgraph serve``'s engine flags in vLLM's spelling (``--kv-cache-dtype``,
+``--enable-expert-parallel``, ``--enforce-eager``) and dcpgraph's own (``--backend``,
+``--compile-cache-dir``): what each becomes in :class:`~dcpgraph.LLM`'s options, that the engine
+is built with it, and that a running server reports the KV cache it was started with in vLLM's
+``cache_config_info`` gauge.
+
+References: the compile options each flag names (:func:`dcpgraph.options.compile_options` is the
+one place that validates them), the cache tensors the engine allocated, and the offline
+:class:`~dcpgraph.LLM` built with the same options, whose greedy tokens the server must give.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from dcpgraph import LLM, ConfigError, SamplingParams
+from dcpgraph.serving.cli import build_parser, llm_options
+from dcpgraph.serving.engine_config import EngineConfig
+from dcpgraph.serving.metrics import Metrics, cache_config_info
+
+SMALL = ("--dtype", "bfloat16", "--block-size", "4", "--max-model-len", "64")
+
+
+def options_of(*flags: str) -> dict:
+    return llm_options(build_parser().parse_args(["/m", *flags]))
+
+
+def test_defaults_add_no_engine_options():
+    options = options_of()
+    for key in ("kv_cache_dtype", "enable_expert_parallel", "backend", "compile_cache_dir"):
+        assert key not in options, key
+
+
+def test_each_flag_becomes_its_compile_option(tmp_path):
+    assert options_of("--kv-cache-dtype", "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
+    assert options_of("--kv-cache-dtype", "bf16")["kv_cache_dtype"] == "bf16"
+    assert options_of("--enable-expert-parallel")["enable_expert_parallel"] is True
+    assert options_of("--enforce-eager")["backend"] == "eager"
+    assert options_of("--backend", "inductor")["backend"] == "inductor"
+    assert options_of("--enforce-eager", "--backend", "eager")["backend"] == "eager"
+    assert options_of("--compile-cache-dir", str(tmp_path))["compile_cache_dir"] == str(tmp_path)
+
+
+def test_contradicting_or_unknown_flags_are_refused_before_any_work(capsys):
+    with pytest.raises(ConfigError, match=r"--enforce-eager runs the 'eager' backend; it contradicts --backend inductor"):
+        options_of("--enforce-eager", "--backend", "inductor")
+    for flags in (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "int8"], ["--backend", "tvm"]):
+        with pytest.raises(SystemExit):
+            options_of(*flags)
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_metrics_carry_the_cache_config_vllm_names():
+    config = EngineConfig(model="/m", dtype="bfloat16", tensor_parallel_size=2, decode_context_parallel_size=2,
+                          cp_kv_cache_interleave_size=4, block_size=16, enable_prefix_caching=True,
+                          engine_options={"kv_cache_dtype": "fp8_e4m3", "num_blocks": 512, "backend": "eager"})
+    text = Metrics("tiny", cache_config_info(config)).render(
+        {"running": 0, "waiting": 0, "kv_usage": [0.0, 0.0]})
+    line = next(line for line in text.splitlines() if line.startswith("dcpgraph:cache_config_info{"))
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert line.endswith("} 1")
+    assert labels == {"model_name": "tiny", "block_size": "16", "cache_dtype": "fp8_e4m3",
+                      "enable_prefix_caching": "True", "num_gpu_blocks": "512", "tensor_parallel_size": "2",
+                      "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager"}
+    default = cache_config_info(EngineConfig(model="/m", dtype="float32"))
+    assert (default["cache_dtype"], default["num_gpu_blocks"], default["backend"]) == ("auto", "auto", "auto")
+
+
+def test_the_offline_llm_built_from_the_flags_has_an_fp8_cache(checkpoints):
+    llm = LLM(model=checkpoints["qwen3"], **options_of(*SMALL, "--kv-cache-dtype", "fp8_e4m3", "--backend", "aot_eager",
+                                                     "--max-num-seqs", "1"))
+    try:
+        caches = llm.engine.executor.rank_caches(0)
+        dtypes = {str(c.dtype) for c in caches.values()}
+        assert dtypes == {"torch.float8_e4m3fn", "torch.float32"}, dtypes  # the data and their scales
+        assert any(name.endswith("_scale") for name in caches)
+        assert llm.engine.report()["backend"] == "aot_eager"  # not the CPU default (eager)
+        out = llm.generate(["The future of AI is"], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+        assert 1 <= len(out.token_ids) <= 6 and out.finish_reason in ("stop", "length")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offline_llm(checkpoints, tmp_path):
+    from dcpgraph.testing.server import running_server
+
+    path = checkpoints["qwen3"]
+    flags = ("--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--enable-prefix-caching")
+    prompt = [72, 105, 33, 7, 64]
+    offline = LLM(model=path, **options_of(*SMALL, *flags))
+    try:
+        want = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    finally:
+        offline.shutdown()
+    with running_server(path, *SMALL, *flags, log_path=str(tmp_path / "serve.log")) as server:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        info = re.search(r"^dcpgraph:cache_config_info\{([^}]*)\} 1$", text, re.M)
+        assert info and dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))["cache_dtype"] == "fp8_e4m3"
+        body = {"model": path, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        got = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert (got["text"], got["finish_reason"]) == (want.text, want.finish_reason)

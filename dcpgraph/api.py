@@ -92,7 +92,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
     :mod:`dcpgraph.passes.tp_modules`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
     model's dtype, default; ``"bf16"``; ``"fp8_e4m3"``, fp8 with one fp32 scale per token, head and
-    128 elements, see :mod:`dcpgraph.ops.quant`), ``mlapo`` (default True: an MLA model's query/KV
+    128 elements, see :mod:`dcpgraph.ops.quant`; vLLM's ``"fp8"`` and ``"bfloat16"`` are taken as
+    ``"fp8_e4m3"`` and ``"bf16"``), ``mlapo`` (default True: an MLA model's query/KV
     projections, norms, rotary and latent cache write become one ``mla_preprocess`` op per layer,
     bit-identical on CPU, a fused kernel on Ascend; False keeps them unfused; see
     :mod:`dcpgraph.passes.fuse_mla_preprocess`), ``hybrid_kv_cache`` (default False: every layer

@@ -21,6 +21,8 @@ EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model's dtype
+# vLLM's other spellings of the same caches (its "fp8" is e4m3 on CUDA), taken as the names above.
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
 
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
@@ -78,8 +80,11 @@ def compile_options(**given: Any) -> dict[str, Any]:
     if kv_allocation not in KV_ALLOCATIONS:
         raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {kv_allocation!r}")
     kv_cache_dtype = given.get("kv_cache_dtype", "auto")
+    if isinstance(kv_cache_dtype, str):
+        kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or vLLM's "
+                          f"{sorted(KV_CACHE_DTYPE_ALIASES)} for the same caches), got {kv_cache_dtype!r}")
     plan = given.get("plan")
     if plan is not None and not (
         isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())

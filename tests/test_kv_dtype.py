@@ -137,7 +137,7 @@ def test_bf16_greedy_dcp2_equals_dcp1_where_margins_are_safe(qwen3_pair):
 
 
 # -- the option --------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", ["fp8", "float8_e4m3fn", torch.float8_e4m3fn, None, "FP8_E4M3"])
+@pytest.mark.parametrize("bad", ["fp8_e5m2", "float8_e4m3fn", torch.float8_e4m3fn, None, "FP8_E4M3", "fp16"])
 def test_kv_cache_dtype_is_validated_before_any_work(bad):
     class NotAModelYet(torch.nn.Module):
         def forward(self, x):  # tracing this would fail: the option must be refused first
@@ -145,6 +145,14 @@ def test_kv_cache_dtype_is_validated_before_any_work(bad):
 
     with pytest.raises(ConfigError, match=r"kv_cache_dtype must be one of \['auto', 'bf16', 'fp8_e4m3'\]"):
         dcpgraph.compile(NotAModelYet(), kv_cache_dtype=bad)
+
+
+def test_vllm_spellings_name_the_same_caches():
+    from dcpgraph.options import compile_options
+
+    assert compile_options(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8_e4m3"
+    assert compile_options(kv_cache_dtype="bfloat16")["kv_cache_dtype"] == "bf16"
+    assert compile_options()["kv_cache_dtype"] == "auto"
 
 
 def test_bf16_cache_for_fp32_model():

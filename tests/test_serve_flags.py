@@ -37,6 +37,8 @@ def test_defaults_add_no_engine_options():
 def test_each_flag_becomes_its_compile_option(tmp_path):
     assert options_of("--kv-cache-dtype", "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
     assert options_of("--kv-cache-dtype", "bf16")["kv_cache_dtype"] == "bf16"
+    assert options_of("--kv-cache-dtype", "fp8")["kv_cache_dtype"] == "fp8_e4m3"  # vLLM's alias
+    assert options_of("--kv-cache-dtype", "bfloat16")["kv_cache_dtype"] == "bf16"
     assert options_of("--enable-expert-parallel")["enable_expert_parallel"] is True
     assert options_of("--enforce-eager")["backend"] == "eager"
     assert options_of("--backend", "inductor")["backend"] == "inductor"
@@ -47,7 +49,7 @@ def test_each_flag_becomes_its_compile_option(tmp_path):
 def test_contradicting_or_unknown_flags_are_refused_before_any_work(capsys):
     with pytest.raises(ConfigError, match=r"--enforce-eager runs the 'eager' backend; it contradicts --backend inductor"):
         options_of("--enforce-eager", "--backend", "inductor")
-    for flags in (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "int8"], ["--backend", "tvm"]):
+    for flags in (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "int8"], ["--backend", "tvm"]):
         with pytest.raises(SystemExit):
             options_of(*flags)
         assert "invalid choice" in capsys.readouterr().err

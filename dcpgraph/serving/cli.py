@@ -14,7 +14,7 @@ import sys
 
 from ..backends.registry import available_backends
 from ..errors import ConfigError, DcpGraphError
-from ..options import KV_CACHE_DTYPES
+from ..options import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
                         '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}')
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", default="auto", choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES),
                    help="KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 "
-                        "power-of-two scale per token, KV head and 128 elements)")
+                        "power-of-two scale per token, KV head and 128 elements); vLLM's fp8 and "
+                        "bfloat16 name the same")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition a MoE model's routed experts over the tensor-parallel ranks instead of "
                         "slicing every expert")
@@ -83,7 +84,7 @@ def llm_options(args: argparse.Namespace) -> dict:
         worker_host=args.worker_host,
     )
     if args.kv_cache_dtype != "auto":
-        options["kv_cache_dtype"] = args.kv_cache_dtype
+        options["kv_cache_dtype"] = KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
     if args.enable_expert_parallel:
         options["enable_expert_parallel"] = True
     if args.enforce_eager and args.backend not in (None, "eager"):

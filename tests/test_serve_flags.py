@@ -30,7 +30,7 @@ def options_of(*flags: str) -> dict:
 
 def test_defaults_add_no_engine_options():
     options = options_of()
-    for key in ("kv_cache_dtype", "enable_expert_parallel", "backend", "compile_cache_dir"):
+    for key in ("kv_cache_dtype", "enable_expert_parallel", "backend", "compile_cache_dir", "kv_cache_bytes_per_rank"):
         assert key not in options, key
 
 
@@ -44,9 +44,13 @@ def test_each_flag_becomes_its_compile_option(tmp_path):
     assert options_of("--backend", "inductor")["backend"] == "inductor"
     assert options_of("--enforce-eager", "--backend", "eager")["backend"] == "eager"
     assert options_of("--compile-cache-dir", str(tmp_path))["compile_cache_dir"] == str(tmp_path)
+    assert options_of("--kv-cache-memory-bytes", "1048576")["kv_cache_bytes_per_rank"] == 1 << 20
 
 
-def test_contradicting_or_unknown_flags_are_refused_before_any_work(capsys):
+def test_contradicting_or_unknown_flags_are_refused_before_any_work(capsys, checkpoints):
+    with pytest.raises(ConfigError, match=r"give at most one of \['num_blocks', 'kv_cache_tokens', 'kv_cache_bytes_per_rank'\]"):
+        LLM(model=checkpoints["qwen3"], **options_of(*SMALL, "--num-gpu-blocks-override", "64",
+                                                     "--kv-cache-memory-bytes", "1048576"))
     with pytest.raises(ConfigError, match=r"--enforce-eager runs the 'eager' backend; it contradicts --backend inductor"):
         options_of("--enforce-eager", "--backend", "inductor")
     for flags in (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "int8"], ["--backend", "tvm"]):
@@ -59,7 +63,7 @@ def test_metrics_carry_the_cache_config_vllm_names():
     config = EngineConfig(model="/m", dtype="bfloat16", tensor_parallel_size=2, decode_context_parallel_size=2,
                           cp_kv_cache_interleave_size=4, block_size=16, enable_prefix_caching=True,
                           engine_options={"kv_cache_dtype": "fp8_e4m3", "num_blocks": 512, "backend": "eager"})
-    text = Metrics("tiny", cache_config_info(config)).render(
+    text = Metrics("tiny", cache_config_info(config, 512)).render(
         {"running": 0, "waiting": 0, "kv_usage": [0.0, 0.0]})
     line = next(line for line in text.splitlines() if line.startswith("dcpgraph:cache_config_info{"))
     labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
@@ -67,8 +71,8 @@ def test_metrics_carry_the_cache_config_vllm_names():
     assert labels == {"model_name": "tiny", "block_size": "16", "cache_dtype": "fp8_e4m3",
                       "enable_prefix_caching": "True", "num_gpu_blocks": "512", "tensor_parallel_size": "2",
                       "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager"}
-    default = cache_config_info(EngineConfig(model="/m", dtype="float32"))
-    assert (default["cache_dtype"], default["num_gpu_blocks"], default["backend"]) == ("auto", "auto", "auto")
+    default = cache_config_info(EngineConfig(model="/m", dtype="float32"), 96)
+    assert (default["cache_dtype"], default["num_gpu_blocks"], default["backend"]) == ("auto", "96", "auto")
 
 
 def test_the_offline_llm_built_from_the_flags_has_an_fp8_cache(checkpoints):
@@ -95,13 +99,15 @@ def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offlin
     prompt = [72, 105, 33, 7, 64]
     offline = LLM(model=path, **options_of(*SMALL, *flags))
     try:
+        blocks = offline.num_kv_blocks()
         want = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
     finally:
         offline.shutdown()
     with running_server(path, *SMALL, *flags, log_path=str(tmp_path / "serve.log")) as server:
         text = httpx.get(server.url + "/metrics", timeout=10).text
         info = re.search(r"^dcpgraph:cache_config_info\{([^}]*)\} 1$", text, re.M)
-        assert info and dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))["cache_dtype"] == "fp8_e4m3"
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
+        assert (labels.get("cache_dtype"), labels.get("num_gpu_blocks")) == ("fp8_e4m3", str(blocks))
         body = {"model": path, "prompt": prompt, "max_tokens": 8, "temperature": 0}
         got = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert (got["text"], got["finish_reason"]) == (want.text, want.finish_reason)

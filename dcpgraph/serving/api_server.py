@@ -86,7 +86,7 @@ def _sse(data: dict | str) -> str:
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               kv_agent=None) -> FastAPI:
     """``kv_agent``: this instance's P/D side (:class:`~.kv_connector.agent.KVAgent`), if any."""
-    metrics = Metrics(served_model_name, cache_config_info(llm.config))
+    metrics = Metrics(served_model_name, cache_config_info(llm.config, llm.num_kv_blocks()))
     engine_loop = EngineLoop(llm, metrics, kv_agent)
 
     @contextlib.asynccontextmanager

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes per rank, scales included (instead of --num-gpu-blocks-override)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
                         '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}')
@@ -97,6 +99,8 @@ def llm_options(args: argparse.Namespace) -> dict:
         options["speculative_config"] = args.speculative_config
     if args.num_gpu_blocks_override is not None:
         options["num_blocks"] = args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes is not None:
+        options["kv_cache_bytes_per_rank"] = args.kv_cache_memory_bytes
     return options
 
 

@@ -201,6 +201,12 @@ class LLM:
         used, total = kv_blocks_in_use(self.engine)
         return [used / total] * self.config.tensor_parallel_size
 
+    def num_kv_blocks(self) -> int:
+        """KV blocks per rank, as allocated (the same on every rank)."""
+        if isinstance(self.engine, RemoteEngine):
+            return int(self.engine.kv_usage_per_rank()[0][1])
+        return int(kv_blocks_in_use(self.engine)[1])
+
     def shutdown(self) -> None:
         """Stop the worker processes (if any). The LLM cannot generate afterwards."""
         if isinstance(self.engine, RemoteEngine):

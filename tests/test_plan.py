@@ -166,6 +166,16 @@ def test_cli_table_and_json(capsys):
     assert data["rows"][data["recommended"]]["dcp"] > 1
 
 
+def test_cli_takes_vllms_fp8_spelling(capsys):
+    argv = ["plan", "kimi-k2", "--world-size", "8", "--hardware", "h200", "--kv-cache-memory-bytes",
+            str(KIMI_BUDGET), "--block-size", "64", "--max-model-len", "131072", "--json", "--kv-cache-dtype"]
+    tables = []
+    for spelling in ("fp8", "fp8_e4m3", "auto"):
+        assert dcpgraph_main(argv + [spelling]) == 0
+        tables.append(json.loads(capsys.readouterr().out)["rows"])
+    assert tables[0] == tables[1] != tables[2]
+
+
 def test_cli_errors_are_specific(capsys):
     assert dcpgraph_main(["plan", "no-such-model", "--world-size", "8", "--kv-cache-memory-bytes", "1",
                           "--max-model-len", "8"]) == 2

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
+from ..options import KV_CACHE_DTYPE_ALIASES
 from .architectures import ARCHITECTURES
 from .hardware import HARDWARE_NAMES
 from .model_shape import KV_CACHE_DTYPES
@@ -30,14 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--gpu-memory-utilization", type=float,
                         help="fraction of device memory for weights + KV")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES),
+                   help="vLLM's fp8 and bfloat16 name fp8_e4m3 and bf16")
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--context-len", type=int, default=None, help="workload context (default max-model-len)")
     p.add_argument("--concurrency", type=int, default=None, help="requests decoding at once (default: all that fit)")
     p.add_argument("--weight-dtype-bytes", type=float, default=None,
                    help="bytes per weight: 2 bf16, 1 fp8, 0.5 int4 (default: the model's dtype)")
     p.add_argument("--experts", default="sharded", choices=["sharded", "replicated"],
-                   help="routed experts split over tp (vLLM/SGLang) or replicated (dcpgraph's compiler today)")
+                   help="routed experts split over tp (tensor or expert parallel, as dcpgraph, vLLM and SGLang "
+                        "compile them) or replicated on every rank (for comparison)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(args.model, world_size=args.world_size, hardware=args.hardware,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                      kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                      kv_cache_dtype=KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype), max_model_len=args.max_model_len,
                       context_len=args.context_len, concurrency=args.concurrency,
                       weight_dtype_bytes=args.weight_dtype_bytes, experts=args.experts)
     except (ConfigError, ValueError) as err:

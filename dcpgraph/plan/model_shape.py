@@ -16,9 +16,9 @@ Weights per rank (:meth:`ModelShape.weight_params_per_rank`), the sharding assum
   LM head (vocab-parallel, rounded up);
 * replicated on every rank: norms, MLA's down projections ``q_a_proj`` / ``kv_a_proj_with_mqa``,
   the MoE router;
-* routed experts: ``experts="sharded"`` splits them by ``tp`` (expert or tensor parallel; what
-  vLLM and SGLang do), ``experts="replicated"`` keeps all of them on every rank (what dcpgraph's
-  ``shard_tp`` compiles today).
+* routed experts: ``experts="sharded"`` splits them by ``tp`` (expert or tensor parallel: what
+  vLLM, SGLang and dcpgraph's compiler do, ``enable_expert_parallel`` choosing which),
+  ``experts="replicated"`` keeps all of them on every rank (for comparison).
 """
 
 from __future__ import annotations

@@ -96,7 +96,17 @@ def checkpoints(tmp_path_factory):
         "deepseek_v2": save_tiny_checkpoint(root / "dsv2", "deepseek_v2", dtype=torch.float64),
         "deepseek_v3-sharded": save_tiny_checkpoint(root / "dsv3", "deepseek_v3", dtype=torch.float64,
                                                     max_shard_size="40KB"),
+        # Gemma's embedding module keeps a non-persistent ``embed_scale`` (√hidden) beside its
+        # weight: computed from the config at load time, the weight never allocated for it.
+        **{name: _save_sliding(root / name, name) for name in ("gemma2", "gemma3_text")},
     }
+
+
+def _save_sliding(path, name: str) -> str:
+    from sliding_models import build
+
+    build(name).save_pretrained(path)
+    return str(path)
 
 
 def _hf_tokens(path: str) -> list[int]:
@@ -111,6 +121,9 @@ def _hf_tokens(path: str) -> list[int]:
     ("deepseek_v2", 2, 2, {}),
     ("deepseek_v3-sharded", 2, 2, {}),
     ("deepseek_v3-sharded", 2, 1, {"enable_expert_parallel": True}),
+    ("gemma2", 1, 1, {}),
+    ("gemma3_text", 2, 2, {}),
+    ("gemma3_text", 1, 1, {"hybrid_kv_cache": True}),
 ])
 def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options):
     path = checkpoints[name]

@@ -30,7 +30,8 @@ def options_of(*flags: str) -> dict:
 
 def test_defaults_add_no_engine_options():
     options = options_of()
-    for key in ("kv_cache_dtype", "enable_expert_parallel", "backend", "compile_cache_dir", "kv_cache_bytes_per_rank"):
+    for key in ("kv_cache_dtype", "enable_expert_parallel", "hybrid_kv_cache", "backend", "compile_cache_dir",
+                "kv_cache_bytes_per_rank"):
         assert key not in options, key
 
 
@@ -40,6 +41,7 @@ def test_each_flag_becomes_its_compile_option(tmp_path):
     assert options_of("--kv-cache-dtype", "fp8")["kv_cache_dtype"] == "fp8_e4m3"  # vLLM's alias
     assert options_of("--kv-cache-dtype", "bfloat16")["kv_cache_dtype"] == "bf16"
     assert options_of("--enable-expert-parallel")["enable_expert_parallel"] is True
+    assert options_of("--hybrid-kv-cache")["hybrid_kv_cache"] is True
     assert options_of("--enforce-eager")["backend"] == "eager"
     assert options_of("--backend", "inductor")["backend"] == "inductor"
     assert options_of("--enforce-eager", "--backend", "eager")["backend"] == "eager"

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition a MoE model's routed experts over the tensor-parallel ranks instead of "
                         "slicing every expert")
+    p.add_argument("--hybrid-kv-cache", action="store_true",
+                   help="sliding-window layers get their own block table and a pool sized for their window "
+                        "(Gemma-2/3, GPT-OSS, Qwen3 hybrids: more requests in the same memory); not with "
+                        "--enable-prefix-caching")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the program eagerly: nothing is compiled at start-up (the 'eager' backend)")
     p.add_argument("--backend", default=None, choices=available_backends(),
@@ -89,6 +93,8 @@ def llm_options(args: argparse.Namespace) -> dict:
         options["kv_cache_dtype"] = KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
     if args.enable_expert_parallel:
         options["enable_expert_parallel"] = True
+    if args.hybrid_kv_cache:
+        options["hybrid_kv_cache"] = True
     if args.enforce_eager and args.backend not in (None, "eager"):
         raise ConfigError(f"--enforce-eager runs the 'eager' backend; it contradicts --backend {args.backend}")
     if args.enforce_eager or args.backend is not None:

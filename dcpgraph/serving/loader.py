@@ -54,18 +54,25 @@ def _tied(model) -> dict[str, str]:
 
 
 def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]:
-    """Buffers the checkpoint does not store (rotary frequencies), computed on the CPU the way
-    ``from_pretrained`` does: the owning module's storage made real, then ``_init_weights``."""
+    """Buffers the checkpoint does not store (rotary frequencies, Gemma's embedding scale),
+    computed on the CPU the way ``from_pretrained`` does: the missing buffers made real, then the
+    owning module's ``_init_weights``. The module's parameters stay on the meta device (an
+    embedding table is never allocated for this), so whatever ``_init_weights`` does to them is
+    a no-op; an initialiser that fails on that (one that would read a parameter's values) is
+    refused, naming the buffers."""
     out: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         missing = [b for b, v in module.named_buffers(recurse=False)
                    if v is not None and f"{module_name}.{b}".lstrip(".") not in files]
         if not missing:
             continue
-        if any(True for _ in module.parameters(recurse=False)):
-            raise ConfigError(f"{files.path}: buffers {missing} of {module_name} are not in the checkpoint")
-        module.to_empty(device="cpu", recurse=False)
-        model._init_weights(module)
+        for b in missing:
+            module._buffers[b] = torch.empty_like(module._buffers[b], device="cpu")
+        try:
+            model._init_weights(module)
+        except (RuntimeError, NotImplementedError) as err:
+            raise ConfigError(f"{files.path}: buffers {missing} of {module_name} are not in the checkpoint and "
+                              f"cannot be computed from the config ({type(err).__name__}: {err})") from None
         for b in missing:
             out[f"{module_name}.{b}".lstrip(".")] = getattr(module, b).detach().clone()
     return out

@@ -98,7 +98,7 @@ def checkpoints(tmp_path_factory):
                                                     max_shard_size="40KB"),
         # Gemma's embedding module keeps a non-persistent ``embed_scale`` (√hidden) beside its
         # weight: computed from the config at load time, the weight never allocated for it.
-        **{name: _save_sliding(root / name, name) for name in ("gemma2", "gemma3_text")},
+        **{name: _save_sliding(root / name, name) for name in ("gemma2", "gemma3_text", "gpt_oss")},
     }
 
 
@@ -110,7 +110,10 @@ def _save_sliding(path, name: str) -> str:
 
 
 def _hf_tokens(path: str) -> list[int]:
-    return hf_greedy(load_model(path, "float64"), PROMPT, NEW_TOKENS)
+    model = load_model(path, "float64")
+    if getattr(model.config, "_experts_implementation", None) is not None:
+        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    return hf_greedy(model, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name,tp,dcp,options", [
@@ -124,6 +127,10 @@ def _hf_tokens(path: str) -> list[int]:
     ("gemma2", 1, 1, {}),
     ("gemma3_text", 2, 2, {}),
     ("gemma3_text", 1, 1, {"hybrid_kv_cache": True}),
+    # GPT-OSS's config plans only its embedding: attention is sharded by head (and its sinks with
+    # them) by dcpgraph's default, experts replicated or, with expert parallelism, partitioned.
+    ("gpt_oss", 2, 2, {}),
+    ("gpt_oss", 2, 2, {"enable_expert_parallel": True}),
 ])
 def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options):
     path = checkpoints[name]
@@ -132,6 +139,22 @@ def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options
                if t.dim() > 1), "weights must not be materialised before a rank reads its slices"
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, executor="emulated", **options)
     assert engine.generate([PROMPT], NEW_TOKENS)[0] == _hf_tokens(path)
+
+
+def test_unplanned_attention_is_sharded_by_head_only_where_the_config_is_silent(checkpoints):
+    from dcpgraph.frontends.hf import tp_plan
+
+    plans = {name: tp_plan(load_model(checkpoints[name], "float64")) for name in ("gpt_oss", "qwen3", "deepseek_v2")}
+    attention = {k: v for k, v in plans["gpt_oss"].items() if ".self_attn." in k}
+    assert attention == {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                         "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                         "model.layers.*.self_attn.sinks": "colwise"}
+    import transformers as tf
+
+    for name in ("qwen3", "deepseek_v2"):  # the config's own attention plan, untouched
+        config = tf.AutoConfig.from_pretrained(checkpoints[name])
+        own = {f"model.{k}": v for k, v in config.base_model_tp_plan.items() if ".self_attn." in k}
+        assert {k: v for k, v in plans[name].items() if ".self_attn." in k} == own
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3-sharded"])

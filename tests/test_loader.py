@@ -99,7 +99,26 @@ def checkpoints(tmp_path_factory):
         # Gemma's embedding module keeps a non-persistent ``embed_scale`` (√hidden) beside its
         # weight: computed from the config at load time, the weight never allocated for it.
         **{name: _save_sliding(root / name, name) for name in ("gemma2", "gemma3_text", "gpt_oss")},
+        # transformers writes Mixtral's legacy names (block_sparse_moe, experts.{e}.w1/w2/w3)
+        "mixtral": _save_hf(root / "mixtral", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
     }
+
+
+def _save_hf(path, config_name: str, **overrides) -> str:
+    import transformers as tf
+
+    config = getattr(tf, config_name)(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, **overrides)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
 
 
 def _save_sliding(path, name: str) -> str:
@@ -131,6 +150,8 @@ def _hf_tokens(path: str) -> list[int]:
     # them) by dcpgraph's default, experts replicated or, with expert parallelism, partitioned.
     ("gpt_oss", 2, 2, {}),
     ("gpt_oss", 2, 2, {"enable_expert_parallel": True}),
+    ("mixtral", 2, 2, {}),
+    ("mixtral", 2, 1, {"enable_expert_parallel": True}),
 ])
 def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options):
     path = checkpoints[name]
@@ -139,6 +160,26 @@ def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options
                if t.dim() > 1), "weights must not be materialised before a rank reads its slices"
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, executor="emulated", **options)
     assert engine.generate([PROMPT], NEW_TOKENS)[0] == _hf_tokens(path)
+
+
+def test_checkpoint_names_follow_transformers_conversion_mapping(checkpoints):
+    from dcpgraph.serving.checkpoint_names import CheckpointNames
+    from dcpgraph.serving.tensor_sources import SafetensorsFiles
+
+    files = SafetensorsFiles(checkpoints["mixtral"], ("model.safetensors",))
+    names = CheckpointNames.for_model_type("mixtral")
+    gate = names.source("model.layers.1.mlp.gate.weight", (4, 64), files)
+    assert gate.describe() == "model.layers.1.block_sparse_moe.gate.weight"
+    gate_up = names.source("model.layers.1.mlp.experts.gate_up_proj", (4, 192, 64), files)
+    assert [[q.name for q in e.parts] for e in gate_up.parts] == [
+        [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3")] for e in range(4)]
+    full = load_file(os.path.join(checkpoints["mixtral"], "model.safetensors"))
+    want = torch.stack([torch.cat([full[f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"]
+                                   for w in ("w1", "w3")]) for e in range(4)])
+    assert torch.equal(gate_up.read(None), want)
+    assert names.source("model.layers.1.mlp.experts.gate_up_proj", (5, 192, 64), files) is None  # a 5th expert
+    default = CheckpointNames.for_model_type(None)  # no mapping: the per-expert names most checkpoints use
+    assert [m.target for m in default.merges] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def test_unplanned_attention_is_sharded_by_head_only_where_the_config_is_silent(checkpoints):

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..program import STATE_KINDS, Program
+from .checkpoint_names import CheckpointNames
 from .tensor_sources import (
     AbsorbedMLA,
     Concatenated,
@@ -32,8 +33,6 @@ from .tensor_sources import (
     Stored,
     read_local,
 )
-
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<param>gate_up_proj|down_proj)$")
 
 
 def meta_model(path: str, dtype: torch.dtype | None):
@@ -78,25 +77,12 @@ def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]
     return out
 
 
-def _fused_expert_source(name: str, shape: tuple[int, ...], files: SafetensorsFiles):
-    match = _FUSED_EXPERTS.match(name)
-    if match is None:
-        return None
-    prefix, param = match["prefix"], match["param"]
-    experts = shape[0]
-    parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
-    wanted = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(experts)]
-    if not all(n in files for names in wanted for n in names):
-        return None
-    stored = [[Stored(files, n) for n in names] for names in wanted]
-    return Stacked(tuple(Concatenated(tuple(s), 0) if len(s) > 1 else s[0] for s in stored))
-
-
 def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
     """A source for every parameter and buffer of ``model`` (by its name); raises ConfigError for
     missing, unexpected or mismatched checkpoint tensors, naming them all."""
     tied = _tied(model)
     computed = _computed_buffers(model, files)
+    names = CheckpointNames.for_model_type(getattr(model.config, "model_type", None))
     sources: dict[str, object] = {}
     missing: list[str] = []
     expected = [(n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
@@ -109,11 +95,11 @@ def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
         elif name in tied and tied[name] in files:
             sources[name] = Stored(files, tied[name])
         else:
-            fused = _fused_expert_source(name, shape, files)
-            if fused is None:
+            stored = names.source(name, shape, files)  # renamed, or per-expert tensors merged
+            if stored is None:
                 missing.append(name)
             else:
-                sources[name] = fused
+                sources[name] = stored
     if missing:
         raise ConfigError(f"{files.path}: the checkpoint has no tensor for {missing} (and no per-expert or tied "
                           f"tensors they are built from); it holds {len(files.names())} tensors")

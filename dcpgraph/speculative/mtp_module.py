@@ -169,7 +169,7 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
 
     from ..errors import ConfigError
     from ..serving.checkpoint_files import weight_files
-    from ..serving.loader import _fused_expert_source
+    from ..serving.checkpoint_names import CheckpointNames
     from ..serving.tensor_sources import InMemory, SafetensorsFiles, Stored
 
     config = tf.AutoConfig.from_pretrained(path)
@@ -182,6 +182,7 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
     rotary = _classes().DeepseekV3RotaryEmbedding(config=config)  # buffers computed on the CPU
     computed = {f"model.rotary_emb.{n}": b for n, b in rotary.named_buffers()}
     sources, missing = {}, []
+    names = CheckpointNames.for_model_type(getattr(config, "model_type", None))
     for name, value in [*module.named_parameters(), *module.named_buffers()]:
         stored = aliases.get(name, name)
         if stored in files:
@@ -189,7 +190,7 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
         elif name in computed:
             sources[name] = InMemory(computed[name], f"{name} (computed from the config)")
         else:
-            fused = _fused_expert_source(name, tuple(value.shape), files)
+            fused = names.source(name, tuple(value.shape), files)  # per-expert tensors merged
             if fused is None:
                 missing.append(stored)
             else:

@@ -31,7 +31,7 @@ from dcpgraph.serving.tensor_sources import (
     Stored,
     read_local,
 )
-from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+from dcpgraph.testing.checkpoints import quantize_checkpoint_fp8, save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -160,6 +160,75 @@ def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options
                if t.dim() > 1), "weights must not be materialised before a rank reads its slices"
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, executor="emulated", **options)
     assert engine.generate([PROMPT], NEW_TOKENS)[0] == _hf_tokens(path)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A DeepSeek-V3 tiny checkpoint in fp8 (16 x 16 tiles, partial ones at 24- and 40-wide
+    edges) and, beside it, the same model with those weights dequantized by hand, tile by tile."""
+    root = tmp_path_factory.mktemp("fp8")
+    quantized_dir = save_tiny_checkpoint(root / "fp8", "deepseek_v3", dtype=torch.float64, mtp_weights=True)
+    names = quantize_checkpoint_fp8(quantized_dir, (16, 16))
+    reference_dir = save_tiny_checkpoint(root / "dequantized", "deepseek_v3", dtype=torch.float64, mtp_weights=True)
+    stored = load_file(os.path.join(quantized_dir, "model.safetensors"))
+    plain = load_file(os.path.join(reference_dir, "model.safetensors"))
+    for name in names:
+        q, scale = stored[name].to(torch.float32), stored[name + "_scale_inv"]
+        w = torch.empty_like(q)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                w[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] = q[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] * scale[i, j]
+        plain[name] = w.to(torch.float64)
+    mtp = f"model.layers.{json.load(open(os.path.join(quantized_dir, 'config.json')))['num_hidden_layers']}."
+    save_file({n: t for n, t in plain.items() if not n.startswith(mtp)},  # HF's model has no MTP layer
+              os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
+    return quantized_dir, reference_dir, names, plain
+
+
+@pytest.mark.parametrize("tp,dcp,options", [(1, 1, {}), (2, 2, {}), (2, 1, {"enable_expert_parallel": True})])
+def test_an_fp8_block_quantized_checkpoint_runs_its_dequantized_weights(fp8_checkpoint, tp, dcp, options):
+    quantized_dir, reference_dir, names, _ = fp8_checkpoint
+    assert any(".experts." in n for n in names) and any("kv_a_proj_with_mqa" in n for n in names)
+    program = load_program(quantized_dir, "float64")
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, executor="emulated", **options)
+    assert engine.generate([PROMPT], NEW_TOKENS)[0] == _hf_tokens(reference_dir)
+
+
+def test_fp8_slices_read_only_their_tiles_and_equal_the_whole(fp8_checkpoint):
+    from dcpgraph.serving.loader import open_checkpoint
+
+    quantized_dir, _, _, want = fp8_checkpoint
+    sources = open_checkpoint(quantized_dir, "float64")[1]
+    for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.o_proj.weight"):
+        source, full = sources[name], want[name]
+        assert torch.equal(source.read(None).double(), full)
+        for dim in (0, 1):  # slices starting inside a tile and ending inside another
+            n = full.shape[dim]
+            for start, stop in ((0, n // 2), (n // 2, n), (5, n - 3)):
+                assert torch.equal(source.read(dim, start, stop).double(), full.narrow(dim, start, stop - start))
+
+
+def test_fp8_mtp_layer_weights_are_dequantized_too(fp8_checkpoint):
+    from dcpgraph.speculative.mtp_module import _checkpoint_module
+
+    quantized_dir, _, names, want = fp8_checkpoint
+    _, _, sources = _checkpoint_module(quantized_dir, torch.float64, 0, "mla", "meta")
+    layer = f"model.layers.{json.load(open(os.path.join(quantized_dir, 'config.json')))['num_hidden_layers']}."
+    checked = [n for n in names if n.startswith(layer) and n in sources]
+    assert checked, "the MTP layer has quantized weights"
+    for name in checked:
+        assert torch.equal(sources[name].read(None).double(), want[name]), name
+
+
+def test_other_quantizations_are_refused_by_name(tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "awq", "qwen3")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ConfigError, match=r"quant_method: 'awq'.* is not supported; dcpgraph reads unquantized"):
+        check_checkpoint(path, "float32")
 
 
 def test_checkpoint_names_follow_transformers_conversion_mapping(checkpoints):

@@ -24,8 +24,10 @@ import torch
 from ..errors import ConfigError
 from ..program import STATE_KINDS, Program
 from .checkpoint_names import CheckpointNames
+from .checkpoint_quantization import dequantized, fp8_block_size
 from .tensor_sources import (
     AbsorbedMLA,
+    BlockDequantized,
     Concatenated,
     InMemory,
     SafetensorsFiles,
@@ -80,6 +82,7 @@ def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]
 def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
     """A source for every parameter and buffer of ``model`` (by its name); raises ConfigError for
     missing, unexpected or mismatched checkpoint tensors, naming them all."""
+    block = fp8_block_size(model.config, files.path)  # refuses other quantizations before any lookup
     tied = _tied(model)
     computed = _computed_buffers(model, files)
     names = CheckpointNames.for_model_type(getattr(model.config, "model_type", None))
@@ -103,6 +106,8 @@ def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
     if missing:
         raise ConfigError(f"{files.path}: the checkpoint has no tensor for {missing} (and no per-expert or tied "
                           f"tensors they are built from); it holds {len(files.names())} tensors")
+    if block is not None:
+        sources = {name: dequantized(source, files, block) for name, source in sources.items()}
     mismatched = [f"{name}: checkpoint {sources[name].describe()} {tuple(sources[name].shape)}, model {shape}"
                   for name, shape in expected if tuple(sources[name].shape) != shape]
     if mismatched:
@@ -132,6 +137,8 @@ def _stored_names(source) -> list[str]:
         return [n for p in source.parts for n in _stored_names(p)]
     if isinstance(source, AbsorbedMLA):
         return _stored_names(source.up)
+    if isinstance(source, BlockDequantized):
+        return [*_stored_names(source.weight), *_stored_names(source.scale)]
     return []
 
 

@@ -8,7 +8,8 @@ stored bytes that slice needs:
 - :class:`Stacked` / :class:`Concatenated`: ``torch.stack`` / ``torch.cat`` of other sources
   (fused MoE experts from a checkpoint that stores one tensor per expert);
 - :class:`AbsorbedMLA`: ``W_UK`` / ``W_UV^T`` of an MLA up-projection, read by whole heads;
-- :class:`InMemory`: a small tensor computed from the config (rotary frequencies).
+- :class:`InMemory`: a small tensor computed from the config (rotary frequencies);
+- :class:`BlockDequantized`: an fp8 weight times its per-tile scales (block-quantized checkpoints).
 
 :func:`read_local` is :meth:`dcpgraph.program.ShardRule.local` on a source: rank ``r``'s shard
 under a shard rule, built from one slice per contiguous run (``packed`` rules read one per half).
@@ -172,6 +173,39 @@ class AbsorbedMLA:
 
     def describe(self) -> str:
         return f"{self.op}({self.up.describe()})"
+
+
+@dataclass(frozen=True)
+class BlockDequantized:
+    """``weight · scale`` of a 2-D fp8 weight stored with one fp32 scale per ``block = (rows,
+    cols)`` tile (DeepSeek-V3's format: ``<name>_scale_inv``, ``quant_method: fp8``,
+    ``weight_block_size``): element ``(i, j)`` is ``float(weight[i, j]) * scale[i // rows, j //
+    cols]``, computed in fp32 (the loader casts to the model's dtype). A slice reads the weight
+    rows or columns it covers and the scale tiles over them."""
+
+    weight: object
+    scale: object
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def read(self, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        values = self.weight.read(dim, start, stop).to(torch.float32)
+        rows, cols = self.block
+        offset = [0, 0]
+        if dim is None:
+            scale = self.scale.read(None)
+        else:
+            step = self.block[dim]
+            scale = self.scale.read(dim, start // step, -(-stop // step))
+            offset[dim] = start % step
+        tiles = scale.to(torch.float32).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        return values * tiles[offset[0]:offset[0] + values.shape[0], offset[1]:offset[1] + values.shape[1]]
+
+    def describe(self) -> str:
+        return f"{self.weight.describe()} x {self.scale.describe()}"
 
 
 def read_local(source, rule: ShardRule, rank: int, tp: int) -> torch.Tensor:

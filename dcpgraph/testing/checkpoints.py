@@ -184,3 +184,42 @@ def make_mtp_predictable(path: str, eps: float, hidden_part: float = 0.0, mtp_at
         if name.endswith("shared_head.head.weight"):
             weights[name] = weights["lm_head.weight"].clone()
     save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
+def quantize_checkpoint_fp8(path: str, block: tuple[int, int] = (128, 128)) -> list[str]:
+    """Rewrite the single-file checkpoint at ``path`` in DeepSeek-V3's fp8 format: every 2-D
+    attention and MLP projection weight (not norms, not the MoE router, not the embedding or LM
+    head) becomes ``float8_e4m3fn`` with ``<name>_scale_inv``, one fp32 scale ``amax / 448`` per
+    ``block`` tile (partial tiles at the edges), and config.json gains the matching
+    ``quantization_config``. Returns the quantized names."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    rows, cols = block
+    quantized = []
+    for name in sorted(tensors):
+        value = tensors[name]
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if not (value.dim() == 2 and "proj" in module and (".self_attn." in name or ".mlp." in name)):
+            continue
+        w = value.to(torch.float32)
+        scale = torch.empty(-(-w.shape[0] // rows), -(-w.shape[1] // cols))
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                tile = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+                s = max(float(tile.abs().max()) / 448.0, 1e-12)
+                scale[i, j] = s
+                q[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = (tile / s).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+        quantized.append(name)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [rows, cols]}
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    return quantized

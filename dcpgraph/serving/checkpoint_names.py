@@ -79,13 +79,15 @@ class CheckpointNames:
 def _conversion_mapping(model_type: str | None) -> list:
     if not model_type:
         return []
+    # An optional transformers API (5.x): where it is absent or answers otherwise for this model
+    # type, the defaults below stand, and any tensor only a mapping would name is reported missing.
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:  # a transformers without conversion mappings: the defaults only
+    except ImportError:
         return []
     try:
         return list(get_checkpoint_conversion_mapping(model_type) or [])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, TypeError, AttributeError):
         return []
 
 

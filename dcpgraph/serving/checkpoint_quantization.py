@@ -1,6 +1,6 @@
 """Quantized checkpoints: which ones the loader reads, and the sources that dequantize them.
 
-Supported: fp8 block quantization as DeepSeek-V3/V3.2, GLM-4.5-FP8 and Qwen3-FP8 ship it
+Supported: fp8 block quantization as DeepSeek-V3/V3.2 and Qwen3's FP8 checkpoints ship it
 (``quantization_config = {"quant_method": "fp8", "weight_block_size": [r, c], ...}``): every
 quantized linear weight ``<name>`` is ``float8_e4m3fn`` with an fp32 ``<name>_scale_inv`` of one
 scale per ``r × c`` tile. Each such weight becomes a :class:`~.tensor_sources.BlockDequantized`

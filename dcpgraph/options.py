@@ -24,6 +24,12 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model
 # vLLM's other spellings of the same caches (its "fp8" is e4m3 on CUDA), taken as the names above.
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
 
+
+def canonical_kv_cache_dtype(name: Any) -> Any:
+    """``name`` with vLLM's aliases replaced by dcpgraph's names; anything else unchanged (the
+    callers validate it)."""
+    return KV_CACHE_DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
     "interleave": (1, 1),
@@ -79,9 +85,7 @@ def compile_options(**given: Any) -> dict[str, Any]:
     kv_allocation = given.get("kv_allocation", "on_demand")
     if kv_allocation not in KV_ALLOCATIONS:
         raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {kv_allocation!r}")
-    kv_cache_dtype = given.get("kv_cache_dtype", "auto")
-    if isinstance(kv_cache_dtype, str):
-        kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    kv_cache_dtype = canonical_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or vLLM's "
                           f"{sorted(KV_CACHE_DTYPE_ALIASES)} for the same caches), got {kv_cache_dtype!r}")

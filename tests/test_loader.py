@@ -162,6 +162,11 @@ def test_sharded_loading_generates_hf_tokens(checkpoints, name, tp, dcp, options
     assert engine.generate([PROMPT], NEW_TOKENS)[0] == _hf_tokens(path)
 
 
+def _num_hidden_layers(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["num_hidden_layers"]
+
+
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """A DeepSeek-V3 tiny checkpoint in fp8 (16 x 16 tiles, partial ones at 24- and 40-wide
@@ -179,7 +184,7 @@ def fp8_checkpoint(tmp_path_factory):
             for j in range(scale.shape[1]):
                 w[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] = q[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] * scale[i, j]
         plain[name] = w.to(torch.float64)
-    mtp = f"model.layers.{json.load(open(os.path.join(quantized_dir, 'config.json')))['num_hidden_layers']}."
+    mtp = f"model.layers.{_num_hidden_layers(quantized_dir)}."
     save_file({n: t for n, t in plain.items() if not n.startswith(mtp)},  # HF's model has no MTP layer
               os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
     return quantized_dir, reference_dir, names, plain
@@ -213,7 +218,7 @@ def test_fp8_mtp_layer_weights_are_dequantized_too(fp8_checkpoint):
 
     quantized_dir, _, names, want = fp8_checkpoint
     _, _, sources = _checkpoint_module(quantized_dir, torch.float64, 0, "mla", "meta")
-    layer = f"model.layers.{json.load(open(os.path.join(quantized_dir, 'config.json')))['num_hidden_layers']}."
+    layer = f"model.layers.{_num_hidden_layers(quantized_dir)}."
     checked = [n for n in names if n.startswith(layer) and n in sources]
     assert checked, "the MTP layer has quantized weights"
     for name in checked:

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from ..options import KV_CACHE_DTYPE_ALIASES
+from ..options import KV_CACHE_DTYPE_ALIASES, canonical_kv_cache_dtype
 from .architectures import ARCHITECTURES
 from .hardware import HARDWARE_NAMES
 from .model_shape import KV_CACHE_DTYPES
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(args.model, world_size=args.world_size, hardware=args.hardware,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                      kv_cache_dtype=KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype), max_model_len=args.max_model_len,
+                      kv_cache_dtype=canonical_kv_cache_dtype(args.kv_cache_dtype), max_model_len=args.max_model_len,
                       context_len=args.context_len, concurrency=args.concurrency,
                       weight_dtype_bytes=args.weight_dtype_bytes, experts=args.experts)
     except (ConfigError, ValueError) as err:

@@ -51,3 +51,12 @@ def dequantized(source, files: SafetensorsFiles, block: tuple[int, int]):
     if isinstance(source, AbsorbedMLA):
         return replace(source, up=dequantized(source.up, files, block))
     return source
+
+
+def dequantized_sources(sources: dict[str, object], files: SafetensorsFiles,
+                        block: tuple[int, int] | None) -> dict[str, object]:
+    """Every source of ``sources`` :func:`dequantized` (unchanged when ``block`` is None: an
+    unquantized checkpoint)."""
+    if block is None:
+        return sources
+    return {name: dequantized(source, files, block) for name, source in sources.items()}

@@ -14,7 +14,7 @@ import sys
 
 from ..backends.registry import available_backends
 from ..errors import ConfigError, DcpGraphError
-from ..options import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
+from ..options import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +90,7 @@ def llm_options(args: argparse.Namespace) -> dict:
         worker_host=args.worker_host,
     )
     if args.kv_cache_dtype != "auto":
-        options["kv_cache_dtype"] = KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
+        options["kv_cache_dtype"] = canonical_kv_cache_dtype(args.kv_cache_dtype)
     if args.enable_expert_parallel:
         options["enable_expert_parallel"] = True
     if args.hybrid_kv_cache:

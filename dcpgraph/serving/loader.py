@@ -24,7 +24,7 @@ import torch
 from ..errors import ConfigError
 from ..program import STATE_KINDS, Program
 from .checkpoint_names import CheckpointNames
-from .checkpoint_quantization import dequantized, fp8_block_size
+from .checkpoint_quantization import dequantized_sources, fp8_block_size
 from .tensor_sources import (
     AbsorbedMLA,
     BlockDequantized,
@@ -106,8 +106,7 @@ def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
     if missing:
         raise ConfigError(f"{files.path}: the checkpoint has no tensor for {missing} (and no per-expert or tied "
                           f"tensors they are built from); it holds {len(files.names())} tensors")
-    if block is not None:
-        sources = {name: dequantized(source, files, block) for name, source in sources.items()}
+    sources = dequantized_sources(sources, files, block)
     mismatched = [f"{name}: checkpoint {sources[name].describe()} {tuple(sources[name].shape)}, model {shape}"
                   for name, shape in expected if tuple(sources[name].shape) != shape]
     if mismatched:

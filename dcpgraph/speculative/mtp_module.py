@@ -170,7 +170,7 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
     from ..errors import ConfigError
     from ..serving.checkpoint_files import weight_files
     from ..serving.checkpoint_names import CheckpointNames
-    from ..serving.checkpoint_quantization import dequantized, fp8_block_size
+    from ..serving.checkpoint_quantization import dequantized_sources, fp8_block_size
     from ..serving.tensor_sources import InMemory, SafetensorsFiles, Stored
 
     config = tf.AutoConfig.from_pretrained(path)
@@ -198,10 +198,8 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
                 sources[name] = fused
     if missing:
         raise ConfigError(f"{path}: MTP layer {index} has no checkpoint tensor for {missing}")
-    block = fp8_block_size(config, path)  # fp8 checkpoints: MTP weights dequantized like the model's
-    if block is not None:
-        sources = {name: dequantized(source, files, block) for name, source in sources.items()}
-    return config, module, sources
+    # fp8 checkpoints: the MTP layer's weights are dequantized like the model's
+    return config, module, dequantized_sources(sources, files, fp8_block_size(config, path))
 
 
 def check_mtp_weights(path: str) -> None:

@@ -57,5 +57,4 @@ def build(name: str = "deepseek_v32", *, seed: int = 1, **config_overrides) -> t
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
-    model.set_experts_implementation("eager")
     return model

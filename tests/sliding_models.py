@@ -61,7 +61,6 @@ def build(name: str) -> torch.nn.Module:
     config = getattr(transformers, config_cls)(**COMMON, **overrides)
     model = getattr(transformers, model_cls)(config).double().eval()
     if name == "gpt_oss":
-        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.5)  # HF initialises them to a constant

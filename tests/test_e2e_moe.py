@@ -2,8 +2,9 @@
 
 Models: ``dcpgraph.models.tiny_config`` (2 layers, 8 query heads, 1 KV head for Qwen3-MoE so every
 ``(tp, dcp)`` in ``{1,2,4}²`` with ``dcp | tp`` is valid; 4 routed experts, top-2) with a large
-``initializer_range`` so greedy outputs vary. HF runs with ``set_experts_implementation("eager")``
-(``grouped_mm`` has no fp64 kernel); dcpgraph traces the same weights.
+``initializer_range`` so greedy outputs vary. dcpgraph gets the model with transformers' default
+experts implementation (``grouped_mm``); HF's reference runs ``eager``
+(:func:`dcpgraph.testing.generation.hf_reference`: ``grouped_mm`` has no fp64 kernel).
 
 Qwen3-MoE is the family HF passes ``output_router_logits`` to attention for: it must trace
 (the keyword is semantics-free) and give HF's tokens at every valid mesh, with both comms.
@@ -41,7 +42,6 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
     config.initializer_range = 0.2
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    model.set_experts_implementation("eager")
     return model
 
 

@@ -130,8 +130,6 @@ def _save_sliding(path, name: str) -> str:
 
 def _hf_tokens(path: str) -> list[int]:
     model = load_model(path, "float64")
-    if getattr(model.config, "_experts_implementation", None) is not None:
-        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     return hf_greedy(model, PROMPT, NEW_TOKENS)
 
 

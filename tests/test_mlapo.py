@@ -226,7 +226,6 @@ def _variant(**overrides) -> torch.nn.Module:
         setattr(config, key, value)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    model.set_experts_implementation("eager")
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for pname, p in model.named_parameters():

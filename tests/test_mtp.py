@@ -16,6 +16,7 @@ import dcpgraph
 from dcpgraph.errors import ConfigError
 from dcpgraph.serving.loader import load_program
 from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
+from dcpgraph.testing.generation import hf_reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
 NEW = 10
@@ -59,7 +60,7 @@ def eager_drafts(target, mtp, tokens: list[int], s: int, k: int) -> list[int]:
     """Greedy drafts after ``tokens[: s + 1]`` by an eager loop of the MTP module: positions
     ``t < s`` read ``(tokens[t+1], h_t)`` with ``h`` the target's final hidden states (after its
     norm), each further draft the previous draft and the MTP's own output state."""
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(target):
         h = target.model(input_ids=torch.tensor([tokens[: s + 1]]), use_cache=False).last_hidden_state[0]
         ids, hidden, drafts = list(tokens[1 : s + 1]), list(h[:s]), []
         for _ in range(k):
@@ -86,7 +87,6 @@ def test_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_are_unchanged(checkpoi
     assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)  # MTP steps in buckets
     assert 0 < stats["accepted_per_position"][1] and stats["accepted"] < stats["drafted"], stats
     target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    target.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     mtp = eager_mtp_module(path, torch.float64)
     assert len(seen) >= 40
     for tokens, s, drafts in seen:
@@ -122,7 +122,6 @@ def test_mtp_drafts_stay_exact_with_prefill_chunks_prefix_hits_and_preemption(ch
     assert small.generate(long, NEW) == plain
     assert small.report()["scheduler"]["preemptions"] > 0 and small.report()["speculative"]["drafted"] > 0
     target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    target.set_experts_implementation("eager")
     mtp = eager_mtp_module(path, torch.float64)
     for tokens, s, drafts in seen:
         assert drafts == eager_drafts(target, mtp, tokens, s, len(drafts)), (tokens[: s + 1], drafts)
@@ -209,9 +208,8 @@ def test_the_target_returns_its_final_hidden_states_only_for_mtp(checkpoint):
 
     path, program, _ = checkpoint
     target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    target.set_experts_implementation("eager")
     tokens = PROMPTS[3]
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(target):
         expected = target.model(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
     for tp, dcp in [(1, 1), (2, 2)]:
         engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, speculative_config=spec())

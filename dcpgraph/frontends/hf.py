@@ -167,21 +167,53 @@ def default_example_inputs(facts: ModelFacts, tokens: int = 8) -> tuple[torch.Te
     return ids, torch.arange(tokens).unsqueeze(0)
 
 
+TRACED_EXPERTS = "batched_mm"
+"""The experts implementation every trace runs: HF's ``batched_mm`` gathers each routed (token,
+expert) pair's weights and evaluates it as one batched matmul, so an experts module is one
+data-independent subgraph with one output (what ``moe_tp_experts`` all-reduces and expert
+parallelism masks). ``eager`` loops over the experts hit (data-dependent), ``grouped_mm`` sorts
+tokens by expert and splits the output by offsets (several outputs; no fp64 kernel; device
+checks under fake tensors), hub kernels are opaque."""
+
+LOAD_TIME_EXPERTS = frozenset({"deepgemm_megamoe"})
+"""Implementations that rewrite the expert weights into their own layout when the model is
+loaded: the parameters no longer hold the checkpoint's values, so no other implementation may run
+on them."""
+
+
+def _experts_configs(model: torch.nn.Module) -> list:
+    """Every distinct config a module of ``model`` dispatches its experts implementation from."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation_internal"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
 @contextlib.contextmanager
 def traceable_experts(model: torch.nn.Module):
-    """MoE experts: HF's ``eager`` loop is data-dependent (untraceable) and ``grouped_mm`` has no
-    fp64 kernel, so those trace with ``batched_mm`` (same math, gathers expert weights per token);
-    the model's own setting is restored afterwards."""
-    current = getattr(model.config, "_experts_implementation", None)
-    fp64 = next(model.parameters()).dtype == torch.float64
-    switch = current is not None and (current == "eager" or (current == "grouped_mm" and fp64))
-    if switch:
-        model.set_experts_implementation("batched_mm")
+    """Run the experts of ``model`` as :data:`TRACED_EXPERTS` inside the block, whatever
+    implementation the model was loaded or set with (``eager``, ``grouped_mm``, ``batched_mm``,
+    a registered hub kernel); every config's own setting is restored on exit, so the user's model
+    is unchanged. All implementations compute the same function of the same weights, except the
+    :data:`LOAD_TIME_EXPERTS`, which are refused by name."""
+    configs = [c for c in _experts_configs(model) if c._experts_implementation_internal is not None]
+    for config in configs:
+        if config._experts_implementation_internal in LOAD_TIME_EXPERTS:
+            raise UnsupportedModelError(
+                f"experts implementation {config._experts_implementation_internal!r} rewrites the expert "
+                "weights into its own layout at load time; load the model with "
+                f"experts_implementation in {sorted({'eager', 'grouped_mm', 'batched_mm'})} for dcpgraph"
+            )
+    saved = [(c, c._experts_implementation_internal) for c in configs]
     try:
+        for config, _ in saved:
+            config._experts_implementation_internal = TRACED_EXPERTS
         yield
     finally:
-        if switch:
-            model.set_experts_implementation(current)
+        for config, value in saved:
+            config._experts_implementation_internal = value
 
 
 def min_trace_tokens(model: torch.nn.Module) -> int:

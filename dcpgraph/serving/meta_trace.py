@@ -44,9 +44,6 @@ def trace_on_meta(model: torch.nn.Module, device: torch.device | str = "cpu") ->
     graph runs on ``device``. The state stays meta (shapes and dtypes only)."""
     ids, positions = hf.default_example_inputs(hf.model_facts(model), tokens=max(8, hf.min_trace_tokens(model) + 1))
     model.eval()
-    if getattr(model.config, "_experts_implementation", None) not in (None, "batched_mm"):
-        # grouped_mm picks device-specific kernels while tracing (meta is not the target device)
-        model.set_experts_implementation("batched_mm")
     program = hf.export_program(model, (ids.to(META), positions.to(META)))
     _on_device(program.graph_module.graph, torch.device(device))
     program.graph_module.recompile()

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
+REFERENCE_EXPERTS = "eager"
+"""The experts implementation HF references run: transformers' plain loop over the experts hit,
+which has a kernel for every dtype (``grouped_mm`` has none for fp64) and shares no code with the
+``batched_mm`` form dcpgraph traces."""
+
+
+@contextlib.contextmanager
+def hf_reference(model: torch.nn.Module):
+    """``model`` as an independent reference inside the block: its MoE experts run
+    :data:`REFERENCE_EXPERTS`; the implementation it was loaded with is restored on exit, so the
+    model a test hands to dcpgraph keeps transformers' defaults."""
+    current = getattr(model.config, "_experts_implementation", None)
+    switch = current is not None and current != REFERENCE_EXPERTS
+    if switch:
+        model.set_experts_implementation(REFERENCE_EXPERTS)
+    try:
+        yield model
+    finally:
+        if switch:
+            model.set_experts_implementation(current)
+
 
 def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """The new tokens HF transformers' own ``generate`` produces greedily for one prompt (no
-    padding, so no batching effects; stops at the model's EOS like the engine does)."""
+    padding, so no batching effects; stops at the model's EOS like the engine does), with the
+    experts of :func:`hf_reference`."""
     ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()

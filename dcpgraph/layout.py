@@ -76,7 +76,10 @@ def local_len(length: IntOrTensor, rank: IntOrTensor, dcp: int, interleave: int 
 
 
 def max_local_len(length: IntOrTensor, dcp: int, interleave: int = 1) -> IntOrTensor:
-    """Upper bound of ``local_len(L, r)`` over ranks: ``ceil(L / (N·I))·I`` (rank 0's share)."""
+    """The largest ``local_len(L, r)`` over ranks, exactly: rank 0's share,
+    ``(L // (N·I))·I + min(L mod (N·I), I)``. Rank 0 owns the first ``I`` positions of every round
+    of ``N·I``, so no rank owns more. It equals ``ceil(L / (N·I))·I`` only when ``L mod (N·I)`` is
+    0 or at least ``I`` (``L = 1, N = 2, I = 4``: 1, not 4)."""
     return local_len(length, 0, dcp, interleave)
 
 

@@ -90,6 +90,7 @@ def test_prefix_of_positions_is_prefix_of_each_local_stream(layout_cfg):
 @given(layout_cfg=dst.layouts())
 @example(layout_cfg=(16, 128, MAX_L))
 @example(layout_cfg=(11, 4, 10**5 - 10**5 % 44 + 3))
+@example(layout_cfg=(2, 4, 1))  # max_local_len is 1 here, not ceil(1 / 8) * 4
 def test_local_len_matches_bincount_and_sums_to_length(layout_cfg):
     dcp, interleave, length = layout_cfg
     naive = torch.bincount(layout.owner(torch.arange(length), dcp, interleave), minlength=dcp)
@@ -99,6 +100,9 @@ def test_local_len_matches_bincount_and_sums_to_length(layout_cfg):
     as_tensor = layout.local_len(torch.tensor(length), torch.arange(dcp), dcp, interleave)
     assert torch.equal(as_tensor, naive)
     assert layout.max_local_len(length, dcp, interleave) == max(per_rank)
+    # The closed form max_local_len's docstring states.
+    rounds, rest = divmod(length, dcp * interleave)
+    assert layout.max_local_len(length, dcp, interleave) == rounds * interleave + min(rest, interleave)
     # Shares differ by at most one interleave run.
     assert max(per_rank) - min(per_rank) <= interleave
 

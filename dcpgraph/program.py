@@ -39,16 +39,22 @@ class ShardRule:
 
     ``dim=None`` replicates. Otherwise the tensor is split into ``tp`` equal chunks along ``dim``
     (``chunks = tp``), or, for KV heads replicated over ``tp // n_kv`` ranks, into ``parts`` chunks
-    of which rank ``r`` takes chunk ``r // (tp // parts)``.
+    of which rank ``r`` takes chunk ``r // (tp // parts)``. With ``padded`` (a multiple of the
+    chunk count), ``dim`` is first extended with zeros to ``padded`` entries: rank ``r`` holds
+    entries ``[r·c, (r+1)·c)`` of the padded tensor, ``c = padded / parts``, so the last ranks'
+    chunks end in zero rows (a vocabulary that ``tp`` does not divide).
     """
 
     dim: int | None = None
     parts: int | None = None  # None: one part per rank
+    padded: int | None = None  # None: dim is split as it is
 
     def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         if self.dim is None or tp == 1:
             return full
         parts = self.parts or tp
+        if self.padded is not None:
+            full = zero_padded(full, self.dim, self.padded)
         if full.shape[self.dim] % parts:
             raise ValueError(f"cannot split dim {self.dim} of {tuple(full.shape)} into {parts}")
         index = rank // (tp // parts)
@@ -58,8 +64,22 @@ class ShardRule:
         if self.dim is None or tp == 1:
             return tuple(shape)
         out = list(shape)
+        if self.padded is not None:
+            out[self.dim] = self.padded
         out[self.dim] //= self.parts or tp
         return tuple(out)
+
+
+def zero_padded(full: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``full`` extended along ``dim`` with zeros to ``size`` entries (``size >= full.shape[dim]``)."""
+    missing = size - full.shape[dim]
+    if missing < 0:
+        raise ValueError(f"cannot pad dim {dim} of {tuple(full.shape)} down to {size}")
+    if missing == 0:
+        return full
+    shape = list(full.shape)
+    shape[dim] = missing
+    return torch.cat([full, full.new_zeros(shape)], dim)
 
 
 REPLICATE = ShardRule()

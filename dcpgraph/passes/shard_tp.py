@@ -7,6 +7,12 @@ reductions and expert parallelism in :mod:`dcpgraph.passes.tp_modules`. For K/V 
 ``tp > n_kv`` a colwise split takes ``n_kv`` parts and rank ``r`` takes part ``r // (tp // n_kv)``
 (KV heads replicated).
 
+A vocabulary ``tp`` does not divide (GPT-2's 50257) is padded, as vLLM pads its vocab-parallel
+layers: the embedding's and the gathered LM head's rows are extended with zeros to a multiple of
+``64·tp`` (:func:`padded_size`, ``ShardRule.padded``). Token ids never reach the padded embedding
+rows, and the gathered output is sliced back to the true width right after the all-gather, so
+the padded logits are never sampled, returned or penalised.
+
 Shards are computed functionally from the full parameters at run time (``Program.local_state``):
 the user's model is never modified. Reshapes in traced HF models use ``-1`` for head counts, so
 local head counts follow from the local weights; the verifier's shape propagation checks that.
@@ -101,6 +107,20 @@ def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return found
 
 
+VOCAB_PAD_MULTIPLE = 64
+"""A dim ``tp`` does not divide is padded to a multiple of ``64·tp``: every rank's chunk is a
+whole number of 64-row blocks, as vLLM pads its vocab-parallel embedding and LM head."""
+
+
+def padded_size(size: int, tp: int) -> int | None:
+    """The padded length of a vocab-parallel dim of ``size`` entries over ``tp`` ranks: None when
+    ``tp`` divides it (split as it is), else the next multiple of ``VOCAB_PAD_MULTIPLE · tp``."""
+    if size % tp == 0:
+        return None
+    step = VOCAB_PAD_MULTIPLE * tp
+    return -(-size // step) * step
+
+
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     return num_kv_heads // tp if num_kv_heads >= tp else 1
 
@@ -146,16 +166,20 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
             raise UnsupportedModelError(f"{spec.target} needs two different shardings ({rules[node.name]} vs {rule})")
         full = program.state[spec.target]
         parts = (rule.parts or tp) * getattr(rule, "packed", 1)
-        if rule.dim is not None and full.shape[rule.dim] % parts:
+        if rule.dim is not None and (rule.padded or full.shape[rule.dim]) % parts:
             raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
         rules[node.name] = rule
 
-    def gather_last_dim(node: torch.fx.Node) -> None:
+    def gather_last_dim(node: torch.fx.Node, size: int | None = None) -> None:
+        """All-gather ``node``'s last dim; with ``size``, keep its first ``size`` entries (the
+        gathered dim was padded past them)."""
         with graph.inserting_before(node.next):
             moved = e(aten.movedim.int, node, -1, 0)
             contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
             gathered = coll.all_gather(graph, contiguous, tp, "tp")
             back = e(aten.movedim.int, gathered, 0, -1)
+            if size is not None:
+                back = e(aten.slice.Tensor, back, -1, 0, size)
         node.replace_all_uses_with(back)
         moved.args = (node, *moved.args[1:])
 
@@ -172,11 +196,12 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
                 count(style)
                 continue
             vocab = program.state[specs[weight.name].target].shape[0]
-            if style in REPLICATED or vocab % tp:
+            if style in REPLICATED:
                 continue  # replicated embedding
-            assign(weight, ShardRule(0), "embedding")
+            padded = padded_size(vocab, tp)
+            assign(weight, ShardRule(0, padded=padded), "embedding")
             with graph.inserting_before(node):
-                rows = vocab // tp
+                rows = (padded or vocab) // tp  # ids >= vocab never occur: the padding is never read
                 local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, tp_rank(), rows))
                 outside = e(aten.logical_or.default, e(aten.lt.Scalar, local, 0), e(aten.ge.Scalar, local, rows))
                 safe = e(aten.masked_fill.Scalar, local, outside, 0)
@@ -202,14 +227,17 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
         count(rule)
         if rule in COLWISE:
             parts = n_kv if (node in kv_linears and n_kv < tp) else None
+            features = program.state[spec.target].shape[0]
+            # Only a gathered output may be padded: the gather's slice drops the padding's columns.
+            padded = padded_size(features, tp) if rule in GATHER_OUTPUT and parts is None else None
             if rule in PACKED:
                 assign(weight, PackedShardRule(0), path)
                 assign(bias, PackedShardRule(0), path)
             else:
-                assign(weight, ShardRule(0, parts), path)
-                assign(bias, ShardRule(0, parts), path)
+                assign(weight, ShardRule(0, parts, padded), path)
+                assign(bias, ShardRule(0, parts, padded), path)
             if rule in GATHER_OUTPUT:
-                gather_last_dim(node)
+                gather_last_dim(node, features if padded else None)
         elif rule in ROWWISE:
             assign(weight, PackedShardRule(1) if rule in PACKED else ShardRule(1), path)
             if rule in SPLIT_INPUT:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..passes.absorb_mla import absorbed
-from ..program import ShardRule
+from ..program import ShardRule, zero_padded
 
 
 class SafetensorsFiles:
@@ -222,6 +222,10 @@ def read_local(source, rule: ShardRule, rank: int, tp: int) -> torch.Tensor:
         return torch.cat([source.read(dim, h * half + rank * chunk, h * half + (rank + 1) * chunk)
                           for h in range(packed)], dim)
     parts = rule.parts or tp
-    chunk = shape[dim] // parts
     index = rank // (tp // parts)
+    if rule.padded is not None:  # rows past the source's end are the padding's zeros
+        chunk = rule.padded // parts
+        start, stop = min(index * chunk, shape[dim]), min((index + 1) * chunk, shape[dim])
+        return zero_padded(source.read(dim, start, stop), dim, chunk)
+    chunk = shape[dim] // parts
     return source.read(dim, index * chunk, (index + 1) * chunk)

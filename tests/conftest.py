@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+QWEN_PADDED_VOCAB = 333  # the session Qwen3 checkpoint's model vocabulary (its tokenizer has 321)
+
 # -- 1. Hypothesis profiles ---------------------------------------------------------------------
 settings.register_profile(
     "ci",
@@ -61,8 +63,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """A GQA (Qwen3) and an MLA (DeepSeek-V2) tiny checkpoint directory, written once per session
-    and only read by the tests that use them (a test that edits a checkpoint saves its own)."""
-    from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+    and only read by the tests that use them (a test that edits a checkpoint saves its own). Their
+    vocabularies are what real checkpoints have, not what suits tp: DeepSeek-V2's 321 ids are
+    divisible by no tp > 1, and Qwen3's model vocabulary (333, also odd) is larger than its
+    tokenizer's 321, as Qwen's releases pad theirs."""
+    from dcpgraph.testing.checkpoints import DEFAULT_VOCAB, save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
-    return {arch: save_tiny_checkpoint(root / arch, arch) for arch in ("qwen3", "deepseek_v2")}
+    return {"qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3", vocab_size=QWEN_PADDED_VOCAB,
+                                          tokenizer_vocab_size=DEFAULT_VOCAB),
+            "deepseek_v2": save_tiny_checkpoint(root / "deepseek_v2", "deepseek_v2")}

@@ -160,7 +160,7 @@ def test_bad_checkpoints_are_refused_with_clear_errors(tmp_path, checkpoints):
     with pytest.raises(ConfigError, match="local HF model directory"):
         LLM(model=str(tmp_path / "nowhere"))
     big_tokenizer = save_tiny_checkpoint(tmp_path / "big", "llama", tokenizer_vocab_size=384)
-    with pytest.raises(ConfigError, match="384 tokens but the model's vocabulary is 320"):
+    with pytest.raises(ConfigError, match="384 tokens but the model's vocabulary is 321"):
         LLM(model=big_tokenizer)
     with pytest.raises(ConfigError):
         LLM(model=checkpoints["qwen3"], tensor_parallel_size=2, decode_context_parallel_size=4)

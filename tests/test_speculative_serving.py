@@ -53,7 +53,7 @@ def test_llm_with_a_draft_directory_equals_hf(dirs, reference, draft):
 
 def test_llm_refuses_a_draft_of_another_vocabulary(dirs):
     config = {"method": "draft_model", "num_speculative_tokens": 2, "model": dirs["wide"]}
-    with pytest.raises(ConfigError, match=r"vocabulary 384 differs from the target's 320"):
+    with pytest.raises(ConfigError, match=r"vocabulary 384 differs from the target's 321"):
         LLM(model=dirs["target"], dtype="float64", speculative_config=config)
     with pytest.raises(ConfigError, match="unknown keys"):
         LLM(model=dirs["target"], speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 1})

@@ -8,7 +8,10 @@ chat template. Nothing is downloaded.
 The tokenizer (:func:`byte_level_tokenizer`) is built with the ``tokenizers`` library: a byte-level
 BPE with no merges, so token ``b`` (0–255) is byte ``b`` and every UTF-8 character of more than one
 byte spans several tokens (what incremental detokenisation must handle), then three special tokens
-and plain filler tokens up to the model's vocabulary, so every id a model can emit decodes.
+and plain filler tokens up to its size. A vocabulary too small for the bytes (GPT-2-like tests of
+97 ids) gets :func:`character_tokenizer` instead: printable ASCII characters, then the specials.
+The default vocabulary (:data:`DEFAULT_VOCAB`) is divisible by no tp > 1, as real checkpoints'
+are not (GPT-2's 50257), so every test of a checkpoint exercises the padded vocab-parallel head.
 
 Weights are random (seeded) and redrawn at a scale where attention and every projection reach the
 logits (norm weights N(1, 0.3), biases N(0, 0.3), everything else N(0, 0.2)), so greedy outputs are
@@ -27,7 +30,43 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-DEFAULT_VOCAB = 320  # 256 bytes + 3 specials + 61 fillers; divisible by tp = 1, 2, 4, 8
+DEFAULT_VOCAB = 321  # 256 bytes + 3 specials + 62 fillers; odd, so no tp > 1 divides it
+PRINTABLE = "".join(chr(c) for c in range(ord(" "), ord("~") + 1))  # the character tokenizer's alphabet
+
+
+def first_special_id(tokenizer_vocab_size: int) -> int:
+    """The id of :data:`SPECIAL_TOKENS`' first token (BOS and pad; EOS is two further): 256 after
+    the bytes, or right after a :func:`character_tokenizer`'s characters."""
+    if tokenizer_vocab_size >= 256 + len(SPECIAL_TOKENS):
+        return 256
+    return tokenizer_vocab_size - len(SPECIAL_TOKENS)
+
+
+def character_tokenizer(vocab_size: int):
+    """A ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` (4–98) tokens: the first
+    ``vocab_size - 3`` characters of :data:`PRINTABLE` (space first; other characters are dropped),
+    then :data:`SPECIAL_TOKENS`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    characters = vocab_size - len(SPECIAL_TOKENS)
+    if not 1 <= characters <= len(PRINTABLE):
+        raise ValueError(f"a character tokenizer has 4 to {len(PRINTABLE) + 3} tokens, got {vocab_size}")
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(PRINTABLE[:characters])}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    assert tok.get_vocab_size() == vocab_size
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_tokenizer(vocab_size: int):
+    """:func:`byte_level_tokenizer` where the bytes fit in ``vocab_size``, else :func:`character_tokenizer`."""
+    if vocab_size >= 256 + len(SPECIAL_TOKENS):
+        return byte_level_tokenizer(vocab_size)
+    return character_tokenizer(vocab_size)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -67,15 +106,17 @@ def byte_level_tokenizer(vocab_size: int = DEFAULT_VOCAB):
 
 
 def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, seed: int = 0,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, tokenizer_vocab_size: int | None = None):
     """A random-weight HF causal LM of :func:`dcpgraph.models.tiny_config`'s shapes, with the
-    tokenizer's special ids in its config and weights redrawn as the module docstring says."""
+    special ids of :func:`tiny_tokenizer` of ``tokenizer_vocab_size`` (default: ``vocab_size``)
+    in its config and weights redrawn as the module docstring says."""
     import transformers as tf
 
     from ..models import tiny_config
 
     config = tiny_config(arch, layers=layers, vocab=vocab_size)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 256, 258, 256
+    special = first_special_id(tokenizer_vocab_size or vocab_size)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = special, special + 2, special
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -83,9 +124,9 @@ def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, s
         for name, p in model.named_parameters():
             mean, std = (1.0, 0.3) if "norm" in name else (0.0, 0.3) if name.endswith("bias") else (0.0, 0.2)
             p.copy_(mean + std * torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    model.generation_config.eos_token_id = 258
-    model.generation_config.bos_token_id = 256
-    model.generation_config.pad_token_id = 256
+    model.generation_config.eos_token_id = special + 2
+    model.generation_config.bos_token_id = special
+    model.generation_config.pad_token_id = special
     return model.to(dtype)
 
 
@@ -100,10 +141,11 @@ def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen3", *, vocab_
     ``num_nextn_predict_layers`` MTP layers' tensors (:func:`add_mtp_weights`)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed, dtype=dtype)
+    model = tiny_model(arch, vocab_size=vocab_size, layers=layers, seed=seed, dtype=dtype,
+                       tokenizer_vocab_size=tokenizer_vocab_size)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
-    byte_level_tokenizer(tokenizer_vocab_size or vocab_size).save_pretrained(path)
+    tiny_tokenizer(tokenizer_vocab_size or vocab_size).save_pretrained(path)
     if mtp_weights:
         add_mtp_weights(path, seed=seed + 1, dtype=dtype)
     return path

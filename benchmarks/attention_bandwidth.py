@@ -85,7 +85,7 @@ CASES = (
     ("gqa_g1 1x64k hq=1 hkv=1 d=128", 1, 65536, 1, 1, 128, 128, False),
     ("mla 8x8k hq=16 latent=576/512", 8, 8192, 16, 1, 576, 512, True),
 )
-# Typed-cache cases (issue 16's targets: GQA 8:1 and MLA 576/512 at 32K-128K context).
+# Typed-cache cases (the targets in docs/benchmarks.md: GQA 8:1 and MLA 576/512 at 32K-128K context).
 TYPED_CASES = tuple(
     case
     for seq in (32768, 65536, 131072)

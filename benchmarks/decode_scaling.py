@@ -301,7 +301,7 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
 
 
 def step_target(ctx: int, ratio: float) -> tuple[str, bool, str] | None:
-    """The issue's target for the dcp=2/dcp=1 step ratio at ``ctx``, or None below 16K."""
+    """The target (docs/benchmarks.md) for the dcp=2/dcp=1 step ratio at ``ctx``, or None below 16K."""
     if ctx < STEP_TARGET_FROM:
         return None
     limit = STEP_TARGET_LONG[1] if ctx >= STEP_TARGET_LONG[0] else 1.0

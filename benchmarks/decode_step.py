@@ -1,4 +1,5 @@
-"""The whole decode step against the memory-bandwidth limit, and against HF ``generate`` (issue 16 item 6).
+"""The whole decode step against the memory-bandwidth limit, and against HF ``generate``
+(targets in docs/benchmarks.md).
 
 A decode step must read every weight once and every cached K/V byte of its batch once, so its
 physical floor is ``bytes moved per step ÷ read bandwidth``. One run measures, on the same

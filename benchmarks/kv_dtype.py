@@ -1,4 +1,4 @@
-"""fp8 vs bf16 KV cache: bytes per token, and teacher-forced next-token agreement (issue 16 item 1).
+"""fp8 vs bf16 KV cache: bytes per token, and teacher-forced next-token agreement.
 
 One run measures, on the same model and weights:
 

@@ -11,7 +11,7 @@ For a bf16 model (bf16 queries, bf16 or fp8 cache), one request, GQA 8:1 (one KV
 chunks of ``C`` = 256 and 1,024 tokens ending at ``ctx`` = 8K and 32K tokens, scattered blocks of
 16: the op's time per call on both paths (1 thread, process CPU time, variants interleaved, best
 of ``--reps``) and their ratio, checked against each other first (the AMX path's stated
-tolerance). No target: this is the "no gathered copy" item of issue 16, measured.
+tolerance). No target: this measures the "no gathered copy" claim.
 
     python3 benchmarks/prefill_attention.py [--reps N]
 """

@@ -83,7 +83,7 @@ class Mesh:
     ) -> Mesh:
         """Check this mesh against a model; raise :class:`ConfigError` naming the failed rule.
 
-        Rules (DESIGN §3 and the vLLM Ascend guide, plus TP's own):
+        Rules (docs/architecture.md, Mesh and constraints; the vLLM Ascend guide; TP's own):
 
         - ``pcp == 1`` (prefill context parallel is not supported);
         - ``tp % dcp == 0``; ``block_size % interleave == 0``;

@@ -1,4 +1,4 @@
-"""End-to-end acceptance tests of the MLA slice (issue 5): DeepSeek HF model → ``dcpgraph.compile``.
+"""End-to-end acceptance tests of the MLA slice: DeepSeek HF model → ``dcpgraph.compile``.
 
 Models: ``dcpgraph.models.build_model("deepseek_v2" | "deepseek_v3")`` — 2 layers (layer 0 dense,
 layer 1 MoE with 4 routed experts, top-2, one shared expert), 8 query heads, ``kv_lora_rank`` 32,

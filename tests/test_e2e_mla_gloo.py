@@ -1,4 +1,4 @@
-"""End-to-end MLA on real ``gloo`` processes (issue 5): DeepSeek-V3 tiny, tp=2, dcp=2, one spawn.
+"""End-to-end MLA on real ``gloo`` processes: DeepSeek-V3 tiny, tp=2, dcp=2, one spawn.
 
 Each rank builds the same seeded model (:func:`test_e2e_mla.build`: ``q_lora_rank``, MoE with
 replicated routed experts), checks that an MLA-invalid mesh raises ``ConfigError`` locally (a rank

@@ -1,4 +1,4 @@
-"""The gpu tier: the same ops, passes and executors on a CUDA device (issue 16 item 5).
+"""The gpu tier: the same ops, passes and executors on a CUDA device.
 
 Every test here is marked ``gpu`` and skips, with the reason, where torch sees no CUDA device
 (``tests/conftest.py``). References are independent of the code under test: the ops' CPU results

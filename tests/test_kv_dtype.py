@@ -1,4 +1,4 @@
-"""dtypes end to end (issue 16 item 1): bf16 models, and ``kv_cache_dtype`` = auto | bf16 | fp8_e4m3.
+"""dtypes end to end: bf16 models, and ``kv_cache_dtype`` = auto | bf16 | fp8_e4m3.
 
 References, all independent of the code under test:
 

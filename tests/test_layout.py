@@ -1,4 +1,4 @@
-"""Property tests of the DCP KV layout (``dcpgraph.layout``, DESIGN §2).
+"""Property tests of the DCP KV layout (``dcpgraph.layout``; docs/architecture.md, KV layout).
 
 Hypothesis draws configurations (dcp 1..16, interleave in {1, 2, 4, 8, 16, 128}, lengths up to
 10**5, block sizes, request counts) and seeds; every tensor is built from those with ``torch``

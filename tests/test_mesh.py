@@ -1,4 +1,4 @@
-"""The device mesh (``dcpgraph.mesh``, DESIGN §3): DCP groups, and which (tp, dcp, model) settings
+"""The device mesh (``dcpgraph.mesh``; docs/architecture.md, Mesh and constraints): DCP groups, and which (tp, dcp, model) settings
 are accepted, checked against the rules of the vLLM Ascend Decode Context Parallel Guide."""
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def test_invalid_settings_are_refused_naming_the_rule(mesh_args, kwargs, pattern
 
 # -- validate against an independent statement of the rules -------------------------------------
 def guide_accepts(cfg: dst.AttentionConfig, tp, dcp, pcp, block_size, interleave) -> bool:
-    """The rules written out once more, straight from the guide and DESIGN §3."""
+    """The rules written out once more, straight from the guide and docs/architecture.md (Mesh and constraints)."""
     if pcp != 1 or block_size % interleave or cfg.num_q_heads % tp:
         return False
     if cfg.kind == "mla":

@@ -1,4 +1,4 @@
-"""MLAPO (issue 13 item 4): ``fuse_mla_preprocess`` and the ``dcpgraph.mla_preprocess`` op.
+"""MLAPO (the fused MLA preprocess): ``fuse_mla_preprocess`` and the ``dcpgraph.mla_preprocess`` op.
 
 References, independent of the code under test:
 

@@ -1,4 +1,4 @@
-"""MLAPO on real ``gloo`` processes (issue 13 item 4): DeepSeek-V2 tiny (``q_proj``, complex
+"""MLAPO on real ``gloo`` processes (the fused MLA preprocess): DeepSeek-V2 tiny (``q_proj``, complex
 rotary), tp=2, dcp=2, interleave 1, ``a2a``, one spawn.
 
 Each rank compiles the seeded model with ``mlapo=True`` (the distributed executor, since

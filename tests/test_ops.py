@@ -1,4 +1,5 @@
-"""Numerical tests of the canonical ops (``torch.ops.dcpgraph.*``, DESIGN §2 and §5).
+"""Numerical tests of the canonical ops (``torch.ops.dcpgraph.*``; docs/architecture.md,
+The merge and Attention in DCP form).
 
 Every kernel result is compared with :mod:`dcpgraph.testing.reference`: float64 dense attention
 (``softmax(scale·q·kᵀ)·v`` with GQA by ``repeat_interleave``) and a hand-written merge loop, none

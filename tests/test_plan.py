@@ -1,4 +1,4 @@
-"""The deployment planner (``dcpgraph.plan``, issue 17): acceptance anchors, rules, rendering.
+"""The deployment planner (``dcpgraph.plan``): acceptance anchors, rules, rendering.
 
 Independent checks: the published vLLM Kimi-K2 figures (70,272 B/token at tp=8; 715,072 tokens
 = 11,173 blocks of 64); parameter counts against real HF models built from the same configs;

@@ -1,4 +1,5 @@
-"""``shard_dcp``: cached attention → decode-context-parallel form (DESIGN §5).
+"""``shard_dcp``: cached attention → decode-context-parallel form
+(docs/architecture.md, Attention in DCP form).
 
 For each paged (context) attention of a layer, on every rank of a DCP group of ``N``::
 

@@ -9,8 +9,10 @@ covers ``blocks_for(n)`` blocks where ``n`` is the most tokens the request has n
 :meth:`BlockManager.release` (finish, abort or preemption) gives blocks back. When ``grow`` fails
 the scheduler preempts (see :mod:`.scheduler`); a table never holds a block another request writes.
 
-Prefix caching (``enable_prefix_caching``; vLLM's APC, DESIGN §6)
------------------------------------------------------------------
+Prefix caching (``enable_prefix_caching``; vLLM's APC)
+------------------------------------------------------
+See docs/architecture.md, Runtime: blocks, prefix caching and preemption.
+
 A *full* virtual block of a request is named by a chained hash: ``h_i = sha256(h_{i-1} ‖ tokens
 of block i)`` (:func:`block_hashes`; hashlib over the int token ids, so every process of a
 distributed run, each running the same deterministic engine, computes the same hashes). The chain

@@ -1,4 +1,5 @@
-"""Per-step, per-rank inputs of a compiled program: the flattened token layout (DESIGN §6).
+"""Per-step, per-rank inputs of a compiled program: the flattened token layout
+(docs/architecture.md, Runtime: the token layout).
 
 Every scheduled token of every request is flattened into one sequence. For request ``r`` with
 ``context_lens[r]`` tokens already cached and ``n_r`` new tokens this step:

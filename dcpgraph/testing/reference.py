@@ -12,7 +12,7 @@ none of their code paths:
   (:mod:`dcpgraph.layout`'s ``owner``/``local_index``);
 - :func:`merge_by_hand`: the exact LSE merge as a running pair folded over ranks;
 - :func:`sharded_attention_by_hand`: shard, attend per rank, merge, all by hand (the "JAX-style"
-  reference of DESIGN §9).
+  reference of docs/architecture.md, Testing strategy).
 
 Shapes are token-major as in the kernels: ``q [T, Hq, D]``, ``k [S, Hkv, D]``, ``v [S, Hkv, Dv]``,
 ``out [T, Hq, Dv]``, ``lse [T, Hq]`` (natural log). Results are float64.

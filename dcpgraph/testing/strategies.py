@@ -136,7 +136,7 @@ class AttentionConfig(NamedTuple):
         return self.num_q_heads // self.num_kv_heads
 
 
-#: Real shapes the guide and DESIGN talk about (MLA with the weight-absorbed latent layout).
+#: Real shapes the guide and docs/architecture.md talk about (MLA with the weight-absorbed latent layout).
 KNOWN_MODELS: dict[str, AttentionConfig] = {
     "DeepSeek-V2-Lite": AttentionConfig("mla", 16, 1, 576, 512),
     "DeepSeek-R1": AttentionConfig("mla", 128, 1, 576, 512),

@@ -1,4 +1,4 @@
-"""``lower_npu`` of ``mla_preprocess`` in this process, without torchair (issue 13 item 4).
+"""``lower_npu`` of ``mla_preprocess`` in this process, without torchair (the fused MLA preprocess).
 
 The aten rule (everything the KV-RMSNorm-RoPE-cache op does not fit) runs here on CPU and must
 reproduce the op's reference kernel: the absorbed query, the latent row and the cache with some

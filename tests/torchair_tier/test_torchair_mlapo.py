@@ -1,4 +1,4 @@
-"""torchair GE conversion of an MLA program with MLAPO, on CPU (the ``torchair`` tier; issue 13 item 4).
+"""torchair GE conversion of an MLA program with MLAPO, on CPU (the ``torchair`` tier).
 
 One spawn of two gloo ranks, ``Mesh(2, 2)`` (tp=2, dcp=2). The model is DeepSeek-V3 tiny with the
 latent and rope sizes of the real model (``kv_lora_rank`` 512, rope 64: the only sizes

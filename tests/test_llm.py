@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dcpgraph import LLM, ConfigError, RequestError, SamplingParams, UnsupportedModelError
+from dcpgraph.runtime.engine_client import EngineClient
 from dcpgraph.serving.checkpoint import load_model, load_tokenizer
 from dcpgraph.serving.detokenizer import TextStream
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
@@ -199,7 +200,12 @@ def test_workers_at_tp2_dcp2_equal_hf(arch, checkpoints, references):
     with LLM(model=checkpoints[arch], dtype="float64", block_size=4, tensor_parallel_size=2,
              decode_context_parallel_size=2, worker_timeout_s=300) as llm:
         assert llm.engine.memory_report()["dcp"] == 2
-        assert_matches_hf(llm.generate(PROMPTS, GREEDY), tokenizer, reference)
+        greedy = llm.generate(PROMPTS, GREEDY)
+        assert_matches_hf(greedy, tokenizer, reference)
+        # the worker group is an EngineClient like the in-process engine: generate runs on the ranks
+        assert isinstance(llm.engine, EngineClient) and llm.engine.healthy()
+        assert llm.engine.generate([o.prompt_token_ids for o in greedy], GREEDY.max_tokens) == \
+            [o.outputs[0].token_ids for o in greedy]
         # the guide's example, verbatim apart from the model path
         outputs = llm.generate(["The future of AI is"], SamplingParams(temperature=0.8, top_p=0.95))
         assert len(outputs[0].outputs[0].token_ids) == 16 or outputs[0].outputs[0].finish_reason == "stop"

@@ -19,6 +19,7 @@ from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re
 from ..program import Program
 from ..speculative.build import make_proposer
 from ..speculative.config import speculative_config as speculative_config_of
+from .engine_client import EngineClient, run_rank_op
 from .graph_mode import DecodeBuckets, default_buckets
 from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
@@ -27,7 +28,7 @@ from .scheduler import Request, Scheduler, StepEvent
 from .verify_buckets import VerifyBuckets
 
 
-class Engine:
+class Engine(EngineClient):
     """Serves generation requests: :class:`~.scheduler.Scheduler` decides each step and applies its
     results, :class:`~.model_runner.ModelRunner` runs it on every rank.
 
@@ -270,6 +271,15 @@ class Engine:
         return request.id, len(prefix) * self.blocks.tokens_per_block
 
     # -- reports ------------------------------------------------------------------------------
+    def rank_call(self, name: str, args: dict) -> list:
+        """The rank op on this process's one rank (tp = 1, or one rank of a torchrun world)."""
+        return [run_rank_op(self, name, args)]
+
+    def kv_usage_per_rank(self) -> list[tuple[int, int]]:
+        """Every rank holds the same block table, so one figure serves them all."""
+        used = self.blocks.num_blocks - self.blocks.free_blocks
+        return [(used, self.blocks.num_blocks)] * self.mesh.tp
+
     def memory_report(self) -> dict:
         per_block = kv_bytes_per_block(self.program)
         per_rank = per_block * self.blocks.num_blocks

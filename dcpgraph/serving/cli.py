@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if kv_agent:
         log.info("KV transfer: %s", kv_config.to_json())
-    pids = getattr(llm.engine, "pids", None)
+    pids = llm.engine.worker_pids()
     if pids:
         log.info("worker processes (rank order): pids %s", pids)
     app = build_app(llm, served_model_name=args.served_model_name or args.model, api_key=args.api_key,

@@ -45,10 +45,3 @@ def build_engine(config: EngineConfig, executor: str = "auto"):
         max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_num_batched_tokens,
         executor=executor, **config.engine_options,
     )
-
-
-def kv_blocks_in_use(engine) -> tuple[int, int]:
-    """``(blocks in use, total blocks)`` of an engine on this process (cached-free prefix blocks
-    count as free). Reads the block manager: the one place serving looks inside the engine."""
-    blocks = engine.blocks
-    return blocks.num_blocks - blocks.free_blocks, blocks.num_blocks

@@ -96,8 +96,7 @@ class EngineLoop:
     def healthy(self) -> bool:
         if self.error is not None or not self._thread.is_alive():
             return False
-        procs = getattr(self.engine, "procs", None)
-        return procs is None or all(p.is_alive() for p in procs)
+        return self.engine.healthy()
 
     def stop(self) -> None:
         self._stopping.set()

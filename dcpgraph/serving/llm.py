@@ -26,7 +26,7 @@ from ..errors import ConfigError, RequestError
 from ..speculative.config import speculative_config as speculative_config_of
 from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
-from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
+from .engine_config import EngineConfig, build_engine
 from .logprobs import vllm_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -196,21 +196,15 @@ class LLM:
     # -- state ---------------------------------------------------------------------------------------
     def kv_usage_per_rank(self) -> list[float]:
         """Fraction of KV blocks in use on each rank (0 when nothing runs)."""
-        if isinstance(self.engine, RemoteEngine):
-            return [used / total for used, total in self.engine.kv_usage_per_rank()]
-        used, total = kv_blocks_in_use(self.engine)
-        return [used / total] * self.config.tensor_parallel_size
+        return [used / total for used, total in self.engine.kv_usage_per_rank()]
 
     def num_kv_blocks(self) -> int:
         """KV blocks per rank, as allocated (the same on every rank)."""
-        if isinstance(self.engine, RemoteEngine):
-            return int(self.engine.kv_usage_per_rank()[0][1])
-        return int(kv_blocks_in_use(self.engine)[1])
+        return int(self.engine.kv_usage_per_rank()[0][1])
 
     def shutdown(self) -> None:
         """Stop the worker processes (if any). The LLM cannot generate afterwards."""
-        if isinstance(self.engine, RemoteEngine):
-            self.engine.close()
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

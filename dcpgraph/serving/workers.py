@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from .. import errors
+from ..runtime.engine_client import EngineClient, run_rank_op
 from ..runtime.ports import free_port
 from ..runtime.scheduler import StepEvent
 from .channel import ChannelClosedError, recv_frame, send_frame
-from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
+from .engine_config import EngineConfig, build_engine
+from .kv_connector import rank_ops  # noqa: F401  (registers the KV transfer's rank ops on every worker)
 
 
 class WorkerDiedError(RuntimeError):
@@ -66,12 +68,12 @@ def _handle(engine, message: dict) -> dict:
         return {"value": engine.memory_report()}
     if op == "report":
         return {"value": engine.report()}
-    if op == "kv":  # prefill/decode transfer steps (serving/kv_connector/rank_ops.py)
-        from .kv_connector.rank_ops import dispatch
-
-        return {"value": dispatch(engine, message["fn"], message["args"])}
+    if op == "rank_call":  # e.g. the prefill/decode transfer's steps (serving/kv_connector/rank_ops.py)
+        return {"value": run_rank_op(engine, message["name"], message["args"])}
+    if op == "generate":
+        return {"value": engine.generate(message["prompts"], message["max_new_tokens"], **message["sampling"])}
     if op == "kv_usage":
-        used, total = kv_blocks_in_use(engine)
+        used, total = engine.kv_usage_per_rank()[0]
         return {"used": used, "total": total}
     raise ValueError(f"unknown op {op!r}")
 
@@ -108,7 +110,7 @@ def worker_main(rank: int, world: int, dist_port: int, driver: tuple[str, int], 
 
 
 # -- the driver side ------------------------------------------------------------------------------
-class RemoteEngine:
+class RemoteEngine(EngineClient):
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
                  start_method: str | None = None):
         import torch.multiprocessing as mp
@@ -211,15 +213,9 @@ class RemoteEngine:
         return self._agreed({"op": "abort", "rid": int(request_id)}, "aborted")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
-        ids = [self.add_request(p, max_new_tokens, **sampling) for p in prompts]
-        outputs: dict[int, list[int]] = {i: [] for i in ids}
-        pending = set(ids)
-        while pending:
-            for rid, token, finished in self.step():
-                outputs[rid].append(token)
-                if finished:
-                    pending.discard(rid)
-        return [outputs[i] for i in ids]
+        """:meth:`Engine.generate <dcpgraph.runtime.engine.Engine.generate>` on every rank (checked equal)."""
+        return self._agreed({"op": "generate", "prompts": [[int(t) for t in p] for p in prompts],
+                             "max_new_tokens": max_new_tokens, "sampling": sampling}, "value")
 
     def memory_report(self) -> dict:
         return self._call({"op": "memory_report"})[0]["value"]
@@ -227,9 +223,15 @@ class RemoteEngine:
     def report(self) -> dict:
         return self._call({"op": "report"})[0]["value"]
 
-    def kv_call(self, fn: str, args: dict) -> list:
-        """A KV transfer step (:mod:`.kv_connector.rank_ops`) on every rank at once; one value per rank."""
-        return [r["value"] for r in self._call({"op": "kv", "fn": fn, "args": args})]
+    def rank_call(self, name: str, args: dict) -> list:
+        """A rank op (:mod:`dcpgraph.runtime.engine_client`) on every rank at once; one value per rank."""
+        return [r["value"] for r in self._call({"op": "rank_call", "name": name, "args": args})]
+
+    def healthy(self) -> bool:
+        return not self.dead and self._alive()
+
+    def worker_pids(self) -> list[int]:
+        return list(self.pids)
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         return [(r["used"], r["total"]) for r in self._call({"op": "kv_usage"})]

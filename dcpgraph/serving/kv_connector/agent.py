@@ -54,10 +54,7 @@ class KVAgent:
 
     def _call(self, fn: str, args: dict) -> list:
         """``rank_ops.<fn>`` on every rank of this instance; one value per rank."""
-        kv_call = getattr(self.engine, "kv_call", None)
-        if kv_call is not None:
-            return kv_call(fn, args)
-        return [rank_ops.dispatch(self.engine, fn, args)]
+        return self.engine.rank_call(rank_ops.op_name(fn), args)
 
     def _failed(self, message: str) -> KVTransferError:
         self.stats["failures"] += 1

@@ -3,7 +3,7 @@ blocks, adopt a transferred request, gather and send (producer) or receive and s
 
 Each function takes the rank's :class:`~dcpgraph.Engine` and JSON-able arguments, and returns a
 JSON-able value, so the same call runs in-process (``tp == 1``) or on every worker of a
-:class:`~dcpgraph.serving.workers.RemoteEngine` (``op: "kv"``, :func:`dispatch`). Ranks of one
+:class:`~dcpgraph.serving.workers.RemoteEngine` (registered as the engines' rank ops ``kv.<step>``, run by ``EngineClient.rank_call``). Ranks of one
 instance run the same deterministic engine, so ``hold``/``adopt`` agree on every rank.
 
 ``DCPGRAPH_KV_FAULT`` (tests only) makes a rank exit at a chosen point: ``producer_exit_before_send``
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from ...errors import KVTransferError
+from ...runtime.engine_client import register_rank_op
 from .config import parse_kv_transfer_config
 from .plan import KVSide, block_mode, buffer_bytes, check_compatible, gather, scatter, transfer_plan
 
@@ -97,9 +98,15 @@ def recv(engine, rid: int, transfer_id: str, producer: dict, start: int, end: in
 
 
 OPS = {"side": side, "hold": hold, "release": release, "adopt": adopt, "send": send, "recv": recv}
+PREFIX = "kv."  # their names among an engine's rank ops
 
 
-def dispatch(engine, fn: str, args: dict):
+def op_name(fn: str) -> str:
+    """The rank-op name of KV transfer step ``fn``; an unknown step is refused naming the known ones."""
     if fn not in OPS:
         raise ValueError(f"unknown KV transfer op {fn!r}; known: {sorted(OPS)}")
-    return OPS[fn](engine, **args)
+    return PREFIX + fn
+
+
+for _name, _fn in OPS.items():
+    register_rank_op(PREFIX + _name, _fn)

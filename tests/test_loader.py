@@ -1,4 +1,4 @@
-"""Shard-by-shard checkpoint loading (:mod:`dcpgraph.serving.loader`).
+"""Shard-by-shard checkpoint loading (:mod:`dcpgraph.checkpoints.loader`).
 
 References: ``ShardRule.local`` / ``PackedShardRule.local`` on eagerly built full tensors for the
 slice readers; HF ``generate`` (fp64, ``from_pretrained``) for the tokens of engines whose every
@@ -20,9 +20,9 @@ from dcpgraph import LLM, ConfigError
 from dcpgraph.passes.absorb_mla import absorbed
 from dcpgraph.passes.tp_styles import PackedShardRule
 from dcpgraph.program import ShardRule
-from dcpgraph.serving.checkpoint import load_model
-from dcpgraph.serving.loader import check_checkpoint, load_program
-from dcpgraph.serving.tensor_sources import (
+from dcpgraph.checkpoints.model_dir import load_model
+from dcpgraph.checkpoints.loader import check_checkpoint, load_program
+from dcpgraph.checkpoints.tensor_sources import (
     AbsorbedMLA,
     Concatenated,
     InMemory,
@@ -200,7 +200,7 @@ def test_an_fp8_block_quantized_checkpoint_runs_its_dequantized_weights(fp8_chec
 
 
 def test_fp8_slices_read_only_their_tiles_and_equal_the_whole(fp8_checkpoint):
-    from dcpgraph.serving.loader import open_checkpoint
+    from dcpgraph.checkpoints.loader import open_checkpoint
 
     quantized_dir, _, _, want = fp8_checkpoint
     sources = open_checkpoint(quantized_dir, "float64")[1]
@@ -237,8 +237,8 @@ def test_other_quantizations_are_refused_by_name(tmp_path):
 
 
 def test_checkpoint_names_follow_transformers_conversion_mapping(checkpoints):
-    from dcpgraph.serving.checkpoint_names import CheckpointNames
-    from dcpgraph.serving.tensor_sources import SafetensorsFiles
+    from dcpgraph.checkpoints.names import CheckpointNames
+    from dcpgraph.checkpoints.tensor_sources import SafetensorsFiles
 
     files = SafetensorsFiles(checkpoints["mixtral"], ("model.safetensors",))
     names = CheckpointNames.for_model_type("mixtral")

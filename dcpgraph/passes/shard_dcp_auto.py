@@ -42,7 +42,7 @@ def collective_backend(distributed: bool, device: torch.device, backend) -> str:
 
 def _weights_device(program: Program) -> torch.device:
     """Where the ranks will run: a CUDA device if any state tensor is on one, else the host (a
-    checkpoint traced on the meta device, :mod:`dcpgraph.serving.loader`, counts as the host)."""
+    checkpoint traced on the meta device, :mod:`dcpgraph.checkpoints.loader`, counts as the host)."""
     devices = {t.device for t in program.state.values() if isinstance(t, torch.Tensor)}
     return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
 

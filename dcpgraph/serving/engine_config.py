@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .loader import load_program
+from ..checkpoints.loader import load_program
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import ConfigError, RequestError
 from ..speculative.config import speculative_config as speculative_config_of
-from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
+from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
 from .logprobs import vllm_logprobs
@@ -58,9 +58,9 @@ def check_mtp_checkpoint(path: str) -> None:
     checkpoint's own inspection, which would call MTP tensors of a small model unexpected)."""
     from ..api import facts_of
     from ..speculative.mtp import check_mtp
-    from .checkpoint_files import weight_files
-    from .loader import meta_model
-    from .tensor_sources import SafetensorsFiles
+    from ..checkpoints.files import weight_files
+    from ..checkpoints.loader import meta_model
+    from ..checkpoints.tensor_sources import SafetensorsFiles
 
     model = meta_model(path, None)
     check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)

@@ -51,9 +51,9 @@ def measure(path: str, tp: int) -> dict:
     """In this process: load rank 0's state at ``tp``; peak RSS growth and held tensor bytes."""
     import torch
 
+    from dcpgraph.checkpoints.loader import load_program
     from dcpgraph.mesh import Mesh
     from dcpgraph.passes.pipeline import compile_program
-    from dcpgraph.checkpoints.loader import load_program
 
     torch.set_num_threads(1)
     program = load_program(path, "float32")

@@ -17,11 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import dcpgraph
 from dcpgraph import LLM, ConfigError
-from dcpgraph.passes.absorb_mla import absorbed
-from dcpgraph.passes.tp_styles import PackedShardRule
-from dcpgraph.program import ShardRule
-from dcpgraph.checkpoints.model_dir import load_model
 from dcpgraph.checkpoints.loader import check_checkpoint, load_program
+from dcpgraph.checkpoints.model_dir import load_model
 from dcpgraph.checkpoints.tensor_sources import (
     AbsorbedMLA,
     Concatenated,
@@ -31,6 +28,9 @@ from dcpgraph.checkpoints.tensor_sources import (
     Stored,
     read_local,
 )
+from dcpgraph.passes.absorb_mla import absorbed
+from dcpgraph.passes.tp_styles import PackedShardRule
+from dcpgraph.program import ShardRule
 from dcpgraph.testing.checkpoints import quantize_checkpoint_fp8, save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 

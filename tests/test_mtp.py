@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dcpgraph
-from dcpgraph.errors import ConfigError
 from dcpgraph.checkpoints.loader import load_program
+from dcpgraph.errors import ConfigError
 from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..errors import ConfigError, RequestError
 from ..speculative.config import speculative_config as speculative_config_of
-from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
 from .logprobs import vllm_logprobs
@@ -57,10 +57,10 @@ def check_mtp_checkpoint(path: str) -> None:
     """``method="mtp"`` against the directory's config and safetensors names (before the
     checkpoint's own inspection, which would call MTP tensors of a small model unexpected)."""
     from ..api import facts_of
-    from ..speculative.mtp import check_mtp
     from ..checkpoints.files import weight_files
     from ..checkpoints.loader import meta_model
     from ..checkpoints.tensor_sources import SafetensorsFiles
+    from ..speculative.mtp import check_mtp
 
     model = meta_model(path, None)
     check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)

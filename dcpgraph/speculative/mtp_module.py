@@ -137,9 +137,9 @@ def mtp_facts(target_facts, layer_index: int):
 def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
     """The MTP module as a canonical Program with user inputs ``input_ids``, ``position_ids``
     and ``hidden_states``; works on meta parameters (the graph then runs on the CPU)."""
+    from ..checkpoints.meta_trace import _on_device
     from ..frontends.export import finish, program_from_export, run_export
     from ..frontends.hf_attention import register
-    from ..checkpoints.meta_trace import _on_device
 
     register()
     device = next(module.parameters()).device
@@ -167,11 +167,11 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
     of the checkpoint at ``path``; raises ConfigError naming tensors the checkpoint lacks."""
     import transformers as tf
 
-    from ..errors import ConfigError
     from ..checkpoints.files import weight_files
     from ..checkpoints.names import CheckpointNames
     from ..checkpoints.quantization import dequantized_sources, fp8_block_size
     from ..checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored
+    from ..errors import ConfigError
 
     config = tf.AutoConfig.from_pretrained(path)
     index = config.num_hidden_layers + layer
@@ -225,8 +225,8 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
 def eager_mtp_module(path: str, dtype: torch.dtype, layer: int = 0) -> MTPModule:
     """MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA (causal) attention:
     the eager reference for the compiled MTP program."""
-    from ..program import REPLICATE
     from ..checkpoints.tensor_sources import read_local
+    from ..program import REPLICATE
 
     _, module, sources = _checkpoint_module(path, dtype, layer, "sdpa", "cpu")
     state = {name: read_local(source, REPLICATE, 0, 1).to(dtype) for name, source in sources.items()}

@@ -95,7 +95,7 @@ def auto_comm(program: Program, workload=None):
     from ..kv_budget import blocks_for_budget, kv_bytes_per_block
     from ..plan.comm_choice import choose_comm
     from ..plan.model_shape import ModelShape
-    from .tp_styles import weight_bytes_per_rank
+    from ..program import weight_bytes_per_rank
 
     workload = workload or _default_workload(program)
     mesh, facts = program.mesh, program.facts

@@ -117,25 +117,6 @@ def with_expert_parallel(program):
     return program.replace(facts=replace(program.facts, tp_plan=plan))
 
 
-def weight_bytes_per_rank(program) -> list[int]:
-    """Bytes of parameters, buffers and constants each TP rank holds (its shards), rank order."""
-    from ..program import STATE_KINDS
-
-    tp = program.mesh.tp
-    per_rank = [0] * tp
-    for spec in program.inputs:
-        if spec.kind not in STATE_KINDS:
-            continue
-        full = program.state[spec.target]
-        for rank in range(tp):
-            shape = spec.shard.local_shape(tuple(full.shape), tp)
-            numel = 1
-            for size in shape:
-                numel *= size
-            per_rank[rank] += numel * full.element_size()
-    return per_rank
-
-
 def plan_rule(plan: dict[str, str], module_path: str) -> str | None:
     """The rule of the first plan pattern matching ``module_path`` (``*`` matches one path
     component), or None."""

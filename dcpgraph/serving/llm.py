@@ -24,7 +24,7 @@ from typing import Any
 
 from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..errors import ConfigError, RequestError
-from ..speculative.config import speculative_config as speculative_config_of
+from ..runtime.speculative_config import speculative_config as speculative_config_of
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine, kv_blocks_in_use
 from .logprobs import vllm_logprobs
@@ -37,10 +37,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
-    """``config`` checked (:func:`dcpgraph.speculative.config.speculative_config`) before any rank
+    """``config`` checked (:func:`dcpgraph.runtime.speculative_config.speculative_config`) before any rank
     starts; a draft model directory is inspected like the target (mesh, tensors, tokenizer) and
     must have the target's vocabulary. Returned as given: it travels to the ranks as JSON."""
-    from ..speculative.config import speculative_config
+    from ..runtime.speculative_config import speculative_config
 
     spec = speculative_config(config)
     if spec.method == "draft_model":

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..program import ShardRule
 
 COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
@@ -105,7 +106,6 @@ def with_expert_parallel(program):
     its tensor-parallel expert entries; refused for a model without one."""
     from dataclasses import replace
 
-    from ..errors import ConfigError
 
     ep_plan = program.facts.extra.get("ep_plan") or {}
     if not ep_plan:

@@ -15,6 +15,8 @@ methods that work. The layer itself is :mod:`.mtp_module`, the drafting :mod:`.m
 
 from __future__ import annotations
 
+from ..checkpoints.files import weight_files
+from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..errors import ConfigError
 
 ALTERNATIVES = "use method 'ngram' or 'draft_model'"
@@ -62,9 +64,6 @@ def check_mtp_target(facts, model) -> str:
     names = num_hidden = None
     if path is not None:
         import transformers as tf
-
-        from ..checkpoints.files import weight_files
-        from ..checkpoints.tensor_sources import SafetensorsFiles
 
         names = SafetensorsFiles(path, weight_files(path)).names()
         num_hidden = tf.AutoConfig.from_pretrained(path).num_hidden_layers

@@ -22,6 +22,9 @@ import os
 
 import torch
 
+from ..models import tiny_config
+from ..speculative.mtp_module import MTPModule, mtp_config
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -72,7 +75,6 @@ def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, s
     tokenizer's special ids in its config and weights redrawn as the module docstring says."""
     import transformers as tf
 
-    from ..models import tiny_config
 
     config = tiny_config(arch, layers=layers, vocab=vocab_size)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 256, 258, 256
@@ -116,7 +118,6 @@ def add_mtp_weights(path: str, *, seed: int = 1, dtype: torch.dtype = torch.floa
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
-    from ..speculative.mtp_module import MTPModule, mtp_config
 
     config = tf.AutoConfig.from_pretrained(path)
     weights = load_file(os.path.join(path, "model.safetensors"))

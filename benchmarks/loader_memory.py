@@ -1,7 +1,7 @@
 """Peak resident memory of one rank loading a checkpoint shard by shard, against the full weights.
 
 For a Llama-shaped checkpoint written here (random fp32 weights, untied LM head), each case runs in
-a fresh process: trace on the meta device (:func:`dcpgraph.serving.loader.load_program`), compile
+a fresh process: trace on the meta device (:func:`dcpgraph.checkpoints.loader.load_program`), compile
 for ``tp`` (emulated executor, nothing read yet), reset the kernel's peak-RSS mark (``5`` into
 ``/proc/self/clear_refs``), then read rank 0's state (``program.local_state(0)``, what a worker's
 executor does) and report the growth of the peak (``VmHWM``) over the resident set before the read,
@@ -51,9 +51,9 @@ def measure(path: str, tp: int) -> dict:
     """In this process: load rank 0's state at ``tp``; peak RSS growth and held tensor bytes."""
     import torch
 
+    from dcpgraph.checkpoints.loader import load_program
     from dcpgraph.mesh import Mesh
     from dcpgraph.passes.pipeline import compile_program
-    from dcpgraph.serving.loader import load_program
 
     torch.set_num_threads(1)
     program = load_program(path, "float32")

@@ -33,7 +33,7 @@ BLOCK = 4
 def plan_bytes(model_dir: str, lengths: list[int]) -> dict[str, list[int]]:
     """Bytes moved (all pairs) for each length: to a block-interleaved and to a row-interleaved consumer."""
     import dcpgraph
-    from dcpgraph.serving.checkpoint import load_model
+    from dcpgraph.checkpoints.model_dir import load_model
     from dcpgraph.serving.kv_connector.plan import KVSide, block_mode, buffer_bytes, transfer_plan
 
     program = dcpgraph.trace(load_model(model_dir, "float64"))

@@ -69,7 +69,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def mtp_programs(tmp: str) -> dict[str, object]:
     """Loaded DeepSeek-V3 tiny programs with MTP weights, per predictability ``eps``."""
-    from dcpgraph.serving.loader import load_program
+    from dcpgraph.checkpoints.loader import load_program
     from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
 
     out = {}

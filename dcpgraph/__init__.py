@@ -27,6 +27,7 @@ __all__ = [
     "ops",
 ]
 
+from . import speculative  # noqa: E402,F401  (registers the draft proposers Engine builds by method)
 from .api import compile, trace  # noqa: E402,A004
 from .runtime.engine import Engine  # noqa: E402
 

@@ -78,7 +78,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     graph mode), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
     "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
     see :mod:`dcpgraph.speculative`; a draft model, or with ``"mtp"`` the checkpoint's MTP layer (the
-    target must then be a Program from :func:`dcpgraph.serving.loader.load_program`), is compiled
+    target must then be a Program from :func:`dcpgraph.checkpoints.loader.load_program`), is compiled
     here on the same mesh, with its own KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
     ``{"method": "ngram", "num_speculative_tokens": k}``, default 0), ``max_waiting`` (bound of
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
@@ -210,13 +210,13 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
 
 def _draft_program(model, dtype: torch.dtype) -> Program:
     """The draft as a traced Program: a directory is loaded shard by shard (each rank reads its
-    slices, :func:`~dcpgraph.serving.loader.load_program`), an ``nn.Module`` is traced, a Program
+    slices, :func:`~dcpgraph.checkpoints.loader.load_program`), an ``nn.Module`` is traced, a Program
     is used as is."""
     if isinstance(model, Program):
         return model
     if isinstance(model, str):
-        from .serving.checkpoint_files import DTYPES
-        from .serving.loader import load_program
+        from .checkpoints.files import DTYPES
+        from .checkpoints.loader import load_program
 
         return load_program(model, next((k for k, v in DTYPES.items() if v == dtype), "auto"))
     return trace(model)

@@ -32,6 +32,17 @@ from fractions import Fraction
 
 import torch
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model's dtype
+# vLLM's other spellings of the same caches (its "fp8" is e4m3 on CUDA), taken as the names above.
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
+
+
+def canonical_kv_cache_dtype(name: object) -> object:
+    """``name`` with vLLM's aliases replaced by dcpgraph's names; anything else unchanged (the
+    callers validate it)."""
+    return KV_CACHE_DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
 FP8_SCALE_GROUP = 128  # elements per fp32 scale of an fp8 cache (per token and head)
 FP8_SCALE_BYTES = 4
 SCALE_SUFFIX = "_scale"  # a scale cache's role: its data cache's role + this suffix

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+import dcpgraph
+from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
+from dcpgraph.frontends.layer_kinds import check_layer_types
+from dcpgraph.mesh import Mesh
+from dcpgraph.testing.generation import drain, hf_greedy
+
 PROMPT = (5, 9, 4, 77, 10, 11, 3)
 NEW_TOKENS = 6
 DCP_MESHES = ((4, 4), (4, 2), (2, 2))
@@ -124,8 +130,6 @@ def tiny_config(model_type: str):
     text causal LM (then nothing is built)."""
     import transformers as tf
 
-    from dcpgraph.errors import UnsupportedModelError
-    from dcpgraph.frontends.layer_kinds import check_layer_types
 
     config_class = type(tf.AutoConfig.for_model(model_type))
     default = config_class()
@@ -168,9 +172,6 @@ def tiny_model(model_type: str):
 
 
 def _tokens(program, tp: int, dcp: int) -> list[int]:
-    import dcpgraph
-    from dcpgraph.testing.generation import drain
-
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8)
     engine.add_request(list(PROMPT), max_new_tokens=NEW_TOKENS)
     return drain(engine)[0]
@@ -178,10 +179,6 @@ def _tokens(program, tp: int, dcp: int) -> list[int]:
 
 def check(model_type: str, timeout: int = 300) -> Row:
     """One architecture's row (never raises)."""
-    import dcpgraph
-    from dcpgraph.errors import DcpGraphError, VerificationError
-    from dcpgraph.testing.generation import hf_greedy
-
     row = Row(model_type)
     model = None
     try:
@@ -237,8 +234,6 @@ def check(model_type: str, timeout: int = 300) -> Row:
 
 
 def _hf_fails(model) -> bool:
-    from dcpgraph.testing.generation import hf_greedy
-
     try:
         with _deadline(120):
             hf_greedy(model, PROMPT, NEW_TOKENS)
@@ -254,9 +249,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _largest_valid_mesh(facts) -> list[tuple[int, int]]:
     """The first valid mesh of :data:`DCP_MESHES`, else of :data:`TP_MESHES` (``[]`` if none)."""
-    from dcpgraph.errors import DcpGraphError
-    from dcpgraph.mesh import Mesh
-
     for tp, dcp in (*DCP_MESHES, *TP_MESHES):
         try:
             Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from .api import trace
 from .collectives import WAIT, Collective, bind, collective_of, group_kind
+from .passes.verify import propagate_shapes
 from .program import BUFFER, CACHE, CONSTANT, META, PARAM, RANK, USER, Program
 
 
@@ -66,8 +68,6 @@ def _program_of(obj: Any) -> Program:
     if isinstance(program, Program):  # an Engine
         return program
     if isinstance(obj, torch.nn.Module):
-        from .api import trace
-
         return trace(obj)
     raise TypeError(f"explain() takes a Program, an Engine or an nn.Module, not {type(obj).__name__}")
 
@@ -93,7 +93,6 @@ def _ensure_vals(program: Program) -> None:
     nodes = [n for n in program.graph_module.graph.nodes if n.op == "call_function"]
     if all("val" in n.meta for n in nodes):
         return
-    from .passes.verify import propagate_shapes
 
     try:
         propagate_shapes(program)

@@ -154,3 +154,9 @@ class Mesh:
     def __str__(self) -> str:
         groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())
         return f"Mesh(tp={self.tp}, dcp={self.dcp}; dcp groups {groups})"
+
+
+def local_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads one TP rank holds: its share, or one replicated head when ``tp > num_kv_heads``
+    (the rule :mod:`dcpgraph.passes.shard_tp` shards by; the planner sizes caches with it)."""
+    return num_kv_heads // tp if num_kv_heads >= tp else 1

@@ -14,21 +14,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .backends.registry import SPLIT_NEW_TOKENS, resolve_backend
+from .capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from .errors import ConfigError
+from .runtime.speculative_config import speculative_config
 
 COMMS = ("auto", "a2a", "ag_rs", "ag")
 EXECUTORS = ("auto", "emulated", "distributed")
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # vLLM's names; auto = the model's dtype
-# vLLM's other spellings of the same caches (its "fp8" is e4m3 on CUDA), taken as the names above.
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16"}
-
-
-def canonical_kv_cache_dtype(name: Any) -> Any:
-    """``name`` with vLLM's aliases replaced by dcpgraph's names; anything else unchanged (the
-    callers validate it)."""
-    return KV_CACHE_DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 # name -> (default, smallest allowed value) for integer options
 _INTS = {
@@ -98,12 +92,8 @@ def compile_options(**given: Any) -> dict[str, Any]:
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ConfigError(f"compile_cache_dir must be None or a directory path (str or os.PathLike), got {cache_dir!r}")
     backend = given.get("backend", "auto")
-    from .backends.registry import resolve_backend
-
     name, _ = resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
     fuse_new = _fuse_new_tokens(given.get("fuse_new_tokens"), name)
-    from .speculative.config import speculative_config
-
     spec = speculative_config(given.get("speculative_config"), out["speculative_tokens"])
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
             "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec,
@@ -113,8 +103,6 @@ def compile_options(**given: Any) -> dict[str, Any]:
 def _fuse_new_tokens(value: Any, backend: str) -> bool:
     """``fuse_new_tokens``: None (default) fuses except for the backends that cannot lower a fused
     read (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`); True/False force it."""
-    from .backends.registry import SPLIT_NEW_TOKENS
-
     if value is None:
         return backend not in SPLIT_NEW_TOKENS
     if not isinstance(value, bool):

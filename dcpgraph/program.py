@@ -274,3 +274,19 @@ def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]
             raise VerificationError(f"input {spec.name!r} has unknown kind {spec.kind!r}")
     return out
 
+
+def weight_bytes_per_rank(program) -> list[int]:
+    """Bytes of parameters, buffers and constants each TP rank holds (its shards), rank order."""
+    tp = program.mesh.tp
+    per_rank = [0] * tp
+    for spec in program.inputs:
+        if spec.kind not in STATE_KINDS:
+            continue
+        full = program.state[spec.target]
+        for rank in range(tp):
+            shape = spec.shard.local_shape(tuple(full.shape), tp)
+            numel = 1
+            for size in shape:
+                numel *= size
+            per_rank[rank] += numel * full.element_size()
+    return per_rank

@@ -25,11 +25,10 @@ from dcpgraph.passes.collectives import collective_group
 from dcpgraph.passes.graph_edit import nodes_calling
 from dcpgraph.passes.pipeline import compile_program
 from dcpgraph.passes.shard_dcp_auto import collective_backend
-from dcpgraph.passes.tp_styles import weight_bytes_per_rank
 from dcpgraph.plan import load_model_shape
 from dcpgraph.plan.comm_choice import CommWorkload, choose_comm, link_hardware
 from dcpgraph.plan.hardware import PRESETS
-from dcpgraph.program import REPLICATE
+from dcpgraph.program import REPLICATE, weight_bytes_per_rank
 from dcpgraph.testing.generation import hf_greedy
 
 MAX_NEW = 12

@@ -17,7 +17,7 @@ import torch
 
 import dcpgraph
 from dcpgraph.models import build_model
-from dcpgraph.speculative import rejection
+from dcpgraph.runtime import rejection
 from dcpgraph.testing.generation import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]

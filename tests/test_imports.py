@@ -1,4 +1,4 @@
-"""No import cycles between dcpgraph modules, at any level.
+"""No import cycles between dcpgraph modules, at any level, and package edges that go one way.
 
 Every ``.py`` file under ``dcpgraph/`` is parsed with :mod:`ast`; every ``import`` and
 ``from ... import`` statement, at module level or inside a function, class or ``if`` block, is an
@@ -8,6 +8,11 @@ Importing a submodule also runs its parent packages' ``__init__``; those implici
 counted, as in the usual definition of an import cycle (``pkg/__init__`` importing ``pkg.a``
 and ``pkg.a`` importing ``pkg.b`` is no cycle). Cycles are the strongly connected components
 of that graph with more than one module.
+
+The same scan, grouped by package (``dcpgraph.X`` for a subpackage or a top-level module, the root
+``__init__`` as ``dcpgraph``), must follow :data:`LAYERS`: a package imports only packages of
+lower layers, function-level imports included, so no package cycle can form. A new edge either
+fits the order or changes the order here, in review.
 """
 
 from __future__ import annotations
@@ -20,6 +25,48 @@ import pytest
 import dcpgraph
 
 PACKAGE_DIR = Path(dcpgraph.__file__).parent
+
+# Packages from low to high; a package may import packages of lower layers only (none of its own
+# layer). Top-level modules count as packages; "dcpgraph" is the root __init__.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "models"),
+    ("mesh", "layout", "capacity"),
+    ("program", "ops", "collectives"),
+    ("kv_budget",),
+    ("runtime",),  # the engine, and the speculative interface (proposer registry, rejection)
+    ("plan",),  # the cost model comm="auto" uses; calibration runs runtime's host collectives
+    ("passes",),
+    ("frontends", "backends"),
+    ("checkpoints",),
+    ("speculative", "options"),
+    ("api",),
+    ("explain", "serving"),
+    ("dcpgraph", "testing"),
+    ("coverage", "cli"),
+    ("__main__",),
+]
+LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+
+
+def package_of(module: str) -> str:
+    """``dcpgraph.a.b`` -> ``a``; the root package -> ``dcpgraph``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layering_violations(sites, layer_of: dict[str, int], root: Path) -> list[str]:
+    """``file:line: a -> b`` for every import whose package is not in a lower layer than the
+    importer's (an unknown package is a violation too, so a new package must be placed)."""
+    bad = []
+    for name, target, path, line in sites:
+        a, b = package_of(name), package_of(target)
+        if a == b:
+            continue
+        if a not in layer_of or b not in layer_of or layer_of[b] >= layer_of[a]:
+            where = path.relative_to(root.parent)
+            bad.append(f"{where}:{line}: {a} -> {b} ({name} imports {target})")
+    return bad
+
 
 # Known cycles in files other work is moving, as frozensets of module names; the integrator
 # empties this list once those moves land. Nothing else may be added here.
@@ -45,12 +92,13 @@ def _known(name: str, modules) -> str | None:
     return name or None
 
 
-def import_edges(modules) -> dict[str, set[str]]:
-    edges: dict[str, set[str]] = {}
+def import_sites(modules) -> list[tuple[str, str, Path, int]]:
+    """``(importer, imported module, file, line)`` for every import of a dcpgraph module."""
+    sites = []
     for name, (path, is_package) in modules.items():
         package = name if is_package else name.rpartition(".")[0]
-        found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found: set[str] = set()
             if isinstance(node, ast.Import):
                 found |= {m for a in node.names if (m := _known(a.name, modules))}
             elif isinstance(node, ast.ImportFrom):
@@ -65,8 +113,14 @@ def import_edges(modules) -> dict[str, set[str]]:
                     module = target if target in modules else _known(source, modules)
                     if module:
                         found.add(module)
-        found.discard(name)
-        edges[name] = found
+            sites += [(name, target, path, node.lineno) for target in sorted(found) if target != name]
+    return sites
+
+
+def import_edges(modules) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, target, _, _ in import_sites(modules):
+        edges[name].add(target)
     return edges
 
 
@@ -145,3 +199,36 @@ def test_no_import_cycles_between_dcpgraph_modules():
     found = [c for c in cycles(edges) if frozenset(c) not in ALLOWED_CYCLES]
     if found:
         pytest.fail("\n".join(describe(c, edges) for c in found))
+
+
+def test_the_layering_check_reports_a_disallowed_edge_with_its_line(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from . import high\n")
+    (pkg / "high" / "a.py").write_text("from ..low import b\n")
+    (pkg / "low" / "b.py").write_text("import os\n\n\ndef f():\n    from ..high.a import thing\n")
+    sites = import_sites(module_files(pkg))
+    layers = {"low": 0, "high": 1, "pkg": 2}
+    assert layering_violations(sites, layers, pkg) == [
+        "pkg/low/b.py:5: low -> high (pkg.low.b imports pkg.high.a)"]
+    assert layering_violations(sites, {**layers, "low": 1, "high": 0}, pkg) == [
+        "pkg/high/a.py:1: high -> low (pkg.high.a imports pkg.low.b)"]
+    assert layering_violations(sites, {"low": 0, "high": 1}, pkg)[0] == (
+        "pkg/__init__.py:1: pkg -> high (pkg imports pkg.high)")  # an unplaced package is reported
+
+
+def test_every_package_is_placed_once_in_the_layers():
+    placed = [p for layer in LAYERS for p in layer]
+    assert len(placed) == len(set(placed))
+    assert {package_of(m) for m in module_files()} == set(placed)
+
+
+def test_package_imports_go_down_the_layers():
+    sites = import_sites(module_files())
+    assert len(sites) > 200
+    bad = layering_violations(sites, LAYER_OF, PACKAGE_DIR)
+    if bad:
+        pytest.fail("imports against dcpgraph's package layers (tests/test_imports.py LAYERS):\n  "
+                    + "\n  ".join(bad))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dcpgraph import LLM, ConfigError, RequestError, SamplingParams, UnsupportedModelError
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.runtime.engine_client import EngineClient
-from dcpgraph.serving.checkpoint import load_model, load_tokenizer
 from dcpgraph.serving.detokenizer import TextStream
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy

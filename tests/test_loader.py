@@ -1,4 +1,4 @@
-"""Shard-by-shard checkpoint loading (:mod:`dcpgraph.serving.loader`).
+"""Shard-by-shard checkpoint loading (:mod:`dcpgraph.checkpoints.loader`).
 
 References: ``ShardRule.local`` / ``PackedShardRule.local`` on eagerly built full tensors for the
 slice readers; HF ``generate`` (fp64, ``from_pretrained``) for the tokens of engines whose every
@@ -17,12 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import dcpgraph
 from dcpgraph import LLM, ConfigError
-from dcpgraph.passes.absorb_mla import absorbed
-from dcpgraph.passes.tp_styles import PackedShardRule
-from dcpgraph.program import ShardRule
-from dcpgraph.serving.checkpoint import load_model
-from dcpgraph.serving.loader import check_checkpoint, load_program
-from dcpgraph.serving.tensor_sources import (
+from dcpgraph.checkpoints.loader import check_checkpoint, load_program
+from dcpgraph.checkpoints.model_dir import load_model
+from dcpgraph.checkpoints.tensor_sources import (
     AbsorbedMLA,
     Concatenated,
     InMemory,
@@ -31,6 +28,9 @@ from dcpgraph.serving.tensor_sources import (
     Stored,
     read_local,
 )
+from dcpgraph.passes.absorb_mla import absorbed
+from dcpgraph.passes.tp_styles import PackedShardRule
+from dcpgraph.program import ShardRule
 from dcpgraph.testing.checkpoints import quantize_checkpoint_fp8, save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 
@@ -198,7 +198,7 @@ def test_an_fp8_block_quantized_checkpoint_runs_its_dequantized_weights(fp8_chec
 
 
 def test_fp8_slices_read_only_their_tiles_and_equal_the_whole(fp8_checkpoint):
-    from dcpgraph.serving.loader import open_checkpoint
+    from dcpgraph.checkpoints.loader import open_checkpoint
 
     quantized_dir, _, _, want = fp8_checkpoint
     sources = open_checkpoint(quantized_dir, "float64")[1]
@@ -235,8 +235,8 @@ def test_other_quantizations_are_refused_by_name(tmp_path):
 
 
 def test_checkpoint_names_follow_transformers_conversion_mapping(checkpoints):
-    from dcpgraph.serving.checkpoint_names import CheckpointNames
-    from dcpgraph.serving.tensor_sources import SafetensorsFiles
+    from dcpgraph.checkpoints.names import CheckpointNames
+    from dcpgraph.checkpoints.tensor_sources import SafetensorsFiles
 
     files = SafetensorsFiles(checkpoints["mixtral"], ("model.safetensors",))
     names = CheckpointNames.for_model_type("mixtral")

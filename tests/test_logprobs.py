@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from dcpgraph import LLM, SamplingParams
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.runtime.sampling import SamplingParams as EngineParams
 from dcpgraph.runtime.sampling import apply_penalties, sample, token_logprobs
-from dcpgraph.serving.checkpoint import load_model, load_tokenizer
 from dcpgraph.serving.prompts import chat_prompt
 from dcpgraph.testing.server import running_server
 

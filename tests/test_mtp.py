@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dcpgraph
+from dcpgraph.checkpoints.loader import load_program
 from dcpgraph.errors import ConfigError
-from dcpgraph.serving.loader import load_program
 from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_reference
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from dcpgraph.serving.checkpoint import load_model, load_tokenizer
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.pd import SERVE_ARGS as COMMON

@@ -12,7 +12,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from dcpgraph.serving.checkpoint import load_model, load_tokenizer
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.pd import SERVE_ARGS, kv_config, wait_kv_free
 from dcpgraph.testing.pd import kv_stats as stats

@@ -16,9 +16,9 @@ import itertools
 import pytest
 import torch
 
+from dcpgraph.runtime import rejection
+from dcpgraph.runtime.rejection import accept, probabilities, rejection_sample
 from dcpgraph.runtime.sampling import SamplingParams, sample
-from dcpgraph.speculative import rejection
-from dcpgraph.speculative.rejection import accept, probabilities, rejection_sample
 
 V, LENGTH, K, SAMPLES = 5, 3, 2, 12_000
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from dcpgraph.serving.checkpoint import load_model, load_tokenizer
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.server import running_server
 

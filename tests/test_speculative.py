@@ -7,8 +7,8 @@ import torch
 
 import dcpgraph
 from dcpgraph.models import build_model
+from dcpgraph.runtime.rejection import accept
 from dcpgraph.speculative.ngram import propose
-from dcpgraph.speculative.rejection import accept
 from dcpgraph.testing.generation import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41]]

@@ -9,8 +9,8 @@ import dcpgraph
 from dcpgraph.errors import ConfigError
 from dcpgraph.models import build_model
 from dcpgraph.options import compile_options
+from dcpgraph.runtime.speculative_config import SpeculativeConfig, speculative_config
 from dcpgraph.serving.cli import build_parser, llm_options
-from dcpgraph.speculative.config import SpeculativeConfig, speculative_config
 
 
 @pytest.mark.parametrize("config, message", [

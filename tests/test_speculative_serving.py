@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dcpgraph import LLM, ConfigError, SamplingParams
-from dcpgraph.serving.checkpoint import load_model
+from dcpgraph.checkpoints.model_dir import load_model
 from dcpgraph.serving.metrics import Metrics
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
@@ -113,7 +113,7 @@ def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_p
         body = {"model": dirs["target"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
         tokenizer_text = reply["choices"][0]["text"]
-        from dcpgraph.serving.checkpoint import load_tokenizer
+        from dcpgraph.checkpoints.model_dir import load_tokenizer
 
         assert tokenizer_text == load_tokenizer(dirs["target"]).decode(reference(prompt), skip_special_tokens=True)
         deadline, drafted = time.monotonic() + 30, []

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedModelError
+from ..passes.manager import run_passes
 from ..program import BUFFER, CONSTANT, PARAM, USER, InputSpec, ModelFacts, Program, Provenance
 
 USER_ROLES = ("input_ids", "position_ids")
@@ -164,7 +165,6 @@ def _refuse_tensor_readback(graph: torch.fx.Graph) -> None:
 
 def finish(program: Program, *, verify: bool = True) -> Program:
     """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass)."""
-    from ..passes.manager import run_passes
     from .canonicalize import canonicalize_attention
 
     return run_passes(program, [canonicalize_attention], verify=verify)

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from ..errors import UnsupportedModelError
+from ..passes.verify import propagate_shapes
 from ..program import PARAM, USER, ModelFacts, Program
 from . import export as export_mod
 
@@ -142,8 +143,6 @@ def _facts(program: Program, model: torch.nn.Module) -> ModelFacts:
     if not attention:
         raise UnsupportedModelError(f"{name}: no recognisable attention in the traced graph")
     if any("val" not in a.meta for n in attention for a in n.args[:3]):
-        from ..passes.verify import propagate_shapes
-
         propagate_shapes(program)
     dims = set()
     for node in attention:

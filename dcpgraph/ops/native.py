@@ -131,11 +131,11 @@ AMX_LSE_TOL = 1e-4
 
 
 def dense_reference(q, k_values, v_values, block_table, cu_seqlens_q, kv_lens, scale):
-    """fp32 ``(out, lse)``: each row's keys gathered through its table and attended by the
-    project's dense reference (:func:`dcpgraph.testing.reference.dense_attention`, float64) — the
-    independent check of the AMX path (``k_values``/``v_values``: the caches' exact values)."""
-    from ..testing.reference import dense_attention
-
+    """fp32 ``(out, lse)``: each row's keys gathered through its table and attended densely in
+    float64 with plain torch ops (the same arithmetic as the tests'
+    :func:`dcpgraph.testing.reference.dense_attention`, kept here so that ops never imports
+    :mod:`dcpgraph.testing`) — the independent check of the AMX path (``k_values``/``v_values``:
+    the caches' exact values)."""
     tq, hq, _ = q.shape
     block, hkv = k_values.shape[1], k_values.shape[2]
     out = torch.zeros(tq, hq, v_values.shape[-1])
@@ -147,9 +147,22 @@ def dense_reference(q, k_values, v_values, block_table, cu_seqlens_q, kv_lens, s
         ids = block_table[r, : -(-n // block)].to(torch.int64)
         k = k_values[ids].reshape(-1, hkv, k_values.shape[-1])[:n]
         v = v_values[ids].reshape(-1, hkv, v_values.shape[-1])[:n]
-        o, l_ = dense_attention(q[cu[r] : cu[r + 1]], k, v, scale)
+        o, l_ = _dense_rows(q[cu[r] : cu[r + 1]], k, v, scale)
         out[cu[r] : cu[r + 1]], lse[cu[r] : cu[r + 1]] = o.float(), l_.float()
     return out, lse
+
+
+def _dense_rows(q, k, v, scale):
+    """``softmax(scale·q·kᵀ)·v`` and the scores' logsumexp in float64, every query seeing every key
+    (GQA by ``repeat_interleave``): ``q [T, Hq, D]``, ``k [S, Hkv, D]``, ``v [S, Hkv, Dv]``."""
+    group = q.shape[1] // k.shape[1]
+    qd = q.double().transpose(0, 1)
+    kd = k.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    vd = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = scale * qd @ kd.transpose(1, 2)  # [Hq, T, S], S >= 1 here
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ vd
+    return out.transpose(0, 1), lse.transpose(0, 1)
 
 
 def _amx_self_check(kv_dtype: torch.dtype) -> bool:

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from ..capacity import SCALE_SUFFIX, scale_groups
+from ..capacity import KV_CACHE_DTYPES, SCALE_SUFFIX, scale_groups
 from ..errors import ConfigError, VerificationError
-from ..options import KV_CACHE_DTYPES
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import linear as linear_ops
 from ..program import STATE_KINDS, Program
 from .manager import program_pass, ran
 
@@ -40,8 +41,6 @@ def _is_bf16_cpu_parameter(node, state_names: set[str]) -> bool:
     ],
 )
 def native_linear(program: Program, enabled: bool = True):
-    from ..ops import linear as linear_ops
-
     if not enabled:
         return program, "disabled"
     state_names = {s.name for s in program.inputs if s.kind in STATE_KINDS}

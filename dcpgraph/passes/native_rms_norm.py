@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..ops import rms_norm as rms_norm_ops
 from ..program import STATE_KINDS, Program
 from .graph_edit import replace_chains
 from .manager import program_pass, ran
@@ -85,8 +86,6 @@ def match_rms_norm(out: torch.fx.Node, state_names: set[str]):
     requires=[ran("fuse_mla_preprocess", "its MLA preprocess patterns contain RMSNorm chains")],
 )
 def native_rms_norm(program: Program, enabled: bool = True):
-    from ..ops import rms_norm as rms_norm_ops
-
     if not enabled:
         return program, "disabled"
     state_names = {s.name for s in program.inputs if s.kind in STATE_KINDS}

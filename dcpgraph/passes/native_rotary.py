@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.fx
 
+from ..ops import rotary as rotary_ops
 from ..ops.rotary import DTYPES
 from ..program import Program
 from .graph_edit import replace_chains
@@ -107,8 +108,6 @@ def match_rotary(out: torch.fx.Node):
     requires=[ran("fuse_mla_preprocess", "its MLA preprocess patterns contain rotary chains")],
 )
 def native_rotary(program: Program, enabled: bool = True):
-    from ..ops import rotary as rotary_ops
-
     if not enabled:
         return program, "disabled"
     found = [n for n in program.graph_module.graph.nodes if match_rotary(n)]

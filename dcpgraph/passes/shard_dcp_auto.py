@@ -18,7 +18,11 @@ import os
 
 import torch
 
-from ..program import STATE_KINDS, Program
+from ..capacity import max_sequences
+from ..kv_budget import blocks_for_budget, kv_bytes_per_block
+from ..plan.comm_choice import CommWorkload, choose_comm, link_hardware, measured_link
+from ..plan.model_shape import ModelShape
+from ..program import STATE_KINDS, Program, weight_bytes_per_rank
 from .graph_edit import context_reads
 from .shard_dcp_replicated import ag_rules
 
@@ -42,7 +46,7 @@ def collective_backend(distributed: bool, device: torch.device, backend) -> str:
 
 def _weights_device(program: Program) -> torch.device:
     """Where the ranks will run: a CUDA device if any state tensor is on one, else the host (a
-    checkpoint traced on the meta device, :mod:`dcpgraph.serving.loader`, counts as the host)."""
+    checkpoint traced on the meta device, :mod:`dcpgraph.checkpoints.loader`, counts as the host)."""
     devices = {t.device for t in program.state.values() if isinstance(t, torch.Tensor)}
     return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
 
@@ -63,7 +67,6 @@ def compile_workload(program: Program, *, tp: int, distributed: bool, backend, m
     gloo preset it stands in for."""
     import torch.distributed as dist
 
-    from ..plan.comm_choice import CommWorkload, link_hardware, measured_link
 
     device = _weights_device(program)
     link = collective_backend(distributed, device, backend)
@@ -91,12 +94,6 @@ def _state_bytes(program: Program, name: str, rule) -> int:
 
 def auto_comm(program: Program, workload=None):
     """The :class:`~dcpgraph.plan.comm_choice.CommChoice` for ``program`` (TP-sharded, dcp > 1)."""
-    from ..capacity import max_sequences
-    from ..kv_budget import blocks_for_budget, kv_bytes_per_block
-    from ..plan.comm_choice import choose_comm
-    from ..plan.model_shape import ModelShape
-    from .tp_styles import weight_bytes_per_rank
-
     workload = workload or _default_workload(program)
     mesh, facts = program.mesh, program.facts
     graph = program.graph_module.graph

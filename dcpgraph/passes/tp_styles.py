@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..program import ShardRule
 
 COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
@@ -105,7 +106,6 @@ def with_expert_parallel(program):
     its tensor-parallel expert entries; refused for a model without one."""
     from dataclasses import replace
 
-    from ..errors import ConfigError
 
     ep_plan = program.facts.extra.get("ep_plan") or {}
     if not ep_plan:
@@ -115,25 +115,6 @@ def with_expert_parallel(program):
         )
     plan = {**program.facts.tp_plan, **ep_plan}
     return program.replace(facts=replace(program.facts, tp_plan=plan))
-
-
-def weight_bytes_per_rank(program) -> list[int]:
-    """Bytes of parameters, buffers and constants each TP rank holds (its shards), rank order."""
-    from ..program import STATE_KINDS
-
-    tp = program.mesh.tp
-    per_rank = [0] * tp
-    for spec in program.inputs:
-        if spec.kind not in STATE_KINDS:
-            continue
-        full = program.state[spec.target]
-        for rank in range(tp):
-            shape = spec.shard.local_shape(tuple(full.shape), tp)
-            numel = 1
-            for size in shape:
-                numel *= size
-            per_rank[rank] += numel * full.element_size()
-    return per_rank
 
 
 def plan_rule(plan: dict[str, str], module_path: str) -> str | None:

@@ -38,6 +38,10 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
+
+from ..runtime import host_collectives
+from ..runtime.distributed import spawn
 from .hardware import HARDWARE_NAMES, MEASURED, PRESETS, Hardware, physical_memory
 
 LINK_CHUNK_BYTES = 1 << 20
@@ -105,7 +109,6 @@ def attention_args(tokens: int, q_heads: int, dim: int, block: int = 16):
     """``paged_attention`` arguments over ``tokens`` of one fp32 KV head (one request)."""
     import torch
 
-    import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
 
     blocks = -(-tokens // block)
     g = torch.Generator().manual_seed(0)
@@ -165,7 +168,6 @@ def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
 
-    from ..runtime import host_collectives
 
     world = dist.get_world_size()
     elements = LINK_CHUNK_BYTES // 4
@@ -215,8 +217,6 @@ def measure_this_machine(links: bool = True, **calibration) -> Hardware:
     cal = calibrate_attention(**calibration)
     link_bw, link_latency, how = 5e9, 200e-6, "links assumed"
     if links:
-        from ..runtime.distributed import spawn
-
         measured = spawn(_links_worker, 2, 10, timeout_s=120)[0]
         link_latency = statistics.mean(lat for lat, _ in measured.values())
         link_bw = statistics.mean(bw for _, bw in measured.values())

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..capacity import KV_CACHE_DTYPE_ALIASES, canonical_kv_cache_dtype
 from ..errors import ConfigError
-from ..options import KV_CACHE_DTYPE_ALIASES, canonical_kv_cache_dtype
 from .architectures import ARCHITECTURES
 from .hardware import HARDWARE_NAMES
 from .model_shape import KV_CACHE_DTYPES

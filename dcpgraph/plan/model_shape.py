@@ -3,7 +3,7 @@ named architecture from :mod:`.architectures`): what the planner needs, no weigh
 
 Per-rank caches follow the compiler exactly: GQA has a K and a V cache per layer with
 ``local_kv_heads(num_kv_heads, tp)`` heads (the KV heads are replicated when ``tp > num_kv_heads``,
-the function ``shard_tp`` uses); MLA has one latent head of ``kv_lora_rank + qk_rope_head_dim``
+the rule ``shard_tp`` uses, :func:`dcpgraph.mesh.local_kv_heads`); MLA has one latent head of ``kv_lora_rank + qk_rope_head_dim``
 per layer on every rank. DeepSeek-V3.2's indexer key cache (not compiled by dcpgraph; modelled
 here) is one head of ``index_head_dim`` per layer, stored fp8 with one fp32 scale per token, as
 DeepSeek's and vLLM's implementations store it.
@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 
 from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
+from ..mesh import local_kv_heads
 from .architectures import named_config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -78,8 +79,6 @@ class ModelShape:
         return self.dtype_bytes if kv_cache_dtype == "auto" else _DTYPE_BYTES[kv_cache_dtype]
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        from ..passes.shard_tp import local_kv_heads
-
         return 1 if self.attention == "mla" else local_kv_heads(self.num_kv_heads, tp)
 
     def cache_shapes(self, tp: int, kv_cache_dtype: str = "auto") -> list[CacheShape]:

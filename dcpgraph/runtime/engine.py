@@ -16,15 +16,15 @@ import torch
 
 from ..errors import RequestError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
-from ..program import Program
-from ..speculative.build import make_proposer
-from ..speculative.config import speculative_config as speculative_config_of
+from ..program import Program, weight_bytes_per_rank
 from .engine_client import EngineClient, run_rank_op
 from .graph_mode import DecodeBuckets, default_buckets
 from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
+from .proposer import make_proposer
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, StepEvent
+from .speculative_config import speculative_config as speculative_config_of
 from .verify_buckets import VerifyBuckets
 
 
@@ -299,7 +299,7 @@ class Engine(EngineClient):
             "tp": self.mesh.tp,
             "dcp": self.mesh.dcp,
             "prefix_cache": self.prefix_cache_report(),
-            "weight_bytes_per_rank": _weight_bytes_per_rank(self.program),
+            "weight_bytes_per_rank": weight_bytes_per_rank(self.program),
             **self._draft_memory(),
         }
 
@@ -310,7 +310,7 @@ class Engine(EngineClient):
             return {}
         per_rank = kv_bytes_per_block(runner.program) * self.blocks.num_blocks
         return {"draft_kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
-                "draft_weight_bytes_per_rank": _weight_bytes_per_rank(runner.program)}
+                "draft_weight_bytes_per_rank": weight_bytes_per_rank(runner.program)}
 
     def prefix_cache_report(self) -> dict:
         """Prefix-cache counters (vLLM's meaning, counted at every admission while caching is on):
@@ -344,7 +344,7 @@ class Engine(EngineClient):
 
     def speculative_report(self) -> dict:
         """The configuration (``method``, ``tokens`` = k; ``None``/0 when off), the acceptance
-        statistics (:class:`~dcpgraph.speculative.stats.AcceptanceStats`) and, with a draft
+        statistics (:class:`~dcpgraph.runtime.acceptance.AcceptanceStats`) and, with a draft
         model, the draft's steps per graph."""
         out = {"method": self.speculative.method if self.speculative else None, "tokens": self.speculative_tokens,
                **(self.speculative.describe() if self.speculative else {}), **self.scheduler.acceptance.report()}
@@ -373,8 +373,3 @@ class Engine(EngineClient):
             **backend,
         }
 
-
-def _weight_bytes_per_rank(program) -> list[int]:
-    from ..passes.tp_styles import weight_bytes_per_rank
-
-    return weight_bytes_per_rank(program)

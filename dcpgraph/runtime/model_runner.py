@@ -4,7 +4,7 @@ It owns everything between the scheduler's plan and the sampled tokens: drafts f
 proposer (:mod:`dcpgraph.speculative`) for the rows the scheduler gave room to, the flattened
 per-rank step inputs (:mod:`.step_inputs`), the static-shape decode and verification buckets
 (:mod:`.graph_mode`, :mod:`.verify_buckets`), the executor that runs the compiled program,
-sampling, and verification of drafts (:func:`dcpgraph.speculative.rejection.verify`). It never
+sampling, and verification of drafts (:func:`dcpgraph.runtime.rejection.verify`). It never
 changes a request: what the tokens mean (acceptance, stop conditions, ``computed``) is
 :meth:`Scheduler.postprocess`'s business.
 """
@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 
 from ..program import Program
-from ..speculative.proposer import NO_DRAFTS
-from ..speculative.rejection import verify
 from .graph_mode import DecodeBuckets
+from .proposer import NO_DRAFTS
+from .rejection import verify
 from .sampling import sample, token_logprobs
 from .scheduler import RowOutput, ScheduledChunk
 from .step_inputs import Chunk, TableRows, build_step_inputs

@@ -48,9 +48,9 @@ from typing import NamedTuple
 import torch
 
 from ..errors import QueueFullError, RequestError
-from ..speculative.rejection import accept
-from ..speculative.stats import AcceptanceStats
+from .acceptance import AcceptanceStats
 from .blocks import BlockManager
+from .rejection import accept
 from .sampling import SamplingParams
 from .step_inputs import Chunk
 

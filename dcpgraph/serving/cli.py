@@ -13,8 +13,8 @@ import os
 import sys
 
 from ..backends.registry import available_backends
+from ..capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from ..errors import ConfigError, DcpGraphError
-from ..options import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .loader import load_program
+from ..api import compile as compile_model
+from ..checkpoints.loader import load_program
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,6 @@ def build_engine(config: EngineConfig, executor: str = "auto"):
     on this process whose executor reads only this process's ranks' weight slices
     (:func:`~.loader.load_program`). Inside an initialised world of size ``tp`` (a worker, or
     torchrun) "auto" picks the distributed executor."""
-    from ..api import compile as compile_model
-
     program = load_program(config.model, config.dtype)
     return compile_model(
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,

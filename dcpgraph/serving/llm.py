@@ -22,9 +22,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..api import facts_of
+from ..checkpoints.files import weight_files
+from ..checkpoints.loader import meta_model
+from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
+from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..errors import ConfigError, RequestError
-from ..speculative.config import speculative_config as speculative_config_of
-from .checkpoint import inspect_checkpoint, load_tokenizer, require_model_dir
+from ..runtime.speculative_config import speculative_config
+from ..runtime.speculative_config import speculative_config as speculative_config_of
+from ..speculative.mtp import check_mtp
+from ..speculative.mtp_module import check_mtp_weights
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
 from .logprobs import vllm_logprobs
@@ -37,11 +44,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
-    """``config`` checked (:func:`dcpgraph.speculative.config.speculative_config`) before any rank
+    """``config`` checked (:func:`dcpgraph.runtime.speculative_config.speculative_config`) before any rank
     starts; a draft model directory is inspected like the target (mesh, tensors, tokenizer) and
     must have the target's vocabulary. Returned as given: it travels to the ranks as JSON."""
-    from ..speculative.config import speculative_config
-
     spec = speculative_config(config)
     if spec.method == "draft_model":
         if not isinstance(spec.model, str):
@@ -56,15 +61,8 @@ def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
 def check_mtp_checkpoint(path: str) -> None:
     """``method="mtp"`` against the directory's config and safetensors names (before the
     checkpoint's own inspection, which would call MTP tensors of a small model unexpected)."""
-    from ..api import facts_of
-    from ..speculative.mtp import check_mtp
-    from .checkpoint_files import weight_files
-    from .loader import meta_model
-    from .tensor_sources import SafetensorsFiles
-
     model = meta_model(path, None)
     check_mtp(facts_of(model), SafetensorsFiles(path, weight_files(path)).names(), model.config.num_hidden_layers)
-    from ..speculative.mtp_module import check_mtp_weights
 
     check_mtp_weights(path)
 

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError
+from ..runtime.proposer import NO_DRAFTS, Drafts
+from ..runtime.rejection import probabilities
 from ..runtime.sampling import greedy_token
 from ..runtime.step_inputs import Chunk
-from .proposer import NO_DRAFTS, Drafts
-from .rejection import probabilities
 
 
 class DraftModelProposer:

@@ -6,7 +6,7 @@ A DeepSeek-V3 checkpoint with ``num_nextn_predict_layers = n`` stores, after its
 one decoder layer and ``shared_head`` (final norm and head). HF transformers' ``deepseek_v3``
 drops those weights when loading, so an ``nn.Module`` or a traced Program never has them: MTP
 needs the target given as a checkpoint (a directory for ``LLM``, or a Program from
-:func:`dcpgraph.serving.loader.load_program` for ``compile``).
+:func:`dcpgraph.checkpoints.loader.load_program` for ``compile``).
 
 :func:`check_mtp` refuses the method before any work, naming the reason — a model without MTP
 layers, a target that is not a checkpoint, or a checkpoint whose files lack the weights — and the
@@ -15,6 +15,8 @@ methods that work. The layer itself is :mod:`.mtp_module`, the drafting :mod:`.m
 
 from __future__ import annotations
 
+from ..checkpoints.files import weight_files
+from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..errors import ConfigError
 
 ALTERNATIVES = "use method 'ngram' or 'draft_model'"
@@ -51,7 +53,7 @@ def check_mtp(facts, weight_names=None, num_hidden_layers: int | None = None) ->
 
 
 def checkpoint_of(model) -> str | None:
-    """The model directory a Program was loaded from (:func:`~dcpgraph.serving.loader.load_program`),
+    """The model directory a Program was loaded from (:func:`~dcpgraph.checkpoints.loader.load_program`),
     or ``None`` (an ``nn.Module``, a traced Program)."""
     return getattr(getattr(model, "state_reader", None), "checkpoint", None)
 
@@ -62,9 +64,6 @@ def check_mtp_target(facts, model) -> str:
     names = num_hidden = None
     if path is not None:
         import transformers as tf
-
-        from ..serving.checkpoint_files import weight_files
-        from ..serving.tensor_sources import SafetensorsFiles
 
         names = SafetensorsFiles(path, weight_files(path)).names()
         num_hidden = tf.AutoConfig.from_pretrained(path).num_hidden_layers

@@ -15,7 +15,7 @@ own ``x`` (before ``shared_head.norm``) for each further draft. ``embed_tokens``
 The module is built on the meta device and traced like the main model (dcpgraph's attention,
 ``batched_mm`` experts, a dynamic token count), so the pass pipeline gives its attention a paged
 KV cache and DCP; its weights are read per rank from the checkpoint by
-:class:`~dcpgraph.serving.loader.ShardedReader`. Parameter names equal the checkpoint's names, so
+:class:`~dcpgraph.checkpoints.loader.ShardedReader`. Parameter names equal the checkpoint's names, so
 the target's TP plan (``model.layers.*.…``) applies unchanged.
 """
 
@@ -25,7 +25,16 @@ import dataclasses
 
 import torch
 
-from ..program import Program
+from ..checkpoints.files import weight_files
+from ..checkpoints.loader import ShardedReader
+from ..checkpoints.meta_trace import _on_device
+from ..checkpoints.names import CheckpointNames
+from ..checkpoints.quantization import dequantized_sources, fp8_block_size
+from ..checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored, read_local
+from ..errors import ConfigError
+from ..frontends.export import finish, program_from_export, run_export
+from ..frontends.hf_attention import register
+from ..program import REPLICATE, Program
 
 
 def _classes():
@@ -137,10 +146,6 @@ def mtp_facts(target_facts, layer_index: int):
 def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
     """The MTP module as a canonical Program with user inputs ``input_ids``, ``position_ids``
     and ``hidden_states``; works on meta parameters (the graph then runs on the CPU)."""
-    from ..frontends.export import finish, program_from_export, run_export
-    from ..frontends.hf_attention import register
-    from ..serving.meta_trace import _on_device
-
     register()
     device = next(module.parameters()).device
     dtype = next(module.parameters()).dtype
@@ -167,11 +172,6 @@ def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str
     of the checkpoint at ``path``; raises ConfigError naming tensors the checkpoint lacks."""
     import transformers as tf
 
-    from ..errors import ConfigError
-    from ..serving.checkpoint_files import weight_files
-    from ..serving.checkpoint_names import CheckpointNames
-    from ..serving.checkpoint_quantization import dequantized_sources, fp8_block_size
-    from ..serving.tensor_sources import InMemory, SafetensorsFiles, Stored
 
     config = tf.AutoConfig.from_pretrained(path)
     index = config.num_hidden_layers + layer
@@ -215,8 +215,6 @@ def check_mtp_weights(path: str) -> None:
 def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0) -> Program:
     """MTP layer ``layer`` of the checkpoint at ``path``, traced on the meta device, with a
     reader that gives each rank its slices of the checkpoint's MTP tensors."""
-    from ..serving.loader import ShardedReader
-
     config, module, sources = _checkpoint_module(path, dtype, layer, "dcpgraph", "meta")
     program = trace_mtp(module, mtp_facts(target_facts, config.num_hidden_layers + layer))
     return program.replace(state_reader=ShardedReader(sources))
@@ -225,9 +223,6 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
 def eager_mtp_module(path: str, dtype: torch.dtype, layer: int = 0) -> MTPModule:
     """MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA (causal) attention:
     the eager reference for the compiled MTP program."""
-    from ..program import REPLICATE
-    from ..serving.tensor_sources import read_local
-
     _, module, sources = _checkpoint_module(path, dtype, layer, "sdpa", "cpu")
     state = {name: read_local(source, REPLICATE, 0, 1).to(dtype) for name, source in sources.items()}
     persistent = module.state_dict()

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..runtime.proposer import NO_DRAFTS, Drafts
 from ..runtime.step_inputs import Chunk, build_step_inputs
 from .draft_model import DraftModelProposer
-from .proposer import NO_DRAFTS, Drafts
 
 
 class MTPProposer:

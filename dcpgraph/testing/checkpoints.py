@@ -25,6 +25,9 @@ import os
 
 import torch
 
+from ..models import tiny_config
+from ..speculative.mtp_module import MTPModule, mtp_config
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -112,7 +115,6 @@ def tiny_model(arch: str, *, vocab_size: int = DEFAULT_VOCAB, layers: int = 2, s
     in its config and weights redrawn as the module docstring says."""
     import transformers as tf
 
-    from ..models import tiny_config
 
     config = tiny_config(arch, layers=layers, vocab=vocab_size)
     special = first_special_id(tokenizer_vocab_size or vocab_size)
@@ -158,7 +160,6 @@ def add_mtp_weights(path: str, *, seed: int = 1, dtype: torch.dtype = torch.floa
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
-    from ..speculative.mtp_module import MTPModule, mtp_config
 
     config = tf.AutoConfig.from_pretrained(path)
     weights = load_file(os.path.join(path, "model.safetensors"))

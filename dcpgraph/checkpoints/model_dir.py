@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
-from .checkpoint_files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
+from .files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
 
 
 @dataclass(frozen=True)

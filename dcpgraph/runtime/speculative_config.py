@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..program import Program
 
 METHODS = ("ngram", "draft_model", "mtp")
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
@@ -100,7 +101,6 @@ def _draft_model(model: Any) -> Any:
 
     import torch
 
-    from ..program import Program
 
     if model is None:
         raise ConfigError("method 'draft_model' needs 'model': a local HF model directory sharing the target's "

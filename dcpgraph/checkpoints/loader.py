@@ -23,8 +23,8 @@ import torch
 
 from ..errors import ConfigError
 from ..program import STATE_KINDS, Program
-from .checkpoint_names import CheckpointNames
-from .checkpoint_quantization import dequantized_sources, fp8_block_size
+from .names import CheckpointNames
+from .quantization import dequantized_sources, fp8_block_size
 from .tensor_sources import (
     AbsorbedMLA,
     BlockDequantized,
@@ -181,7 +181,7 @@ class ShardedReader:
 def open_checkpoint(path: str, dtype: str):
     """``(meta model, sources)`` of the model directory ``path`` in ``dtype`` (a resolved
     :data:`~.checkpoint.DTYPES` key), checked as :func:`model_sources` says."""
-    from .checkpoint_files import DTYPES, weight_files
+    from .files import DTYPES, weight_files
 
     files = SafetensorsFiles(path, weight_files(path))
     model = meta_model(path, DTYPES[dtype])

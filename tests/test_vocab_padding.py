@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 import dcpgraph
 from dcpgraph import LLM, SamplingParams
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
+from dcpgraph.checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored, read_local
 from dcpgraph.models import tiny_config
 from dcpgraph.passes.shard_tp import padded_size
 from dcpgraph.program import ShardRule
-from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
-from dcpgraph.checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored, read_local
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy, hf_reference, record_logits
 

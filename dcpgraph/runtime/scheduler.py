@@ -51,7 +51,7 @@ from ..errors import QueueFullError, RequestError
 from ..speculative.rejection import accept
 from ..speculative.stats import AcceptanceStats
 from .blocks import BlockManager
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .step_inputs import Chunk
 
 

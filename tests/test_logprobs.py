@@ -184,7 +184,8 @@ def test_engine_logprobs_with_accepted_drafts_and_penalties_turning_drafts_off()
     from dcpgraph.models import build_model
 
     model = build_model("llama", dtype=torch.float64)
-    engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, block_size=4, speculative_tokens=3)
+    engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, block_size=4,
+                              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     rid = engine.add_request(prompt, 16, logprobs=3)
     tokens, entries = [], []

@@ -65,8 +65,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (puts the checkout on sys.path)
 import block_read  # noqa: E402
+import common  # noqa: E402  (puts the checkout on sys.path)
 import fma_peak  # noqa: E402
 import torch  # noqa: E402
 

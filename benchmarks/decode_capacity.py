@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for tp, dcp in MESHES:
         engines = {
             n: dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=BLOCK_SIZE, num_blocks=n,
-                                max_batched_tokens=256, max_num_seqs=1)
+                                max_num_batched_tokens=256, max_num_seqs=1)
             for n in SIZES
         }
         samples: dict[int, list[float]] = {n: [] for n in SIZES}

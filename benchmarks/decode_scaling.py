@@ -206,7 +206,7 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
     for name, (dcp, comm, fuse) in variants.items():
         engines[name] = dcpgraph.compile(
             program, tp=TP, dcp=dcp, comm=comm, fuse_new_tokens=fuse, block_size=BLOCK, backend="eager", max_num_seqs=1,
-            max_batched_tokens=256, max_model_len=longest + per_request + timed_steps + 8,
+            max_num_batched_tokens=256, max_model_len=longest + per_request + timed_steps + 8,
             kv_cache_tokens=longest + per_request + timed_steps + 8, capture_limit=1,
         )
         for cache in engines[name].executor.caches.values():

@@ -134,7 +134,7 @@ def measure(model, dtype_name: str, batch: int, new: int, rounds: int, shape_nam
             profile: int = 0) -> list[dict]:
     clock = Clock(device)
     program = dcpgraph.trace(model)
-    engine = dcpgraph.compile(program, backend="eager", max_num_seqs=batch, max_batched_tokens=PROMPT * batch,
+    engine = dcpgraph.compile(program, backend="eager", max_num_seqs=batch, max_num_batched_tokens=PROMPT * batch,
                               max_model_len=PROMPT + new + 8, kv_cache_tokens=(PROMPT + new + 16) * batch)
     prompts = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
     prompts = prompts.to(device)

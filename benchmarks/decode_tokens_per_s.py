@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model()
     program = dcpgraph.trace(model)
     engine = dcpgraph.compile(program, tp=1, dcp=1, backend="eager", max_num_seqs=max(args.batches),
-                              max_batched_tokens=PROMPT * max(args.batches), max_model_len=PROMPT + new + 8,
+                              max_num_batched_tokens=PROMPT * max(args.batches), max_model_len=PROMPT + new + 8,
                               kv_cache_tokens=(PROMPT + new + 16) * max(args.batches))
     gen = torch.Generator().manual_seed(0)
     records = []

@@ -47,7 +47,7 @@ NAME = "kv_capacity_hybrid"
 BUDGET = 16 << 30  # bytes per rank
 TP = 8
 BLOCK = 16
-STEP_TOKENS = 2048  # max_batched_tokens
+STEP_TOKENS = 2048  # max_num_batched_tokens
 DTYPE = torch.bfloat16
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, tie_word_embeddings=False,
              max_position_embeddings=1 << 18)

@@ -16,7 +16,7 @@ One run measures, on the same model and weights:
   only, whose margins collapse past that length) and a random-weight model's near-ties
   (DeepSeek-V3 MLA shape).
 
-Both engines run with ``max_batched_tokens=1``: every position is its own step and reads all
+Both engines run with ``max_num_batched_tokens=1``: every position is its own step and reads all
 earlier positions from the cache under test.
 
 Where the disagreements are: each disagreeing position's margin (top-1 minus top-2 logit of the
@@ -91,7 +91,7 @@ def trained_model(steps: int, context: int, seed: int = 0):
 
 
 def forced_logits(model, tokens: list[int], tp: int, dcp: int, kv: str) -> torch.Tensor:
-    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=16, max_batched_tokens=1,
+    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=16, max_num_batched_tokens=1,
                               max_model_len=len(tokens) + 8, kv_cache_dtype=kv)
     return teacher_forced_logits(engine, tokens).float(), engine
 

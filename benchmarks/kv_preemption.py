@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for policy in ("whole_request", "on_demand"):
         engine = Engine(program, executor_cls=EmulatedExecutor, num_blocks=num_blocks, max_model_len=longest,
-                        max_batched_tokens=256, max_num_seqs=n, kv_allocation=policy)
+                        max_num_batched_tokens=256, max_num_seqs=n, kv_allocation=policy)
         results[policy] = serve(engine, prompts, new)
         r = results[policy]
         print(f"{policy:13s}: peak {r['peak_running']:2d} running, mean {r['mean_running']:.2f}, {r['steps']} steps, "

@@ -81,7 +81,7 @@ def mtp_programs(tmp: str) -> dict[str, object]:
 
 
 def build(program, work, spec):
-    engine = dcpgraph.compile(program, block_size=16, max_num_seqs=len(work), max_batched_tokens=1024,
+    engine = dcpgraph.compile(program, block_size=16, max_num_seqs=len(work), max_num_batched_tokens=1024,
                               speculative_config=spec)
     engine.generate(work[:1], 2)  # warm up
     return engine

@@ -71,7 +71,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
-    ``kv_cache_bytes_per_rank`` (cache size, at most one), ``max_batched_tokens`` (chunked-prefill
+    ``kv_cache_bytes_per_rank`` (cache size, at most one), ``max_num_batched_tokens`` (chunked-prefill
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
@@ -79,8 +79,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
     see :mod:`dcpgraph.speculative`; a draft model, or with ``"mtp"`` the checkpoint's MTP layer (the
     target must then be a Program from :func:`dcpgraph.checkpoints.loader.load_program`), is compiled
-    here on the same mesh, with its own KV cache of the same number of blocks), ``speculative_tokens`` (older spelling of
-    ``{"method": "ngram", "num_speculative_tokens": k}``, default 0), ``max_waiting`` (bound of
+    here on the same mesh, with its own KV cache of the same number of blocks), ``max_waiting`` (bound of
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
     request when the cache is full; "whole_request": prompt + max new tokens reserved at admission),
@@ -110,6 +109,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     A compiling backend compiles every decode bucket and the mixed graph before ``compile``
     returns (:mod:`dcpgraph.runtime.capture`): no request waits for a compile. Times per graph and
     a count of compiles after start-up are in ``Engine.report()["compile"]``.
+
+    Deprecated spellings (a ``DeprecationWarning`` names the new one): ``max_batched_tokens``
+    (``max_num_batched_tokens``), ``speculative_tokens=k`` (``speculative_config={"method":
+    "ngram", "num_speculative_tokens": k}``); see :mod:`dcpgraph.options`.
 
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
@@ -181,7 +184,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
     num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"],
                                    decode_tokens=1 + (spec.num_speculative_tokens if spec else 0),
-                                   step_tokens=min(opts["max_batched_tokens"], max_model_len))
+                                   step_tokens=min(opts["max_num_batched_tokens"], max_model_len))
     from .backends import compile_backend, use_compile_cache_dir
 
     if opts["compile_cache_dir"] is not None:
@@ -201,7 +204,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
     return Engine(
         program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
-        max_batched_tokens=opts["max_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
+        max_batched_tokens=opts["max_num_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
         capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
         speculative_config=spec, draft=draft, max_waiting=opts["max_waiting"],
         kv_allocation=opts["kv_allocation"],

@@ -172,7 +172,7 @@ def tiny_model(model_type: str):
 
 
 def _tokens(program, tp: int, dcp: int) -> list[int]:
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8)
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8)
     engine.add_request(list(PROMPT), max_new_tokens=NEW_TOKENS)
     return drain(engine)[0]
 

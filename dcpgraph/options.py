@@ -3,6 +3,12 @@
 :func:`compile_options` returns every option with its default filled in, or raises: ``TypeError``
 for a name ``compile`` does not take, :class:`~dcpgraph.errors.ConfigError` for a value of the
 wrong type or out of range, or two cache sizes at once. Every message names the valid settings.
+
+One spelling per option, vLLM's where vLLM has one. The older spellings still work, with a
+``DeprecationWarning`` naming the new one (:data:`DEPRECATED_OPTIONS`): ``max_batched_tokens``
+is ``max_num_batched_tokens``; ``speculative_tokens=k`` is
+``speculative_config={"method": "ngram", "num_speculative_tokens": k}``. Giving an option in both
+spellings is a ``ConfigError``.
 Rules that depend on the model (head counts, ``block_size % interleave``) are
 :meth:`dcpgraph.mesh.Mesh.validate`'s.
 """
@@ -11,6 +17,8 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,9 +37,8 @@ _INTS = {
     "interleave": (1, 1),
     "block_size": (16, 1),
     "max_num_seqs": (8, 1),
-    "max_batched_tokens": (256, 1),
+    "max_num_batched_tokens": (256, 1),
     "capture_limit": (32, 0),
-    "speculative_tokens": (0, 0),
     "max_waiting": (1024, 1),
 }
 _OPTIONAL_INTS = ("max_model_len", *CACHE_SIZE_OPTIONS)  # None, or an int >= 1
@@ -40,6 +47,8 @@ _BOOLS = {"verify": True, "enable_prefix_caching": False, "enable_expert_paralle
 _OTHER = ("comm", "backend", "executor", "plan", "kv_allocation", "kv_cache_dtype", "speculative_config",
           "compile_cache_dir", "fuse_new_tokens")
 VALID_OPTIONS = tuple(sorted((*_INTS, *_OPTIONAL_INTS, *_BOOLS, *_OTHER)))
+# older spelling -> the option that replaces it (accepted with a DeprecationWarning)
+DEPRECATED_OPTIONS = {"max_batched_tokens": "max_num_batched_tokens", "speculative_tokens": "speculative_config"}
 
 
 def _is_int(value: Any) -> bool:
@@ -48,6 +57,7 @@ def _is_int(value: Any) -> bool:
 
 def compile_options(**given: Any) -> dict[str, Any]:
     """Every compile option, defaults filled in, after checking names, types and ranges."""
+    given = _renamed(given)
     unknown = sorted(set(given) - set(VALID_OPTIONS))
     if unknown:
         raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
@@ -94,10 +104,43 @@ def compile_options(**given: Any) -> dict[str, Any]:
     backend = given.get("backend", "auto")
     name, _ = resolve_backend(backend)  # raises ConfigError naming the backends for an unknown name
     fuse_new = _fuse_new_tokens(given.get("fuse_new_tokens"), name)
-    spec = speculative_config(given.get("speculative_config"), out["speculative_tokens"])
+    spec = speculative_config(given.get("speculative_config"))
     return {**out, "comm": comm, "executor": executor, "plan": plan, "backend": backend,
             "kv_allocation": kv_allocation, "kv_cache_dtype": kv_cache_dtype, "speculative_config": spec,
             "compile_cache_dir": None if cache_dir is None else os.fspath(cache_dir), "fuse_new_tokens": fuse_new}
+
+
+def _renamed(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the older spellings replaced by the options they stand for, each with a
+    ``DeprecationWarning``; both spellings of one option at once are refused."""
+    given = dict(given)
+    if "max_batched_tokens" in given:
+        _deprecated("max_batched_tokens is deprecated: use max_num_batched_tokens (vLLM's name), the same budget")
+        if "max_num_batched_tokens" in given:
+            raise ConfigError("give max_num_batched_tokens or its deprecated spelling max_batched_tokens, not both")
+        given["max_num_batched_tokens"] = given.pop("max_batched_tokens")
+    if "speculative_tokens" in given:
+        k = given.pop("speculative_tokens")
+        _deprecated(f"speculative_tokens={k!r} is deprecated: use "
+                    f"speculative_config={{\"method\": \"ngram\", \"num_speculative_tokens\": {k!r}}}")
+        if not _is_int(k) or k < 0:
+            raise ConfigError(f"speculative_tokens must be an int >= 0, got {k!r}")
+        if given.get("speculative_config") is not None:
+            raise ConfigError("give speculative_config or the older speculative_tokens (which means "
+                              "{'method': 'ngram', 'num_speculative_tokens': k}), not both")
+        if k:
+            given["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(k)}
+    return given
+
+
+def _deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside dcpgraph (the line that
+    called ``dcpgraph.compile``, ``LLM``, ...), however deep inside the package it is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
 
 
 def _fuse_new_tokens(value: Any, backend: str) -> bool:

@@ -56,7 +56,7 @@ def test_auto_picks_ag_on_a_gloo_mesh_generates_hf_tokens_and_says_why(llama, tr
     """The emulated tp=2 mesh stands in for two gloo ranks of this host: each collective costs
     ~120 us there, so ag (one collective per layer instead of three) is predicted cheaper and is
     the lowering actually built."""
-    engine = dcpgraph.compile(traced, tp=2, dcp=2, block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    engine = dcpgraph.compile(traced, tp=2, dcp=2, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     report = engine.report()
     assert report["comm"] == "ag" and report["comm_choice"].startswith("ag: cheapest predicted decode step")
     assert "a2a" in report["comm_choice"] and "ag_rs" in report["comm_choice"]  # every candidate priced
@@ -222,7 +222,7 @@ def _auto_rank(rank: int, world: int, measure: bool):
 
     os.environ["DCPGRAPH_MEASURE_LINKS"] = "1" if measure else "0"
     engine = dcpgraph.compile(build_model("llama"), tp=world, dcp=world, block_size=BLOCK_SIZE,
-                              max_batched_tokens=MAX_BATCHED)
+                              max_num_batched_tokens=MAX_BATCHED)
     return {"report": engine.report(), "tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW)}
 
 

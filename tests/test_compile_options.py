@@ -47,10 +47,8 @@ def no_work(monkeypatch):
 
 BAD = [
     ({"capture_limit": -1}, ConfigError, r"capture_limit must be an int >= 0, got -1"),
-    ({"speculative_tokens": -2}, ConfigError, r"speculative_tokens must be an int >= 0"),
-    ({"speculative_tokens": 1.5}, ConfigError, r"speculative_tokens must be an int"),
     ({"max_num_seqs": 0}, ConfigError, r"max_num_seqs must be an int >= 1"),
-    ({"max_batched_tokens": "256"}, ConfigError, r"max_batched_tokens must be an int >= 1, got '256'"),
+    ({"max_num_batched_tokens": "256"}, ConfigError, r"max_num_batched_tokens must be an int >= 1, got '256'"),
     ({"block_size": 0}, ConfigError, r"block_size must be an int >= 1"),
     ({"interleave": True}, ConfigError, r"interleave must be an int >= 1, got True"),
     ({"max_model_len": 0}, ConfigError, r"max_model_len must be None or an int >= 1"),
@@ -90,7 +88,7 @@ def test_a_program_is_not_compiled_either(no_work):
 def test_defaults_and_every_valid_name():
     opts = compile_options()
     assert set(opts) == set(VALID_OPTIONS)
-    assert (opts["capture_limit"], opts["speculative_tokens"], opts["max_num_seqs"], opts["block_size"]) == (32, 0, 8, 16)
+    assert (opts["capture_limit"], opts["speculative_config"], opts["max_num_seqs"], opts["block_size"]) == (32, None, 8, 16)
     assert opts["verify"] is True and opts["plan"] is None and opts["num_blocks"] is None
     assert compile_options(num_blocks=torch.tensor(3).item(), capture_limit=0)["num_blocks"] == 3
     # the new tokens join the paged read except on the Ascend backends (FIAS takes no causal bound)
@@ -98,3 +96,62 @@ def test_defaults_and_every_valid_name():
     assert compile_options(backend="torchair")["fuse_new_tokens"] is False
     assert compile_options(backend="npugraph_ex")["fuse_new_tokens"] is False
     assert compile_options(fuse_new_tokens=False)["fuse_new_tokens"] is False
+
+
+# -- one spelling per option: the older ones warn, name the new one and still work -----------------
+def test_max_batched_tokens_is_deprecated_for_max_num_batched_tokens():
+    with pytest.warns(DeprecationWarning, match="max_batched_tokens is deprecated: use max_num_batched_tokens"):
+        opts = compile_options(max_batched_tokens=12)
+    assert opts["max_num_batched_tokens"] == 12 and "max_batched_tokens" not in opts
+    with pytest.raises(ConfigError, match="max_num_batched_tokens or its deprecated spelling max_batched_tokens, not both"), \
+            pytest.warns(DeprecationWarning):
+        compile_options(max_batched_tokens=12, max_num_batched_tokens=12)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be an int >= 1, got '8'"), \
+            pytest.warns(DeprecationWarning):
+        compile_options(max_batched_tokens="8")
+
+
+def test_speculative_tokens_is_deprecated_for_speculative_config():
+    new = r'speculative_config=\{"method": "ngram", "num_speculative_tokens": 3\}'
+    with pytest.warns(DeprecationWarning, match=f"speculative_tokens=3 is deprecated: use {new}"):
+        opts = compile_options(speculative_tokens=3)
+    assert opts["speculative_config"] == compile_options(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3})["speculative_config"]
+    assert "speculative_tokens" not in opts
+    with pytest.warns(DeprecationWarning, match="speculative_tokens=0"):
+        assert compile_options(speculative_tokens=0)["speculative_config"] is None
+    for bad, message in ((-2, r"speculative_tokens must be an int >= 0, got -2"),
+                         (1.5, r"speculative_tokens must be an int >= 0, got 1.5")):
+        with pytest.raises(ConfigError, match=message), pytest.warns(DeprecationWarning):
+            compile_options(speculative_tokens=bad)
+    with pytest.raises(ConfigError, match="not both"), pytest.warns(DeprecationWarning):
+        compile_options(speculative_tokens=0, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("model", ["hf", "plain"])
+def test_deprecated_spellings_fail_bad_values_before_any_work(no_work, model):
+    module = build_model("llama") if model == "hf" else TinyLM()
+    with pytest.raises(ConfigError, match="speculative_tokens must be an int >= 0"), pytest.warns(DeprecationWarning):
+        dcpgraph.compile(module, speculative_tokens=-2)
+
+
+def test_the_warning_points_at_the_callers_line():
+    """The warning names the line that called ``dcpgraph.compile`` (here: ``compile_options``),
+    not a line inside dcpgraph, so ``-W error::DeprecationWarning`` users find their call."""
+    with pytest.warns(DeprecationWarning) as caught:
+        compile_options(max_batched_tokens=4)
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_the_deprecated_spellings_still_compile_and_generate():
+    program = dcpgraph.trace(build_model("llama", dtype=torch.float64))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    new = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=4,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.warns(DeprecationWarning) as caught:
+        old = dcpgraph.compile(program, block_size=4, max_batched_tokens=4, speculative_tokens=2)
+    assert sorted(str(w.message).split(" ")[0] for w in caught) == ["max_batched_tokens", "speculative_tokens=2"]
+    assert all(w.filename == __file__ for w in caught)
+    assert old.report()["speculative"] == new.report()["speculative"]
+    assert old.scheduler.max_batched_tokens == new.scheduler.max_batched_tokens == 4
+    assert old.generate(prompts, 5) == new.generate(prompts, 5)

@@ -84,7 +84,7 @@ def test_mixed_with_prefill_chunks_prefix_hits_and_preemption(setup):
     _, target, program, _, _ = setup
     long = [p * 2 for p in PROMPTS]
     refs = [hf_greedy(target, p, NEW) for p in long]
-    cached = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_batched_tokens=10, max_model_len=48,
+    cached = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_num_batched_tokens=10, max_model_len=48,
                               enable_prefix_caching=True, speculative_config=spec(program))
     draft_runner, sizes = cached.runner.proposer.runner, []
     execute = draft_runner.execute
@@ -96,7 +96,7 @@ def test_mixed_with_prefill_chunks_prefix_hits_and_preemption(setup):
     assert report["prefix_cache"]["hit_tokens"] > 0
     assert report["graph_steps"].get("mixed", 0) > 2  # steps mixing prefill chunks and verification
     check_all_accepted(cached)
-    small = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_batched_tokens=10, num_blocks=7,
+    small = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_num_batched_tokens=10, num_blocks=7,
                              max_model_len=48, speculative_config=spec(program))
     assert small.generate(long, NEW) == refs
     assert small.report()["scheduler"]["preemptions"] > 0
@@ -180,7 +180,7 @@ def llama_sampling():
     target = build_model("llama", dtype=torch.float64)
     program = dcpgraph.trace(target)
     draft = dcpgraph.trace(build_model("llama", seed=1, layers=1, dtype=torch.float64))
-    engine = dcpgraph.compile(program, block_size=4, max_num_seqs=64, max_batched_tokens=512,
+    engine = dcpgraph.compile(program, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
                               speculative_config=spec(draft, 2))
     return engine, exact_first_tokens(target)
 

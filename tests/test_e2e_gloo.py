@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, name: str, dcp: int, interleave: int, comm: str
             refused.append(None)
     dist.barrier()  # every rank got here: nobody is stuck in a collective of a refused config
     engine = dcpgraph.compile(model, tp=world, dcp=dcp, interleave=interleave, comm=comm,
-                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+                              block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     tokens = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
     return {"refused": refused, "tokens": tokens, "report": engine.report(),
             "memory": engine.memory_report()}

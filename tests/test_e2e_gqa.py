@@ -21,7 +21,7 @@ Config selection for the greedy test (:func:`covering_selection`, deterministic)
 
 ``DCPGRAPH_E2E_FULL=1`` runs the full product instead (every interleave × comm for every valid
 pair, also at dcp=1). Every run uses one batch of prompts of lengths 1, 3, 7, 13, 21 (several
-shorter than ``dcp · interleave``; 21 > ``max_batched_tokens`` = 8 so prefill is chunked and mixed
+shorter than ``dcp · interleave``; 21 > ``max_num_batched_tokens`` = 8 so prefill is chunked and mixed
 with decode rows), ``block_size`` 4 and 24 new tokens: at dcp=1 every request crosses ≥ 5 block
 boundaries; even at dcp=4 (16-token virtual blocks) the longest spans 3 virtual blocks, and on every rank
 crosses at least one physical block boundary (two on most).
@@ -163,7 +163,7 @@ class Zoo:
         return self._refs[key][:max_new_tokens]
 
     def engine(self, name: str, tp: int, dcp: int, **kw):
-        kw = {"block_size": BLOCK_SIZE, "max_batched_tokens": MAX_BATCHED, "comm": "a2a", **kw}
+        kw = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": MAX_BATCHED, "comm": "a2a", **kw}
         return dcpgraph.compile(self.program(name), tp=tp, dcp=dcp, **kw)
 
 

@@ -30,7 +30,7 @@ KV sizing of those runs (reused by the memory test): ``dcp == 1`` and interleave
 ``num_blocks=NUM_BLOCKS``; interleave-``block_size`` runs with ``dcp > 1`` get
 ``kv_cache_tokens=NUM_BLOCKS·block_size`` — the capacity of the dcp=1 engines. Every run uses one
 batch of prompts of lengths 1, 3, 6, 19 (1 and 3 are shorter than ``dcp·interleave`` for several
-runs; 19 > ``max_batched_tokens`` = 8 so prefill is chunked and mixed with decode rows),
+runs; 19 > ``max_num_batched_tokens`` = 8 so prefill is chunked and mixed with decode rows),
 ``block_size`` 4 and 20 new tokens: every request crosses at least one virtual block (``4·dcp``
 tokens), and the 19-token prompt crosses a rank-local block boundary on every rank of every mesh.
 
@@ -174,7 +174,7 @@ class Zoo:
         if key not in self._engines:
             self._engines[key] = dcpgraph.compile(
                 self.program(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm, mlapo=mlapo,
-                block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
+                block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
             )
         return self._engines[key]
 
@@ -244,7 +244,7 @@ def test_greedy_matches_hf(zoo, name, tp, dcp, interleave, comm):
 def test_the_split_new_token_form_matches_hf_too(zoo, name, tp, dcp, interleave, comm):
     """``fuse_new_tokens=False`` (the Ascend backends' form) gives HF's tokens like the fused read."""
     engine = dcpgraph.compile(zoo.program(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm,
-                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
+                              block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED, **sizing(dcp, interleave),
                               fuse_new_tokens=False)
     ops = [n.target for n in engine.program.graph_module.graph.nodes]
     assert ops.count(torch.ops.dcpgraph.partial_attention.default) == LAYERS

@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, name: str):
         refused = None
     dist.barrier()  # both ranks got here: nobody is stuck in a collective of the refused config
     engine = dcpgraph.compile(model, tp=world, dcp=DCP, interleave=INTERLEAVE, comm=COMM,
-                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+                              block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     tokens = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
     written = sum(int((c.abs().sum(-1) > 0).sum()) for c in engine.executor.caches.values())
     return {

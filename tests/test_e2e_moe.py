@@ -79,7 +79,7 @@ class Zoo:
 
     def generate(self, arch, tp, dcp, **kw):
         engine = dcpgraph.compile(self.program(arch), tp=tp, dcp=dcp, block_size=BLOCK_SIZE,
-                                  max_batched_tokens=8, **kw)
+                                  max_num_batched_tokens=8, **kw)
         ids = {engine.add_request(list(p), max_new_tokens=MAX_NEW): i for i, p in enumerate(PROMPTS)}
         return engine, {ids[rid]: toks for rid, toks in drain(engine).items()}
 

@@ -5,7 +5,7 @@ every request outgrows the selection). Reference: HF ``generate(do_sample=False)
 prompt. Runs (emulated): every valid ``(tp, dcp)`` with tp, dcp in {1, 2, 4} (MLA rule
 ``tp % dcp == 0``); each ``dcp > 1`` mesh with interleave 1 and interleave ``block_size`` and with
 both comms between them (the comm of the interleave-1 run alternates over meshes). ``block_size``
-4 and ``max_batched_tokens`` 8: the 19-token prompt is prefilled in chunks mixed with decode rows,
+4 and ``max_num_batched_tokens`` 8: the 19-token prompt is prefilled in chunks mixed with decode rows,
 and prompts of 1 and 3 tokens are shorter than ``dcp·interleave`` for several runs (some ranks
 own none of their keys at first). The full matrix is ``slow``; ``tp=2, dcp=2`` runs by default.
 
@@ -63,7 +63,7 @@ class Setup:
     def engine(self, tp, dcp, interleave=1, comm="auto", **kw):
         kw.setdefault("num_blocks", 40)
         return dcpgraph.compile(self.program, tp=tp, dcp=dcp, interleave=interleave, comm=comm,
-                                block_size=BLOCK, max_batched_tokens=8, **kw)
+                                block_size=BLOCK, max_num_batched_tokens=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_prefix_caching_reuses_both_caches_and_equals_hf(setup, tp, dcp, interle
 
 def test_speculative_decoding_equals_hf(setup):
     prompts = [[246, 236, 236, 236, 236], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]  # their outputs repeat n-grams
-    engine = setup.engine(2, 2, speculative_tokens=3)
+    engine = setup.engine(2, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert engine.generate(prompts, MAX_NEW) == [setup.ref(p) for p in prompts]
     stats = engine.report()["speculative"]
     assert stats["drafted"] > 0 and stats["accepted"] > 0  # drafts verified through the sparse path
@@ -181,7 +181,7 @@ def test_glm5_with_a_shared_indexer_layer_equals_hf(tp, dcp, interleave, comm):
     reads layer 0's (sharded, merged) selection."""
     model = sfa_models.build("glm_moe_dsa", indexer_types=["full", "shared"])
     engine = dcpgraph.compile(model, tp=tp, dcp=dcp, interleave=interleave, comm=comm, block_size=BLOCK,
-                              max_batched_tokens=8, num_blocks=40)
+                              max_num_batched_tokens=8, num_blocks=40)
     assert sorted(c.name for c in engine.program.caches) == ["index_cache_0", "latent_cache_0", "latent_cache_1"]
     got = engine.generate([list(p) for p in sfa_models.PROMPTS], MAX_NEW)
     assert got == [hf_greedy(model, p, MAX_NEW) for p in sfa_models.PROMPTS]

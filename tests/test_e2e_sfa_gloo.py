@@ -23,7 +23,7 @@ def _rank(rank: int, world: int):
 
     model = sfa_models.build("deepseek_v32")
     engine = dcpgraph.compile(model, tp=world, dcp=DCP, interleave=INTERLEAVE, comm=COMM, block_size=BLOCK,
-                              max_batched_tokens=8)
+                              max_num_batched_tokens=8)
     tokens = engine.generate([list(p) for p in sfa_models.PROMPTS], MAX_NEW)
     written = {name: int((c.abs().sum(-1) > 0).sum()) for name, c in engine.executor.caches.items()}
     return {"tokens": tokens, "report": engine.report(), "written": written}

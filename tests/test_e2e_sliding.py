@@ -4,7 +4,7 @@
 Meshes: tp1·dcp1 (fused context/new read), tp2·dcp2 with a2a and interleave 2, tp4·dcp4 with
 ag_rs and interleave 1, tp4·dcp2 with a2a and interleave ``block_size``. Prompts of lengths 1, 3, 11
 and 21 with a window of 5 (so most queries see a window that starts inside the context, and on
-some ranks excludes the whole local shard), ``max_batched_tokens`` 8 (chunked prefill mixed with
+some ranks excludes the whole local shard), ``max_num_batched_tokens`` 8 (chunked prefill mixed with
 decode rows), block size 4, decode buckets on (the default capture limit). Also: prefix caching
 with a shared 16-token prefix, and a check per model that its modifiers change HF's tokens (so
 the comparison is not vacuous).
@@ -44,7 +44,7 @@ def reference(name):
 
 def run(name, tp, dcp, interleave, comm, prompts=PROMPTS, **kw):
     engine = dcpgraph.compile(model(name), tp=tp, dcp=dcp, interleave=interleave, comm=comm, block_size=BLOCK,
-                              max_batched_tokens=8, **compile_options(name, tp), **kw)
+                              max_num_batched_tokens=8, **compile_options(name, tp), **kw)
     ids = [engine.add_request(list(p), max_new_tokens=MAX_NEW) for p in prompts]
     out = drain(engine)
     return engine, [out[i] for i in ids]
@@ -86,7 +86,7 @@ def test_prefix_caching_keeps_tokens(name):
     prefix = tuple(range(20, 36))  # two virtual blocks at dcp=2 (block 4)
     prompts = [prefix + (7, 8, 9), prefix + (50,)]
     want = [hf_greedy(model(name), p, MAX_NEW) for p in prompts]
-    engine = dcpgraph.compile(model(name), tp=2, dcp=2, block_size=BLOCK, max_batched_tokens=8,
+    engine = dcpgraph.compile(model(name), tp=2, dcp=2, block_size=BLOCK, max_num_batched_tokens=8,
                               enable_prefix_caching=True, **compile_options(name, 2))
     got = []
     for p in prompts:  # one after the other, so the second finds the first's blocks
@@ -111,6 +111,6 @@ def test_speculative_drafts_keep_tokens(tp, dcp):
     each query's context window starts at its own position (repetitive prompts, so drafts hit)."""
     prompts = [(3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4), tuple(range(40, 61)) + (40, 41, 42)]
     want = [hf_greedy(model("gemma2"), p, MAX_NEW) for p in prompts]
-    engine, got = run("gemma2", tp, dcp, 1, "auto", prompts, speculative_tokens=3)
+    engine, got = run("gemma2", tp, dcp, 1, "auto", prompts, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert got == want
     assert engine.report()["speculative"]["accepted"] > 0

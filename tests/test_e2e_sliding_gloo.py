@@ -20,7 +20,7 @@ def _rank(rank: int, world: int, name: str, interleave: int, comm: str):
     import dcpgraph
 
     engine = dcpgraph.compile(build(name), tp=world, dcp=2, interleave=interleave, comm=comm, block_size=BLOCK,
-                              max_batched_tokens=8, **compile_options(name, world))
+                              max_num_batched_tokens=8, **compile_options(name, world))
     return {"tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW), "report": engine.report()}
 
 

@@ -37,7 +37,7 @@ def test_a_thousand_requests_leave_nothing_held(setup):
     """1,000 requests through add_request/step: every one's tokens arrive in events (equal to
     generate()'s), and afterwards no Request object is alive (weak references are dead)."""
     _, program, _ = setup
-    engine = dcpgraph.compile(program, tp=1, block_size=4, max_num_seqs=64, max_batched_tokens=512,
+    engine = dcpgraph.compile(program, tp=1, block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
                               max_model_len=32)
     prompts = [[(7 * i + k) % 250 + 3 for k in range(2 + i % 4)] for i in range(10)]
     expected = engine.generate(prompts, 2)
@@ -150,7 +150,7 @@ LONG = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [40, 41, 42, 43, 44], [90, 17, 23, 61, 
 LONG_NEW = 24  # 4 × 24 new tokens alone exceed the 48-token cache; each request (<= 31 tokens) fits
 
 
-@pytest.mark.parametrize("features", [{}, dict(speculative_tokens=3, enable_prefix_caching=True)],
+@pytest.mark.parametrize("features", [{}, dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, enable_prefix_caching=True)],
                          ids=["plain", "speculative+prefix"])
 def test_a_cache_smaller_than_the_requests_serves_them_all_unchanged(setup, features):
     """Greedy: HF's tokens for every request although the youngest keeps being preempted."""

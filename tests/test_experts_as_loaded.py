@@ -77,7 +77,7 @@ def test_the_models_carry_transformers_defaults():
 def test_moe_as_loaded_gives_hf_tokens(arch, tp, dcp):
     model, refs = model_and_reference(arch)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8)
+    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8)
     assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == refs
     assert model.config._experts_implementation == "grouped_mm"  # the user's model is unchanged
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
@@ -88,14 +88,14 @@ def test_moe_as_loaded_gives_hf_tokens(arch, tp, dcp):
 @pytest.mark.parametrize(("tp", "dcp"), ALL_MESHES, ids=[f"tp{t}-dcp{d}" for t, d in ALL_MESHES])
 def test_moe_as_loaded_gives_hf_tokens_at_every_valid_mesh(arch, tp, dcp):
     model, refs = model_and_reference(arch)
-    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8,
+    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8,
                               comm="a2a" if dcp % 2 else "ag_rs")
     assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == refs
 
 
 def _gloo_rank(rank: int, world: int, arch: str, dcp: int):
     model = as_loaded(arch)
-    engine = dcpgraph.compile(model, tp=world, dcp=dcp, block_size=4, max_batched_tokens=8)
+    engine = dcpgraph.compile(model, tp=world, dcp=dcp, block_size=4, max_num_batched_tokens=8)
     return engine.report()["executor"], engine.generate([list(p) for p in PROMPTS], MAX_NEW)
 
 
@@ -126,7 +126,7 @@ def test_every_experts_implementation_traces_and_is_restored(implementation):
     model, refs = model_and_reference("qwen3_moe")
     model = copy.deepcopy(model)
     model.set_experts_implementation(implementation)
-    engine = dcpgraph.compile(model, tp=2, dcp=1, block_size=4, max_batched_tokens=8)
+    engine = dcpgraph.compile(model, tp=2, dcp=1, block_size=4, max_num_batched_tokens=8)
     assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == refs
     assert model.config._experts_implementation == implementation
     assert {m.config._experts_implementation for m in model.modules() if hasattr(m, "config")} == {implementation}

@@ -45,7 +45,8 @@ ARRIVALS = {0: [PROMPTS[0]], 2: PROMPTS[1:3], 3: [PROMPTS[3]], 7: PROMPTS[4:6], 
 @pytest.mark.slow  # ~70 s for both: an aot_eager capture of every bucket, then a serving run
 @pytest.mark.parametrize("speculative_tokens", [0, 2])
 def test_serving_after_capture_compiles_nothing(program, speculative_tokens, caplog):
-    options = dict(block_size=4, capture_limit=4, max_num_seqs=8, speculative_tokens=speculative_tokens)
+    spec = {"method": "ngram", "num_speculative_tokens": speculative_tokens} if speculative_tokens else None
+    options = dict(block_size=4, capture_limit=4, max_num_seqs=8, speculative_config=spec)
     with caplog.at_level(logging.INFO, logger="dcpgraph.runtime.capture"):
         engine = dcpgraph.compile(program, backend="aot_eager", **options)
     report = engine.report()["compile"]

@@ -61,7 +61,7 @@ def test_bf16_logits_within_bf16_tolerance_of_hf(qwen3_pair, tp, dcp):
     with torch.no_grad():
         truth = fp32(tokens).logits[0]
         hf = bf16(tokens).logits[0].float()
-    engine = dcpgraph.compile(bf16, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=1)
+    engine = dcpgraph.compile(bf16, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=1)
     assert {c.dtype for c in engine.program.caches} == {torch.bfloat16}
     got = teacher_forced_logits(engine, tokens[0].tolist())
     assert got.dtype == torch.bfloat16
@@ -87,7 +87,7 @@ def test_bf16_chunked_prefill_reads_the_cache_in_place(qwen3_pair, monkeypatch):
     real = native._module.paged_attention  # argument 8: kv_bound; decode steps pass one too (one query a row)
     monkeypatch.setattr(native._module, "paged_attention",
                         lambda *a: bounded.append(a[0].shape[0] if a[8] is not None else 0) or real(*a))
-    engine = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_batched_tokens=32)
+    engine = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_num_batched_tokens=32)
     steps = record_logits(engine)
     engine.generate([prompt], 1)
     assert max(bounded) == 32, "no chunk's context attention reached the kernel with its bounds"
@@ -120,8 +120,8 @@ def _greedy_with_logits(engine, prompt, new):
 def test_bf16_greedy_dcp2_equals_dcp1_where_margins_are_safe(qwen3_pair):
     _, bf16 = qwen3_pair
     prompt, new = [5, 17, 99, 3, 42, 7, 250, 11, 64], 24
-    one = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_batched_tokens=4)
-    two = dcpgraph.compile(bf16, tp=2, dcp=2, block_size=4, max_batched_tokens=4)
+    one = dcpgraph.compile(bf16, tp=1, dcp=1, block_size=4, max_num_batched_tokens=4)
+    two = dcpgraph.compile(bf16, tp=2, dcp=2, block_size=4, max_num_batched_tokens=4)
     ref, logits = _greedy_with_logits(one, prompt, new)
     got = two.generate([prompt], new)[0]
     sampled = logits[-len(ref):]  # the steps that sampled (the last prefill chunk, then decode)
@@ -272,8 +272,8 @@ def test_fp8_engine_tracks_bf16_engine(arch, tp, dcp):
     (DeepSeek-V3 here) moves that one position's logits by a lot, with either cache dtype."""
     model = redraw(build_model(arch, dtype=torch.bfloat16), 4)
     tokens = torch.randint(1, 256, (32,), generator=torch.Generator().manual_seed(2)).tolist()
-    base = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=1, kv_cache_dtype="bf16")
-    fp8 = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=1, kv_cache_dtype="fp8_e4m3")
+    base = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=1, kv_cache_dtype="bf16")
+    fp8 = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=1, kv_cache_dtype="fp8_e4m3")
     want, got = teacher_forced_logits(base, tokens).float(), teacher_forced_logits(fp8, tokens).float()
     assert not torch.equal(want, got)  # the fp8 cache is really read
     scale, err = want.abs().max(), (got - want).abs()

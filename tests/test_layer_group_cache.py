@@ -37,7 +37,7 @@ def model(name):
 
 def run(name, tp, dcp, interleave=1, **kw):
     engine = dcpgraph.compile(model(name), tp=tp, dcp=dcp, interleave=interleave, block_size=BLOCK,
-                              max_batched_tokens=8, max_num_seqs=4, hybrid_kv_cache=True,
+                              max_num_batched_tokens=8, max_num_seqs=4, hybrid_kv_cache=True,
                               **compile_options(name, tp), **kw)
     ids = [engine.add_request(list(p), max_new_tokens=MAX_NEW) for p in PROMPTS]
     out = drain(engine)
@@ -68,7 +68,7 @@ def test_a_sliding_pool_that_forces_preemption_keeps_tokens(monkeypatch):
         return window_blocks(window, step_tokens, tokens_per_block) + 1
 
     monkeypatch.setattr(layer_groups, "sliding_pool_blocks", smallest)
-    engine = dcpgraph.compile(model("gemma2"), tp=2, dcp=2, block_size=BLOCK, max_batched_tokens=8, max_num_seqs=4,
+    engine = dcpgraph.compile(model("gemma2"), tp=2, dcp=2, block_size=BLOCK, max_num_batched_tokens=8, max_num_seqs=4,
                               hybrid_kv_cache=True, **compile_options("gemma2", 2))
     assert engine.blocks.sliding_blocks == window_blocks(WINDOW, 8, BLOCK * 2) + 1 < engine.blocks.num_blocks
     ids = [engine.add_request(list(p), max_new_tokens=MAX_NEW) for p in PROMPTS]
@@ -147,7 +147,7 @@ def test_refusals_name_the_conflict():
 
 
 def _gloo_rank(rank: int, world: int):
-    engine = dcpgraph.compile(build("gemma2"), tp=world, dcp=2, interleave=2, block_size=BLOCK, max_batched_tokens=8,
+    engine = dcpgraph.compile(build("gemma2"), tp=world, dcp=2, interleave=2, block_size=BLOCK, max_num_batched_tokens=8,
                               max_num_seqs=4, hybrid_kv_cache=True, **compile_options("gemma2", world))
     tokens = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
     groups = engine.memory_report()["kv_layer_groups"]
@@ -171,7 +171,7 @@ def test_gloo_window_sized_sliding_caches_generate_hf_tokens():
 def test_speculative_drafts_with_window_sized_sliding_caches():
     # Drafts are written past `computed` into the sliding table's tail; rejected ones are
     # overwritten later, and trimming only ever follows accepted tokens.
-    engine, got = run("gemma2", 2, 2, 2, speculative_tokens=3)
+    engine, got = run("gemma2", 2, 2, 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     for prompt, g in zip(PROMPTS, got):
         assert g == hf_greedy(model("gemma2"), prompt, MAX_NEW)
     assert engine.report()["speculative"]["drafted"] > 0

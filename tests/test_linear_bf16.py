@@ -190,13 +190,13 @@ def test_bf16_engine_logits_stay_as_close_to_fp32_as_torch_bf16(monkeypatch):
     _need_native()
     tokens = [5, 17, 99, 3, 42, 8, 120, 64, 7, 11]
     model = tiny_model("qwen3", layers=2)
-    ref = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens)
+    ref = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_num_batched_tokens=1), tokens)
     model = model.to(torch.bfloat16)
-    native = dcpgraph.compile(model, backend="eager", max_batched_tokens=1)
+    native = dcpgraph.compile(model, backend="eager", max_num_batched_tokens=1)
     assert "dcpgraph.linear_bf16.default" in _targets(native)
     got = teacher_forced_logits(native, tokens).float()
     monkeypatch.setenv("DCPGRAPH_NATIVE", "0")
-    torch_bf16 = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens).float()
+    torch_bf16 = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_num_batched_tokens=1), tokens).float()
     native_err = float((got - ref).abs().max())
     torch_err = float((torch_bf16 - ref).abs().max())
     assert native_err <= 1.5 * torch_err + 1e-3, (native_err, torch_err)
@@ -210,8 +210,8 @@ def test_inductor_compiles_programs_with_the_op_and_matches_eager():
     _need_native()
     tokens = [5, 17, 99, 3, 42, 8]
     model = tiny_model("qwen3", layers=1).to(torch.bfloat16)
-    eager = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_batched_tokens=1), tokens).float()
-    engine = dcpgraph.compile(model, backend="inductor", max_batched_tokens=1, max_num_seqs=1)
+    eager = teacher_forced_logits(dcpgraph.compile(model, backend="eager", max_num_batched_tokens=1), tokens).float()
+    engine = dcpgraph.compile(model, backend="inductor", max_num_batched_tokens=1, max_num_seqs=1)
     assert "dcpgraph.linear_bf16.default" in _targets(engine)
     compiled = teacher_forced_logits(engine, tokens).float()
     graphs = engine.report()["graphs"]

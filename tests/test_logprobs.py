@@ -19,7 +19,6 @@ import torch
 
 from dcpgraph import LLM, SamplingParams
 from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
-from dcpgraph.runtime.sampling import SamplingParams as EngineParams
 from dcpgraph.runtime.sampling import apply_penalties, sample, token_logprobs
 from dcpgraph.serving.prompts import chat_prompt
 from dcpgraph.testing.server import running_server
@@ -81,12 +80,13 @@ def test_penalties_equal_the_formulas_by_hand(presence, frequency, repetition):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(40, generator=g, dtype=torch.float64)
     prompt, output = [3, 5, 5, 9], [5, 7, 7, 7, 11, 3]
-    params = EngineParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+    params = SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency,
+                            repetition_penalty=repetition)
     got = apply_penalties(logits, params, prompt, output)
     want = penalized_by_hand(logits.tolist(), prompt, output, presence, frequency, repetition)
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
     assert sample(logits, params, None, prompt, output) == max(range(40), key=want.__getitem__)
-    assert apply_penalties(logits, EngineParams(), prompt, output) is logits  # none set: untouched
+    assert apply_penalties(logits, SamplingParams(), prompt, output) is logits  # none set: untouched
 
 
 def test_repetition_penalty_equals_hf_logits_processor():
@@ -96,7 +96,7 @@ def test_repetition_penalty_equals_hf_logits_processor():
     logits = torch.randn(1, 50, generator=g, dtype=torch.float64)
     ids = [4, 8, 8, 15, 42, 49]
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([ids]), logits.clone())[0]
-    got = apply_penalties(logits[0], EngineParams(repetition_penalty=1.7), ids[:2], ids[2:])
+    got = apply_penalties(logits[0], SamplingParams(repetition_penalty=1.7), ids[:2], ids[2:])
     assert torch.equal(got, want)
 
 
@@ -184,7 +184,8 @@ def test_engine_logprobs_with_accepted_drafts_and_penalties_turning_drafts_off()
     from dcpgraph.models import build_model
 
     model = build_model("llama", dtype=torch.float64)
-    engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, block_size=4, speculative_tokens=3)
+    engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, block_size=4,
+                              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     rid = engine.add_request(prompt, 16, logprobs=3)
     tokens, entries = [], []

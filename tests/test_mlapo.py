@@ -142,7 +142,7 @@ def test_pass_fuses_every_layer_and_the_option_turns_it_off(programs, name, vari
 def test_one_step_logits_are_bit_identical_with_and_without_mlapo(programs):
     for name in programs:
         engines = [dcpgraph.compile(programs[name], tp=2, dcp=2, block_size=BLOCK_SIZE, num_blocks=16,
-                                    max_batched_tokens=MAX_BATCHED, mlapo=m) for m in (True, False)]
+                                    max_num_batched_tokens=MAX_BATCHED, mlapo=m) for m in (True, False)]
         logits = []
         for engine in engines:
             seen = record_logits(engine)
@@ -197,7 +197,7 @@ def test_fused_program_equals_unfused_program_on_a_random_step(programs, name):
 )
 def test_greedy_matches_hf_with_and_without_mlapo(programs, name, tp, dcp, interleave, comm, mlapo):
     engine = dcpgraph.compile(programs[name], tp=tp, dcp=dcp, interleave=interleave, comm=comm,
-                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, mlapo=mlapo,
+                              block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED, mlapo=mlapo,
                               **sizing(dcp, interleave))
     assert _count(engine.program, FUSED) == (2 if mlapo else 0)
     got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
@@ -242,14 +242,14 @@ def _tokens_match_hf(model, engine) -> None:
 
 def test_rotate_half_rotary_is_fused_and_exact():
     model = _variant(rope_interleave=False)
-    engine = dcpgraph.compile(model, tp=2, dcp=2, block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    engine = dcpgraph.compile(model, tp=2, dcp=2, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     assert _summary(engine.program) == "2 MLA layers fused into mla_preprocess (q_lora, rotate_half rotary)"
     _tokens_match_hf(model, engine)
 
 
 def test_biased_projections_are_left_unfused_with_the_reason():
     model = _variant(attention_bias=True)  # q_a_proj / kv_a_proj_with_mqa with a bias: no variant has one
-    engine = dcpgraph.compile(model, tp=2, dcp=2, block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    engine = dcpgraph.compile(model, tp=2, dcp=2, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     summary = _summary(engine.program)
     assert summary.startswith("0 MLA layers fused into mla_preprocess; left unfused: layer 0 (latent_cache_0): ")
     assert "match no MLA preprocess variant (q_a_proj → norm → q_b_proj; rotary tried: " in summary

@@ -26,7 +26,7 @@ def _rank(rank: int, world: int, name: str):
     import dcpgraph
 
     engine = dcpgraph.compile(build(name), tp=world, dcp=DCP, interleave=INTERLEAVE, comm=COMM,
-                              block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED, mlapo=True)
+                              block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED, mlapo=True)
     graph = engine.program.graph_module.graph
     ops = torch.ops.dcpgraph
     counts = {op: sum(1 for n in graph.nodes if n.target is getattr(ops, op).default)

@@ -78,7 +78,7 @@ def test_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_are_unchanged(checkpoi
     from dcpgraph.speculative.mtp_module import eager_mtp_module
 
     path, program, plain = checkpoint
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=8,
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8,
                               speculative_config=spec())
     seen = record_drafts(engine)
     assert engine.generate(PROMPTS, LONG) == plain
@@ -106,7 +106,7 @@ def test_mtp_drafts_stay_exact_with_prefill_chunks_prefix_hits_and_preemption(ch
     path, program, _ = checkpoint
     long = [p * 2 for p in PROMPTS]
     plain = dcpgraph.compile(program, block_size=4, max_model_len=48).generate(long, NEW)
-    options = dict(tp=2, dcp=2, block_size=4, max_batched_tokens=10, max_model_len=48, speculative_config=spec())
+    options = dict(tp=2, dcp=2, block_size=4, max_num_batched_tokens=10, max_model_len=48, speculative_config=spec())
     cached = dcpgraph.compile(program, enable_prefix_caching=True, **options)
     seen, sizes = record_drafts(cached), []
     run = cached.runner.proposer._run
@@ -253,7 +253,7 @@ def test_mtp_graphs_are_captured_at_start_up_and_serving_compiles_nothing_after(
     target's before any request (zero hidden-state rows, nothing written), so serving compiles
     nothing more, and the tokens are those of the eager run."""
     path, program, plain = checkpoint
-    engine = dcpgraph.compile(program, block_size=4, max_batched_tokens=8, capture_limit=2, backend="aot_eager",
+    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, capture_limit=2, backend="aot_eager",
                               speculative_config=spec())
     captured = set(engine.report()["compile"]["startup_seconds"])
     assert {"draft decode[1]", "draft decode[2]", "draft mixed", "decode[1]", "mixed"} <= captured, captured

@@ -51,7 +51,7 @@ class Setup:
         return self._refs[key][:n]
 
     def engine(self, tp: int, dcp: int, **kw):
-        kw = {"block_size": BLOCK_SIZE, "max_batched_tokens": 16, "max_model_len": 64, **kw}
+        kw = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": 16, "max_model_len": 64, **kw}
         return dcpgraph.compile(self.program, tp=tp, dcp=dcp, **kw)
 
 
@@ -294,7 +294,7 @@ def test_mla_prefix_hits_match_hf():
     """The latent cache is shared the same way (one virtual block on every DCP rank at once)."""
     model = build_model("deepseek_v2", seed=1)
     engine = dcpgraph.compile(dcpgraph.trace(model), tp=2, dcp=2, interleave=2, block_size=BLOCK_SIZE,
-                              enable_prefix_caching=True, max_batched_tokens=16, max_model_len=64)
+                              enable_prefix_caching=True, max_num_batched_tokens=16, max_model_len=64)
     prompts = [PREFIX + [100 + i, 50 + i, 9 * i + 1] for i in range(3)]
     refs = [hf_greedy(model, p, 6) for p in prompts]
     assert engine.generate(prompts[:1], 6) + engine.generate(prompts[1:], 6) == refs

@@ -86,7 +86,7 @@ def test_engine_logits_are_unchanged_by_the_pass(dtype, monkeypatch):
     prompt = torch.randint(1, 200, (23,), generator=torch.Generator().manual_seed(3)).tolist()
 
     def run():
-        engine = dcpgraph.compile(model, backend="eager", max_num_seqs=1, block_size=4, max_batched_tokens=8)
+        engine = dcpgraph.compile(model, backend="eager", max_num_seqs=1, block_size=4, max_num_batched_tokens=8)
         logits = record_logits(engine)
         tokens = engine.generate([prompt], 6)
         return engine, tokens, logits

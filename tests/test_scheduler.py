@@ -26,7 +26,7 @@ def make(num_blocks=16, tokens_per_block=4, budget=8, seqs=4, prefix=False, spec
 
 
 def request(rid, prompt_len, new=4, first=10):
-    return Request(rid, list(range(first, first + prompt_len)), new, SamplingParams())
+    return Request(rid, list(range(first, first + prompt_len)), new, SamplingParams(temperature=0))
 
 
 def outputs_for(plan, token=7):

@@ -44,8 +44,8 @@ def model(request):
 def test_ag_generates_hf_tokens_with_one_gather_per_layer(model):
     name, m = model
     layers = m.config.num_hidden_layers
-    engine = dcpgraph.compile(m, tp=2, dcp=2, comm="ag", block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
-    a2a = dcpgraph.compile(m, tp=2, dcp=2, comm="a2a", block_size=BLOCK_SIZE, max_batched_tokens=MAX_BATCHED)
+    engine = dcpgraph.compile(m, tp=2, dcp=2, comm="ag", block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
+    a2a = dcpgraph.compile(m, tp=2, dcp=2, comm="a2a", block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_BATCHED)
     got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
     assert got == [hf_greedy(m, p, MAX_NEW) for p in PROMPTS]
     assert got == a2a.generate([list(p) for p in PROMPTS], MAX_NEW)
@@ -89,7 +89,7 @@ def test_ag_inside_a_larger_tp_group_keeps_o_proj_sharded(name):
     m = build_model(name)
     layers = m.config.num_hidden_layers
     engine = dcpgraph.compile(m, tp=4, dcp=2, comm="ag", interleave=2, block_size=BLOCK_SIZE,
-                              max_batched_tokens=MAX_BATCHED)
+                              max_num_batched_tokens=MAX_BATCHED)
     assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == [hf_greedy(m, p, MAX_NEW) for p in PROMPTS]
     program = engine.program
     assert _collectives(program, ALL_GATHER.op).get("dcp") == layers
@@ -144,7 +144,7 @@ def test_ag_refuses_a_head_sharded_parameter_between_the_projections():
 def _gloo_rank(rank: int, world: int, name: str, dcp: int):
     model = build_model(name)
     engine = dcpgraph.compile(model, tp=world, dcp=dcp, comm="ag", block_size=BLOCK_SIZE,
-                              max_batched_tokens=MAX_BATCHED)
+                              max_num_batched_tokens=MAX_BATCHED)
     return {"tokens": engine.generate([list(p) for p in PROMPTS], MAX_NEW), "report": engine.report()}
 
 

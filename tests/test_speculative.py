@@ -41,7 +41,7 @@ def setup(request):
 @pytest.mark.parametrize("tp, dcp, interleave", [(1, 1, 1), (2, 2, 1), (4, 2, 4)])
 def test_speculative_tokens_equal_plain_greedy(setup, tp, dcp, interleave):
     arch, program, refs = setup
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, interleave=interleave, block_size=4, speculative_tokens=3)
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, interleave=interleave, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert engine.generate(PROMPTS, NEW) == refs
     stats = engine.report()["speculative"]
     assert stats["drafted"] > 0
@@ -52,7 +52,7 @@ def test_speculative_tokens_equal_plain_greedy(setup, tp, dcp, interleave):
 
 def test_speculation_with_prefix_caching_and_sampling(setup):
     _, program, refs = setup
-    engine = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, speculative_tokens=3, enable_prefix_caching=True)
+    engine = dcpgraph.compile(program, tp=2, dcp=2, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, enable_prefix_caching=True)
     assert engine.generate(PROMPTS, NEW) == refs
     assert engine.generate(PROMPTS, NEW) == refs  # second round hits the cache
     before = engine.report()["speculative"]["drafted"]

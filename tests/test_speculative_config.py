@@ -45,7 +45,7 @@ def test_good_configs_and_the_older_speculative_tokens():
     assert speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}) == \
         SpeculativeConfig("ngram", 2, None, 5, 5)
     assert speculative_config(None, 3) == SpeculativeConfig("ngram", 3)  # speculative_tokens=k still works
-    with pytest.raises(ConfigError, match="not both"):
+    with pytest.raises(ConfigError, match="not both"), pytest.warns(DeprecationWarning, match="speculative_tokens"):
         compile_options(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, speculative_tokens=2)
     assert compile_options()["speculative_config"] is None
 

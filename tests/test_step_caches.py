@@ -15,7 +15,7 @@ from dcpgraph.runtime.step_inputs import Chunk, TableRows, build_step_inputs
 
 
 def _request(prompt):
-    return Request(id=0, prompt=list(prompt), max_new_tokens=100, params=SamplingParams())
+    return Request(id=0, prompt=list(prompt), max_new_tokens=100, params=SamplingParams(temperature=0))
 
 
 def test_tokens_are_prompt_plus_output_after_appends_and_replacements():

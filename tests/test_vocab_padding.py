@@ -81,7 +81,7 @@ CASES = [("qwen3", 97, 2, 2), ("qwen3", 50257, 4, 2), ("deepseek_v2", 97, 4, 4),
 def test_compile_with_an_indivisible_vocabulary_gives_hf_tokens_and_logits(arch, vocab, tp, dcp):
     model = build(arch, vocab)
     refs = [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
-    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_batched_tokens=16)
+    engine = dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=16)
     rows = record_logits(engine)
     assert engine.generate([list(p) for p in PROMPTS], MAX_NEW) == refs
     assert rows and all(r.shape[-1] == vocab for r in rows)  # padded columns never leave the graph

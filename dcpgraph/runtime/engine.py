@@ -22,7 +22,7 @@ from .graph_mode import DecodeBuckets, default_buckets
 from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
 from .proposer import make_proposer
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Request, Scheduler, StepEvent
 from .speculative_config import speculative_config as speculative_config_of
 from .verify_buckets import VerifyBuckets
@@ -123,11 +123,16 @@ class Engine(EngineClient):
             )
         return tokens
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params: SamplingParams | None = None,
+                    **sampling: Any) -> int:
         """Queue one request; returns its id. Raises ``RequestError`` before queuing anything
-        (``QueueFullError``, a ``RequestError``, when ``max_waiting`` requests already wait)."""
+        (``QueueFullError``, a ``RequestError``, when ``max_waiting`` requests already wait).
+
+        Sampling: the keywords of :data:`~.sampling_params.ENGINE_FIELDS` (greedy unless
+        ``temperature`` > 0), or ``params=SamplingParams(...)`` (its per-token fields; ``n``,
+        ``max_tokens`` and the stop conditions are the offline API's and the server's)."""
         tokens = self.check_request(prompt, max_new_tokens)
-        request = self._new_request(tokens, max_new_tokens, SamplingParams(**sampling))
+        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling))
         self.scheduler.add(request)
         return request.id
 
@@ -172,10 +177,12 @@ class Engine(EngineClient):
                 "be lost); step() them to completion or abort() them first"
             )
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, params: SamplingParams | None = None,
+                 **sampling: Any) -> list[list[int]]:
         """New tokens of each prompt (greedy unless ``temperature`` > 0). All prompts are checked
-        before any work starts; a bad one raises ``RequestError`` naming it."""
-        params = SamplingParams(**sampling)
+        before any work starts; a bad one raises ``RequestError`` naming it. Sampling as in
+        :meth:`add_request`; a seeded prompt ``i`` samples with ``seed + i``."""
+        params = SamplingParams.for_engine(params, **sampling)
         checked = []
         for i, prompt in enumerate(prompts):
             try:
@@ -194,7 +201,7 @@ class Engine(EngineClient):
         return [outputs[r.id] for r in requests]
 
     # -- prefill/decode disaggregation -------------------------------------------------------
-    def prefill(self, prompt: Sequence[int], **sampling: Any):
+    def prefill(self, prompt: Sequence[int], *, params: SamplingParams | None = None, **sampling: Any):
         """Run ``prompt`` until its first token is sampled and export its KV
         (:class:`~dcpgraph.runtime.kv_transfer.KVTransfer`); the request then leaves this engine.
         If that first token ends the request (an EOS id) the transfer is ``finished`` and carries
@@ -204,7 +211,7 @@ class Engine(EngineClient):
         check_exportable(self)
         self._require_idle("prefill")
         tokens = self.check_request(prompt, 2)
-        request = self._new_request(tokens, 2, SamplingParams(**sampling))
+        request = self._new_request(tokens, 2, SamplingParams.for_engine(params, **sampling))
         request.speculative = False  # one token, exactly: drafts could finish it before the export
         self.scheduler.add(request)
         try:
@@ -214,7 +221,8 @@ class Engine(EngineClient):
         finally:
             self.scheduler.abort(request.id)  # a no-op if it already finished
 
-    def continue_from(self, transfer, max_new_tokens: int, **sampling: Any) -> int:
+    def continue_from(self, transfer, max_new_tokens: int, *, params: SamplingParams | None = None,
+                      **sampling: Any) -> int:
         """Continue a request exported by another engine's :meth:`prefill` (same model and tp,
         any dcp / interleave / block size): re-shards its KV into this engine's cache and runs it
         now (it takes a sequence slot and its blocks at once, or raises ``RequestError``).
@@ -232,7 +240,7 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(prompt, max_new_tokens, SamplingParams(**sampling))
+        request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling))
         request.output = output
         request.computed = transfer.computed
         self.scheduler.adopt(request)
@@ -253,8 +261,8 @@ class Engine(EngineClient):
         self.blocks.release(request_id)
         return True
 
-    def adopt_transferred(self, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int,
-                          **sampling: Any) -> tuple[int, int]:
+    def adopt_transferred(self, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int, *,
+                          params: SamplingParams | None = None, **sampling: Any) -> tuple[int, int]:
         """Start a request whose prompt KV another engine computed and whose first ``output``
         tokens it sampled: returns ``(request id, start)``. Positions ``[start, len(prompt))`` must
         be written into its blocks before the next :meth:`step`; ``[0, start)`` are this engine's own
@@ -263,7 +271,7 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(tokens, max_new_tokens, SamplingParams(**sampling))
+        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling))
         request.output = [int(t) for t in output]
         request.computed = len(tokens)
         prefix = self.blocks.match_prefix(tokens)

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.sampling import SamplingParams, greedy_tokens
+from ..runtime.sampling import greedy_tokens
+from ..runtime.sampling_params import SamplingParams
 from .proposer import Drafts
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from for a row of logits (float64, ``[..., V]``)."""
     scores = logits.double() / params.temperature
-    if params.top_k:
+    if params.top_k > 0:  # 0 and vLLM's -1 are off
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1:

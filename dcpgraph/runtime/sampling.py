@@ -10,6 +10,9 @@ greedy and sampled requests alike):
 * ``frequency_penalty`` ``f``: ``l −= f · count(token in the output)``;
 * ``presence_penalty`` ``p``: ``l −= p`` for every token that occurs in the output.
 
+The parameters are :class:`~.sampling_params.SamplingParams` (vLLM's class, re-exported here);
+a request is greedy when its temperature is below ``1e-5``.
+
 Log-probabilities (:func:`token_logprobs`) are vLLM's default ``raw_logprobs``: ``log_softmax``
 of the model's logits row the token was sampled from, before penalties, temperature or top-k/p.
 """
@@ -17,47 +20,13 @@ of the model's logits row the token was sampled from, before penalties, temperat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top log-probabilities one token returns
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None  # top-N log-probabilities per sampled token (None: none at all)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty changes the logits (a greedy token is then not the raw argmax)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "apply_penalties", "greedy_token", "greedy_tokens", "sample",
+           "token_logprobs"]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
@@ -102,7 +71,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return greedy_token(logits)
     scores = logits.double() / params.temperature
-    if params.top_k:
+    if params.top_k > 0:  # 0 and vLLM's -1 are off
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1:

@@ -51,7 +51,7 @@ from ..errors import QueueFullError, RequestError
 from .acceptance import AcceptanceStats
 from .blocks import BlockManager
 from .rejection import accept
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .step_inputs import Chunk
 
 

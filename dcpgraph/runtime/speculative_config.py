@@ -11,8 +11,9 @@
 
 :func:`speculative_config` returns a :class:`SpeculativeConfig` or ``None`` (no speculation), or
 raises :class:`~dcpgraph.errors.ConfigError` naming the key, the value and the valid settings.
-The older ``speculative_tokens=k`` option still works and means
-``{"method": "ngram", "num_speculative_tokens": k}``; giving both is refused.
+The deprecated compile option ``speculative_tokens=k`` (a ``DeprecationWarning``, see
+:mod:`dcpgraph.options`) means ``{"method": "ngram", "num_speculative_tokens": k}``; giving both
+is refused. This function's ``speculative_tokens`` argument is the engine's internal form of it.
 """
 
 from __future__ import annotations

@@ -41,6 +41,6 @@ def build_engine(config: EngineConfig, executor: str = "auto"):
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
         max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-        max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         executor=executor, **config.engine_options,
     )

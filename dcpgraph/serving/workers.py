@@ -198,7 +198,11 @@ class RemoteEngine(EngineClient):
         return values[0]
 
     # -- Engine's interface ----------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params=None, **sampling: Any) -> int:
+        if params is not None:  # ranks take the JSON-able keywords of the same request
+            from ..runtime.sampling_params import SamplingParams
+
+            sampling = SamplingParams.for_engine(params, **sampling).engine_params()
         return self._agreed({"op": "add", "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
                              "sampling": sampling}, "rid")
 

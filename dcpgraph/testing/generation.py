@@ -68,7 +68,7 @@ def record_logits(engine) -> list[torch.Tensor]:
 def teacher_forced_logits(engine, tokens: Sequence[int]) -> torch.Tensor:
     """``[len(tokens), V]``: row ``i`` is the engine's logits after reading ``tokens[: i + 1]``
     (next-token prediction at every position). The engine must be compiled with
-    ``max_batched_tokens=1``, so that each prompt token is its own chunk and step, and be idle."""
+    ``max_num_batched_tokens=1``, so that each prompt token is its own chunk and step, and be idle."""
     if engine.scheduler.has_work():
         raise ValueError("teacher_forced_logits needs an idle engine")
     shadowed = "run" in vars(engine.executor)
@@ -83,5 +83,5 @@ def teacher_forced_logits(engine, tokens: Sequence[int]) -> torch.Tensor:
         else:
             del engine.executor.run
     if len(steps) != len(tokens):
-        raise ValueError(f"{len(steps)} steps for {len(tokens)} tokens: compile with max_batched_tokens=1")
+        raise ValueError(f"{len(steps)} steps for {len(tokens)} tokens: compile with max_num_batched_tokens=1")
     return torch.stack([s[0] for s in steps])

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dcpgraph.speculative.rejection import probabilities
 
 import dcpgraph
 from dcpgraph.models import build_model
+from dcpgraph.runtime.rejection import probabilities
 from dcpgraph.runtime.sampling import sample
 from dcpgraph.runtime.sampling_params import ENGINE_FIELDS, SamplingParams
 

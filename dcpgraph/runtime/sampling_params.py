@@ -2,7 +2,7 @@
 
 The offline API (:class:`dcpgraph.LLM`), the HTTP server and the engine all take this class; the
 engine stores it on each :class:`~.scheduler.Request`, and :func:`~.sampling.sample`,
-:func:`~dcpgraph.speculative.rejection.verify` and the log-probabilities read its fields.
+:func:`~dcpgraph.runtime.rejection.verify` and the log-probabilities read its fields.
 
 Defaults follow vLLM: ``temperature=1.0`` (sampling; below ``1e-5`` is greedy), ``top_p=1.0``,
 ``top_k=0`` (``-1`` is accepted as vLLM's older spelling of "off"), ``max_tokens=16``, ``n=1``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,8 +118,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
     """
-    from .runtime.engine import Engine, blocks_for_budget
-    from .runtime.executors import DistributedExecutor, EmulatedExecutor
+    from .runtime.engine import Engine
 
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
@@ -127,34 +127,86 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         interleave=interleave, block_size=block_size, max_model_len=max_model_len, comm=comm,
         backend=backend, **options,
     )
+    config = _configuration(model, mesh, opts)
+    program, windows = _traced_program(model, config)
+    comm_workload = _comm_workload(program, config)
+    program = _lowered_program(program, config, comm_workload, windows)
+    num_blocks = _num_blocks(program, config)
+    graphs = _compiled_graphs(program, config)
+    draft = _compiled_draft(config, comm_workload)
+    return Engine(
+        program, executor_cls=config.executor_cls, num_blocks=num_blocks, max_model_len=config.max_model_len,
+        max_batched_tokens=opts["max_num_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
+        capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
+        speculative_config=config.spec, draft=draft, max_waiting=opts["max_waiting"],
+        kv_allocation=opts["kv_allocation"],
+    )
+
+
+@dataclass(frozen=True)
+class _Configuration:
+    """Everything :func:`compile` decides before tracing: the checked options, the executor, the
+    model's facts, the context length and the speculative draft's source (at most one of
+    ``mtp_checkpoint`` and ``draft_program`` is set)."""
+
+    mesh: Mesh
+    opts: dict[str, Any]
+    executor_cls: type
+    facts: Any
+    max_model_len: int
+    mtp_checkpoint: Any = None
+    draft_program: Program | None = None
+
+    @property
+    def spec(self):
+        return self.opts["speculative_config"]
+
+    @property
+    def distributed(self) -> bool:
+        from .runtime.executors import DistributedExecutor
+
+        return self.executor_cls is DistributedExecutor
+
+
+def _configuration(model: torch.nn.Module | Program, mesh: Mesh, opts: dict[str, Any]) -> _Configuration:
+    """Checks the mesh against the model, the MTP target and the draft model, all before any
+    tracing; ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 4096."""
+    from .runtime.executors import DistributedExecutor, EmulatedExecutor
+
     executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
     spec = opts["speculative_config"]
     facts = facts_of(model)
     mesh.validate(
         attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
-        block_size=block_size, interleave=interleave,
+        block_size=opts["block_size"], interleave=opts["interleave"],
     )
-    max_model_len = int(max_model_len or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
-    mtp_checkpoint = None
+    max_model_len = int(opts["max_model_len"]
+                        or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    mtp_checkpoint = draft_program = None
     if spec is not None and spec.method == "mtp":
         from .speculative.mtp import check_mtp_target
 
         mtp_checkpoint = check_mtp_target(facts, model)
-    draft_program = None
     if spec is not None and spec.method == "draft_model":
         from .speculative.draft_model import check_draft
 
         draft_program = _draft_program(spec.model, facts.dtype)
-        check_draft(facts, draft_program.facts, mesh, block_size=block_size, interleave=interleave,
+        check_draft(facts, draft_program.facts, mesh, block_size=opts["block_size"], interleave=opts["interleave"],
                     max_model_len=max_model_len)
-    from .passes.pipeline import compile_program
+    return _Configuration(mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
 
+
+def _traced_program(model: torch.nn.Module | Program, config: _Configuration) -> tuple[Program, tuple]:
+    """The target's Program (traced unless given), with experts partitioned under expert
+    parallelism, and its sliding windows when ``hybrid_kv_cache`` is on (else ``()``)."""
+    opts = config.opts
     program = model if isinstance(model, Program) else trace(model)
     windows = ()
     if opts["hybrid_kv_cache"]:
         from .passes.layer_group_tables import model_windows
         from .runtime.layer_groups import check_hybrid_options
 
+        spec = config.spec
         check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
                              draft_model=spec is not None and spec.method == "draft_model")
         windows = model_windows(program)
@@ -162,18 +214,31 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         from .passes.tp_styles import with_expert_parallel
 
         program = with_expert_parallel(program)
-    sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
-    comm_workload = None
-    if comm == "auto" and mesh.dcp > 1:
-        from .passes.shard_dcp_auto import compile_workload
+    return program, windows
 
-        comm_workload = compile_workload(program, tp=mesh.tp, distributed=executor_cls is DistributedExecutor,
-                                         backend=backend, max_model_len=max_model_len,
-                                         max_num_seqs=opts["max_num_seqs"], cache_size=sizes)
+
+def _comm_workload(program: Program, config: _Configuration):
+    """The workload ``comm="auto"`` picks DCP's collectives for; None when there is no choice to
+    make (an explicit ``comm``, or no DCP)."""
+    opts = config.opts
+    if opts["comm"] != "auto" or config.mesh.dcp == 1:
+        return None
+    from .passes.shard_dcp_auto import compile_workload
+
+    return compile_workload(program, tp=config.mesh.tp, distributed=config.distributed, backend=opts["backend"],
+                            max_model_len=config.max_model_len, max_num_seqs=opts["max_num_seqs"],
+                            cache_size={k: opts[k] for k in CACHE_SIZE_OPTIONS})
+
+
+def _lowered_program(program: Program, config: _Configuration, comm_workload, windows: tuple) -> Program:
+    """The target through the pass pipeline, then (``hybrid_kv_cache``) the layer-group tables."""
+    from .passes.pipeline import compile_program
+
+    opts = config.opts
     program = compile_program(
-        program, mesh, block_size=block_size, interleave=interleave, comm=comm,
+        program, config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
-        return_hidden=mtp_checkpoint is not None, comm_workload=comm_workload,
+        return_hidden=config.mtp_checkpoint is not None, comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"],
     )
     if opts["hybrid_kv_cache"]:
@@ -181,34 +246,49 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         from .passes.manager import run_passes
 
         program = run_passes(program, [layer_group_tables.with_options(windows=windows)], verify=opts["verify"])
-    sizes = {k: opts[k] for k in CACHE_SIZE_OPTIONS}
-    num_blocks = blocks_for_budget(program, **sizes, max_model_len=max_model_len, max_num_seqs=opts["max_num_seqs"],
-                                   decode_tokens=1 + (spec.num_speculative_tokens if spec else 0),
-                                   step_tokens=min(opts["max_num_batched_tokens"], max_model_len))
+    return program
+
+
+def _num_blocks(program: Program, config: _Configuration) -> int:
+    """KV-cache blocks per rank for the given cache size, or for the default budget."""
+    from .runtime.engine import blocks_for_budget
+
+    opts, spec = config.opts, config.spec
+    return blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, max_model_len=config.max_model_len,
+                             max_num_seqs=opts["max_num_seqs"],
+                             decode_tokens=1 + (spec.num_speculative_tokens if spec else 0),
+                             step_tokens=min(opts["max_num_batched_tokens"], config.max_model_len))
+
+
+def _compiled_graphs(program: Program, config: _Configuration):
+    """The backend's graphs for ``program``, compiled now, in ``compile_cache_dir`` when given."""
     from .backends import compile_backend, use_compile_cache_dir
 
-    if opts["compile_cache_dir"] is not None:
-        use_compile_cache_dir(opts["compile_cache_dir"])
-    graphs = compile_backend(program, backend, distributed=executor_cls is DistributedExecutor)
-    draft = None
-    if mtp_checkpoint is not None:
+    if config.opts["compile_cache_dir"] is not None:
+        use_compile_cache_dir(config.opts["compile_cache_dir"])
+    return compile_backend(program, config.opts["backend"], distributed=config.distributed)
+
+
+def _compiled_draft(config: _Configuration, comm_workload):
+    """``(program, graphs)`` of the speculative draft (a draft model or the checkpoint's MTP
+    layer) on the target's mesh, or None without one."""
+    from .backends import compile_backend
+    from .passes.pipeline import compile_program
+
+    draft_program = config.draft_program
+    if config.mtp_checkpoint is not None:
         from .speculative.mtp_module import load_mtp_program
 
-        draft_program = load_mtp_program(mtp_checkpoint, facts, facts.dtype)
-    if draft_program is not None:
-        draft_program = compile_program(
-            draft_program, mesh, block_size=block_size, interleave=interleave, comm=comm,
-            verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
-            fuse_new=opts["fuse_new_tokens"],
-        )
-        draft = (draft_program, compile_backend(draft_program, backend, distributed=executor_cls is DistributedExecutor))
-    return Engine(
-        program, executor_cls=executor_cls, num_blocks=num_blocks, max_model_len=max_model_len,
-        max_batched_tokens=opts["max_num_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
-        capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
-        speculative_config=spec, draft=draft, max_waiting=opts["max_waiting"],
-        kv_allocation=opts["kv_allocation"],
+        draft_program = load_mtp_program(config.mtp_checkpoint, config.facts, config.facts.dtype)
+    if draft_program is None:
+        return None
+    opts = config.opts
+    draft_program = compile_program(
+        draft_program, config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
+        verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
+        fuse_new=opts["fuse_new_tokens"],
     )
+    return draft_program, compile_backend(draft_program, opts["backend"], distributed=config.distributed)
 
 
 def _draft_program(model, dtype: torch.dtype) -> Program:

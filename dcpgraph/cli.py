@@ -57,20 +57,26 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, prompts: list[li
     return [outputs[i] for i in range(len(prompts))], engine.memory_report(), engine.report()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:  # `dcpgraph plan ...`: the deployment planner
+def _subcommand(argv: list[str]):
+    """The ``main`` of ``dcpgraph plan`` (the deployment planner), ``serve MODEL_DIR`` (the
+    OpenAI-compatible server) or ``proxy --prefill URL --decode URL`` (the P/D front door);
+    None for the demo."""
+    if argv[:1] == ["plan"]:
         from .plan.cli import main as plan_main
 
-        return plan_main(argv[1:])
-    if argv[:1] == ["serve"]:  # `dcpgraph serve MODEL_DIR ...`: the OpenAI-compatible server
+        return plan_main
+    if argv[:1] == ["serve"]:
         from .serving.cli import main as serve_main
 
-        return serve_main(argv[1:])
-    if argv[:1] == ["proxy"]:  # `dcpgraph proxy --prefill URL --decode URL`: the P/D front door
+        return serve_main
+    if argv[:1] == ["proxy"]:
         from .serving.proxy import main as proxy_main
 
-        return proxy_main(argv[1:])
+        return proxy_main
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dcpgraph", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3",
@@ -86,7 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulate", action="store_true", help="run every rank in this process instead of gloo")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    subcommand = _subcommand(argv)
+    if subcommand is not None:
+        return subcommand(argv[1:])
+    args = _parser().parse_args(argv)
     prompts = _parse_prompts(args.prompts)
 
     import dcpgraph
@@ -122,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     agree = all(r[0] == tokens for r in results)
     tp_only = dcpgraph.compile(model, tp=args.tp, dcp=1, block_size=args.block_size,
                                kv_cache_tokens=memory["kv_capacity_tokens"]).memory_report()
+    same = _report(args, prompts, tokens, reference, memory, report, agree, tp_only)
+    _say(f"  done in {time.perf_counter() - start:.1f} s")
+    return 0 if same and agree else 1
 
+
+def _report(args, prompts, tokens, reference, memory: dict, report: dict, agree: bool, tp_only: dict) -> bool:
+    """Print each prompt's tokens against the reference and the KV memory against tp-only;
+    returns whether every prompt's tokens equal the unsharded model's."""
     _say("")
     for i, (p, got, ref) in enumerate(zip(prompts, tokens, reference)):
         mark = "==" if got == ref else "!="
@@ -138,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{tp_only['kv_bytes_per_rank'][0]:,} bytes tp-only "
          f"({memory['kv_bytes_per_rank'][0] / tp_only['kv_bytes_per_rank'][0]:.3f}x)")
     _say(f"  KV bytes per token per rank: {memory['kv_bytes_per_token']:g} vs {tp_only['kv_bytes_per_token']:g}")
-    _say(f"  done in {time.perf_counter() - start:.1f} s")
-    return 0 if same and agree else 1
+    return same
 
 
 if __name__ == "__main__":

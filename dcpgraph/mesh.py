@@ -93,6 +93,13 @@ class Mesh:
           ``tp > num_kv_heads``, ``(tp // num_kv_heads) >= dcp`` and
           ``(tp // num_kv_heads) % dcp == 0``.
         """
+        self._check_any_attention(attention, num_q_heads, block_size, interleave)
+        if attention == "gqa":
+            self._check_gqa(num_q_heads, num_kv_heads)
+        return self
+
+    def _check_any_attention(self, attention: str, num_q_heads: int, block_size: int, interleave: int) -> None:
+        """The rules every model meets (MLA's are these alone): pcp, interleave, query heads, dcp | tp."""
         tp, dcp = self.tp, self.dcp
         if attention not in ("mla", "gqa"):
             raise ConfigError(f"attention must be 'mla' or 'gqa', got {attention!r}")
@@ -118,8 +125,11 @@ class Mesh:
             raise ConfigError(
                 f"tp % dcp == 0 failed: dcp={dcp} does not divide tp={tp}; valid dcp: {valid}"
             )
-        if attention == "mla":
-            return self
+
+    def _check_gqa(self, num_q_heads: int, num_kv_heads: int | None) -> None:
+        """GQA's KV-head rules: TP splits or replicates whole KV heads, and a DCP group sits inside
+        one KV head's replica set."""
+        tp, dcp = self.tp, self.dcp
         if num_kv_heads is None or num_kv_heads < 1:
             raise ConfigError(f"GQA needs num_kv_heads >= 1, got {num_kv_heads!r}")
         if num_q_heads % num_kv_heads:
@@ -134,7 +144,7 @@ class Mesh:
                 f"at tp={tp}; valid tp: {valid}"
             )
         if dcp == 1:
-            return self
+            return
         if tp <= num_kv_heads:
             raise ConfigError(
                 f"dcp={dcp} with tp={tp} <= num_kv_heads={num_kv_heads}: every rank already holds "
@@ -149,7 +159,6 @@ class Mesh:
                 f"head is replicated on tp // num_kv_heads = {replicas} ranks, and a DCP group must "
                 f"sit inside one replica set; dcp={dcp} does not. Valid dcp at tp={tp}: {valid}"
             )
-        return self
 
     def __str__(self) -> str:
         groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())

@@ -22,6 +22,8 @@ projection is column-parallel (by heads), the output projection row-parallel, an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx
 
@@ -78,6 +80,105 @@ def _ensure_latent(program: Program) -> None:
             raise VerificationError(f"{node.name}: latent attention must have one KV head")
 
 
+@dataclass(frozen=True)
+class _MLADims:
+    """The config's MLA sizes: latent rank ``R``, per-head ``nope``/``rope``/``v`` dims, heads."""
+
+    rank: int
+    nope: int
+    rope: int
+    vdim: int
+    heads: int
+
+
+@dataclass(frozen=True)
+class _MLALayer:
+    """One recognised MLA layer: the up-projection's weight (node, full tensor, module path), its
+    input latent ``c``, the shared ``k_rope`` and the query's two parts."""
+
+    weight: torch.fx.Node
+    full: torch.Tensor
+    target: str
+    latent: torch.fx.Node
+    k_rope: torch.fx.Node
+    q_nope: torch.fx.Node
+    q_rope: torch.fx.Node
+
+
+def _match_layer(program: Program, specs: dict, dims: _MLADims, layer: int, node: torch.fx.Node) -> _MLALayer:
+    """Recognise ``node`` as decompressed MLA (see the module docstring), checking every dim
+    against the config; raises :class:`UnsupportedModelError` naming what does not match."""
+    q, k, v = node.args[:3]
+    where = f"layer {layer} ({node.name})"
+    up = nearest_linears(v)
+    if len(up) != 1:
+        raise UnsupportedModelError(f"{where}: MLA value does not come from one up-projection")
+    (up,) = up
+    weight = up.args[1]
+    if len(up.args) > 2 and up.args[2] is not None:
+        raise UnsupportedModelError(f"{where}: an up-projection bias cannot be absorbed")
+    if specs.get(weight.name) is None or specs[weight.name].kind != PARAM:
+        raise UnsupportedModelError(f"{where}: up-projection weight is not a parameter")
+    full = program.state[specs[weight.name].target]
+    if tuple(full.shape) != (dims.heads * (dims.nope + dims.vdim), dims.rank):
+        raise UnsupportedModelError(f"{where}: up-projection {tuple(full.shape)} does not match the config")
+    k_parts, q_parts = _parts(k), _parts(q)
+    if len(k_parts) != 2 or len(q_parts) != 2:
+        raise UnsupportedModelError(f"{where}: key/query are not [nope ‖ rope] concatenations")
+    k_rope = _strip_views(k_parts[1])
+    if nearest_linears(k_parts[0]) != {up} or _val(k_rope).shape[1] != 1 or _val(k_rope).shape[-1] != dims.rope:
+        raise UnsupportedModelError(f"{where}: key is not [W_UK·c ‖ shared k_rope]")
+    q_nope, q_rope = q_parts
+    if _val(q_nope).shape[-1] != dims.nope or _val(q_rope).shape[-1] != dims.rope:
+        raise UnsupportedModelError(f"{where}: query parts do not match nope/rope dims")
+    target = specs[weight.name].target.removesuffix(".weight")
+    return _MLALayer(weight, full, target, up.args[0], k_rope, q_nope, q_rope)
+
+
+def _add_absorbed_params(graph, first_user, specs: dict, dims: _MLADims, match: _MLALayer, state: dict,
+                         sources: dict, new_specs: list[InputSpec]) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Placeholders (before ``first_user``) for ``W_UK [H, nope, R]`` and ``W_UV^T [H, R, v]``,
+    computed once from the full weight (functional state, split by heads); returns both nodes."""
+    nope, vdim, rank = dims.nope, dims.vdim, dims.rank
+    weight_target = specs[match.weight.name].target
+    uk_name, uv_name = f"{match.target}.absorbed_uk", f"{match.target}.absorbed_uv_t"
+    state[uk_name] = absorbed(match.full, "mla_absorbed_uk", nope, vdim, rank)  # [H, nope, R]
+    state[uv_name] = absorbed(match.full, "mla_absorbed_uv_t", nope, vdim, rank)  # [H, R, v]
+    for name, op in ((uk_name, "mla_absorbed_uk"), (uv_name, "mla_absorbed_uv_t")):
+        sources[name] = StateSource(op, (weight_target,), (nope, vdim, rank))
+    with graph.inserting_before(first_user):
+        uk_node = graph.placeholder(_safe(uk_name))
+        uv_node = graph.placeholder(_safe(uv_name))
+    new_specs += [InputSpec(uk_node.name, PARAM, uk_name, ShardRule(0)),
+                  InputSpec(uv_node.name, PARAM, uv_name, ShardRule(0))]
+    for n in (uk_node, uv_node):
+        n.meta["val"] = torch.empty(state[_target_of(n.name, new_specs)].shape, dtype=match.full.dtype, device="meta")
+    return uk_node, uv_node
+
+
+def _emit_latent_attention(e: Emitter, node: torch.fx.Node, match: _MLALayer, dims: _MLADims, uk_node, uv_node):
+    """``o = attention([q_nope·W_UK ‖ q_rope], [c ‖ k_rope], c) · W_UV^T`` (insertion point:
+    before ``node``); returns ``o [1, H, T, v]``."""
+    rank = dims.rank
+    c = e(aten.view.default, match.latent, [1, 1, -1, rank])  # [1, 1, T, R]
+    k_latent = e(aten.cat.default, [c, e(aten.view.default, match.k_rope, [1, 1, -1, dims.rope])], -1)
+    v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
+    q_latent = e(aten.cat.default, [e(aten.matmul.default, match.q_nope, uk_node), match.q_rope], -1)
+    o_latent = e(node.target, q_latent, k_latent, v_latent, *node.args[3:])  # same op, latent q/k/v
+    return e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
+
+
+def _drop_unused_params(graph, specs: dict) -> set[str]:
+    """Erase parameter placeholders nothing reads any more; returns their state targets."""
+    dropped: set[str] = set()
+    for p in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:
+        spec = specs.get(p.name)
+        if spec is not None and spec.kind == PARAM:
+            dropped.add(spec.target)
+            graph.erase_node(p)
+    return dropped
+
+
 @program_pass(
     "absorb_mla",
     requires=[
@@ -91,11 +192,8 @@ def absorb_mla(program: Program):
     facts = program.facts
     if facts.attention != "mla":
         return program, "not an MLA model: nothing to absorb"
-    rank = facts.extra["kv_lora_rank"]
-    nope = facts.extra["qk_nope_head_dim"]
-    rope = facts.extra["qk_rope_head_dim"]
-    vdim = facts.v_head_dim
-    heads = facts.num_q_heads
+    dims = _MLADims(rank=facts.extra["kv_lora_rank"], nope=facts.extra["qk_nope_head_dim"],
+                    rope=facts.extra["qk_rope_head_dim"], vdim=facts.v_head_dim, heads=facts.num_q_heads)
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
@@ -104,77 +202,31 @@ def absorb_mla(program: Program):
     sources = dict(program.sources)
     new_specs: list[InputSpec] = []
     plan = dict(facts.tp_plan)
-    dropped: set[str] = set()
     first_user = next(n for n in graph.nodes if n.op == "placeholder" and specs[n.name].kind != PARAM)
     for layer, node in enumerate(attention_nodes(graph)):
-        q, k, v = node.args[:3]
-        where = f"layer {layer} ({node.name})"
-        up = nearest_linears(v)
-        if len(up) != 1:
-            raise UnsupportedModelError(f"{where}: MLA value does not come from one up-projection")
-        (up,) = up
-        weight = up.args[1]
-        if len(up.args) > 2 and up.args[2] is not None:
-            raise UnsupportedModelError(f"{where}: an up-projection bias cannot be absorbed")
-        if specs.get(weight.name) is None or specs[weight.name].kind != PARAM:
-            raise UnsupportedModelError(f"{where}: up-projection weight is not a parameter")
-        full = program.state[specs[weight.name].target]
-        if tuple(full.shape) != (heads * (nope + vdim), rank):
-            raise UnsupportedModelError(f"{where}: up-projection {tuple(full.shape)} does not match the config")
-        latent = up.args[0]
-        k_parts, q_parts = _parts(k), _parts(q)
-        if len(k_parts) != 2 or len(q_parts) != 2:
-            raise UnsupportedModelError(f"{where}: key/query are not [nope ‖ rope] concatenations")
-        k_rope = _strip_views(k_parts[1])
-        if nearest_linears(k_parts[0]) != {up} or _val(k_rope).shape[1] != 1 or _val(k_rope).shape[-1] != rope:
-            raise UnsupportedModelError(f"{where}: key is not [W_UK·c ‖ shared k_rope]")
-        q_nope, q_rope = q_parts
-        if _val(q_nope).shape[-1] != nope or _val(q_rope).shape[-1] != rope:
-            raise UnsupportedModelError(f"{where}: query parts do not match nope/rope dims")
-
-        # Absorbed projections, computed once from the full weight (functional state).
-        target = specs[weight.name].target.removesuffix(".weight")
-        uk_name, uv_name = f"{target}.absorbed_uk", f"{target}.absorbed_uv_t"
-        state[uk_name] = absorbed(full, "mla_absorbed_uk", nope, vdim, rank)  # [H, nope, R]
-        state[uv_name] = absorbed(full, "mla_absorbed_uv_t", nope, vdim, rank)  # [H, R, v]
-        for name, op in ((uk_name, "mla_absorbed_uk"), (uv_name, "mla_absorbed_uv_t")):
-            sources[name] = StateSource(op, (specs[weight.name].target,), (nope, vdim, rank))
-        with graph.inserting_before(first_user):
-            uk_node = graph.placeholder(_safe(uk_name))
-            uv_node = graph.placeholder(_safe(uv_name))
-        new_specs += [InputSpec(uk_node.name, PARAM, uk_name, ShardRule(0)),
-                      InputSpec(uv_node.name, PARAM, uv_name, ShardRule(0))]
-        for n in (uk_node, uv_node):
-            n.meta["val"] = torch.empty(state[_target_of(n.name, new_specs)].shape, dtype=full.dtype, device="meta")
-
+        match = _match_layer(program, specs, dims, layer, node)
+        k = node.args[1]
+        uk_node, uv_node = _add_absorbed_params(graph, first_user, specs, dims, match, state, sources, new_specs)
         with graph.inserting_before(node):
-            c = e(aten.view.default, latent, [1, 1, -1, rank])  # [1, 1, T, R]
-            k_latent = e(aten.cat.default, [c, e(aten.view.default, k_rope, [1, 1, -1, rope])], -1)
-            v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
-            q_latent = e(aten.cat.default, [e(aten.matmul.default, q_nope, uk_node), q_rope], -1)
-            o_latent = e(node.target, q_latent, k_latent, v_latent, *node.args[3:])  # same op, latent q/k/v
-            out = e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
+            out = _emit_latent_attention(e, node, match, dims, uk_node, uv_node)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         _drop_key_assembly(graph, k)
         # TP roles found in the graph (sharding is data): queries by heads, output by rows.
-        for lin in nearest_linears(q_nope):
+        for lin in nearest_linears(match.q_nope):
             plan[_module_path(lin, specs)] = "colwise"
         for user in _output_linears(out):
             plan[_module_path(user, specs)] = "rowwise"
-        plan.pop(target, None)
+        plan.pop(match.target, None)
     graph.eliminate_dead_code()
-    for p in [n for n in graph.nodes if n.op == "placeholder" and not n.users]:
-        spec = specs.get(p.name)
-        if spec is not None and spec.kind == PARAM:
-            dropped.add(spec.target)
-            graph.erase_node(p)
+    dropped = _drop_unused_params(graph, specs)
     gm.recompile()
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     all_specs = {s.name: s for s in (*program.inputs, *new_specs)}
     inputs = tuple(all_specs[n] for n in names)
     for t in dropped:
         state.pop(t, None)
+    rank, rope = dims.rank, dims.rope
     result = program.replace(
         graph_module=gm, inputs=inputs, state=state, sources=sources,
         facts=_replace(facts, tp_plan=plan, num_kv_heads=1, head_dim=rank + rope, v_head_dim=rank),

@@ -37,6 +37,9 @@ the paged read, the new tokens are read back from the fp8 cache like every conte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from ..capacity import KV_CACHE_DTYPES, SCALE_SUFFIX, scale_groups
@@ -131,6 +134,156 @@ def _no_canonical_attention_left(program: Program) -> None:
         raise VerificationError("expected one paged attention per layer")
 
 
+class _CacheRewrite:
+    """One ``insert_kv_cache`` run's state: the cache and metadata placeholders, the CacheSpecs in
+    placeholder order (each data cache, then its fp8 scales), and nodes emitted once and shared by
+    layers (a window's ``kv_start``, the sparse layers' position bound and selections)."""
+
+    def __init__(self, graph, kv_cache_dtype: str, fp8: bool, latent: list[int], shares: dict[int, bool]):
+        self.graph, self.e = graph, Emitter(graph)
+        self.kv_cache_dtype, self.fp8 = kv_cache_dtype, fp8
+        self.latent, self.shares = latent, shares  # value dim per layer (MLA), sparse layer -> reuses a selection
+        self.cache_specs: list[CacheSpec] = []
+        self.scales: dict = {}  # data cache name -> its scale cache placeholder (fp8 only)
+        self.window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
+        self.sparse_memo: dict = {}
+
+    def add_placeholders(self, cache_names: list[str]) -> None:
+        names = [*cache_names, *META_ROLES]
+        self.meta = dict(zip(META_ROLES, add_placeholders(self.graph, names)[len(cache_names):]))
+        self.by_name = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+
+    def add_cache(self, node, layer: int, role: str, value, dtype) -> None:
+        _add_cache(self.cache_specs, self.scales, self.by_name, node, layer, role, value, dtype)
+
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return cache_dtype_of(self.kv_cache_dtype, model_dtype)
+
+    def write(self, cache, new) -> None:
+        _write(self.e, cache, new, self.meta["slot_mapping"], self.scales.get(cache.name))
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """How one kind of attention layer is cached: ``applies(node, value_dim)`` picks it (the
+    first registered kind that applies wins), ``cache_names(rewrite, layer)`` names its data
+    caches, ``emit(rewrite, layer, node)`` emits the cached form before ``node`` and returns the
+    node replacing its output ``[1, H, T, Dv]``."""
+
+    name: str
+    applies: Callable[[torch.fx.Node, int], bool]
+    cache_names: Callable[[_CacheRewrite, int], list[str]]
+    emit: Callable[[_CacheRewrite, int, torch.fx.Node], torch.fx.Node]
+
+
+ATTENTION_KINDS: list[AttentionKind] = []
+
+
+def register_kind(name: str, *, applies, cache_names):
+    """Decorator: register ``emit`` for the attention kind ``name``, after the kinds already
+    registered."""
+    def decorate(emit):
+        ATTENTION_KINDS.append(AttentionKind(name, applies, cache_names, emit))
+        return emit
+    return decorate
+
+
+def kind_of(node: torch.fx.Node, value_dim: int) -> AttentionKind:
+    return next(kind for kind in ATTENTION_KINDS if kind.applies(node, value_dim))
+
+
+@register_kind("sparse", applies=lambda node, dv: is_sparse(node),
+               cache_names=lambda rw, layer: sparse_cache_names(layer, rw.shares[layer]))
+def _emit_sparse(rw: _CacheRewrite, layer: int, node):
+    """DSA: the latent cache and (unless the selection is an earlier layer's) the indexer's key
+    cache, read through the layer's top-k selection (:func:`~.sparse_cache.emit_sparse_layer`)."""
+    latent_cache = rw.by_name[f"latent_cache_{layer}"]
+    index_cache = None if rw.shares[layer] else rw.by_name[f"index_cache_{layer}"]
+    rw.add_cache(latent_cache, layer, "latent", node.args[1].meta["val"], rw.dtype(node.args[1].meta["val"].dtype))
+    if index_cache is not None:
+        index_key = node.args[3].args[1].meta["val"]  # [1, T, Di]
+        rw.add_cache(index_cache, layer, INDEX_ROLE, index_key.unsqueeze(1), rw.dtype(index_key.dtype))
+    return emit_sparse_layer(rw.graph, rw.e, node, latent_cache, index_cache, rw.latent[layer], rw.meta,
+                             rw.sparse_memo)
+
+
+@register_kind("latent", applies=lambda node, dv: bool(dv), cache_names=lambda rw, layer: [f"latent_cache_{layer}"])
+def _emit_latent(rw: _CacheRewrite, layer: int, node):
+    """MLA: one cache of ``[c ‖ k_rope]``; the values are its first ``Dv`` dims (a view)."""
+    qt, kt, vt = _token_major(rw.e, node)
+    k_cache = rw.by_name[f"latent_cache_{layer}"]
+    rw.add_cache(k_cache, layer, "latent", node.args[1].meta["val"], rw.dtype(node.args[1].meta["val"].dtype))
+    rw.write(k_cache, kt)
+    v_cache = rw.e(aten.slice.Tensor, k_cache, -1, 0, rw.latent[layer])
+    scale_args = (rw.scales[k_cache.name], None) if rw.fp8 else ()
+    return _context_and_new(rw, node, (qt, kt, vt), k_cache, v_cache, scale_args)
+
+
+@register_kind("dense", applies=lambda node, dv: True,
+               cache_names=lambda rw, layer: [f"k_cache_{layer}", f"v_cache_{layer}"])
+def _emit_dense(rw: _CacheRewrite, layer: int, node):
+    """Separate K and V caches."""
+    qt, kt, vt = _token_major(rw.e, node)
+    k_val, v_val = node.args[1].meta["val"], node.args[2].meta["val"]
+    dtype = rw.dtype(k_val.dtype)
+    k_cache, v_cache = rw.by_name[f"k_cache_{layer}"], rw.by_name[f"v_cache_{layer}"]
+    rw.add_cache(k_cache, layer, "k", k_val, dtype)
+    rw.add_cache(v_cache, layer, "v", v_val, dtype)
+    rw.write(k_cache, kt)
+    rw.write(v_cache, vt)
+    scale_args = (rw.scales[k_cache.name], rw.scales[v_cache.name]) if rw.fp8 else ()
+    return _context_and_new(rw, node, (qt, kt, vt), k_cache, v_cache, scale_args)
+
+
+def _token_major(e: Emitter, node) -> tuple:
+    """``q, k, v`` of ``node`` from ``[1, H, T, D]`` to ``[T, H, D]``."""
+    return tuple(e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in node.args[:3])
+
+
+def _context_and_new(rw: _CacheRewrite, node, qkv: tuple, k_cache, v_cache, scale_args: tuple):
+    """The paged read of the context, the attention among this step's new tokens, and (with a
+    sink) the sink's partial, merged by LSE; returns ``[1, H, T, Dv]``."""
+    e, meta = rw.e, rw.meta
+    qt, kt, vt = qkv
+    q, scale = node.args[0], node.args[3]
+    window, softcap, sinks = attention_modifiers(node)
+    paged_extra, partial_extra = (), ()
+    if window or softcap or rw.fp8:
+        paged_extra = (_window_start(rw.graph, e, rw.window_starts, window) if window else None, softcap)
+    if window or softcap:
+        partial_extra = (window, softcap)
+    o_ctx, lse_ctx = e.pair(
+        dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta["block_table"],
+        meta["cu_seqlens_q"], meta["context_lens"], None, scale, *paged_extra, *scale_args,
+    )
+    o_new, lse_new = e.pair(
+        dcp_ops.partial_attention.default, qt, kt, vt,
+        meta["cu_seqlens_q"], meta["cu_seqlens_q"], scale, True, *partial_extra,
+    )
+    outs, lses = [o_ctx, o_new], [lse_ctx, lse_new]
+    if sinks is not None:
+        # The sink as one more partial: no value (0) with logit sink_h for every query.
+        # Shaped after the context read, which every later pass keeps (fusion drops o_new).
+        outs.append(e(aten.zeros_like.default, o_ctx))
+        lses.append(e(aten.add.Tensor, e(aten.zeros_like.default, lse_ctx),
+                      e(aten._to_copy.default, sinks, dtype=lse_new_dtype(q))))
+    merged, _ = e.pair(
+        dcp_ops.merge_attention.default, e(aten.stack.default, outs), e(aten.stack.default, lses),
+    )
+    return e(aten.unsqueeze.default, e(aten.transpose.int, merged, 0, 1), 0)
+
+
+def _shared_selections(attn_nodes) -> dict[int, bool]:
+    """Sparse layer -> whether it reuses an earlier layer's selection (the same indexer node)."""
+    shares: dict[int, bool] = {}
+    seen_indexers: set = set()
+    for i, node in enumerate(attn_nodes):
+        if is_sparse(node):
+            shares[i] = node.args[3] in seen_indexers
+            seen_indexers.add(node.args[3])
+    return shares
+
+
 @program_pass(
     "insert_kv_cache", requires=[CANONICAL_ATTENTION, _MLA_ABSORBED], ensures=[_no_canonical_attention_left],
 )
@@ -145,92 +298,17 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
         raise ConfigError("kv_cache_dtype='fp8_e4m3' is not supported with sparse (DSA) attention; "
                           "use 'auto' or 'bf16'")
     latent = [_latent_value_dim(n) for n in attn_nodes]
+    kinds = [kind_of(n, dv) for n, dv in zip(attn_nodes, latent)]
+    rw = _CacheRewrite(graph, kv_cache_dtype, fp8, latent, _shared_selections(attn_nodes))
     cache_names = []
-    sparse_memo: dict = {}
-    shares: dict[int, bool] = {}  # sparse layer -> it reuses an earlier layer's selection
-    seen_indexers: set = set()
-    for i, node in enumerate(attn_nodes):
-        if is_sparse(node):
-            shares[i] = node.args[3] in seen_indexers
-            seen_indexers.add(node.args[3])
-    for i, (node, dv) in enumerate(zip(attn_nodes, latent)):
-        if is_sparse(node):
-            data = sparse_cache_names(i, shares[i])
-        else:
-            data = [f"latent_cache_{i}"] if dv else [f"k_cache_{i}", f"v_cache_{i}"]
-        for name in data:  # the order of cache_specs below: each data cache, then its scales
+    for layer, kind in enumerate(kinds):
+        for name in kind.cache_names(rw, layer):  # the order of cache_specs: each data cache, then its scales
             cache_names += [name, name + SCALE_SUFFIX] if fp8 else [name]
-    meta_nodes = dict(zip(META_ROLES, add_placeholders(graph, [*cache_names, *META_ROLES])[len(cache_names):]))
-    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    cache_nodes = [by_name[name] for name in cache_names]
-    cache_specs = []
-    scales = {}  # data cache name -> its scale cache placeholder (fp8 only)
-    e = Emitter(graph)
-    window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
+    rw.add_placeholders(cache_names)
     _require_uniform_kv_heads(program, attn_nodes, latent)
-    for layer, node in enumerate(attn_nodes):
-        if is_sparse(node):
-            latent_cache = by_name[f"latent_cache_{layer}"]
-            index_cache = None if shares[layer] else by_name[f"index_cache_{layer}"]
-            dtype = cache_dtype_of(kv_cache_dtype, node.args[1].meta["val"].dtype)
-            _add_cache(cache_specs, scales, by_name, latent_cache, layer, "latent", node.args[1].meta["val"], dtype)
-            if index_cache is not None:
-                index_key = node.args[3].args[1].meta["val"]  # [1, T, Di]
-                _add_cache(cache_specs, scales, by_name, index_cache, layer, INDEX_ROLE, index_key.unsqueeze(1),
-                           cache_dtype_of(kv_cache_dtype, index_key.dtype))
-            with graph.inserting_before(node):
-                out = emit_sparse_layer(graph, e, node, latent_cache, index_cache, latent[layer], meta_nodes,
-                                        sparse_memo)
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-            continue
-        q, k, v, scale, _causal = node.args[:5]
-        window, softcap, sinks = attention_modifiers(node)
-        if window:
-            window_starts.setdefault(window, None)
-        k_val, v_val = k.meta["val"], v.meta["val"]
-        dtype = cache_dtype_of(kv_cache_dtype, k_val.dtype)
+    for layer, (node, kind) in enumerate(zip(attn_nodes, kinds)):
         with graph.inserting_before(node):
-            # [1, H, T, D] -> [T, H, D]
-            qt, kt, vt = (e(aten.transpose.int, e(aten.select.int, x, 0, 0), 0, 1) for x in (q, k, v))
-            if latent[layer]:
-                # MLA: one cache of [c ‖ k_rope]; the values are its first R dims (a view).
-                k_cache = by_name[f"latent_cache_{layer}"]
-                _add_cache(cache_specs, scales, by_name, k_cache, layer, "latent", k_val, dtype)
-                _write(e, k_cache, kt, meta_nodes["slot_mapping"], scales.get(k_cache.name))
-                v_cache = e(aten.slice.Tensor, k_cache, -1, 0, latent[layer])
-                scale_args = (scales[k_cache.name], None) if fp8 else ()
-            else:
-                k_cache, v_cache = by_name[f"k_cache_{layer}"], by_name[f"v_cache_{layer}"]
-                _add_cache(cache_specs, scales, by_name, k_cache, layer, "k", k_val, dtype)
-                _add_cache(cache_specs, scales, by_name, v_cache, layer, "v", v_val, dtype)
-                _write(e, k_cache, kt, meta_nodes["slot_mapping"], scales.get(k_cache.name))
-                _write(e, v_cache, vt, meta_nodes["slot_mapping"], scales.get(v_cache.name))
-                scale_args = (scales[k_cache.name], scales[v_cache.name]) if fp8 else ()
-            paged_extra, partial_extra = (), ()
-            if window or softcap or fp8:
-                paged_extra = (_window_start(graph, e, window_starts, window) if window else None, softcap)
-            if window or softcap:
-                partial_extra = (window, softcap)
-            o_ctx, lse_ctx = e.pair(
-                dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta_nodes["block_table"],
-                meta_nodes["cu_seqlens_q"], meta_nodes["context_lens"], None, scale, *paged_extra, *scale_args,
-            )
-            o_new, lse_new = e.pair(
-                dcp_ops.partial_attention.default, qt, kt, vt,
-                meta_nodes["cu_seqlens_q"], meta_nodes["cu_seqlens_q"], scale, True, *partial_extra,
-            )
-            outs, lses = [o_ctx, o_new], [lse_ctx, lse_new]
-            if sinks is not None:
-                # The sink as one more partial: no value (0) with logit sink_h for every query.
-                # Shaped after the context read, which every later pass keeps (fusion drops o_new).
-                outs.append(e(aten.zeros_like.default, o_ctx))
-                lses.append(e(aten.add.Tensor, e(aten.zeros_like.default, lse_ctx),
-                              e(aten._to_copy.default, sinks, dtype=lse_new_dtype(q))))
-            merged, _ = e.pair(
-                dcp_ops.merge_attention.default, e(aten.stack.default, outs), e(aten.stack.default, lses),
-            )
-            out = e(aten.unsqueeze.default, e(aten.transpose.int, merged, 0, 1), 0)
+            out = kind.emit(rw, layer, node)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     for indexer in nodes_calling(graph, dcp_ops.indexer_topk.default):
@@ -239,21 +317,21 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    out_node.args = (tuple(outputs + cache_nodes),)
+    out_node.args = (tuple(outputs + [rw.by_name[name] for name in cache_names]),)
     gm.recompile()
     # add_placeholders appended caches then metadata after every existing placeholder.
     specs = list(program.inputs)
-    specs += [InputSpec(c.name, CACHE, c.role) for c in cache_specs]
+    specs += [InputSpec(c.name, CACHE, c.role) for c in rw.cache_specs]
     specs += [InputSpec(name, META, name) for name in META_ROLES]
     result = program.replace(
         graph_module=gm,
         inputs=tuple(specs),
-        caches=tuple(cache_specs),
+        caches=tuple(rw.cache_specs),
         options={**program.options, "block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
     )
-    modified = f"; sliding windows {sorted(window_starts)}" if window_starts else ""
+    modified = f"; sliding windows {sorted(rw.window_starts)}" if rw.window_starts else ""
     return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "
-                    f"{kv_cache_dtype}: {cache_specs[0].dtype}){modified}")
+                    f"{kv_cache_dtype}: {rw.cache_specs[0].dtype}){modified}")
 
 
 def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:

@@ -125,47 +125,45 @@ def _with_choice(program: Program, summary: str, choice) -> tuple[Program, str]:
             f"{summary}; comm=auto chose {choice.reason}")
 
 
-def _lower(program: Program, comm: str) -> tuple[Program, str]:
-    """``program`` lowered with ``comm`` (one of :data:`COMMS`) at its mesh's dcp > 1."""
-    mesh: Mesh = program.mesh
-    n = mesh.dcp
-    gm = program.copy_graph()
-    graph = gm.graph
-    e = Emitter(graph)
-    local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
-    placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
-    rewritten = 0
-    interleave = int(program.options.get("interleave", 1))
-    local: dict = {placeholders["context_lens"]: local_lens}  # global count of keys -> this rank's
+class _ContextReadSharding:
+    """Shards each context read of one ``_lower`` run: the query gathered over the DCP group (or,
+    ``comm="ag"``, the group's heads computed locally), the key counts made local, and the
+    partial results merged by ``comm``. ``local`` maps a global count of keys to this rank's,
+    emitted once per count node."""
 
-    def local_counts(count, read):
+    def __init__(self, graph, program: Program, comm: str, local_lens, dcp_rank):
+        self.graph, self.e, self.comm, self.dcp_rank = graph, Emitter(graph), comm, dcp_rank
+        self.n, self.tp = program.mesh.dcp, program.mesh.tp
+        self.interleave = int(program.options.get("interleave", 1))
+        placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
+        self.local: dict = {placeholders["context_lens"]: local_lens}
+        self.specs = {s.name: s for s in program.inputs}
+        self.rules: dict = {}  # comm="ag": parameters that become replicated
+        self.position: dict = {}
+
+    def local_counts(self, count, read):
         """``layout.local_len(count, dcp_rank)``, emitted once per global count node."""
-        if count not in local:
-            with graph.inserting_before(read):
-                local[count] = _emit_local_len(e, count, dcp_rank, n, interleave)
-        return local[count]
+        if count not in self.local:
+            with self.graph.inserting_before(read):
+                self.local[count] = _emit_local_len(self.e, count, self.dcp_rank, self.n, self.interleave)
+        return self.local[count]
 
-    indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
-    specs = {s.name: s for s in program.inputs}
-    rules: dict = {}  # comm="ag": parameters that become replicated
-    for indexer in indexers:
-        shard_indexer(graph, e, indexer, dcp_rank, n, interleave, _emit_local_len)
-    # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
-    # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    reads = context_reads(graph)
-    for node in reads:
-        q = node.args[0]
+    def group_query(self, node):
+        """The query of every head of the DCP group, for the context read ``node``."""
+        graph, e, q = self.graph, self.e, node.args[0]
+        if self.comm == "ag":
+            replicate_projections(graph, e, node, self.specs, self.rules, self.n, self.tp, self.dcp_rank)
+            return q  # now every head of the group, computed here
+        with graph.inserting_before(node):
+            q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
+            return e(aten.transpose.int, coll.all_gather(graph, q_heads_first, self.n, "dcp"), 0, 1)
+
+    def shard(self, node) -> None:
+        """Rewrite one context read; its output and LSE users then read the merged results."""
+        graph, e, n, q = self.graph, self.e, self.n, node.args[0]
         heads = q.meta["val"].shape[1]
         dv = node.meta["val"][0].shape[-1]
-        if comm == "ag":
-            replicate_projections(graph, e, node, specs, rules, n, mesh.tp, dcp_rank)
-            q_all = q  # now every head of the group, computed here
-        else:
-            with graph.inserting_before(node):
-                q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1),
-                                  memory_format=torch.contiguous_format)
-                q_all = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, n, "dcp"), 0, 1)
+        q_all = self.group_query(node)
         if node.target is dcp_ops.paged_sparse_attention.default:  # reads its own selection, no lengths
             node.args = (q_all, *node.args[1:])
         else:
@@ -173,28 +171,46 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
             args[0] = q_all
             for i in (KV_LENS, KV_BOUND, KV_START):  # global counts of keys -> this rank's local counts
                 if i < len(args) and args[i] is not None:
-                    args[i] = local_counts(args[i], node)
+                    args[i] = self.local_counts(args[i], node)
             node.args = tuple(args)
         users = getitem_users(node)
-        anchor = max((u for us in users.values() for u in us), key=position.__getitem__)
+        anchor = max((u for us in users.values() for u in us), key=self.position.__getitem__)
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
-            if comm == "ag":
+            if self.comm == "ag":
                 out, lse = merge_all_heads(graph, e, o_c, lse_c, n, n * heads, dv,
                                            *(v.dtype for v in node.meta["val"][:2]))
-            elif comm == "a2a":
+            elif self.comm == "a2a":
                 out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q)
             else:
-                out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank)
+                out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, self.dcp_rank)
         for index, result in ((0, out), (1, lse)):
             for u in users.get(index, []):
                 u.replace_all_uses_with(result)
                 graph.erase_node(u)
-        rewritten += 1
+
+
+def _lower(program: Program, comm: str) -> tuple[Program, str]:
+    """``program`` lowered with ``comm`` (one of :data:`COMMS`) at its mesh's dcp > 1."""
+    n = program.mesh.dcp
+    gm = program.copy_graph()
+    graph = gm.graph
+    local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
+    sharding = _ContextReadSharding(graph, program, comm, local_lens, dcp_rank)
+    indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
+    for indexer in indexers:
+        shard_indexer(graph, sharding.e, indexer, dcp_rank, n, sharding.interleave, _emit_local_len)
+    # Graph order of the nodes present now. Rewriting a layer only inserts nodes and erases that
+    # layer's getitems, so the later layers' getitems (all this is asked about) keep their order.
+    sharding.position = {node: i for i, node in enumerate(graph.nodes)}
+    reads = context_reads(graph)
+    for node in reads:
+        sharding.shard(node)
     graph.eliminate_dead_code()
     overlapped = sum(coll.overlap_wait(w) for w in list(nodes_calling(graph, WAIT))
                      if coll.collective_group(w.args[0])[0] == "dcp")
     gm.recompile()
+    rules = sharding.rules
     inputs = (
         *(InputSpec(s.name, s.kind, s.target, rules[s.name]) if s.name in rules else s for s in program.inputs),
         InputSpec("local_context_lens", META, "local_context_lens"),
@@ -203,7 +219,7 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
     options = {**program.options, "comm": comm}
     return (
         program.replace(graph_module=gm, inputs=inputs, options=options),
-        f"dcp={n}, comm={comm}: {rewritten} context attentions sharded"
+        f"dcp={n}, comm={comm}: {len(reads)} context attentions sharded"
         + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
         + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
         + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),

@@ -125,6 +125,139 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
+class _TPSharding:
+    """One ``shard_tp`` run's state: the parameters' shard rules as they are assigned (each
+    parameter gets one rule, which must divide it), style counts for the summary, and the
+    ``tp_rank`` placeholder, added on first use."""
+
+    def __init__(self, program: Program, graph: torch.fx.Graph, plan: dict[str, str], tp: int):
+        self.program, self.graph, self.plan, self.tp = program, graph, plan, tp
+        self.e = Emitter(graph)
+        self.specs = {s.name: s for s in program.inputs}
+        self.rules: dict[str, ShardRule] = {}
+        self.counts: dict[str, int] = {}
+        self.rank_node: list[torch.fx.Node] = []
+
+    def tp_rank(self) -> torch.fx.Node:
+        if not self.rank_node:
+            self.rank_node.extend(add_placeholders(self.graph, ["tp_rank"]))
+        return self.rank_node[0]
+
+    def count(self, style: str) -> None:
+        self.counts[style] = self.counts.get(style, 0) + 1
+
+    def assign(self, node: torch.fx.Node | None, rule: ShardRule, what: str) -> None:
+        if node is None:
+            return
+        spec = self.specs.get(node.name)
+        if spec is None or spec.kind != PARAM:
+            raise UnsupportedModelError(f"{what}: expected a parameter, found {node.name}")
+        if self.rules.get(node.name, rule) != rule:
+            raise UnsupportedModelError(
+                f"{spec.target} needs two different shardings ({self.rules[node.name]} vs {rule})")
+        full = self.program.state[spec.target]
+        parts = (rule.parts or self.tp) * getattr(rule, "packed", 1)
+        if rule.dim is not None and (rule.padded or full.shape[rule.dim]) % parts:
+            raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
+        self.rules[node.name] = rule
+
+    def gather_last_dim(self, node: torch.fx.Node, size: int | None = None) -> None:
+        """``node``'s users see its last dimension all-gathered over the TP group; with ``size``,
+        only its first ``size`` entries (the gathered dimension was padded past them)."""
+        e = self.e
+        with self.graph.inserting_before(node.next):
+            moved = e(aten.movedim.int, node, -1, 0)
+            contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
+            gathered = coll.all_gather(self.graph, contiguous, self.tp, "tp")
+            back = e(aten.movedim.int, gathered, 0, -1)
+            if size is not None:
+                back = e(aten.slice.Tensor, back, -1, 0, size)
+        node.replace_all_uses_with(back)
+        moved.args = (node, *moved.args[1:])
+
+    def embedding(self, node: torch.fx.Node) -> None:
+        """``embedding_colwise``: hidden dimension split and gathered. Otherwise vocab-parallel:
+        with ``R = Vp/tp`` rows per rank (``Vp`` the vocabulary, or :func:`padded_size` where
+        ``tp`` does not divide it) rank ``r`` holds rows ``[r·R, (r+1)·R)``, looks up ids in its
+        range (others read row 0 and are zeroed), and the sum over ranks is the full lookup; ids
+        are below ``V``, so no rank reads a padded row. A replicated style stays replicated."""
+        weight, ids = node.args[:2]
+        path = self.specs[weight.name].target.removesuffix(".weight")
+        style = plan_rule(self.plan, path)
+        if style == "embedding_colwise":
+            self.assign(weight, ShardRule(1), path)
+            self.gather_last_dim(node)
+            self.count(style)
+            return
+        vocab = self.program.state[self.specs[weight.name].target].shape[0]
+        if style in REPLICATED:
+            return
+        padded = padded_size(vocab, self.tp)
+        self.assign(weight, ShardRule(0, padded=padded), "embedding")
+        e, graph = self.e, self.graph
+        with graph.inserting_before(node):
+            rows = (padded or vocab) // self.tp
+            local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, self.tp_rank(), rows))
+            outside = e(aten.logical_or.default, e(aten.lt.Scalar, local, 0), e(aten.ge.Scalar, local, rows))
+            safe = e(aten.masked_fill.Scalar, local, outside, 0)
+        with graph.inserting_before(node.next):
+            zeroed = e(aten.masked_fill.Scalar, node, e(aten.unsqueeze.default, outside, -1), 0.0)
+            reduced = coll.all_reduce(graph, zeroed, "tp")
+        node.replace_all_uses_with(reduced)
+        zeroed.args = (node, *zeroed.args[1:])
+        node.args = (weight, safe, *node.args[2:])
+        self.count("vocab_parallel")
+
+    def linear(self, node: torch.fx.Node, kv_linears: set[torch.fx.Node]) -> None:
+        """A planned linear: colwise splits the output features (a K/V projection with fewer KV
+        heads than ranks in ``n_kv`` parts), rowwise the input features with an all-reduce after."""
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        spec = self.specs.get(weight.name)
+        if spec is None or spec.kind != PARAM:
+            return
+        path = spec.target.removesuffix(".weight")
+        rule = plan_rule(self.plan, path)
+        if rule is None or rule in REPLICATED:
+            return
+        self.count(rule)
+        if rule in COLWISE:
+            n_kv = self.program.facts.num_kv_heads
+            parts = n_kv if (node in kv_linears and n_kv < self.tp) else None
+            features = self.program.state[spec.target].shape[0]
+            # Only a gathered output may be padded: the gather's slice drops the padding's columns.
+            padded = padded_size(features, self.tp) if rule in GATHER_OUTPUT and parts is None else None
+            shard = PackedShardRule(0) if rule in PACKED else ShardRule(0, parts, padded)
+            self.assign(weight, shard, path)
+            self.assign(bias, shard, path)
+            if rule in GATHER_OUTPUT:
+                self.gather_last_dim(node, features if padded else None)
+        elif rule in ROWWISE:
+            self.rowwise(node, rule, weight, bias, path)
+        else:
+            raise UnsupportedModelError(f"TP plan style {rule!r} for the linear {path} is not supported")
+
+    def rowwise(self, node: torch.fx.Node, rule: str, weight, bias, path: str) -> None:
+        """``y = all_reduce(x_r @ W_r^T) + b``: the bias is added once, after the reduction."""
+        e, graph = self.e, self.graph
+        self.assign(weight, PackedShardRule(1) if rule in PACKED else ShardRule(1), path)
+        if rule in SPLIT_INPUT:
+            with graph.inserting_before(node):
+                x = node.args[0]
+                split = e(aten.unflatten.int, x, -1, [self.tp, -1])
+                mine = e(aten.index_select.default, split, -2, e(aten.reshape.default, self.tp_rank(), [1]))
+                local_x = e(aten.squeeze.dim, mine, -2)
+            node.args = (local_x, *node.args[1:])
+        if bias is not None:
+            self.assign(bias, ShardRule(None), path)
+            node.args = (node.args[0], weight)
+        with graph.inserting_before(node.next):
+            reduced = coll.all_reduce(graph, node, "tp")
+            result = e(aten.add.Tensor, reduced, bias) if bias is not None else reduced
+        node.replace_all_uses_with(result)
+        reduced.args[0].args = (node, *reduced.args[0].args[1:])
+
+
 @program_pass(
     "shard_tp",
     requires=[ran("insert_kv_cache", "K/V projections are found from the cache writes; cache heads become local")],
@@ -140,132 +273,26 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     tp = mesh.tp
     gm = program.copy_graph()
     graph = gm.graph
-    e = Emitter(graph)
-    specs = {s.name: s for s in program.inputs}
-    rules: dict[str, ShardRule] = {}
+    sharding = _TPSharding(program, graph, plan, tp)
+    specs, rules = sharding.specs, sharding.rules
     kv_linears = kv_projection_linears(graph)
-    n_kv = facts.num_kv_heads
-    counts: dict[str, int] = {}
-    rank_node: list[torch.fx.Node] = []
-
-    def tp_rank() -> torch.fx.Node:
-        if not rank_node:
-            rank_node.extend(add_placeholders(graph, ["tp_rank"]))
-        return rank_node[0]
-
-    def count(style: str) -> None:
-        counts[style] = counts.get(style, 0) + 1
-
-    def assign(node: torch.fx.Node | None, rule: ShardRule, what: str) -> None:
-        if node is None:
-            return
-        spec = specs.get(node.name)
-        if spec is None or spec.kind != PARAM:
-            raise UnsupportedModelError(f"{what}: expected a parameter, found {node.name}")
-        if rules.get(node.name, rule) != rule:
-            raise UnsupportedModelError(f"{spec.target} needs two different shardings ({rules[node.name]} vs {rule})")
-        full = program.state[spec.target]
-        parts = (rule.parts or tp) * getattr(rule, "packed", 1)
-        if rule.dim is not None and (rule.padded or full.shape[rule.dim]) % parts:
-            raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
-        rules[node.name] = rule
-
-    def gather_last_dim(node: torch.fx.Node, size: int | None = None) -> None:
-        """All-gather ``node``'s last dim; with ``size``, keep its first ``size`` entries (the
-        gathered dim was padded past them)."""
-        with graph.inserting_before(node.next):
-            moved = e(aten.movedim.int, node, -1, 0)
-            contiguous = e(aten.clone.default, moved, memory_format=torch.contiguous_format)
-            gathered = coll.all_gather(graph, contiguous, tp, "tp")
-            back = e(aten.movedim.int, gathered, 0, -1)
-            if size is not None:
-                back = e(aten.slice.Tensor, back, -1, 0, size)
-        node.replace_all_uses_with(back)
-        moved.args = (node, *moved.args[1:])
-
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.embedding.default and node.args[0].name in specs:
-            weight, ids = node.args[:2]
-            path = specs[weight.name].target.removesuffix(".weight")
-            style = plan_rule(plan, path)
-            if style == "embedding_colwise":
-                assign(weight, ShardRule(1), path)
-                gather_last_dim(node)
-                count(style)
-                continue
-            vocab = program.state[specs[weight.name].target].shape[0]
-            if style in REPLICATED:
-                continue  # replicated embedding
-            padded = padded_size(vocab, tp)
-            assign(weight, ShardRule(0, padded=padded), "embedding")
-            with graph.inserting_before(node):
-                rows = (padded or vocab) // tp  # ids >= vocab never occur: the padding is never read
-                local = e(aten.sub.Tensor, ids, e(aten.mul.Tensor, tp_rank(), rows))
-                outside = e(aten.logical_or.default, e(aten.lt.Scalar, local, 0), e(aten.ge.Scalar, local, rows))
-                safe = e(aten.masked_fill.Scalar, local, outside, 0)
-            with graph.inserting_before(node.next):
-                zeroed = e(aten.masked_fill.Scalar, node, e(aten.unsqueeze.default, outside, -1), 0.0)
-                reduced = coll.all_reduce(graph, zeroed, "tp")
-            node.replace_all_uses_with(reduced)
-            zeroed.args = (node, *zeroed.args[1:])
-            node.args = (weight, safe, *node.args[2:])
-            count("vocab_parallel")
-            continue
-        if node.target is not aten.linear.default:
-            continue
-        weight = node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else None
-        spec = specs.get(weight.name)
-        if spec is None or spec.kind != PARAM:
-            continue
-        path = spec.target.removesuffix(".weight")
-        rule = plan_rule(plan, path)
-        if rule is None or rule in REPLICATED:
-            continue
-        count(rule)
-        if rule in COLWISE:
-            parts = n_kv if (node in kv_linears and n_kv < tp) else None
-            features = program.state[spec.target].shape[0]
-            # Only a gathered output may be padded: the gather's slice drops the padding's columns.
-            padded = padded_size(features, tp) if rule in GATHER_OUTPUT and parts is None else None
-            if rule in PACKED:
-                assign(weight, PackedShardRule(0), path)
-                assign(bias, PackedShardRule(0), path)
-            else:
-                assign(weight, ShardRule(0, parts, padded), path)
-                assign(bias, ShardRule(0, parts, padded), path)
-            if rule in GATHER_OUTPUT:
-                gather_last_dim(node, features if padded else None)
-        elif rule in ROWWISE:
-            assign(weight, PackedShardRule(1) if rule in PACKED else ShardRule(1), path)
-            if rule in SPLIT_INPUT:
-                with graph.inserting_before(node):
-                    x = node.args[0]
-                    split = e(aten.unflatten.int, x, -1, [tp, -1])
-                    mine = e(aten.index_select.default, split, -2, e(aten.reshape.default, tp_rank(), [1]))
-                    local_x = e(aten.squeeze.dim, mine, -2)
-                node.args = (local_x, *node.args[1:])
-            if bias is not None:
-                assign(bias, ShardRule(None), path)
-                node.args = (node.args[0], weight)
-            with graph.inserting_before(node.next):
-                reduced = coll.all_reduce(graph, node, "tp")
-                result = e(aten.add.Tensor, reduced, bias) if bias is not None else reduced
-            node.replace_all_uses_with(result)
-            reduced.args[0].args = (node, *reduced.args[0].args[1:])
-        else:
-            raise UnsupportedModelError(f"TP plan style {rule!r} for the linear {path} is not supported")
+            sharding.embedding(node)
+        elif node.target is aten.linear.default:
+            sharding.linear(node, kv_linears)
     if facts.attention == "gqa":
         _require_head_sharded_kv(kv_linears, plan, specs)
-    reduced = reduce_module_outputs(graph, plan, count, tp)
-    shard_parameters(program, graph, plan, specs, rules, assign, count, tp, tp_rank, reduced)
+    reduced = reduce_module_outputs(graph, plan, sharding.count, tp)
+    shard_parameters(program, graph, plan, specs, rules, sharding.assign, sharding.count, tp, sharding.tp_rank,
+                     reduced)
     merged = merge_summed_reductions(graph)
     inputs = [
         InputSpec(s.name, s.kind, s.target, rules.get(s.name, s.shard)) for s in program.inputs
     ]
-    if rank_node:
+    if sharding.rank_node:
         inputs.append(InputSpec("tp_rank", RANK, "tp_rank"))
     caches = tuple(
         CacheSpec(c.name, c.layer, c.role, local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads, c.dim, c.dtype)
@@ -274,6 +301,6 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     result = program.replace(graph_module=gm, inputs=tuple(inputs), mesh=mesh, caches=caches)
     fixed = respecialize_shapes(gm, example_specs(result))
     gm.recompile()
-    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no planned layers"
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(sharding.counts.items())) or "no planned layers"
     return result, (f"tp={tp}: {summary}; {merged} all-reduce pairs merged; "
                     f"{fixed} baked-in shape literals re-specialised")

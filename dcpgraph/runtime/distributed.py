@@ -244,19 +244,7 @@ def spawn(
     try:
         for proc in procs:
             proc.start()
-        while len(received) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(received))
-                raise TimeoutError(f"spawn: ranks {missing} did not finish within {timeout_s} s")
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 0.2))
-            except queue_module.Empty:
-                _check_alive(procs, received, results)
-                continue
-            if not ok:
-                raise RankFailedError(rank, payload)
-            received[rank] = pickle.loads(payload)
+        _receive(procs, results, received, deadline, timeout_s)
         for proc in procs:
             proc.join(max(deadline - time.monotonic(), 0.1))
     finally:
@@ -266,6 +254,25 @@ def spawn(
             proc.join()
         results.close()
     return [received[rank] for rank in range(world_size)]
+
+
+def _receive(procs: list, results: Any, received: dict[int, Any], deadline: float, timeout_s: float) -> None:
+    """Fill ``received`` (rank -> unpickled result) from every rank by ``deadline``; raises
+    :class:`RankFailedError` for the first rank that fails, ``TimeoutError`` past the deadline."""
+    world_size = len(procs)
+    while len(received) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(received))
+            raise TimeoutError(f"spawn: ranks {missing} did not finish within {timeout_s} s")
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 0.2))
+        except queue_module.Empty:
+            _check_alive(procs, received, results)
+            continue
+        if not ok:
+            raise RankFailedError(rank, payload)
+        received[rank] = pickle.loads(payload)
 
 
 def _check_alive(procs: list, received: dict[int, Any], results: Any) -> None:

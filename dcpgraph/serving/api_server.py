@@ -86,40 +86,103 @@ def _sse(data: dict | str) -> str:
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
               kv_agent=None) -> FastAPI:
     """``kv_agent``: this instance's P/D side (:class:`~.kv_connector.agent.KVAgent`), if any."""
-    metrics = Metrics(served_model_name, cache_config_info(llm.config, llm.num_kv_blocks()))
-    engine_loop = EngineLoop(llm, metrics, kv_agent)
+    server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                          kv_agent=kv_agent)
+    app = FastAPI(title="dcpgraph", lifespan=server.lifespan)
+    app.state.engine_loop = server.engine_loop
+    app.exception_handler(ApiError)(_api_error)
+    app.middleware("http")(server.authenticate)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/kv_transfer/stats")(server.kv_transfer_stats)
+    app.get("/metrics")(server.prometheus)
+    return app
+
+
+async def _api_error(request: Request, err: ApiError):
+    return JSONResponse(error_body(err.status, err.message, err.kind, err.param), status_code=err.status)
+
+
+class OpenAIServer:
+    """The state behind the routes (the LLM, its engine loop, metrics, the P/D agent) and one
+    handler per route; :func:`build_app` registers them."""
+
+    def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent):
+        self.llm, self.served_model_name, self.kv_agent = llm, served_model_name, kv_agent
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.config, llm.num_kv_blocks()))
+        self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(self, app: FastAPI):
         yield
-        engine_loop.stop()
-        llm.shutdown()
+        self.engine_loop.stop()
+        self.llm.shutdown()
 
-    app = FastAPI(title="dcpgraph", lifespan=lifespan)
-    app.state.engine_loop = engine_loop
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(error_body(err.status, err.message, err.kind, err.param), status_code=err.status)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+    async def authenticate(self, request: Request, call_next):
+        """``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has a key (401)."""
+        if self.api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
                                     status_code=401)
         return await call_next(request)
 
-    async def read_json(request: Request) -> dict:
+    # -- routes ---------------------------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        log_id = f"cmpl-{uuid.uuid4().hex}"
+        body = self.parse(CompletionRequest, await self.read_json(request))
+        try:
+            prompts = [encode_prompt(self.llm.tokenizer, p) for p in body.prompts()]
+        except TypeError as err:
+            raise ApiError(400, str(err), param="prompt") from None
+        return await self.respond(prompts, body, body.max_tokens, log_id, chat=False)
+
+    async def chat_completions(self, request: Request):
+        log_id = f"chatcmpl-{uuid.uuid4().hex}"
+        body = self.parse(ChatCompletionRequest, await self.read_json(request))
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            prompt = chat_prompt(self.llm.tokenizer, messages)
+        except ValueError as err:
+            raise ApiError(400, str(err), param="messages") from None
+        return await self.respond([prompt], body, body.limit(), log_id, chat=True)
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "dcpgraph", "max_model_len": self.llm.max_model_len}]}
+
+    async def health(self):
+        if self.engine_loop.healthy:
+            return Response(status_code=200)
+        reason = self.engine_loop.error or "a worker process is not running"
+        return JSONResponse(error_body(503, reason, "service_unavailable"), status_code=503)
+
+    async def kv_transfer_stats(self):
+        """P/D counters; ``prompt_tokens_computed``: prompt tokens this instance's ranks ran."""
+        computed = self.engine_loop.snapshot()["prefix_cache"].get("prompt_tokens_computed")
+        return {**(self.kv_agent.stats if self.kv_agent else {"role": None}), "prompt_tokens_computed": computed}
+
+    async def prometheus(self):
+        return PlainTextResponse(self.metrics.render(self.engine_loop.snapshot()),
+                                 media_type="text/plain; version=0.0.4")
+
+    # -- request handling -----------------------------------------------------------------------
+
+    async def read_json(self, request: Request) -> dict:
+        """The body as a JSON object, read at most ``max_body_bytes`` (413 past it, 400 if malformed)."""
+        limit = self.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise ApiError(413, f"request body of {declared} bytes exceeds {max_body_bytes}")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds {limit}")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
-            if len(body) > max_body_bytes:
-                raise ApiError(413, f"request body exceeds {max_body_bytes} bytes")
+            if len(body) > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes")
         try:
             data = json.loads(body)
         except ValueError as err:
@@ -128,55 +191,61 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
             raise ApiError(400, "the JSON body must be an object")
         return data
 
-    def parse(model_cls, data: dict):
+    def parse(self, model_cls, data: dict):
         try:
             parsed = model_cls.model_validate(data)
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
-        if parsed.model is not None and parsed.model != served_model_name:
-            raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {served_model_name!r}",
-                           "not_found_error", "model")
+        if parsed.model is not None and parsed.model != self.served_model_name:
+            raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "
+                                f"{self.served_model_name!r}", "not_found_error", "model")
         if getattr(parsed, "best_of", None) not in (None, parsed.n):
             raise ApiError(400, "best_of must equal n", param="best_of")
         return parsed
 
-    async def submit(prompts: list[Prompt], body, limit: int | None, log_id: str):
-        """Queue every choice; returns ``(params, out queue, [(rid, choice)], prompt token counts)``."""
+    def check_lengths(self, prompts: list[Prompt], limit: int | None) -> None:
+        """Every prompt is shorter than ``max_model_len``, and leaves room for ``limit`` new tokens."""
+        max_model_len = self.llm.max_model_len
+        for p in prompts:
+            if len(p.token_ids) >= max_model_len:
+                raise ApiError(400, f"the prompt has {len(p.token_ids)} tokens; max_model_len is {max_model_len}",
+                               param="prompt")
+            if limit is not None and len(p.token_ids) + limit > max_model_len:
+                raise ApiError(400, f"prompt ({len(p.token_ids)} tokens) + max_tokens ({limit}) exceeds "
+                                    f"max_model_len={max_model_len}", param="max_tokens")
+
+    async def submit(self, prompts: list[Prompt], body, limit: int | None, log_id: str):
+        """Queue every choice (choice ``i·n + j`` is prompt ``i``'s ``j``-th sample); returns
+        ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
         try:
             params = body.sampling_params(limit)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        for p in prompts:
-            if len(p.token_ids) >= llm.max_model_len:
-                raise ApiError(400, f"the prompt has {len(p.token_ids)} tokens; max_model_len is {llm.max_model_len}",
-                               param="prompt")
-            if limit is not None and len(p.token_ids) + limit > llm.max_model_len:
-                raise ApiError(400, f"prompt ({len(p.token_ids)} tokens) + max_tokens ({limit}) exceeds "
-                                    f"max_model_len={llm.max_model_len}", param="max_tokens")
+        self.check_lengths(prompts, limit)
         kv = body.kv_transfer_params
         if kv is not None:
-            check_kv_transfer(kv_agent, kv, prompts, params, body.stream)
+            check_kv_transfer(self.kv_agent, kv, prompts, params, body.stream)
         out: asyncio.Queue = asyncio.Queue()
         submitted = []
         try:
             for i, p in enumerate(prompts):
-                max_tokens = llm.max_tokens_for(params, len(p.token_ids))
+                max_tokens = self.llm.max_tokens_for(params, len(p.token_ids))
                 for j in range(params.n):
                     choice = i * params.n + j
-                    rid = await engine_loop.submit(p.token_ids, params, max_tokens, j, choice, out, log_id, kv)
+                    rid = await self.engine_loop.submit(p.token_ids, params, max_tokens, j, choice, out, log_id, kv)
                     submitted.append((rid, choice))
         except (RequestError, ValueError, EngineDeadError, KVTransferError) as err:
             for rid, _ in submitted:
-                engine_loop.abort(rid)
+                self.engine_loop.abort(rid)
             raise ApiError(status_for(err), str(err), "service_unavailable" if status_for(err) >= 500 else
                            "invalid_request_error") from None
         log.info("request %s: %d prompt(s), %d choice(s), prompt tokens %s", log_id, len(prompts),
                  len(submitted), [len(p.token_ids) for p in prompts])
         return out, submitted
 
-    async def pieces(out: asyncio.Queue, submitted: list, log_id: str):
+    async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str):
         """Every piece of every choice until all finish; aborts what is left if the consumer stops."""
         open_choices = {choice: rid for rid, choice in submitted}
         try:
@@ -190,129 +259,97 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
                 yield piece
         finally:
             for rid in open_choices.values():
-                engine_loop.abort(rid)
+                self.engine_loop.abort(rid)
             if open_choices:
                 log.info("request %s: client went away, %d choice(s) aborted", log_id, len(open_choices))
 
-    def usage(prompts: list[Prompt], n: int, generated: int) -> dict:
-        prompt_tokens = sum(len(p.token_ids) for p in prompts) * n
+    async def respond(self, prompts: list[Prompt], body, limit, log_id: str, chat: bool):
+        """Submit the request, then answer with one JSON body or, with ``stream``, server-sent events."""
+        out, submitted = await self.submit(prompts, body, limit, log_id)
+        reply = _Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
+        headers = {"X-Request-Id": log_id}
+        if not body.stream:
+            return JSONResponse(await reply.whole(self.pieces(out, submitted, log_id)), headers=headers)
+        return StreamingResponse(reply.events(self.pieces(out, submitted, log_id)), media_type="text/event-stream",
+                                 headers=headers)
+
+
+class _Reply:
+    """One request's answer in OpenAI's shapes: ``chat.completion`` / ``text_completion`` bodies,
+    or their stream chunks, with logprobs in the chat or the completions format."""
+
+    def __init__(self, server: OpenAIServer, prompts: list[Prompt], body, log_id: str, chat: bool,
+                 choices: list[int]):
+        self.server, self.prompts, self.body, self.log_id, self.chat = server, prompts, body, log_id, chat
+        self.choices = choices
+        self.created = int(time.time())
+        self.wants_logprobs = body.requested_logprobs() is not None
+        self.offsets = {c: 0 for c in choices}  # completions' text_offset, per choice
+
+    def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        tokenizer = self.server.llm.tokenizer
+        if self.chat:
+            return chat_logprobs(tokenizer, token_ids, entries)
+        value, self.offsets[choice] = completion_logprobs(tokenizer, token_ids, entries, self.offsets[choice])
+        return value
+
+    def usage(self, generated: int) -> dict:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts) * self.body.n
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated}
 
-    async def respond(request: Request, prompts: list[Prompt], body, limit, log_id: str, chat: bool):
-        out, submitted = await submit(prompts, body, limit, log_id)
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        headers = {"X-Request-Id": log_id}
-        wants_logprobs = body.requested_logprobs() is not None
-        offsets = {c: 0 for _, c in submitted}  # completions' text_offset, per choice
+    async def whole(self, pieces) -> dict:
+        """The non-streamed body: every choice's text, logprobs and finish reason, and the usage."""
+        texts = {c: "" for c in self.choices}
+        tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
+        reasons: dict[int, str | None] = {}
+        generated = 0
+        handover = None
+        async for piece in pieces:
+            texts[piece.choice] += piece.text
+            tokens[piece.choice][0].extend(piece.token_ids)
+            tokens[piece.choice][1].extend(piece.logprobs)
+            generated += len(piece.token_ids)
+            handover = piece.kv_transfer_params or handover
+            if piece.finished:
+                reasons[piece.choice] = piece.finish_reason
+        choices = [
+            {"index": c, "message": {"role": "assistant", "content": texts[c]},
+             "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
+            {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
+            for c in sorted(texts)
+        ]
+        return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.served_model_name, "choices": choices,
+                "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {})}
 
-        def logprobs_of(choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
-            if not wants_logprobs:
-                return None
-            if chat:
-                return chat_logprobs(llm.tokenizer, token_ids, entries)
-            value, offsets[choice] = completion_logprobs(llm.tokenizer, token_ids, entries, offsets[choice])
-            return value
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.served_model_name, "choices": choices, **extra}
 
-        if not body.stream:
-            texts = {c: "" for _, c in submitted}
-            tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
-            reasons: dict[int, str | None] = {}
-            generated = 0
-            handover = None
-            async for piece in pieces(out, submitted, log_id):
-                texts[piece.choice] += piece.text
-                tokens[piece.choice][0].extend(piece.token_ids)
-                tokens[piece.choice][1].extend(piece.logprobs)
+    def chunk_choice(self, piece: Piece) -> dict:
+        logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
+        if self.chat:
+            delta = {"content": piece.text} if piece.text or not piece.finished else {}
+            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    async def events(self, pieces):
+        """The stream: (chat) a role chunk, a chunk per piece, the usage if asked, then ``[DONE]``;
+        an engine failure ends it with an error event."""
+        generated = 0
+        try:
+            if self.chat:
+                yield _sse(self.chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None} for c in self.choices]))
+            async for piece in pieces:
                 generated += len(piece.token_ids)
-                handover = piece.kv_transfer_params or handover
-                if piece.finished:
-                    reasons[piece.choice] = piece.finish_reason
-            choices = [
-                {"index": c, "message": {"role": "assistant", "content": texts[c]},
-                 "logprobs": logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if chat else
-                {"index": c, "text": texts[c], "logprobs": logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
-                for c in sorted(texts)
-            ]
-            return JSONResponse({"id": log_id, "object": kind, "created": created, "model": served_model_name,
-                                 "choices": choices, "usage": usage(prompts, body.n, generated),
-                                 **({"kv_transfer_params": handover} if handover else {})}, headers=headers)
-
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(choices: list[dict], **extra) -> dict:
-            return {"id": log_id, "object": chunk_kind, "created": created, "model": served_model_name,
-                    "choices": choices, **extra}
-
-        async def events():
-            generated = 0
-            try:
-                if chat:
-                    yield _sse(chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None} for _, c in submitted]))
-                async for piece in pieces(out, submitted, log_id):
-                    generated += len(piece.token_ids)
-                    logprobs = logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
-                    if chat:
-                        delta = {"content": piece.text} if piece.text or not piece.finished else {}
-                        choice = {"index": piece.choice, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": piece.finish_reason}
-                    else:
-                        choice = {"index": piece.choice, "text": piece.text, "logprobs": logprobs,
-                                  "finish_reason": piece.finish_reason}
-                    yield _sse(chunk([choice]))
-                if include_usage:
-                    yield _sse(chunk([], usage=usage(prompts, body.n, generated)))
-                yield _sse("[DONE]")
-            except ApiError as err:
-                log.error("request %s: %s", log_id, err.message)
-                yield _sse(error_body(err.status, err.message, err.kind))
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        log_id = f"cmpl-{uuid.uuid4().hex}"
-        body = parse(CompletionRequest, await read_json(request))
-        try:
-            prompts = [encode_prompt(llm.tokenizer, p) for p in body.prompts()]
-        except TypeError as err:
-            raise ApiError(400, str(err), param="prompt") from None
-        return await respond(request, prompts, body, body.max_tokens, log_id, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        log_id = f"chatcmpl-{uuid.uuid4().hex}"
-        body = parse(ChatCompletionRequest, await read_json(request))
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            prompt = chat_prompt(llm.tokenizer, messages)
-        except ValueError as err:
-            raise ApiError(400, str(err), param="messages") from None
-        return await respond(request, [prompt], body, body.limit(), log_id, chat=True)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "dcpgraph", "max_model_len": llm.max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        if engine_loop.healthy:
-            return Response(status_code=200)
-        reason = engine_loop.error or "a worker process is not running"
-        return JSONResponse(error_body(503, reason, "service_unavailable"), status_code=503)
-
-    @app.get("/kv_transfer/stats")
-    async def kv_transfer_stats():
-        """P/D counters; ``prompt_tokens_computed``: prompt tokens this instance's ranks ran."""
-        computed = engine_loop.snapshot()["prefix_cache"].get("prompt_tokens_computed")
-        return {**(kv_agent.stats if kv_agent else {"role": None}), "prompt_tokens_computed": computed}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(engine_loop.snapshot()), media_type="text/plain; version=0.0.4")
-
-    return app
+                yield _sse(self.chunk([self.chunk_choice(piece)]))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield _sse(self.chunk([], usage=self.usage(generated)))
+            yield _sse("[DONE]")
+        except ApiError as err:
+            log.error("request %s: %s", self.log_id, err.message)
+            yield _sse(error_body(err.status, err.message, err.kind))

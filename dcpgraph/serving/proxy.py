@@ -65,23 +65,57 @@ def _relayed_error(kind: str, url: str, response: httpx.Response) -> _Failed:
 def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float = 300.0) -> FastAPI:
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode URL")
-    pools = {"prefill": _Pool("prefill", prefill), "decode": _Pool("decode", decode)}
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    proxy = _Proxy(prefill, decode, timeout_s)
+    app = FastAPI(title="dcpgraph proxy", lifespan=proxy.lifespan)
+    app.post("/v1/completions")(proxy.completions)
+    app.post("/v1/chat/completions")(proxy.chat_completions)
+    app.get("/v1/models")(proxy.models)
+    app.get("/health")(proxy.health)
+    return app
+
+
+def _auth_headers(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+class _Proxy:
+    """The prefill and decode pools, one HTTP client, and one handler per route."""
+
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float):
+        self.pools = {"prefill": _Pool("prefill", prefill), "decode": _Pool("decode", decode)}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(self, app: FastAPI):
         yield
-        await client.aclose()
+        await self.client.aclose()
 
-    app = FastAPI(title="dcpgraph proxy", lifespan=lifespan)
+    async def completions(self, request: Request):
+        return await self.route(request, "/v1/completions", chat=False)
 
-    async def send(kind: str, path: str, body: dict, headers: dict, stream: bool = False):
+    async def chat_completions(self, request: Request):
+        return await self.route(request, "/v1/chat/completions", chat=True)
+
+    async def models(self, request: Request):
+        headers = _auth_headers(request)
+        for url in self.pools["decode"].order():
+            try:
+                response = await self.client.get(url + "/v1/models", headers=headers)
+                return JSONResponse(response.json(), status_code=response.status_code)
+            except httpx.HTTPError:
+                continue
+        return _Failed(502, "no decode instance reachable").response()
+
+    async def health(self):
+        return {"prefill": self.pools["prefill"].urls, "decode": self.pools["decode"].urls}
+
+    async def send(self, kind: str, path: str, body: dict, headers: dict, stream: bool = False):
         """``(url, response)`` from the first reachable instance of ``kind``."""
         unreachable = []
-        for url in pools[kind].order():
-            request = client.build_request("POST", url + path, json=body, headers=headers)
+        for url in self.pools[kind].order():
+            request = self.client.build_request("POST", url + path, json=body, headers=headers)
             try:
-                return url, await client.send(request, stream=stream)
+                return url, await self.client.send(request, stream=stream)
             except httpx.ConnectError as err:
                 unreachable.append(f"{url} ({err})")
                 log.warning("%s instance %s unreachable, trying the next", kind, url)
@@ -90,61 +124,41 @@ def build_proxy_app(prefill: list[str], decode: list[str], *, timeout_s: float =
                                    f"{type(err).__name__}: {err}") from None
         raise _Failed(502, f"no {kind} instance reachable: {'; '.join(unreachable)}")
 
-    async def route(request: Request, path: str, chat: bool):
+    async def route(self, request: Request, path: str, chat: bool):
+        """Check the body, then prefill and decode it; a failure is answered in OpenAI's error shape."""
         try:
             body = json.loads(await request.body())
         except ValueError as err:
             return _Failed(400, f"malformed JSON body: {err}").response()
         if not isinstance(body, dict):
             return _Failed(400, "the JSON body must be an object").response()
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
         if body.get("n", 1) != 1 or "kv_transfer_params" in body:
             return _Failed(400, "through the P/D proxy: n must be 1 and kv_transfer_params is set by the proxy").response()
         try:
-            if limit == 1:  # nothing to decode: the prefill instance answers alone
-                url, response = await send("prefill", path, body, headers, stream=bool(body.get("stream")))
-                return await _relay("prefill", url, response, bool(body.get("stream")))
-            first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-            first.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-            url, response = await send("prefill", path, first, headers)
-            if response.status_code != 200:
-                raise _relayed_error("prefill", url, response)
-            data = response.json()
-            kv = data.pop("kv_transfer_params", None)
-            if not kv:  # ended at its first token
-                return _as_stream(data, chat) if body.get("stream") else JSONResponse(data)
-            url, response = await send("decode", path, {**body, "kv_transfer_params": kv}, headers,
-                                       stream=bool(body.get("stream")))
-            return await _relay("decode", url, response, bool(body.get("stream")))
+            return await self.prefill_then_decode(body, path, _auth_headers(request), chat)
         except _Failed as err:
             log.error("%s", err.message)
             return err.response()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await route(request, "/v1/completions", chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await route(request, "/v1/chat/completions", chat=True)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        for url in pools["decode"].order():
-            try:
-                response = await client.get(url + "/v1/models", headers=headers)
-                return JSONResponse(response.json(), status_code=response.status_code)
-            except httpx.HTTPError:
-                continue
-        return _Failed(502, "no decode instance reachable").response()
-
-    @app.get("/health")
-    async def health():
-        return {"prefill": pools["prefill"].urls, "decode": pools["decode"].urls}
-
-    return app
+    async def prefill_then_decode(self, body: dict, path: str, headers: dict, chat: bool):
+        """The prefill instance computes the first token and hands its KV over; the decode instance
+        continues from it. A request for one token, or one that ends at its first, is prefill's alone."""
+        stream = bool(body.get("stream"))
+        limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+        if limit == 1:  # nothing to decode: the prefill instance answers alone
+            url, response = await self.send("prefill", path, body, headers, stream=stream)
+            return await _relay("prefill", url, response, stream)
+        first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        first.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        url, response = await self.send("prefill", path, first, headers)
+        if response.status_code != 200:
+            raise _relayed_error("prefill", url, response)
+        data = response.json()
+        kv = data.pop("kv_transfer_params", None)
+        if not kv:  # ended at its first token
+            return _as_stream(data, chat) if stream else JSONResponse(data)
+        url, response = await self.send("decode", path, {**body, "kv_transfer_params": kv}, headers, stream=stream)
+        return await _relay("decode", url, response, stream)
 
 
 async def _relay(kind: str, url: str, response: httpx.Response, stream: bool):

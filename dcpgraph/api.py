@@ -128,9 +128,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
         backend=backend, **options,
     )
     config = _configuration(model, mesh, opts)
-    program, windows = _traced_program(model, config)
+    program = _traced_program(model)
     comm_workload = _comm_workload(program, config)
-    program = _lowered_program(program, config, comm_workload, windows)
+    program = _lowered_program(program, config, comm_workload)
     num_blocks = _num_blocks(program, config)
     graphs = _compiled_graphs(program, config)
     draft = _compiled_draft(config, comm_workload)
@@ -182,6 +182,14 @@ def _configuration(model: torch.nn.Module | Program, mesh: Mesh, opts: dict[str,
     )
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
+    if opts["hybrid_kv_cache"]:
+        from .runtime.layer_groups import check_hybrid_options
+
+        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
+                             draft_model=spec is not None and spec.method == "draft_model")
+    if opts["enable_expert_parallel"] and not facts.extra.get("ep_plan"):
+        raise ConfigError(f"enable_expert_parallel=True: {facts.architecture} has no expert-parallel plan "
+                          "(no routed experts); use enable_expert_parallel=False")
     mtp_checkpoint = draft_program = None
     if spec is not None and spec.method == "mtp":
         from .speculative.mtp import check_mtp_target
@@ -196,25 +204,9 @@ def _configuration(model: torch.nn.Module | Program, mesh: Mesh, opts: dict[str,
     return _Configuration(mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
 
 
-def _traced_program(model: torch.nn.Module | Program, config: _Configuration) -> tuple[Program, tuple]:
-    """The target's Program (traced unless given), with experts partitioned under expert
-    parallelism, and its sliding windows when ``hybrid_kv_cache`` is on (else ``()``)."""
-    opts = config.opts
-    program = model if isinstance(model, Program) else trace(model)
-    windows = ()
-    if opts["hybrid_kv_cache"]:
-        from .passes.layer_group_tables import model_windows
-        from .runtime.layer_groups import check_hybrid_options
-
-        spec = config.spec
-        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
-                             draft_model=spec is not None and spec.method == "draft_model")
-        windows = model_windows(program)
-    if opts["enable_expert_parallel"]:
-        from .passes.tp_styles import with_expert_parallel
-
-        program = with_expert_parallel(program)
-    return program, windows
+def _traced_program(model: torch.nn.Module | Program) -> Program:
+    """The target's Program: traced unless given as one."""
+    return model if isinstance(model, Program) else trace(model)
 
 
 def _comm_workload(program: Program, config: _Configuration):
@@ -230,23 +222,19 @@ def _comm_workload(program: Program, config: _Configuration):
                             cache_size={k: opts[k] for k in CACHE_SIZE_OPTIONS})
 
 
-def _lowered_program(program: Program, config: _Configuration, comm_workload, windows: tuple) -> Program:
-    """The target through the pass pipeline, then (``hybrid_kv_cache``) the layer-group tables."""
+def _lowered_program(program: Program, config: _Configuration, comm_workload) -> Program:
+    """The target through the pass pipeline, with the passes its configuration asks for (expert
+    parallelism, MTP's hidden states, the hybrid cache's layer-group tables)."""
     from .passes.pipeline import compile_program
 
     opts = config.opts
-    program = compile_program(
+    return compile_program(
         program, config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
         return_hidden=config.mtp_checkpoint is not None, comm_workload=comm_workload,
-        fuse_new=opts["fuse_new_tokens"],
+        fuse_new=opts["fuse_new_tokens"], expert_parallel_experts=opts["enable_expert_parallel"],
+        hybrid_kv_cache=opts["hybrid_kv_cache"],
     )
-    if opts["hybrid_kv_cache"]:
-        from .passes.layer_group_tables import layer_group_tables
-        from .passes.manager import run_passes
-
-        program = run_passes(program, [layer_group_tables.with_options(windows=windows)], verify=opts["verify"])
-    return program
 
 
 def _num_blocks(program: Program, config: _Configuration) -> int:

@@ -132,6 +132,7 @@ def test_sharded_experts_greedy_match_hf_and_hold_one_tp_th(zoo, arch, tp, dcp, 
                 ((s, program.state[s.target]) for s in program.inputs if s.kind in STATE_KINDS))
     assert len(report) == tp and all(b < whole for b in report)
     assert report[0] == sum(t.numel() * t.element_size() for t in program.local_state(0))
+    assert ("expert_parallel" in program.passes_run()) == ep  # a pipeline pass, chosen by the option
     rules = {s.target: s.shard for s in program.inputs if ".mlp.experts." in s.target}
     assert {r.dim for r in rules.values()} == ({0} if ep else {-2, -1})
 
@@ -152,7 +153,11 @@ def test_one_all_reduce_per_moe_block_with_shared_experts(zoo):
         assert per_layer.get("1") == 2, per_layer
 
 
-def test_expert_parallel_is_refused_for_a_dense_model():
+def test_expert_parallel_is_refused_for_a_dense_model(monkeypatch):
     program = dcpgraph.trace(build("qwen3"))
     with pytest.raises(ConfigError, match="enable_expert_parallel=True: .* no expert-parallel plan"):
         dcpgraph.compile(program, tp=2, enable_expert_parallel=True)
+    # refused before any tracing
+    monkeypatch.setattr(dcpgraph.api, "trace", lambda *a, **k: pytest.fail("traced before refusing"))
+    with pytest.raises(ConfigError, match="no expert-parallel plan"):
+        dcpgraph.compile(build("qwen3"), tp=2, enable_expert_parallel=True)

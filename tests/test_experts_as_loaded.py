@@ -173,3 +173,21 @@ def test_no_test_sets_an_experts_implementation_it_does_not_test(tmp_path):
     (tmp_path / "dcpgraph" / "testing").mkdir(parents=True)
     (tmp_path / "tests" / "test_x.py").write_text('m = 1\nmodel.set_experts_implementation("eager")\n')
     assert experts_setters(tmp_path) == ["tests/test_x.py:2"]
+
+
+# -- a plan that leaves the routed experts out ------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_experts_the_plan_leaves_out_get_the_plans_own_styles(arch):
+    """transformers 5.25 dropped the experts' entries from these configs' ``base_model_tp_plan``;
+    the front end supplies exactly what 5.24's plans say, and adds nothing where a plan has them."""
+    from dcpgraph.frontends.hf import tensor_parallel_experts, tp_plan
+
+    model = model_and_reference(arch)[0] if arch in _CACHE else as_loaded(arch)
+    full = tp_plan(model)
+    routed = {k: v for k, v in full.items() if ".mlp.experts" in k}
+    assert routed == {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                      "model.layers.*.mlp.experts.down_proj": "rowwise",
+                      "model.layers.*.mlp.experts": "moe_tp_experts"}
+    without = {k: v for k, v in full.items() if k not in routed}
+    assert tensor_parallel_experts(model, without) == routed
+    assert tensor_parallel_experts(model, full) == {}

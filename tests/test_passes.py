@@ -193,6 +193,20 @@ def test_verifier_names_the_broken_pass(traced, bad, message):
     assert run_passes(program, [_decanonicalize], verify=False) is not None  # no check, no error
 
 
+def test_the_configuration_chooses_the_optional_passes():
+    """Expert parallelism, MTP's hidden states and the hybrid cache's tables are pipeline passes
+    where the configuration asks for them: the first before shard_tp reads the plan, the second
+    right after select_logits, the third last."""
+    names = [p.name for p in default_passes(Mesh(2, 1), block_size=4, comm="auto")]
+    assert not {"expert_parallel", "return_hidden_states", "layer_group_tables"} & set(names)
+    every = [p.name for p in default_passes(Mesh(2, 1), block_size=4, comm="auto", expert_parallel_experts=True,
+                                            return_hidden=True, windows=(8,))]
+    assert every[0] == "expert_parallel" and every.index("expert_parallel") < every.index("shard_tp")
+    assert every[every.index("select_logits") + 1] == "return_hidden_states"
+    assert every[-1] == "layer_group_tables"
+    assert [n for n in every if n in names] == names  # the rest in the default order
+
+
 # -- provenance and stages -------------------------------------------------------------------------------
 def test_every_pass_leaves_a_record_and_a_stage(compiled):
     expected = ["trace", "canonicalize_attention"] + [

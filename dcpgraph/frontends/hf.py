@@ -11,6 +11,7 @@ and dims come from the config (MLA is recognised by ``kv_lora_rank``), the TP pl
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.fx
@@ -126,7 +127,7 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "model")
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
-    return {**plan, **head_sharded_attention(model, plan, prefix)}
+    return {**plan, **head_sharded_attention(model, plan, prefix), **tensor_parallel_experts(model, plan)}
 
 
 # Standard attention's projections, sharded by head as every TP plan that plans them does.
@@ -152,6 +153,34 @@ def head_sharded_attention(model: torch.nn.Module, plan: dict[str, str], prefix:
     if all(isinstance(getattr(a, "sinks", None), torch.nn.Parameter) for a in attentions):
         added[f"{prefix}.layers.*.self_attn.sinks"] = "colwise"  # one logit per query head
     return added
+
+
+ROUTED_EXPERTS_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"}
+
+
+def tensor_parallel_experts(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Plan entries for fused routed experts that ``plan`` says nothing about (transformers 5.25
+    dropped them from the MoE configs' ``base_model_tp_plan``, keeping only the EP plan): the
+    ``[E, 2I, H]`` gate/up stack column-parallel per half, ``[E, H, I]`` down row-parallel, and
+    one all-reduce at the experts' output, as 5.24's plans say. Empty when ``plan`` names any
+    experts entry, or when any experts module is laid out otherwise (transposed or interleaved
+    gate/up as GPT-OSS's, unfused experts, biases), which then stays replicated."""
+    if any(".experts" in key for key in plan):
+        return {}
+    patterns = set()
+    for name, module in model.named_modules():
+        if not name.endswith("experts") or not hasattr(module, "gate_up_proj"):
+            continue
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        fused = (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+                 and gate_up.dim() == 3 and down.dim() == 3)
+        standard = (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+                    and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True))
+        if not (fused and standard):
+            return {}
+        patterns.add(re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", name))
+    return {f"{pattern}.{part}" if part else pattern: style
+            for pattern in sorted(patterns) for part, style in ROUTED_EXPERTS_STYLES.items()}
 
 
 def ep_plan(model: torch.nn.Module) -> dict[str, str]:

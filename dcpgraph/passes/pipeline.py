@@ -15,8 +15,17 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
 10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 
-With ``return_hidden=True`` (MTP speculation), ``return_hidden_states`` runs right after
-``select_logits``: the program also returns the final hidden states of every token (output 1).
+The configuration adds three passes where it asks for them (:func:`default_passes`):
+
+- ``expert_parallel`` (``enable_expert_parallel``) first: the plan's routed experts become
+  expert-parallel before ``shard_tp`` reads the plan;
+- ``return_hidden_states`` (MTP speculation) right after ``select_logits``: the program also
+  returns the final hidden states of every token (output 1);
+- ``layer_group_tables`` (``hybrid_kv_cache``) last: sliding-window layers get their own block
+  table and slot mapping, sized by the windows of the traced program's attention.
+
+:func:`compile_program` is the one way a traced Program becomes a per-rank program: the target,
+a draft model and an MTP layer all go through it.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from __future__ import annotations
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
+from .expert_parallel import expert_parallel
 from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
+from .layer_group_tables import layer_group_tables, model_windows
 from .manager import ProgramPass, run_passes
 from .native_linear import native_linear
 from .native_rms_norm import native_rms_norm
@@ -52,9 +63,13 @@ PIPELINE: tuple[ProgramPass, ...] = (
 
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cache_dtype: str = "auto",
                    mlapo: bool = True, return_hidden: bool = False, comm_workload=None,
-                   fuse_new: bool = True) -> list[ProgramPass]:
+                   fuse_new: bool = True, expert_parallel_experts: bool = False,
+                   windows: tuple[int, ...] | None = None) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
-    (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`)."""
+    (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
+    passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
+    ``return_hidden_states`` with ``return_hidden``, ``layer_group_tables`` when ``windows`` (the
+    model's sliding windows) is given."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -65,18 +80,24 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if return_hidden:
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
+    if expert_parallel_experts:
+        passes.insert(0, expert_parallel)
+    if windows is not None:
+        passes.append(layer_group_tables.with_options(windows=windows))
     return passes
 
 
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
-    return_hidden: bool = False, comm_workload=None, fuse_new: bool = True,
+    return_hidden: bool = False, comm_workload=None, fuse_new: bool = True, expert_parallel_experts: bool = False,
+    hybrid_kv_cache: bool = False,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
     ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
     causal bound (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`; ``compile``'s
-    ``fuse_new_tokens`` option)."""
+    ``fuse_new_tokens`` option). ``expert_parallel_experts`` and ``hybrid_kv_cache`` are
+    ``compile``'s ``enable_expert_parallel`` and ``hybrid_kv_cache``."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
@@ -84,5 +105,6 @@ def compile_program(
     program = program.replace(options={**program.options, "interleave": interleave})
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,
-                            fuse_new=fuse_new)
+                            fuse_new=fuse_new, expert_parallel_experts=expert_parallel_experts,
+                            windows=model_windows(program) if hybrid_kv_cache else None)
     return run_passes(program, passes, verify=verify)

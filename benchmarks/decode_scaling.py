@@ -212,8 +212,8 @@ def worker(rank: int, world: int, contexts: list[int], layers: int, variants: di
         for cache in engines[name].executor.caches.values():
             cache.normal_()
     heads = {name: _attention_query_heads(e.program) for name, e in engines.items()}
-    chosen = {name: e.program.options["comm"] for name, e in engines.items()}
-    reasons = {name: e.program.options["comm_choice"] for name, e in engines.items() if "comm_choice" in e.program.options}
+    chosen = {name: e.program.lowering.comm for name, e in engines.items()}
+    reasons = {name: e.program.lowering.comm_choice for name, e in engines.items() if e.program.lowering.comm_choice is not None}
     gen = torch.Generator().manual_seed(0)
     prompt_all = torch.randint(0, 512, (longest,), generator=gen).tolist()
 

@@ -5,7 +5,7 @@
     >>> print(dcpgraph.explain(engine, stage="shard_dcp"))
     # LlamaForCausalLM: gqa attention, 2 layers, 4 q heads / 2 kv heads, head dim 16 (v 16), vocab 128
     # mesh: Mesh(tp=4, dcp=2; dcp groups {0,1} {2,3})
-    # options: block_size=16, comm=a2a, interleave=1
+    # lowering: block_size=16, comm=a2a, interleave=1, kv_cache_dtype=auto, new_tokens=fused
     # stage: shard_dcp
     inputs:
       params: 12 tensors, 96.0 KiB (rank 0 holds 32.5 KiB)
@@ -108,9 +108,9 @@ def _header(program: Program, stage: str | None) -> list[str]:
         f"(v {f.v_head_dim}), vocab {f.vocab_size}, hidden {f.hidden_size}, {_dtype(f.dtype)}"
     )
     lines = [head, f"# mesh: {program.mesh}"]
-    if program.options:
-        opts = ", ".join(f"{k}={v}" for k, v in sorted(program.options.items(), key=lambda kv: kv[0]))
-        lines.append(f"# options: {opts}")
+    if program.lowering.items():
+        decided = ", ".join(f"{k}={v}" for k, v in program.lowering.items())
+        lines.append(f"# lowering: {decided}")
     if f.tp_plan:
         lines.append(f"# tp plan: {len(f.tp_plan)} rules")
     lines.append(f"# stage: {stage or (program.stages[-1][0] if program.stages else 'final')}")
@@ -141,7 +141,7 @@ def _inputs(program: Program) -> list[str]:
     cache_specs = program.inputs_of(CACHE)
     if cache_specs:
         caches = {c.name: c for c in program.caches}
-        block = program.options.get("block_size", "?")
+        block = (program.lowering.block_size or "?")
         lines.append(f"  caches ({len(cache_specs)}):")
         for s in cache_specs:
             c = caches.get(s.name)

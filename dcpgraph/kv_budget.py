@@ -15,13 +15,13 @@ from .program import Program
 
 def kv_bytes_per_block(program: Program) -> int:
     """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
-    return bytes_per_block(cache_shapes(program.caches), int(program.options["block_size"]))
+    return bytes_per_block(cache_shapes(program.caches), int(program.lowering.block_size))
 
 
 def group_bytes_per_block(program: Program) -> tuple[int, int]:
     """Bytes of one physical block of the full group's caches and of the sliding group's, per rank."""
-    sliding = set(program.options.get("sliding_caches", ()))
-    block = int(program.options["block_size"])
+    sliding = set(program.lowering.sliding_caches)
+    block = int(program.lowering.block_size)
     full = bytes_per_block(cache_shapes(c for c in program.caches if c.name not in sliding), block)
     return full, bytes_per_block(cache_shapes(c for c in program.caches if c.name in sliding), block)
 
@@ -61,15 +61,15 @@ def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None
     a byte budget is split with the sliding pool (``decode_tokens``: 1 + draft tokens,
     ``step_tokens``: one step's token budget; see :func:`split_byte_budget`)."""
     per_block = kv_bytes_per_block(program)
-    tokens_per_block = int(program.options["block_size"]) * program.mesh.dcp
+    tokens_per_block = int(program.lowering.block_size) * program.mesh.dcp
     given = [x is not None for x in (num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank)]
     if sum(given) > 1:
         raise ValueError("give at most one of num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank")
     if num_blocks is not None:
         return int(num_blocks)
-    if kv_cache_bytes_per_rank is not None and program.options.get("sliding_caches"):
+    if kv_cache_bytes_per_rank is not None and program.lowering.sliding_caches:
         full_bpb, sliding_bpb = group_bytes_per_block(program)
-        return split_byte_budget(int(kv_cache_bytes_per_rank), full_bpb, sliding_bpb, int(program.options["sliding_window"]),
+        return split_byte_budget(int(kv_cache_bytes_per_rank), full_bpb, sliding_bpb, int(program.lowering.sliding_window),
                                  decode_tokens=decode_tokens, step_tokens=step_tokens,
                                  tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
     if kv_cache_bytes_per_rank is not None:

@@ -86,6 +86,32 @@ REPLICATE = ShardRule()
 
 
 @dataclass(frozen=True)
+class Lowering:
+    """What the passes decided about a program, for later passes and the runtime to read: each
+    field is written by the pass named beside it and unset (None, or empty) before that pass."""
+
+    block_size: int | None = None  # insert_kv_cache: tokens per KV block on each rank
+    kv_cache_dtype: str | None = None  # insert_kv_cache: "auto" | "bf16" | "fp8_e4m3"
+    interleave: int = 1  # compile_program: DCP interleave, I (tokens per rank per round)
+    comm: str | None = None  # shard_dcp: the DCP lowering ("a2a" | "ag_rs" | "ag"; "none" at dcp=1)
+    comm_choice: str | None = None  # shard_dcp with comm="auto": the prices it chose by
+    new_tokens: str | None = None  # fuse_new_tokens: "fused" (one paged read) | "split"
+    hidden_states_output: int | None = None  # return_hidden_states: the output holding them
+    sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
+    sliding_window: int | None = None  # layer_group_tables: the largest window
+
+    def decided(self, **fields: Any) -> Lowering:
+        """This record with ``fields`` set (what one pass decides)."""
+        return dataclasses.replace(self, **fields)
+
+    def items(self) -> list[tuple[str, Any]]:
+        """``(field, value)`` of every field that is set, by name."""
+        unset = (None, ())
+        return sorted((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                      if getattr(self, f.name) not in unset)
+
+
+@dataclass(frozen=True)
 class StateSource:
     """A state entry a pass derived from other entries: ``op`` applied to the full tensors of
     ``inputs`` (state keys), with ``args``. Entries without one are the model's own tensors.
@@ -160,7 +186,7 @@ class Program:
     state: Mapping[str, torch.Tensor]
     mesh: Mesh = Mesh(1, 1)
     caches: tuple[CacheSpec, ...] = ()
-    options: Mapping[str, Any] = field(default_factory=dict)
+    lowering: Lowering = field(default_factory=lambda: Lowering())
     provenance: tuple[Provenance, ...] = ()
     # (pass name, the Program right after that pass): graph *and* its input specs, caches, mesh…
     # Snapshots keep ``stages=()`` themselves, so the history is flat.
@@ -252,7 +278,7 @@ def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]
     caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; user/meta/rank inputs: by role.
     """
     caches = {c.name: c for c in program.caches}
-    block_size = int(program.options.get("block_size", 16))
+    block_size = int(program.lowering.block_size or 16)
     out = []
     for spec in program.inputs:
         if spec.kind in STATE_KINDS:

@@ -72,7 +72,7 @@ def test_auto_picks_ag_on_a_gloo_mesh_generates_hf_tokens_and_says_why(llama, tr
     assert got == [hf_greedy(llama, p, MAX_NEW) for p in PROMPTS]
     # The reason names every candidate with its predicted per-layer collective time, and shows in
     # the options explain prints and in shard_dcp's provenance.
-    reason = program.options["comm_choice"]
+    reason = program.lowering.comm_choice
     assert reason.startswith("ag: cheapest predicted decode step on host-gloo")
     priced = reason.split(", batch 8: ", 1)[1].split("; ")
     assert [p.split(" ", 1)[0] for p in priced] == ["a2a", "ag_rs", "ag"]
@@ -85,18 +85,18 @@ def test_auto_picks_ag_on_a_gloo_mesh_generates_hf_tokens_and_says_why(llama, tr
 def test_explicit_comm_keeps_its_meaning_and_records_no_choice(traced):
     for comm in ("a2a", "ag_rs", "ag"):
         program = compile_program(traced, Mesh(2, 2), block_size=BLOCK_SIZE, comm=comm)
-        assert program.options["comm"] == comm and "comm_choice" not in program.options
+        assert program.lowering.comm == comm and program.lowering.comm_choice is None
     a2a = compile_program(traced, Mesh(2, 2), block_size=BLOCK_SIZE, comm="a2a")
     assert _dcp_collectives(a2a, ALL_TO_ALL.op) == traced.facts.num_layers
 
 
 def test_the_choice_is_evaluated_at_half_max_model_len_and_the_batch_that_fits(traced):
     engine = dcpgraph.compile(traced, tp=2, dcp=2, block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=3)
-    assert "at context 32, batch 3:" in engine.program.options["comm_choice"]
+    assert "at context 32, batch 3:" in engine.program.lowering.comm_choice
     # 8 blocks of 4 tokens per rank, 2 ranks: 64 tokens hold two requests of 32, not 3.
     small = dcpgraph.compile(traced, tp=2, dcp=2, block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=3,
                              num_blocks=8)
-    assert "at context 32, batch 2:" in small.program.options["comm_choice"]
+    assert "at context 32, batch 2:" in small.program.lowering.comm_choice
 
 
 def _workload(**hardware) -> CommWorkload:
@@ -107,9 +107,9 @@ def test_a_link_without_latency_makes_ag_dearer(traced):
     """With free collectives only ag's extra query/output projection bytes differ: a2a wins."""
     program = compile_program(traced, Mesh(2, 2), block_size=BLOCK_SIZE,
                               comm_workload=_workload(link_latency_s=0.0, link_bandwidth=1e15))
-    assert program.options["comm"] == "a2a"
+    assert program.lowering.comm == "a2a"
     assert _dcp_collectives(program, ALL_TO_ALL.op) == traced.facts.num_layers
-    assert program.options["comm_choice"].startswith("a2a: cheapest predicted decode step")
+    assert program.lowering.comm_choice.startswith("a2a: cheapest predicted decode step")
 
 
 def test_ag_is_refused_when_its_weights_do_not_fit_next_to_the_kv_cache(traced):
@@ -121,8 +121,8 @@ def test_ag_is_refused_when_its_weights_do_not_fit_next_to_the_kv_cache(traced):
     program = compile_program(traced, Mesh(2, 2), block_size=BLOCK_SIZE, comm_workload=CommWorkload(
         dataclasses.replace(link_hardware("gloo"), memory_bytes=weights + kv_budget + 1), max_model_len=256,
         max_num_seqs=8, cache_size=(("kv_cache_bytes_per_rank", kv_budget),)))
-    reason = program.options["comm_choice"]
-    assert program.options["comm"] == "a2a"
+    reason = program.lowering.comm_choice
+    assert program.lowering.comm == "a2a"
     assert "ag refused: weights" in reason and "exceed host-gloo's" in reason
 
 
@@ -132,8 +132,8 @@ def test_ags_priced_weight_bytes_are_what_the_ag_program_holds_and_what_the_plan
     auto = compile_program(traced, Mesh(2, 2), block_size=BLOCK_SIZE)
     held = {"a2a": max(weight_bytes_per_rank(a2a)), "ag": max(weight_bytes_per_rank(ag))}
     for comm, bytes_ in held.items():
-        assert f"{comm} " in auto.options["comm_choice"]
-        assert f"{bytes_ / 2**20:.2f} MiB weights per rank" in auto.options["comm_choice"].split(f"{comm} ", 1)[1]
+        assert f"{comm} " in auto.lowering.comm_choice
+        assert f"{bytes_ / 2**20:.2f} MiB weights per rank" in auto.lowering.comm_choice.split(f"{comm} ", 1)[1]
     shape = load_model_shape(llama.config)
     planner = (shape.weight_params_per_rank(2, dcp=2, comm="ag") - shape.weight_params_per_rank(2, dcp=2, comm="a2a"))
     assert held["ag"] - held["a2a"] == planner * llama.dtype.itemsize > 0
@@ -178,15 +178,15 @@ def test_mla_is_never_given_ag():
     from test_e2e_mla import build as build_mla
 
     program = compile_program(dcpgraph.trace(build_mla("deepseek_v3")), Mesh(2, 2), block_size=BLOCK_SIZE)
-    assert program.options["comm"] == "a2a"
-    assert "ag refused: comm='ag' lowers GQA attention only, this is mla" in program.options["comm_choice"]
+    assert program.lowering.comm == "a2a"
+    assert "ag refused: comm='ag' lowers GQA attention only, this is mla" in program.lowering.comm_choice
 
 
 def test_dsa_is_never_given_ag():
     from sfa_models import build as build_sfa
 
     program = compile_program(dcpgraph.trace(build_sfa()), Mesh(2, 2), block_size=4)
-    assert program.options["comm"] == "a2a" and "ag refused" in program.options["comm_choice"]
+    assert program.lowering.comm == "a2a" and "ag refused" in program.lowering.comm_choice
 
 
 def test_attention_sinks_refuse_ag_and_auto_builds_a2a_with_hf_tokens():
@@ -198,7 +198,7 @@ def test_attention_sinks_refuse_ag_and_auto_builds_a2a_with_hf_tokens():
     with pytest.raises(UnsupportedModelError, match="sharded by"):
         dcpgraph.compile(model, tp=2, dcp=2, comm="ag", block_size=4, **compile_options("gpt_oss", 2))
     engine = dcpgraph.compile(model, tp=2, dcp=2, block_size=4, **compile_options("gpt_oss", 2))
-    reason = engine.program.options["comm_choice"]
+    reason = engine.program.lowering.comm_choice
     assert engine.report()["comm"] == "a2a" and "ag refused: comm='ag'" in reason and "sharded by" in reason
     prompts = [list(range(5, 23)), [7, 3, 9]]
     assert engine.generate(prompts, 8) == [hf_greedy(model, p, 8) for p in prompts]

@@ -85,7 +85,7 @@ def test_memory_report_counts_the_caches_the_ranks_hold():
     caches = engine.executor.rank_caches(0)
     held = sum(t.numel() * t.element_size() for t in caches.values())
     assert report["kv_bytes_per_rank"][0] == held == groups["full"]["bytes_per_rank"] + groups["sliding"]["bytes_per_rank"]
-    sliding = set(engine.program.options["sliding_caches"])
+    sliding = set(engine.program.lowering.sliding_caches)
     assert sliding and all(caches[n].shape[0] == groups["sliding"]["num_blocks"] for n in sliding)
     assert all(t.shape[0] == groups["full"]["num_blocks"] for n, t in caches.items() if n not in sliding)
     assert groups["saved_bytes_per_rank"] == groups["uniform_bytes_per_rank"] - held > 0
@@ -153,7 +153,7 @@ def _gloo_rank(rank: int, world: int):
     groups = engine.memory_report()["kv_layer_groups"]
     return {"tokens": tokens, "executor": engine.report()["executor"], "dropped": groups["sliding"]["dropped_blocks"],
             "sliding_rows": {n: int(t.shape[0]) for n, t in engine.executor.rank_caches(rank).items()
-                             if n in engine.program.options["sliding_caches"]}, "pool": groups["sliding"]["num_blocks"]}
+                             if n in engine.program.lowering.sliding_caches}, "pool": groups["sliding"]["num_blocks"]}
 
 
 @pytest.mark.gloo

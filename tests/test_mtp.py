@@ -216,7 +216,7 @@ def test_the_target_returns_its_final_hidden_states_only_for_mtp(checkpoint):
         engine.runner.execute([Chunk(0, tuple(tokens), 0, tuple(range(4)))])
         torch.testing.assert_close(engine.runner.last_hidden, expected, rtol=1e-9, atol=1e-9)
     plain = dcpgraph.compile(program, block_size=4)
-    assert "hidden_states_output" not in plain.program.options
+    assert plain.program.lowering.hidden_states_output is None
     assert "return_hidden_states" not in plain.program.passes_run()
     plain.runner.execute([Chunk(0, tuple(tokens), 0, tuple(range(4)))])
     assert plain.runner.last_hidden is None

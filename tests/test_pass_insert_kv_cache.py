@@ -63,7 +63,7 @@ def test_inputs_caches_and_outputs(stages):
     assert [(c.name, c.layer, c.role, c.heads, c.dim) for c in after.caches] == [
         (f"{role}_cache_{layer}", layer, role, KV_HEADS, HEAD_DIM) for layer in range(LAYERS) for role in ("k", "v")
     ]
-    assert after.options["block_size"] == BLOCK and not before.caches
+    assert after.lowering.block_size == BLOCK and not before.caches
     assert after.state is before.state  # no state added or dropped
     out = next(n for n in reversed(after.graph_module.graph.nodes) if n.op == "output").args[0]
     assert [n.name for n in out[1:]] == cache_names  # caches returned (donated, written in place)

@@ -36,7 +36,7 @@ dcp_ops = torch.ops.dcpgraph
 
 
 def _ensures(program: Program) -> None:
-    if program.options.get("new_tokens") == "split":
+    if program.lowering.new_tokens == "split":
         return
     left = nodes_calling(program.graph_module.graph, dcp_ops.partial_attention.default)
     if left:
@@ -57,7 +57,7 @@ def fuse_new_tokens(program: Program, enabled: bool = True):
     keeps the split: their paged attention reads a request's keys up to its length, no causal
     bound inside the cache."""
     if not enabled:
-        return (program.replace(options={**program.options, "new_tokens": "split"}),
+        return (program.replace(lowering=program.lowering.decided(new_tokens="split")),
                 "kept the context/new split (the backend's paged attention takes no causal bound)")
     gm = program.copy_graph()
     graph = gm.graph
@@ -94,5 +94,5 @@ def fuse_new_tokens(program: Program, enabled: bool = True):
         fused += 1
     graph.eliminate_dead_code()
     gm.recompile()
-    return (program.replace(graph_module=gm, options={**program.options, "new_tokens": "fused"}),
+    return (program.replace(graph_module=gm, lowering=program.lowering.decided(new_tokens="fused")),
             f"{fused} layers read context and new tokens in one paged attention")

@@ -327,7 +327,7 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
         graph_module=gm,
         inputs=tuple(specs),
         caches=tuple(rw.cache_specs),
-        options={**program.options, "block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
+        lowering=program.lowering.decided(block_size=block_size, kv_cache_dtype=kv_cache_dtype),
     )
     modified = f"; sliding windows {sorted(rw.window_starts)}" if rw.window_starts else ""
     return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "

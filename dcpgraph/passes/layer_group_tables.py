@@ -14,8 +14,8 @@ the row's blocks up to its length and masks keys before ``kv_start``, so the nul
 every rank of the group and covers a contiguous range of global positions, so a block dead for
 the window is dead on every rank, whatever part of it each rank holds.
 
-Cache names of the sliding group go to ``options["sliding_caches"]``, the largest window to
-``options["sliding_window"]`` (what the runtime sizes and frees by).
+Cache names of the sliding group go to ``Lowering.sliding_caches``, the largest window to
+``Lowering.sliding_window`` (what the runtime sizes and frees by).
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def layer_group_tables(program: Program, windows: tuple[int, ...] = ()):
     specs = (*program.inputs, *(InputSpec(r, META, r) for r in SLIDING_ROLES))
     scale_names = {name + SCALE_SUFFIX for name in sliding}
     names = tuple(c.name for c in program.caches if c.name in sliding or c.name in scale_names)
-    result = program.replace(graph_module=gm, inputs=specs, options={
-        **program.options, "sliding_caches": names, "sliding_window": max(windows),
-    })
+    lowering = program.lowering.decided(sliding_caches=names, sliding_window=max(windows))
+    result = program.replace(graph_module=gm, inputs=specs, lowering=lowering)
     return result, (f"{len(reads)} windowed paged reads and {rewired} cache writes -> per-group "
                     f"tables; sliding caches {len(names)} of {len(program.caches)}, window {max(windows)}")

@@ -102,7 +102,7 @@ def compile_program(
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
-    program = program.replace(options={**program.options, "interleave": interleave})
+    program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,
                             fuse_new=fuse_new, expert_parallel_experts=expert_parallel_experts,

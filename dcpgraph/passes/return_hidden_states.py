@@ -26,7 +26,7 @@ aten = torch.ops.aten
     requires=[
         ran("select_logits", "the LM head's input is then the selection of the hidden states"),
         not_yet_run("shard_tp", "its LM-head all-gather hides the logits linear from the walk back"),
-        holds("no second output yet", lambda p: "hidden_states_output" not in p.options),
+        holds("no second output yet", lambda p: p.lowering.hidden_states_output is None),
     ],
 )
 def return_hidden_states(program: Program):
@@ -42,5 +42,5 @@ def return_hidden_states(program: Program):
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     out.args = (tuple([outputs[0], hidden, *outputs[1:]]),)
     gm.recompile()
-    result = program.replace(graph_module=gm, options={**program.options, "hidden_states_output": 1})
+    result = program.replace(graph_module=gm, lowering=program.lowering.decided(hidden_states_output=1))
     return result, f"output 1: {hidden.name}, the LM head's input for every token"

@@ -45,7 +45,7 @@ the query gather (and at ``dcp == tp`` the output projection's all-reduce) for `
 query projection's weight bytes and an ``N``-times larger merge gather: it wins on a
 high-latency link (gloo) and loses where collectives are cheap next to the extra weight read.
 The choice, with every candidate's predicted per-layer collective time, is recorded in the
-program's ``options["comm_choice"]`` and this pass's provenance.
+program's ``Lowering.comm_choice`` and this pass's provenance.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def shard_dcp(program: Program, comm: str = "auto", workload=None):
     if comm != "auto" and comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS} or 'auto', got {comm!r}")
     if n == 1:
-        return program.replace(options={**program.options, "comm": "none"}), "dcp=1: nothing to shard"
+        return program.replace(lowering=program.lowering.decided(comm="none")), "dcp=1: nothing to shard"
     if comm != "auto":
         return _lower(program, comm)
     choice = auto_comm(program, workload)
@@ -121,7 +121,7 @@ def shard_dcp(program: Program, comm: str = "auto", workload=None):
 
 
 def _with_choice(program: Program, summary: str, choice) -> tuple[Program, str]:
-    return (program.replace(options={**program.options, "comm_choice": choice.reason}),
+    return (program.replace(lowering=program.lowering.decided(comm_choice=choice.reason)),
             f"{summary}; comm=auto chose {choice.reason}")
 
 
@@ -134,7 +134,7 @@ class _ContextReadSharding:
     def __init__(self, graph, program: Program, comm: str, local_lens, dcp_rank):
         self.graph, self.e, self.comm, self.dcp_rank = graph, Emitter(graph), comm, dcp_rank
         self.n, self.tp = program.mesh.dcp, program.mesh.tp
-        self.interleave = int(program.options.get("interleave", 1))
+        self.interleave = int(program.lowering.interleave)
         placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
         self.local: dict = {placeholders["context_lens"]: local_lens}
         self.specs = {s.name: s for s in program.inputs}
@@ -216,9 +216,8 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
         InputSpec("local_context_lens", META, "local_context_lens"),
         InputSpec("dcp_rank", RANK, "dcp_rank"),
     )
-    options = {**program.options, "comm": comm}
     return (
-        program.replace(graph_module=gm, inputs=inputs, options=options),
+        program.replace(graph_module=gm, inputs=inputs, lowering=program.lowering.decided(comm=comm)),
         f"dcp={n}, comm={comm}: {len(reads)} context attentions sharded"
         + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
         + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")

@@ -111,7 +111,7 @@ def auto_comm(program: Program, workload=None):
     base = max(weight_bytes_per_rank(program))
     ag_extra = sum(_state_bytes(program, name, rule) - _state_bytes(program, name, specs[name].shard)
                    for name, rule in rules.items() if specs[name].kind in STATE_KINDS)
-    block_size = int(program.options["block_size"])
+    block_size = int(program.lowering.block_size)
     num_blocks = blocks_for_budget(program, **dict(workload.cache_size), max_model_len=workload.max_model_len,
                                    max_num_seqs=workload.max_num_seqs)
     per_block = kv_bytes_per_block(program)

@@ -38,7 +38,7 @@ BLOCK_TABLE_WIDTHS = (1, 3)
 
 
 def _quiet_inputs(tokens: tuple[int, ...], logits_rows: tuple[int, ...], width: int, runner):
-    sliding = (0,) * width if runner.program.options.get("sliding_caches") else None  # hybrid_kv_cache
+    sliding = (0,) * width if runner.program.lowering.sliding_caches else None  # hybrid_kv_cache
     chunks = [
         Chunk(request_id=-1 - i, tokens=(0,) * n, start=0, block_table=(0,) * width, logits_rows=rows,
               sliding_table=sliding)

@@ -60,8 +60,8 @@ class Engine(EngineClient):
     ):
         self.program = program
         self.mesh = program.mesh
-        self.block_size = int(program.options["block_size"])
-        self.interleave = int(program.options.get("interleave", 1))
+        self.block_size = int(program.lowering.block_size)
+        self.interleave = int(program.lowering.interleave)
         self.max_model_len = max_model_len
         self.speculative = speculative_config_of(speculative_config, speculative_tokens)
         k = self.speculative.num_speculative_tokens if self.speculative else 0
@@ -370,8 +370,8 @@ class Engine(EngineClient):
         return {
             "executor": self.executor.mode,
             "mesh": str(self.mesh),
-            "comm": self.program.options.get("comm"),
-            "comm_choice": self.program.options.get("comm_choice"),  # why comm="auto" chose it (None: not auto)
+            "comm": self.program.lowering.comm,
+            "comm_choice": self.program.lowering.comm_choice,  # why comm="auto" chose it (None: not auto)
             "steps": self.steps,
             "graph_steps": dict(self.runner.graph_steps),
             "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],

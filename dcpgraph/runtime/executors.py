@@ -38,9 +38,9 @@ def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
     """Zeroed caches ``[blocks, block_size, heads, dim]`` on ``device`` (on the host: on huge pages
     where :func:`host_memory.status` allows, so a block-table read is rarely a TLB miss). ``num_blocks``: one count
     for every cache, or per layer group ``{"full": n, "sliding": m}`` (``hybrid_kv_cache``: the
-    caches named in ``options["sliding_caches"]`` get ``m``)."""
-    block = int(program.options["block_size"])
-    sliding = set(program.options.get("sliding_caches", ()))
+    caches named in ``Lowering.sliding_caches`` get ``m``)."""
+    block = int(program.lowering.block_size)
+    sliding = set(program.lowering.sliding_caches)
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
     return {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim),
                                       c.dtype, device)
@@ -82,8 +82,8 @@ def logits_of(output) -> torch.Tensor:
 
 def hidden_of(program: Program, output) -> torch.Tensor | None:
     """The final hidden states ``[T, H]`` of a program compiled with ``return_hidden``
-    (output ``options["hidden_states_output"]``), else ``None``."""
-    index = program.options.get("hidden_states_output")
+    (output ``Lowering.hidden_states_output``), else ``None``."""
+    index = program.lowering.hidden_states_output
     return None if index is None else output[index][0]
 
 

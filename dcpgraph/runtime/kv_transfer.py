@@ -47,7 +47,7 @@ def _layout_key(engine) -> tuple:
 def _emulated_caches(engine) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's caches, by rank; only an executor that holds all ranks in this process has them."""
     executor, ranks = engine.executor, tuple(engine.mesh.ranks)
-    if engine.program.options.get("sliding_caches"):
+    if engine.program.lowering.sliding_caches:
         raise RequestError("KV transfer is not supported with hybrid_kv_cache=True (the sliding layers "
                            "keep only their window, in their own block table)")
     if tuple(executor.local_ranks) != ranks:

@@ -162,11 +162,11 @@ def make_block_manager(program, num_blocks: int, *, enable_prefix_caching: bool,
     """``(block manager, cache block counts)`` for ``program``: a plain :class:`BlockManager` and
     one count for every cache, or for a ``hybrid_kv_cache`` program a :class:`HybridBlockManager`
     and ``{"full": num_blocks, "sliding": pool}``."""
-    tokens_per_block = int(program.options["block_size"]) * program.mesh.dcp
-    if not program.options.get("sliding_caches"):
+    tokens_per_block = int(program.lowering.block_size) * program.mesh.dcp
+    if not program.lowering.sliding_caches:
         return BlockManager(num_blocks, tokens_per_block, enable_prefix_caching), num_blocks
     check_hybrid_options(enable_prefix_caching=enable_prefix_caching, kv_allocation=kv_allocation)
-    window = int(program.options["sliding_window"])
+    window = int(program.lowering.sliding_window)
     pool = sliding_pool_blocks(num_blocks, window, decode_tokens=decode_tokens, step_tokens=step_tokens,
                                tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
     return HybridBlockManager(num_blocks, pool, tokens_per_block, window), {"full": num_blocks, "sliding": pool}

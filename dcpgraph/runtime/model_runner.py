@@ -31,8 +31,8 @@ class ModelRunner:
                  verify_buckets: VerifyBuckets | None = None):
         self.program = program
         self.mesh = program.mesh
-        self.block_size = int(program.options["block_size"])
-        self.interleave = int(program.options.get("interleave", 1))
+        self.block_size = int(program.lowering.block_size)
+        self.interleave = int(program.lowering.interleave)
         self.executor = executor
         self.buckets = buckets
         self.proposer = proposer

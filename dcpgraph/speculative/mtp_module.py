@@ -164,7 +164,7 @@ def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
         _on_device(program.graph_module.graph, torch.device("cpu"))
         program.graph_module.recompile()
     program = finish(program)
-    return program.replace(options={**program.options, "hidden_states_output": 1})  # x, for chaining
+    return program.replace(lowering=program.lowering.decided(hidden_states_output=1))  # x, for chaining
 
 
 def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str, device: str):

@@ -42,8 +42,8 @@ class MTPProposer:
         self.program = program
         self.executor = executor
         self.mesh = program.mesh
-        self.block_size = int(program.options["block_size"])
-        self.interleave = int(program.options.get("interleave", 1))
+        self.block_size = int(program.lowering.block_size)
+        self.interleave = int(program.lowering.interleave)
         self.max_batched_tokens = max_batched_tokens
         self.valid: dict[tuple[int, int], int] = {}  # MTP KV prefix per (request id, preemptions)
         self.hidden: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (first position, h rows)

@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, tuple[list[str], str]] = {
     "kv_capacity_hybrid": (["--quick"], "sliding/full hybrid models: KV capacity with per-layer-group sizing vs uniform"),
     "pd_transfer": (["--quick"], "P/D KV transfer bytes and time vs prompt length, TTFT via proxy vs mixed"),
     "decode_step": (["--quick"], "whole decode step vs bytes moved ÷ read bandwidth, and vs HF generate, fp32/bf16"),
+    "driver_overhead": (["--quick"], "per-step cost of driving tp worker processes (driver step minus the ranks' own)"),
 }
 
 # Headline rows shown on the console besides every row with a target.

@@ -59,9 +59,10 @@ def _handle(engine, message: dict) -> dict:
         rid = engine.add_request(message["prompt"], message["max_new_tokens"], **message["sampling"])
         return {"rid": rid}
     if op == "step":
+        start = time.perf_counter()
         events = engine.step()
         return {"events": [[int(r), int(t), bool(f)] for r, t, f in events],
-                "logprobs": [e.logprobs for e in events]}
+                "logprobs": [e.logprobs for e in events], "seconds": time.perf_counter() - start}
     if op == "abort":
         return {"aborted": bool(engine.abort(message["rid"]))}
     if op == "memory_report":
@@ -118,6 +119,7 @@ class RemoteEngine(EngineClient):
         self.config = config
         self.timeout_s = timeout_s
         self.dead: str | None = None
+        self.last_step_rank_seconds: list[float] = []  # each rank's own time in its last step
         world = config.tensor_parallel_size
         if start_method is None:
             start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -210,6 +212,7 @@ class RemoteEngine(EngineClient):
         """Every rank's events (checked equal); log-probabilities are rank 0's: every rank samples
         the same token from the same gathered logits, and rank 0's computed them."""
         replies = self._call({"op": "step"})
+        self.last_step_rank_seconds = [float(r["seconds"]) for r in replies]
         events = self._check_agree("step", [r["events"] for r in replies])
         return [StepEvent(r, t, f, lp) for (r, t, f), lp in zip(events, replies[0]["logprobs"], strict=True)]
 

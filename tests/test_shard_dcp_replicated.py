@@ -19,6 +19,7 @@ from test_e2e_gqa import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model
 
 import dcpgraph
 from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE
+from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.passes.collectives import collective_group
 from dcpgraph.passes.graph_edit import Emitter, nodes_calling
 from dcpgraph.program import REPLICATE, ShardRule
@@ -218,3 +219,17 @@ def test_exchange_on_gloo_matches_dense_attention():
     for out, lse in spawn(_gloo_exchange, 2, timeout_s=60):
         torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(lse, dense_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_ag_names_the_same_sharded_parameter_every_time():
+    """The refusal walks the attention's inputs in graph order (it once walked a set, and named
+    ``absorbed_uk`` or ``absorbed_uv_t`` depending on the run's hash seed)."""
+    from dcpgraph.models import build_model
+
+    program = dcpgraph.trace(build_model("deepseek_v2"))
+    messages = set()
+    for _ in range(3):
+        with pytest.raises(UnsupportedModelError, match="comm='ag': .* uses .*absorbed_uk, sharded") as err:
+            dcpgraph.compile(program, tp=2, dcp=2, comm="ag", block_size=4)
+        messages.add(str(err.value))
+    assert len(messages) == 1

@@ -73,7 +73,9 @@ def _refuse_head_sharded_state(walked: set[torch.fx.Node], specs: dict[str, Inpu
     ops that are not linears (a per-head sink logit cast to the activations' dtype, say), would
     still hold only this rank's heads."""
     seen: set[torch.fx.Node] = set()
-    stack = [i for node in walked for i in node.all_input_nodes if i not in walked]
+    order = {node: i for i, node in enumerate(read.graph.nodes)}  # graph order: the same error every run
+    stack = [i for node in sorted(walked, key=order.__getitem__) for i in node.all_input_nodes if i not in walked]
+    stack.reverse()  # pop the earliest first
     while stack:
         i = stack.pop()
         if i in seen:

@@ -321,8 +321,9 @@ class DcpgraphConfig:
         """From :class:`~dcpgraph.LLM`'s arguments: its own (vLLM's names, which are the fields')
         and the compile options it passes on (compile's names)."""
         fields = config_fields()
+        kwargs = _renamed(kwargs)
         own = {k: v for k, v in kwargs.items() if k in fields}
-        given = _renamed({k: v for k, v in kwargs.items() if k not in fields})
+        given = {k: v for k, v in kwargs.items() if k not in fields}
         unknown = sorted(set(given) - set(VALID_OPTIONS))
         if unknown:
             raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")

@@ -101,6 +101,8 @@ class _Section:
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
+    """The checkpoint: its directory, tokenizer, weight dtype and seed."""
+
     model: str | None = setting(None, "local HF model directory (config.json, safetensors weights, tokenizer)",
                                 flags=("model",), option=None)
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)", option=None)
@@ -111,6 +113,8 @@ class ModelConfig(_Section):
 
 @dataclass(frozen=True)
 class ParallelConfig(_Section):
+    """The mesh (TP, DCP and its interleave), expert parallelism and where ranks run."""
+
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp"),
                                         option="tp")
     decode_context_parallel_size: int = setting(1, "ranks of a decode-context-parallel group (divides tp)",
@@ -143,6 +147,8 @@ class ParallelConfig(_Section):
 
 @dataclass(frozen=True)
 class CacheConfig(_Section):
+    """The paged KV cache: block size, element type, size, prefix caching, allocation."""
+
     block_size: int = setting(16, "tokens per KV block on each rank", low=1)
     kv_cache_dtype: str = setting(
         "auto", "KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 power-of-two scale "
@@ -178,6 +184,8 @@ class CacheConfig(_Section):
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
+    """Batching: requests and tokens per step, context length, waiting queue."""
+
     max_num_seqs: int = setting(8, "requests decoded together", low=1)
     max_num_batched_tokens: int = setting(256, "tokens per step (the chunked-prefill budget)", low=1)
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, at most 4096)", low=1)
@@ -186,6 +194,8 @@ class SchedulerConfig(_Section):
 
 @dataclass(frozen=True)
 class CompilationConfig(_Section):
+    """The compiler backend, its cache and the pass pipeline's switches."""
+
     backend: Any = setting("auto", "dcpgraph's compiler backend (default auto: torchair on Ascend, inductor on CUDA, "
                                    "eager on CPU); every decode bucket is compiled before the server listens",
                            choices=available_backends, parse=str)
@@ -225,6 +235,8 @@ class CompilationConfig(_Section):
 
 @dataclass(frozen=True)
 class SpeculativeOptions(_Section):
+    """Speculative decoding, vLLM's dict (checked into a SpeculativeConfig)."""
+
     speculative_config: Any = setting(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
               '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}',
@@ -241,6 +253,8 @@ class SpeculativeOptions(_Section):
 
 @dataclass(frozen=True)
 class ServingConfig(_Section):
+    """The HTTP server and the driver-to-worker channels."""
+
     host: str = setting("127.0.0.1", "interface the HTTP server listens on", option=None)
     port: int = setting(8000, "HTTP port", option=None, low=0)
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1 routes "

@@ -1,7 +1,8 @@
 """``dcpgraph serve MODEL_DIR``: the OpenAI-compatible server, flags in vLLM's spelling.
 
-The flags are generated from the configuration's fields (:mod:`dcpgraph.config`); the configuration
-they build is what :class:`~dcpgraph.LLM` is given (:func:`llm_options`); the model is loaded and compiled (and the worker processes started) before the server listens.
+The flags are generated from the configuration's fields (:mod:`dcpgraph.config`); the
+configuration they build is what :class:`~dcpgraph.LLM` is given (:func:`llm_options`); the
+model is loaded and compiled (and the worker processes started) before the server listens.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .errors import ConfigError, UnsupportedModelError
 from .mesh import Mesh
-from .options import CACHE_SIZE_OPTIONS, compile_options
 from .program import Program
 
 
@@ -122,12 +122,12 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
 
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
-    mesh = Mesh(tp, dcp)
-    opts = compile_options(
-        interleave=interleave, block_size=block_size, max_model_len=max_model_len, comm=comm,
+    settings = DcpgraphConfig.from_compile_options(
+        tp=tp, dcp=dcp, interleave=interleave, block_size=block_size, max_model_len=max_model_len, comm=comm,
         backend=backend, **options,
     )
-    config = _configuration(model, mesh, opts)
+    config = _configuration(model, settings)
+    opts = config.opts
     program = _traced_program(model)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
@@ -145,10 +145,11 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
 
 @dataclass(frozen=True)
 class _Configuration:
-    """Everything :func:`compile` decides before tracing: the checked options, the executor, the
-    model's facts, the context length and the speculative draft's source (at most one of
-    ``mtp_checkpoint`` and ``draft_program`` is set)."""
+    """Everything :func:`compile` decides before tracing: the checked configuration (and its
+    options by compile's names, ``opts``), the executor, the model's facts, the context length and
+    the speculative draft's source (at most one of ``mtp_checkpoint`` and ``draft_program`` is set)."""
 
+    settings: DcpgraphConfig
     mesh: Mesh
     opts: dict[str, Any]
     executor_cls: type
@@ -168,11 +169,13 @@ class _Configuration:
         return self.executor_cls is DistributedExecutor
 
 
-def _configuration(model: torch.nn.Module | Program, mesh: Mesh, opts: dict[str, Any]) -> _Configuration:
+def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -> _Configuration:
     """Checks the mesh against the model, the MTP target and the draft model, all before any
     tracing; ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 4096."""
     from .runtime.executors import DistributedExecutor, EmulatedExecutor
 
+    mesh = Mesh(settings.parallel.tensor_parallel_size, settings.parallel.decode_context_parallel_size)
+    opts = settings.compile_options()
     executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
     spec = opts["speculative_config"]
     facts = facts_of(model)
@@ -201,7 +204,7 @@ def _configuration(model: torch.nn.Module | Program, mesh: Mesh, opts: dict[str,
         draft_program = _draft_program(spec.model, facts.dtype)
         check_draft(facts, draft_program.facts, mesh, block_size=opts["block_size"], interleave=opts["interleave"],
                     max_model_len=max_model_len)
-    return _Configuration(mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
+    return _Configuration(settings, mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
 
 
 def _traced_program(model: torch.nn.Module | Program) -> Program:

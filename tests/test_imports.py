@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("passes",),
     ("frontends", "backends"),
     ("checkpoints",),
+    ("config",),  # the configuration tree compile, LLM and serve build; options is its dict view
     ("speculative", "options"),
     ("api",),
     ("explain", "serving"),

@@ -113,3 +113,74 @@ def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offlin
         body = {"model": path, "prompt": prompt, "max_tokens": 8, "temperature": 0}
         got = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert (got["text"], got["finish_reason"]) == (want.text, want.finish_reason)
+
+
+# -- the flags are generated from the configuration's fields ---------------------------------------
+def _flag_dests(parser) -> dict[str, list[str]]:
+    return {a.dest: list(a.option_strings) or [a.dest] for a in parser._actions if a.dest != "help"}
+
+
+def test_every_config_field_has_a_flag_and_every_flag_a_field():
+    from dcpgraph.config import config_fields
+
+    fields = config_fields()
+    dests = _flag_dests(build_parser())
+    # the two fields a command line cannot express: compile's executor (LLM picks it per process)
+    # and a plain module's TP plan (a serve model is always a checkpoint with its own plan)
+    no_flag = {name for name, (_, f) in fields.items() if not f.metadata["cli"]}
+    assert no_flag == {"executor", "plan"}
+    assert set(dests) == set(fields) - no_flag  # no flag without a field, no field without a flag
+    assert dests["tensor_parallel_size"] == ["--tensor-parallel-size", "-tp"]
+    assert dests["decode_context_parallel_size"] == ["--decode-context-parallel-size", "-dcp"]
+    assert dests["model"] == ["model"]
+
+
+def test_a_flag_without_a_field_cannot_exist():
+    """build_parser is add_cli_args and nothing else: a hand-added flag would have no field and
+    from_cli_args would never read it; the field set is the parser's."""
+    import argparse
+
+    from dcpgraph.config import DcpgraphConfig, add_cli_args
+
+    parser = add_cli_args(argparse.ArgumentParser())
+    parser.add_argument("--not-a-field", default=1)
+    args = parser.parse_args(["/m", "--not-a-field", "2"])
+    assert "not_a_field" not in DcpgraphConfig.from_cli_args(args).values()
+    assert "not_a_field" not in _flag_dests(build_parser())
+
+
+def test_booleans_have_negative_flags():
+    assert options_of("--enable-prefix-caching")["enable_prefix_caching"] is True
+    assert options_of("--enable-prefix-caching", "--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert "hybrid_kv_cache" not in options_of("--hybrid-kv-cache", "--no-hybrid-kv-cache")
+    assert "backend" not in options_of("--enforce-eager", "--no-enforce-eager")
+    assert options_of("--no-mlapo")["mlapo"] is False  # a compile option serve could not set before
+    assert options_of("--no-fuse-new-tokens")["fuse_new_tokens"] is False
+    assert "fuse_new_tokens" not in options_of()
+
+
+def test_serve_llm_and_compile_build_the_same_config():
+    from dcpgraph.config import DcpgraphConfig
+    from dcpgraph.serving.llm import llm_kwargs
+
+    flags = ["/m", "-tp", "2", "-dcp", "2", "--cp-kv-cache-interleave-size", "4", "--block-size", "8",
+             "--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "64", "--enforce-eager", "--comm", "ag",
+             "--capture-limit", "4"]
+    served = DcpgraphConfig.from_cli_args(build_parser().parse_args(flags))
+    offline = DcpgraphConfig.from_llm_kwargs(model="/m", **llm_kwargs(served))
+    compiled = DcpgraphConfig.from_compile_options(tp=2, dcp=2, interleave=4, block_size=8, kv_cache_dtype="fp8_e4m3",
+                                                   num_blocks=64, backend="eager", comm="ag", capture_limit=4)
+    # --enforce-eager reaches LLM as backend="eager" (its compile option): the same compile
+    assert offline.compile_options() == served.compile_options() == compiled.compile_options()
+    for section in ("model", "parallel", "cache", "scheduler", "speculative", "serving"):
+        assert getattr(offline, section) == getattr(served, section), section
+    assert served.cache.num_gpu_blocks_override == 64 and served.parallel.cp_kv_cache_interleave_size == 4
+
+
+def test_api_key_defaults_from_the_environment(monkeypatch):
+    from dcpgraph.config import DcpgraphConfig
+
+    monkeypatch.setenv("DCPGRAPH_API_KEY", "sekrit")
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key == "sekrit"
+    monkeypatch.delenv("DCPGRAPH_API_KEY")
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key is None

@@ -20,6 +20,7 @@ given the same calls reproduces the same tokens; ``seed`` is kept for vLLM's sig
 
 from __future__ import annotations
 
+from inspect import signature
 from typing import Any
 
 from ..api import facts_of
@@ -27,9 +28,9 @@ from ..checkpoints.files import weight_files
 from ..checkpoints.loader import meta_model
 from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..checkpoints.tensor_sources import SafetensorsFiles
+from ..config import DcpgraphConfig, config_fields, option_name
 from ..errors import ConfigError, RequestError
 from ..runtime.speculative_config import speculative_config
-from ..runtime.speculative_config import speculative_config as speculative_config_of
 from ..speculative.mtp import check_mtp
 from ..speculative.mtp_module import check_mtp_weights
 from .detokenizer import TextStream
@@ -77,45 +78,57 @@ class LLM:
                  speculative_config: dict | None = None, **engine_options: Any):
         import torch.distributed as dist
 
+        self.settings = settings = DcpgraphConfig.from_llm_kwargs(
+            model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
+            max_model_len=max_model_len, dtype=dtype, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            distributed_executor_backend=distributed_executor_backend, worker_host=worker_host,
+            worker_timeout_s=worker_timeout_s, speculative_config=speculative_config, **engine_options,
+        )  # every option checked, before the model directory is read
+        parallel, cache, scheduler = settings.parallel, settings.cache, settings.scheduler
+        spec = settings.speculative
         require_model_dir(model)
-        if speculative_config is not None and speculative_config_of(speculative_config).method == "mtp":
+        if spec.checked is not None and spec.checked.method == "mtp":
             check_mtp_checkpoint(model)
-        self.tokenizer = load_tokenizer(tokenizer or model)
-        tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
-        info = inspect_checkpoint(model, dtype=dtype, tp=tp, dcp=dcp, block_size=block_size,
-                                  interleave=cp_kv_cache_interleave_size, tokenizer=self.tokenizer)
+        self.tokenizer = load_tokenizer(settings.model.tokenizer or model)
+        tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
+        interleave = parallel.cp_kv_cache_interleave_size
+        info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
+                                  interleave=interleave, tokenizer=self.tokenizer)
         limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        max_model_len = scheduler.max_model_len
         if max_model_len is None:
             max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-        elif not 0 < int(max_model_len) <= limit:
+        elif not 0 < max_model_len <= limit:
             raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                               f"got {max_model_len}")
-        if speculative_config is not None:
+        engine_options = _engine_options(settings)
+        if spec.speculative_config is not None:
             engine_options["speculative_config"] = check_speculative_config(
-                speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=block_size,
-                interleave=cp_kv_cache_interleave_size, tokenizer=self.tokenizer)
+                spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
+                interleave=interleave, tokenizer=self.tokenizer)
         self.info = info
-        self.seed = seed
+        self.seed = settings.model.seed
         self.max_model_len = int(max_model_len)
         self.eos_token_ids = info.eos_token_ids
         self.config = EngineConfig(
             model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-            cp_kv_cache_interleave_size=int(cp_kv_cache_interleave_size), block_size=int(block_size),
-            max_model_len=self.max_model_len, enable_prefix_caching=bool(enable_prefix_caching),
-            max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(max_num_batched_tokens),
-            engine_options=dict(engine_options),
+            cp_kv_cache_interleave_size=interleave, block_size=cache.block_size,
+            max_model_len=self.max_model_len, enable_prefix_caching=cache.enable_prefix_caching,
+            max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            engine_options=engine_options,
         )
         in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
-        backends = (None, "mp", "emulated")
-        if distributed_executor_backend not in backends:
-            raise ConfigError(f"distributed_executor_backend must be one of {backends}, got {distributed_executor_backend!r}")
         self._next_request = 0
         if tp == 1 or in_world:
             self.engine = build_engine(self.config, "auto")
-        elif distributed_executor_backend == "emulated":
+        elif parallel.distributed_executor_backend == "emulated":
             self.engine = build_engine(self.config, "emulated")
         else:
-            self.engine = RemoteEngine(self.config, host=worker_host, timeout_s=worker_timeout_s)
+            self.engine = RemoteEngine(self.config, host=settings.serving.worker_host,
+                                       timeout_s=settings.serving.worker_timeout_s)
 
     # -- generation --------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -209,3 +222,31 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+# LLM's own arguments (vLLM's names, each a config field), and those llm_kwargs always gives
+LLM_ARGUMENTS = tuple(p for p in signature(LLM.__init__).parameters if p not in ("self", "model", "engine_options"))
+_ALWAYS = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size",
+           "max_model_len", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "worker_host")
+# what EngineConfig carries in its own fields, by compile's names
+_ENGINE_CONFIG_OPTIONS = ("tp", "dcp", "interleave", "block_size", "max_model_len", "enable_prefix_caching",
+                          "max_num_seqs", "max_num_batched_tokens")
+
+
+def llm_kwargs(settings: DcpgraphConfig) -> dict[str, Any]:
+    """``LLM(model=settings.model.model, **llm_kwargs(settings))`` builds ``settings`` again: LLM's
+    own arguments (the mesh, cache and scheduler always, the rest when not their defaults) and, by
+    compile's names, the compile options that differ from their defaults."""
+    values, defaults = settings.values(), DcpgraphConfig().values()
+    out = {name: values[name] for name in LLM_ARGUMENTS if name in _ALWAYS or values[name] != defaults[name]}
+    fields = config_fields()
+    taken = {option_name(fields[name][1]) for name in LLM_ARGUMENTS}
+    out.update({k: v for k, v in settings.changed_compile_options().items() if k not in taken})
+    return out
+
+
+def _engine_options(settings: DcpgraphConfig) -> dict[str, Any]:
+    """The compile options an engine is built with beyond :class:`EngineConfig`'s own fields: those
+    not at their defaults, by compile's names (JSON-able as given; they travel to every rank)."""
+    changed = settings.changed_compile_options()
+    return {k: v for k, v in changed.items() if k not in (*_ENGINE_CONFIG_OPTIONS, "speculative_config")}

@@ -1,0 +1,474 @@
+"""The configuration, one tree of frozen dataclasses, validated once before any work.
+
+:class:`DcpgraphConfig` holds a section per concern: :class:`ModelConfig`, :class:`ParallelConfig`,
+:class:`CacheConfig`, :class:`SchedulerConfig`, :class:`CompilationConfig`,
+:class:`SpeculativeOptions` and :class:`ServingConfig`. :func:`dcpgraph.compile` builds it from its
+keyword options (:meth:`DcpgraphConfig.from_compile_options`), :class:`~dcpgraph.LLM` from its
+vLLM-named arguments (:meth:`DcpgraphConfig.from_llm_kwargs`) and ``dcpgraph serve`` from its flags
+(:meth:`DcpgraphConfig.from_cli_args`); each section checks itself in ``__post_init__``, so a
+config that exists is a valid one.
+
+Each field is vLLM's name where vLLM has one and carries, in ``dataclasses.field(metadata=...)``:
+``help``; ``flags`` (its CLI spellings, default ``--field-name``; ``cli=False`` for the two fields
+a command line cannot express); ``option``, the name :func:`dcpgraph.compile` takes it by (None:
+not a compile option), which is also the name its error messages use; ``low``, the smallest
+value of an int; ``choices``. :func:`add_cli_args` generates ``dcpgraph serve``'s flags from these
+fields (booleans as ``argparse.BooleanOptionalAction``: ``--enable-prefix-caching`` /
+``--no-enable-prefix-caching``), so a flag without a field cannot exist.
+
+Errors: :class:`~dcpgraph.errors.ConfigError` for a value of the wrong type or out of range, or
+two cache sizes at once; ``TypeError`` for an option name ``compile`` does not take. Every
+message names the valid settings. Rules that depend on the model (head counts,
+``block_size % interleave``) are :meth:`dcpgraph.mesh.Mesh.validate`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import numbers
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_backend
+from .capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from .errors import ConfigError
+from .mesh import Mesh
+from .runtime.speculative_config import SpeculativeConfig, speculative_config
+
+COMMS = ("auto", "a2a", "ag_rs", "ag")
+EXECUTORS = ("auto", "emulated", "distributed")
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "emulated")
+KV_ALLOCATIONS = ("on_demand", "whole_request")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# the cache sizes, by their compile names; at most one may be given
+CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+# older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
+DEPRECATED_OPTIONS = {"max_batched_tokens": "max_num_batched_tokens", "speculative_tokens": "speculative_config"}
+_SAME = object()  # metadata default: the compile option is spelled as the field
+
+
+def setting(default: Any = None, help: str = "", *, flags: tuple[str, ...] | None = None,  # noqa: A002
+            option: Any = _SAME, low: int | None = None, choices: Any = None, cli: bool = True,
+            env: str | None = None, parse: Any = None) -> Any:
+    """A config field: its default and what :func:`add_cli_args` and the compile mapping need.
+    ``choices`` may be a callable (evaluated when the parser is built); ``parse`` overrides the
+    argparse ``type`` the annotation gives; ``env`` names an environment variable that supplies
+    the CLI default."""
+    metadata = {"help": help, "flags": flags, "option": option, "low": low, "choices": choices, "cli": cli,
+                "env": env, "parse": parse}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def option_name(field: dataclasses.Field) -> str | None:
+    """The name :func:`dcpgraph.compile` takes ``field`` by, None when it takes no such option."""
+    option = field.metadata["option"]
+    return field.name if option is _SAME else option
+
+
+class _Section:
+    """Checks every int and bool field by its annotation (``int`` with ``low``, ``int | None``,
+    ``bool``), normalising ints to ``int``; then the section's own :meth:`_validate`."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, name = getattr(self, f.name), option_name(f) or f.name
+            low = f.metadata["low"]
+            if f.type == "int" and low is not None:
+                if not _is_int(value) or value < low:
+                    raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+                object.__setattr__(self, f.name, int(value))
+            elif f.type == "int | None" and low is not None:
+                if value is not None and (not _is_int(value) or value < low):
+                    raise ConfigError(f"{name} must be None or an int >= {low}, got {value!r}")
+                object.__setattr__(self, f.name, None if value is None else int(value))
+            elif f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The checkpoint: its directory, tokenizer, weight dtype and seed."""
+
+    model: str | None = setting(None, "local HF model directory (config.json, safetensors weights, tokenizer)",
+                                flags=("model",), option=None)
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)", option=None)
+    dtype: str = setting("auto", "auto (from the config), float32, bfloat16, float16, float64", option=None)
+    seed: int = setting(0, "kept for vLLM's signature: unseeded requests draw from a stream keyed by request id",
+                        option=None)
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    """The mesh (TP, DCP and its interleave), expert parallelism and where ranks run."""
+
+    tensor_parallel_size: int = setting(1, "tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp"),
+                                        option="tp")
+    decode_context_parallel_size: int = setting(1, "ranks of a decode-context-parallel group (divides tp)",
+                                                flags=("--decode-context-parallel-size", "-dcp"), option="dcp")
+    cp_kv_cache_interleave_size: int = setting(1, "tokens per rank in turn along a DCP group's KV cache",
+                                               option="interleave", low=1)
+    enable_expert_parallel: bool = setting(False, "partition a MoE model's routed experts over the tensor-parallel "
+                                                  "ranks instead of slicing every expert")
+    distributed_executor_backend: str | None = setting(
+        None, "where tp > 1 ranks run: worker processes (mp, the default) or emulated in this process",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS[1:], option=None)
+    executor: str = setting("auto", "compile's executor: auto, emulated or distributed (LLM picks it per process)",
+                            cli=False)
+    plan: Any = setting(None, "TP plan for plain modules: module-path pattern -> rule name", cli=False)
+
+    def _validate(self) -> None:
+        Mesh(self.tensor_parallel_size, self.decode_context_parallel_size)  # "tp must be a positive int, ..."
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {self.executor!r}")
+        backend = self.distributed_executor_backend
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                              f"got {backend!r}")
+        plan = self.plan
+        if plan is not None and not (
+            isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
+        ):
+            raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    """The paged KV cache: block size, element type, size, prefix caching, allocation."""
+
+    block_size: int = setting(16, "tokens per KV block on each rank", low=1)
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 power-of-two scale "
+                "per token, KV head and 128 elements); vLLM's fp8 and bfloat16 name the same",
+        choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
+    enable_prefix_caching: bool = setting(False, "reuse the KV of full virtual blocks shared with earlier prompts")
+    num_gpu_blocks_override: int | None = setting(
+        None, "KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)",
+        option="num_blocks", low=1)
+    kv_cache_tokens: int | None = setting(None, "KV cache size in tokens (instead of a block count)", low=1)
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache size in bytes per rank, scales included (instead of --num-gpu-blocks-override)",
+        option="kv_cache_bytes_per_rank", low=1)
+    hybrid_kv_cache: bool = setting(False, "sliding-window layers get their own block table and a pool sized for "
+                                           "their window (Gemma-2/3, GPT-OSS, Qwen3 hybrids: more requests in the "
+                                           "same memory); not with --enable-prefix-caching")
+    kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
+                                              "tokens reserved at admission", choices=KV_ALLOCATIONS)
+
+    def _validate(self) -> None:
+        sizes = [option_name(f) for f in dataclasses.fields(self)
+                 if option_name(f) in CACHE_SIZE_OPTIONS and getattr(self, f.name) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"give at most one of {list(CACHE_SIZE_OPTIONS)}, got {sizes}")
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {self.kv_allocation!r}")
+        dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(dtype, str) or dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or vLLM's "
+                              f"{sorted(KV_CACHE_DTYPE_ALIASES)} for the same caches), got {dtype!r}")
+        object.__setattr__(self, "kv_cache_dtype", dtype)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    """Batching: requests and tokens per step, context length, waiting queue."""
+
+    max_num_seqs: int = setting(8, "requests decoded together", low=1)
+    max_num_batched_tokens: int = setting(256, "tokens per step (the chunked-prefill budget)", low=1)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, at most 4096)", low=1)
+    max_waiting: int = setting(1024, "bound of the waiting queue (past it a request is refused)", low=1)
+
+
+@dataclass(frozen=True)
+class CompilationConfig(_Section):
+    """The compiler backend, its cache and the pass pipeline's switches."""
+
+    backend: Any = setting("auto", "dcpgraph's compiler backend (default auto: torchair on Ascend, inductor on CUDA, "
+                                   "eager on CPU); every decode bucket is compiled before the server listens",
+                           choices=available_backends, parse=str)
+    enforce_eager: bool = setting(False, "run the program eagerly: nothing is compiled at start-up (the 'eager' "
+                                         "backend)", option=None)
+    compile_cache_dir: str | None = setting(None, "a directory that keeps compiled graphs across processes and "
+                                                  "restarts, so a second start-up compiles from it")
+    capture_limit: int = setting(32, "largest decode batch given a static-shape graph (0: no graph mode)", low=0)
+    mlapo: bool = setting(True, "an MLA model's query/KV preprocessing as one mla_preprocess op per layer")
+    fuse_new_tokens: bool | None = setting(None, "read context and new tokens in one paged read (default: by "
+                                                 "backend, not on the Ascend backends)")
+    comm: str = setting("auto", "DCP's collectives", choices=COMMS)
+    verify: bool = setting(True, "run the verifier after every pass")
+
+    def _validate(self) -> None:
+        if self.enforce_eager and self.backend not in ("auto", "eager"):
+            raise ConfigError(f"--enforce-eager runs the 'eager' backend; it contradicts --backend {self.backend}")
+        if self.comm not in COMMS:
+            raise ConfigError(f"comm must be 'auto', 'a2a', 'ag_rs' or 'ag', got {self.comm!r}")
+        cache_dir = self.compile_cache_dir
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise ConfigError(f"compile_cache_dir must be None or a directory path (str or os.PathLike), "
+                              f"got {cache_dir!r}")
+        object.__setattr__(self, "compile_cache_dir", None if cache_dir is None else os.fspath(cache_dir))
+        name, _ = resolve_backend(self.effective_backend)  # raises ConfigError naming the backends
+        _fuse_new_tokens(self.fuse_new_tokens, name)
+
+    @property
+    def effective_backend(self) -> Any:
+        """The backend compile runs: ``"eager"`` under ``enforce_eager``, else ``backend``."""
+        return "eager" if self.enforce_eager else self.backend
+
+    @property
+    def effective_fuse_new_tokens(self) -> bool:
+        return _fuse_new_tokens(self.fuse_new_tokens, resolve_backend(self.effective_backend)[0])
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions(_Section):
+    """Speculative decoding, vLLM's dict (checked into a SpeculativeConfig)."""
+
+    speculative_config: Any = setting(
+        None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram"|"draft_model"|"mtp", '
+              '"num_speculative_tokens": k, "model": DRAFT_DIR, "prompt_lookup_min"/"prompt_lookup_max": n}',
+        parse="json")
+
+    def _validate(self) -> None:
+        object.__setattr__(self, "_checked", speculative_config(self.speculative_config))
+
+    @property
+    def checked(self) -> SpeculativeConfig | None:
+        """The checked :class:`~dcpgraph.runtime.speculative_config.SpeculativeConfig` (None: off)."""
+        return self._checked
+
+
+@dataclass(frozen=True)
+class ServingConfig(_Section):
+    """The HTTP server and the driver-to-worker channels."""
+
+    host: str = setting("127.0.0.1", "interface the HTTP server listens on", option=None)
+    port: int = setting(8000, "HTTP port", option=None, low=0)
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1 routes "
+                                        "(default: $DCPGRAPH_API_KEY)", option=None, env="DCPGRAPH_API_KEY")
+    served_model_name: str | None = setting(None, "the model name clients use (default: MODEL)", option=None)
+    worker_host: str = setting("127.0.0.1", "interface the driver-to-worker channels and the gloo world bind to",
+                               option=None)
+    worker_timeout_s: float = setting(600.0, "seconds to wait for a worker process", option=None)
+    max_request_bytes: int = setting(1 << 20, "largest request body", option=None, low=1)
+    kv_transfer_config: str | None = setting(
+        None, "P/D disaggregation, vLLM's keys as JSON, e.g. '{\"kv_role\": \"kv_producer\", \"kv_rank\": 0, "
+              "\"kv_parallel_size\": 2, \"kv_port\": 14579}' (see dcpgraph/serving/kv_connector/config.py)",
+        option=None)
+    log_level: str = setting("info", "server log level", choices=LOG_LEVELS, option=None)
+
+    def _validate(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "compilation": CompilationConfig, "speculative": SpeculativeOptions, "serving": ServingConfig,
+}
+
+
+def config_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every field of the tree by name (names are unique across sections): ``(section, field)``."""
+    return {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def compile_option_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Compile option name -> ``(section, field)``."""
+    return {option_name(f): (s, f) for s, f in config_fields().values() if option_name(f) is not None}
+
+
+# every option compile takes besides tp and dcp (its explicit mesh arguments)
+VALID_OPTIONS = tuple(sorted(set(compile_option_fields()) - {"tp", "dcp"}))
+
+
+@dataclass(frozen=True)
+class DcpgraphConfig:
+    """The whole configuration; built (and so validated) once, before any work."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    speculative: SpeculativeOptions = dataclasses.field(default_factory=SpeculativeOptions)
+    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+
+    @classmethod
+    def from_fields(cls, **values: Any) -> DcpgraphConfig:
+        """From field names (any section); the rest default."""
+        fields = config_fields()
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown config fields: {unknown}; the config has {sorted(fields)}")
+        by_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for name, value in values.items():
+            by_section[fields[name][0]][name] = value
+        return cls(**{section: SECTIONS[section](**kw) for section, kw in by_section.items()})
+
+    @classmethod
+    def from_compile_options(cls, *, tp: int = 1, dcp: int = 1, **given: Any) -> DcpgraphConfig:
+        """From :func:`dcpgraph.compile`'s keywords (the deprecated spellings warn)."""
+        given = _renamed(given)
+        unknown = sorted(set(given) - set(VALID_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
+        options = compile_option_fields()
+        return cls.from_fields(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                               **{options[name][1].name: value for name, value in given.items()})
+
+    @classmethod
+    def from_llm_kwargs(cls, **kwargs: Any) -> DcpgraphConfig:
+        """From :class:`~dcpgraph.LLM`'s arguments: its own (vLLM's names, which are the fields')
+        and the compile options it passes on (compile's names)."""
+        fields = config_fields()
+        kwargs = _renamed(kwargs)
+        own = {k: v for k, v in kwargs.items() if k in fields}
+        given = {k: v for k, v in kwargs.items() if k not in fields}
+        unknown = sorted(set(given) - set(VALID_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
+        options = compile_option_fields()
+        return cls.from_fields(**own, **{options[name][1].name: value for name, value in given.items()})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> DcpgraphConfig:
+        """From the flags :func:`add_cli_args` made."""
+        return cls.from_fields(**{name: getattr(args, name) for name, (_, f) in config_fields().items()
+                                  if f.metadata["cli"]})
+
+    def replace(self, **values: Any) -> DcpgraphConfig:
+        """A copy with some fields (by field name) changed, validated again."""
+        return type(self).from_fields(**{**self.values(), **values})
+
+    def values(self) -> dict[str, Any]:
+        """Field name -> value, over every section (``speculative_config`` as given)."""
+        return {name: getattr(getattr(self, section), name) for name, (section, _) in config_fields().items()}
+
+    def compile_options(self) -> dict[str, Any]:
+        """Every option of :func:`dcpgraph.compile` but tp and dcp, by compile's names, resolved:
+        the effective backend, ``fuse_new_tokens`` decided, the checked speculative config."""
+        out = {name: getattr(getattr(self, section), f.name)
+               for name, (section, f) in compile_option_fields().items() if name in VALID_OPTIONS}
+        out["backend"] = self.compilation.effective_backend
+        out["fuse_new_tokens"] = self.compilation.effective_fuse_new_tokens
+        out["speculative_config"] = self.speculative.checked
+        return out
+
+    def changed_compile_options(self) -> dict[str, Any]:
+        """The compile options (compile's names, values as given) that differ from their defaults;
+        the backend as it runs (``"eager"`` under ``enforce_eager``)."""
+        defaults = DcpgraphConfig().values()
+        values = self.values()
+        out = {option_name(f): values[name] for name, (_, f) in config_fields().items()
+               if option_name(f) in VALID_OPTIONS and values[name] != defaults[name]}
+        if self.compilation.enforce_eager:
+            out["backend"] = "eager"
+        return out
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per config field (but the ``cli=False`` ones), generated from the field: spellings
+    from ``flags`` (default ``--field-name``), ``type`` from the annotation (or ``parse``), choices,
+    default (or the ``env`` variable's value), help; booleans as ``BooleanOptionalAction``."""
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").split("\n")[0] or None)
+        for f in dataclasses.fields(cls):
+            if not f.metadata["cli"]:
+                continue
+            meta = f.metadata
+            flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
+            default = f.default if meta["env"] is None else os.environ.get(meta["env"], f.default)
+            kwargs: dict[str, Any] = {"default": default, "help": meta["help"]}
+            if flags[0].startswith("-"):
+                kwargs["dest"] = f.name
+            if f.type in ("bool", "bool | None"):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _cli_type(f)
+                choices = meta["choices"]
+                if choices is not None:
+                    kwargs["choices"] = [c for c in (choices() if callable(choices) else choices) if c is not None]
+            if not flags[0].startswith("-"):  # positional
+                kwargs.pop("default")
+            group.add_argument(*flags, **kwargs)
+    return parser
+
+
+def _cli_type(field: dataclasses.Field):
+    parse = field.metadata["parse"]
+    if parse == "json":
+        return _json_object
+    if parse is not None:
+        return parse
+    base = field.type.split(" | ")[0]
+    return {"int": int, "float": float, "str": str}[base]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _renamed(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the older spellings replaced by the options they stand for, each with a
+    ``DeprecationWarning``; both spellings of one option at once are refused."""
+    given = dict(given)
+    if "max_batched_tokens" in given:
+        _deprecated("max_batched_tokens is deprecated: use max_num_batched_tokens (vLLM's name), the same budget")
+        if "max_num_batched_tokens" in given:
+            raise ConfigError("give max_num_batched_tokens or its deprecated spelling max_batched_tokens, not both")
+        given["max_num_batched_tokens"] = given.pop("max_batched_tokens")
+    if "speculative_tokens" in given:
+        k = given.pop("speculative_tokens")
+        _deprecated(f"speculative_tokens={k!r} is deprecated: use "
+                    f"speculative_config={{\"method\": \"ngram\", \"num_speculative_tokens\": {k!r}}}")
+        if not _is_int(k) or k < 0:
+            raise ConfigError(f"speculative_tokens must be an int >= 0, got {k!r}")
+        if given.get("speculative_config") is not None:
+            raise ConfigError("give speculative_config or the older speculative_tokens (which means "
+                              "{'method': 'ngram', 'num_speculative_tokens': k}), not both")
+        if k:
+            given["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(k)}
+    return given
+
+
+def _deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside dcpgraph (the line that
+    called ``dcpgraph.compile``, ``LLM``, ...), however deep inside the package it is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def _fuse_new_tokens(value: Any, backend: str) -> bool:
+    """``fuse_new_tokens``: None (default) fuses except for the backends that cannot lower a fused
+    read (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`); True/False force it."""
+    if value is None:
+        return backend not in SPLIT_NEW_TOKENS
+    if not isinstance(value, bool):
+        raise ConfigError(f"fuse_new_tokens must be None (by backend), True or False, got {value!r}")
+    if value and backend in SPLIT_NEW_TOKENS:
+        raise ConfigError(f"fuse_new_tokens=True cannot lower on backend {backend!r}: its paged attention "
+                          "takes no causal bound inside the cache; leave it None or False")
+    return value

@@ -7,10 +7,22 @@ from typing import Any
 
 import torch
 
+from .backends import compile_backend, use_compile_cache_dir
+from .checkpoints.files import DTYPES
+from .checkpoints.loader import load_program
 from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .errors import ConfigError, UnsupportedModelError
+from .frontends import fx, hf
 from .mesh import Mesh
+from .passes.pipeline import compile_program
+from .passes.shard_dcp_auto import compile_workload
 from .program import Program
+from .runtime.engine import Engine, blocks_for_budget
+from .runtime.executors import DistributedExecutor, EmulatedExecutor
+from .runtime.layer_groups import check_hybrid_options
+from .speculative.draft_model import check_draft
+from .speculative.mtp import check_mtp_target
+from .speculative.mtp_module import load_mtp_program
 
 
 def trace(model: torch.nn.Module, example_inputs=None) -> Program:
@@ -20,13 +32,10 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
     ``nn.Module``s through SDPA or hand-written attention recognition. Raises
     :class:`UnsupportedModelError` for attention the pipeline cannot implement.
     """
-    from .frontends import hf
 
     if hf.is_hf_model(model):
         program = hf.trace_hf(model, example_inputs)
     else:
-        from .frontends import fx
-
         program = fx.trace_module(model, example_inputs)
     count = sum(
         1 for n in program.graph_module.graph.nodes
@@ -46,11 +55,9 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
 def facts_of(model: torch.nn.Module | Program):
     if isinstance(model, Program):
         return model.facts
-    from .frontends import hf
 
     if hf.is_hf_model(model):
         return hf.model_facts(model)
-    from .frontends import fx
 
     return fx.module_facts(model)
 
@@ -118,7 +125,6 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     Every argument is checked (names, types, ranges, exclusive cache sizes, the mesh against the
     model) before any tracing, pass or collective runs.
     """
-    from .runtime.engine import Engine
 
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
@@ -164,15 +170,12 @@ class _Configuration:
 
     @property
     def distributed(self) -> bool:
-        from .runtime.executors import DistributedExecutor
-
         return self.executor_cls is DistributedExecutor
 
 
 def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -> _Configuration:
     """Checks the mesh against the model, the MTP target and the draft model, all before any
     tracing; ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 4096."""
-    from .runtime.executors import DistributedExecutor, EmulatedExecutor
 
     mesh = Mesh(settings.parallel.tensor_parallel_size, settings.parallel.decode_context_parallel_size)
     opts = settings.compile_options()
@@ -186,8 +189,6 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     if opts["hybrid_kv_cache"]:
-        from .runtime.layer_groups import check_hybrid_options
-
         check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
                              draft_model=spec is not None and spec.method == "draft_model")
     if opts["enable_expert_parallel"] and not facts.extra.get("ep_plan"):
@@ -195,12 +196,8 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
                           "(no routed experts); use enable_expert_parallel=False")
     mtp_checkpoint = draft_program = None
     if spec is not None and spec.method == "mtp":
-        from .speculative.mtp import check_mtp_target
-
         mtp_checkpoint = check_mtp_target(facts, model)
     if spec is not None and spec.method == "draft_model":
-        from .speculative.draft_model import check_draft
-
         draft_program = _draft_program(spec.model, facts.dtype)
         check_draft(facts, draft_program.facts, mesh, block_size=opts["block_size"], interleave=opts["interleave"],
                     max_model_len=max_model_len)
@@ -218,7 +215,6 @@ def _comm_workload(program: Program, config: _Configuration):
     opts = config.opts
     if opts["comm"] != "auto" or config.mesh.dcp == 1:
         return None
-    from .passes.shard_dcp_auto import compile_workload
 
     return compile_workload(program, tp=config.mesh.tp, distributed=config.distributed, backend=opts["backend"],
                             max_model_len=config.max_model_len, max_num_seqs=opts["max_num_seqs"],
@@ -228,7 +224,6 @@ def _comm_workload(program: Program, config: _Configuration):
 def _lowered_program(program: Program, config: _Configuration, comm_workload) -> Program:
     """The target through the pass pipeline, with the passes its configuration asks for (expert
     parallelism, MTP's hidden states, the hybrid cache's layer-group tables)."""
-    from .passes.pipeline import compile_program
 
     opts = config.opts
     return compile_program(
@@ -242,7 +237,6 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
 
 def _num_blocks(program: Program, config: _Configuration) -> int:
     """KV-cache blocks per rank for the given cache size, or for the default budget."""
-    from .runtime.engine import blocks_for_budget
 
     opts, spec = config.opts, config.spec
     return blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, max_model_len=config.max_model_len,
@@ -253,7 +247,6 @@ def _num_blocks(program: Program, config: _Configuration) -> int:
 
 def _compiled_graphs(program: Program, config: _Configuration):
     """The backend's graphs for ``program``, compiled now, in ``compile_cache_dir`` when given."""
-    from .backends import compile_backend, use_compile_cache_dir
 
     if config.opts["compile_cache_dir"] is not None:
         use_compile_cache_dir(config.opts["compile_cache_dir"])
@@ -263,13 +256,9 @@ def _compiled_graphs(program: Program, config: _Configuration):
 def _compiled_draft(config: _Configuration, comm_workload):
     """``(program, graphs)`` of the speculative draft (a draft model or the checkpoint's MTP
     layer) on the target's mesh, or None without one."""
-    from .backends import compile_backend
-    from .passes.pipeline import compile_program
 
     draft_program = config.draft_program
     if config.mtp_checkpoint is not None:
-        from .speculative.mtp_module import load_mtp_program
-
         draft_program = load_mtp_program(config.mtp_checkpoint, config.facts, config.facts.dtype)
     if draft_program is None:
         return None
@@ -289,9 +278,6 @@ def _draft_program(model, dtype: torch.dtype) -> Program:
     if isinstance(model, Program):
         return model
     if isinstance(model, str):
-        from .checkpoints.files import DTYPES
-        from .checkpoints.loader import load_program
-
         return load_program(model, next((k for k, v in DTYPES.items() if v == dtype), "auto"))
     return trace(model)
 

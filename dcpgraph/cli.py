@@ -14,6 +14,13 @@ import time
 
 import torch
 
+import dcpgraph
+
+from .models import build_model
+from .plan.cli import main as plan_main
+from .runtime.distributed import spawn
+from .testing.generation import hf_greedy
+
 DEFAULT_PROMPTS = "1,2,3,4,5,6,7,8,9,10,11;42;7,7,7"
 
 
@@ -35,8 +42,6 @@ def _progress(step: int, produced: int, total: int, final: bool) -> None:
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, prompts: list[list[int]]):
-    import dcpgraph
-    from dcpgraph.models import build_model
 
     model = build_model(args.model, seed=args.seed, dtype=getattr(torch, args.dtype), layers=args.layers)
     engine = dcpgraph.compile(model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
@@ -60,10 +65,9 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, prompts: list[li
 def _subcommand(argv: list[str]):
     """The ``main`` of ``dcpgraph plan`` (the deployment planner), ``serve MODEL_DIR`` (the
     OpenAI-compatible server) or ``proxy --prefill URL --decode URL`` (the P/D front door);
-    None for the demo."""
+    None for the demo. Imported on demand: ``serve`` and ``proxy`` need the ``[serve]`` extra
+    (fastapi, uvicorn, httpx), which the demo and the planner do not."""
     if argv[:1] == ["plan"]:
-        from .plan.cli import main as plan_main
-
         return plan_main
     if argv[:1] == ["serve"]:
         from .serving.cli import main as serve_main
@@ -103,10 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     prompts = _parse_prompts(args.prompts)
 
-    import dcpgraph
-    from dcpgraph.models import build_model
-    from dcpgraph.runtime.distributed import spawn
-    from dcpgraph.testing.generation import hf_greedy
 
     start = time.perf_counter()
     _say(f"dcpgraph {dcpgraph.__version__}: model={args.model} tp={args.tp} dcp={args.dcp} "

@@ -233,3 +233,27 @@ def test_package_imports_go_down_the_layers():
     if bad:
         pytest.fail("imports against dcpgraph's package layers (tests/test_imports.py LAYERS):\n  "
                     + "\n  ".join(bad))
+
+
+# Imports of another dcpgraph package made inside a function, each with the reason it is not at
+# module level. Only optional dependencies justify one: anything else goes to the module's top.
+FUNCTION_LEVEL_ALLOWED = {
+    ("dcpgraph.cli", "dcpgraph.serving.cli"): "`dcpgraph serve` needs the [serve] extra (fastapi, uvicorn)",
+    ("dcpgraph.cli", "dcpgraph.serving.proxy"): "`dcpgraph proxy` needs the [serve] extra (fastapi, httpx)",
+}
+
+
+def function_level_cross_package(modules) -> set[tuple[str, str]]:
+    """``(importer, imported)`` for every import inside a function of a module of another package."""
+    inside: set[tuple[str, int]] = set()
+    for name, (path, _) in modules.items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inside |= {(name, n.lineno) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return {(name, target) for name, target, _, line in import_sites(modules)
+            if (name, line) in inside and package_of(name) != package_of(target)}
+
+
+def test_imports_inside_functions_cross_packages_only_for_optional_dependencies():
+    found = function_level_cross_package(module_files())
+    assert found <= set(FUNCTION_LEVEL_ALLOWED), sorted(found - set(FUNCTION_LEVEL_ALLOWED))

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..capacity import KV_CACHE_DTYPES, SCALE_SUFFIX, scale_groups
-from ..errors import ConfigError, VerificationError
+from ..errors import ConfigError, UnsupportedModelError, VerificationError
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
@@ -338,8 +338,6 @@ def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:
     """Every GQA layer must have the model's KV head count: TP/DCP placement (``Mesh.validate``)
     is decided from that one number, so a layer with its own count (e.g. separate sliding-layer
     KV heads) would be placed wrongly."""
-    from ..errors import UnsupportedModelError
-
     expected = program.facts.num_kv_heads
     for layer, (node, dv) in enumerate(zip(attn_nodes, latent)):
         heads = node.args[1].meta["val"].shape[1]

@@ -28,6 +28,7 @@ import torch
 from .. import errors
 from ..runtime.engine_client import EngineClient, run_rank_op
 from ..runtime.ports import free_port
+from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
 from .channel import ChannelClosedError, recv_frame, send_frame
 from .engine_config import EngineConfig, build_engine
@@ -202,8 +203,6 @@ class RemoteEngine(EngineClient):
     # -- Engine's interface ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params=None, **sampling: Any) -> int:
         if params is not None:  # ranks take the JSON-able keywords of the same request
-            from ..runtime.sampling_params import SamplingParams
-
             sampling = SamplingParams.for_engine(params, **sampling).engine_params()
         return self._agreed({"op": "add", "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
                              "sampling": sampling}, "rid")

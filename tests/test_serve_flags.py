@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from dcpgraph import LLM, ConfigError, SamplingParams
+from dcpgraph.config import DcpgraphConfig
 from dcpgraph.serving.cli import build_parser, llm_options
-from dcpgraph.serving.engine_config import EngineConfig
 from dcpgraph.serving.metrics import Metrics, cache_config_info
 
 SMALL = ("--dtype", "bfloat16", "--block-size", "4", "--max-model-len", "64")
@@ -62,9 +62,10 @@ def test_contradicting_or_unknown_flags_are_refused_before_any_work(capsys, chec
 
 
 def test_metrics_carry_the_cache_config_vllm_names():
-    config = EngineConfig(model="/m", dtype="bfloat16", tensor_parallel_size=2, decode_context_parallel_size=2,
-                          cp_kv_cache_interleave_size=4, block_size=16, enable_prefix_caching=True,
-                          engine_options={"kv_cache_dtype": "fp8_e4m3", "num_blocks": 512, "backend": "eager"})
+    config = DcpgraphConfig.from_llm_kwargs(
+        model="/m", dtype="bfloat16", tensor_parallel_size=2, decode_context_parallel_size=2,
+        cp_kv_cache_interleave_size=4, block_size=16, enable_prefix_caching=True, kv_cache_dtype="fp8",
+        num_gpu_blocks_override=512, enforce_eager=True)
     text = Metrics("tiny", cache_config_info(config, 512)).render(
         {"running": 0, "waiting": 0, "kv_usage": [0.0, 0.0]})
     line = next(line for line in text.splitlines() if line.startswith("dcpgraph:cache_config_info{"))
@@ -73,7 +74,7 @@ def test_metrics_carry_the_cache_config_vllm_names():
     assert labels == {"model_name": "tiny", "block_size": "16", "cache_dtype": "fp8_e4m3",
                       "enable_prefix_caching": "True", "num_gpu_blocks": "512", "tensor_parallel_size": "2",
                       "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager"}
-    default = cache_config_info(EngineConfig(model="/m", dtype="float32"), 96)
+    default = cache_config_info(DcpgraphConfig.from_llm_kwargs(model="/m"), 96)
     assert (default["cache_dtype"], default["num_gpu_blocks"], default["backend"]) == ("auto", "96", "auto")
 
 

@@ -112,7 +112,7 @@ class OpenAIServer:
     def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent):
         self.llm, self.served_model_name, self.kv_agent = llm, served_model_name, kv_agent
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
-        self.metrics = Metrics(served_model_name, cache_config_info(llm.config, llm.num_kv_blocks()))
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()))
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
     @contextlib.asynccontextmanager

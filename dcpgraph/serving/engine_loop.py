@@ -209,7 +209,7 @@ class EngineLoop:
 
     def _speculative(self) -> dict:
         """The engine's acceptance statistics, or ``{}`` without speculation."""
-        if "speculative_config" not in self.llm.config.engine_options:
+        if self.llm.settings.speculative.checked is None:
             return {}
         return self.engine.report()["speculative"]
 

@@ -33,20 +33,20 @@ class Histogram:
         return out + [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.count}"]
 
 
-def cache_config_info(config, num_blocks: int) -> dict[str, str]:
-    """vLLM's ``cache_config_info`` labels for an :class:`~.engine_config.EngineConfig` and the
+def cache_config_info(settings, num_blocks: int) -> dict[str, str]:
+    """vLLM's ``cache_config_info`` labels for a :class:`~dcpgraph.config.DcpgraphConfig` and the
     ``num_blocks`` per rank its engine allocated: the KV cache as the server was started
     (``cache_dtype`` as given: ``auto`` is the model's dtype)."""
-    options = config.engine_options
+    cache, parallel = settings.cache, settings.parallel
     return {
-        "block_size": str(config.block_size),
-        "cache_dtype": str(options.get("kv_cache_dtype", "auto")),
-        "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+        "block_size": str(cache.block_size),
+        "cache_dtype": str(cache.kv_cache_dtype),
+        "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),
         "num_gpu_blocks": str(num_blocks),
-        "tensor_parallel_size": str(config.tensor_parallel_size),
-        "decode_context_parallel_size": str(config.decode_context_parallel_size),
-        "cp_kv_cache_interleave_size": str(config.cp_kv_cache_interleave_size),
-        "backend": str(options.get("backend", "auto")),
+        "tensor_parallel_size": str(parallel.tensor_parallel_size),
+        "decode_context_parallel_size": str(parallel.decode_context_parallel_size),
+        "cp_kv_cache_interleave_size": str(parallel.cp_kv_cache_interleave_size),
+        "backend": str(settings.compilation.effective_backend),
     }
 
 

@@ -18,7 +18,7 @@ import torch
 import dcpgraph
 from dcpgraph.models import build_model
 from dcpgraph.runtime import rejection
-from dcpgraph.testing.generation import hf_greedy
+from dcpgraph.testing.generation import hf_greedy, hf_reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
 NEW = 14
@@ -150,7 +150,7 @@ PARAMS = dict(temperature=1.0, top_k=TOP_K)
 def exact_first_tokens(model, length: int = 3) -> dict:
     """P(t1, t2, t3 | PROMPT) of top-k sampling at temperature 1, from HF forwards."""
     def next_probs(prefix):
-        with torch.no_grad():
+        with torch.no_grad(), hf_reference(model):
             logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double()
         top = torch.topk(logits, TOP_K)
         return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))

@@ -56,7 +56,7 @@ from dcpgraph.models import build_model
 from dcpgraph.passes.absorb_mla import absorb_mla
 from dcpgraph.passes.manager import run_passes
 from dcpgraph.program import STATE_KINDS, USER
-from dcpgraph.testing.generation import hf_greedy
+from dcpgraph.testing.generation import hf_greedy, hf_reference
 
 aten = torch.ops.aten
 
@@ -294,7 +294,7 @@ def test_absorbed_program_equals_decompressed_and_hf(zoo, name):
         # Consecutive positions from a random start: HF reads any other position pattern as
         # packed sequences (a different mask), dcpgraph's attention is causal by index.
         positions = int(torch.randint(0, 1000, (), generator=gen)) + torch.arange(tokens).unsqueeze(0)
-        with torch.no_grad():
+        with torch.no_grad(), hf_reference(model):
             hf = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         dec = _logits(traced, ids, positions)
         lat = _logits(absorbed, ids, positions)
@@ -446,7 +446,7 @@ def _hf_router_choices(model, prompt) -> list[torch.Tensor]:
     hooks = [layer.mlp.experts.register_forward_pre_hook(lambda _m, args: seen.append(args[1].clone()))
              for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), hf_reference(model):
             model(input_ids=torch.tensor([list(prompt)]), use_cache=False)
     finally:
         for h in hooks:

@@ -17,6 +17,7 @@ from dcpgraph.frontends import hf_attention as hfa
 from dcpgraph.passes.absorb_mla import absorb_mla
 from dcpgraph.passes.manager import run_passes
 from dcpgraph.program import USER
+from dcpgraph.testing.generation import hf_reference
 
 ops = torch.ops.dcpgraph
 aten = torch.ops.aten
@@ -63,7 +64,7 @@ def test_indexer_and_sparse_attention_are_canonical_per_layer(v32):
 def test_canonical_program_equals_hf_forward(v32, tokens):
     model, program = v32
     ids = torch.tensor([[(5 * i + 11) % sfa_models.VOCAB for i in range(tokens)]])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model):
         want = model(ids).logits
     torch.testing.assert_close(_forward(program, ids), want, rtol=0, atol=1e-12)
 
@@ -77,7 +78,7 @@ def test_absorbed_sparse_program_equals_hf_forward(v32):
         if node.target is ops.sparse_attention.default:
             assert node.args[1].meta["val"].shape[1] == 1  # one latent KV head
     ids = torch.tensor([[(3 * i + 1) % sfa_models.VOCAB for i in range(17)]])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model):
         want = model(ids).logits
     torch.testing.assert_close(_forward(absorbed, ids), want, rtol=0, atol=1e-9)
 
@@ -87,7 +88,7 @@ def test_the_selection_matters_at_these_sizes(v32):
     model, program = v32
     dense = sfa_models.build("deepseek_v32", topk=64)
     ids = torch.tensor([[(5 * i + 11) % sfa_models.VOCAB for i in range(12)]])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model), hf_reference(dense):
         sparse_logits, dense_logits = model(ids).logits, dense(ids).logits
     assert (sparse_logits[0, 4:] - dense_logits[0, 4:]).abs().max() > 1e-3
     torch.testing.assert_close(sparse_logits[0, :4], dense_logits[0, :4], rtol=0, atol=1e-12)
@@ -108,7 +109,7 @@ def test_glm5_all_full_indexers_equal_hf_forward():
     program = dcpgraph.trace(model)
     assert _targets(program).count(ops.indexer_topk.default) == 2
     ids = torch.tensor([[(7 * i + 2) % sfa_models.VOCAB for i in range(15)]])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model):
         want = model(ids).logits
     torch.testing.assert_close(_forward(program, ids), want, rtol=0, atol=1e-12)
 
@@ -123,7 +124,7 @@ def test_glm5_shared_layers_read_the_earlier_layers_indexer_and_equal_hf_forward
     (indexer,) = [n for n in program.graph_module.graph.nodes if n.target is ops.indexer_topk.default]
     assert len([u for u in indexer.users if u.target is ops.sparse_attention.default]) == 2
     ids = torch.tensor([[(7 * i + 2) % sfa_models.VOCAB for i in range(15)]])
-    with torch.no_grad():
+    with torch.no_grad(), hf_reference(model):
         want = model(ids).logits
     torch.testing.assert_close(_forward(program, ids), want, rtol=0, atol=1e-12)
 

@@ -26,6 +26,7 @@ import dcpgraph
 from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.frontends import fx as fx_frontend
 from dcpgraph.frontends.canonicalize import raw_attention
+from dcpgraph.testing.generation import hf_reference
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS = 128, 64, 4, 2, 2
 TOKEN_COUNTS = (2, 5, 13)
@@ -48,7 +49,8 @@ def run_program(program, ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
 def eager_logits(model, ids, positions):
     with torch.no_grad():
         if hasattr(model, "config"):
-            return model(input_ids=ids, position_ids=positions).logits
+            with hf_reference(model):
+                return model(input_ids=ids, position_ids=positions).logits
         return model(ids, positions)
 
 

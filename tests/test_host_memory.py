@@ -81,6 +81,7 @@ def test_the_advice_reaches_the_kernel(monkeypatch):
 
 
 def test_engine_caches_on_the_host_use_it():
+    from dcpgraph.program import Lowering
     from dcpgraph.runtime.executors import allocate_caches
 
     class Spec:
@@ -88,7 +89,7 @@ def test_engine_caches_on_the_host_use_it():
             self.name, self.heads, self.dim, self.dtype = name, 2, 128, torch.bfloat16
 
     class Program:
-        options = {"block_size": 16}
+        lowering = Lowering(block_size=16)
         caches = [Spec("k0"), Spec("v0")]
 
     caches = allocate_caches(Program(), 512)  # 4 MiB each

@@ -12,7 +12,7 @@ Each field is vLLM's name where vLLM has one and carries, in ``dataclasses.field
 ``help``; ``flags`` (its CLI spellings, default ``--field-name``; ``cli=False`` for the two fields
 a command line cannot express); ``option``, the name :func:`dcpgraph.compile` takes it by (None:
 not a compile option), which is also the name its error messages use; ``low``, the smallest
-value of an int; ``choices``. :func:`add_cli_args` generates ``dcpgraph serve``'s flags from these
+value of an int; ``choices``. :func:`dcpgraph.serving.cli_args.add_cli_args` generates ``dcpgraph serve``'s flags from these
 fields (booleans as ``argparse.BooleanOptionalAction``: ``--enable-prefix-caching`` /
 ``--no-enable-prefix-caching``), so a flag without a field cannot exist.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import numbers
 import os
 import sys
@@ -346,7 +345,7 @@ class DcpgraphConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> DcpgraphConfig:
-        """From the flags :func:`add_cli_args` made."""
+        """From the flags :func:`dcpgraph.serving.cli_args.add_cli_args` made."""
         return cls.from_fields(**{name: getattr(args, name) for name, (_, f) in config_fields().items()
                                   if f.metadata["cli"]})
 
@@ -378,54 +377,6 @@ class DcpgraphConfig:
         if self.compilation.enforce_eager:
             out["backend"] = "eager"
         return out
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per config field (but the ``cli=False`` ones), generated from the field: spellings
-    from ``flags`` (default ``--field-name``), ``type`` from the annotation (or ``parse``), choices,
-    default (or the ``env`` variable's value), help; booleans as ``BooleanOptionalAction``."""
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section, (cls.__doc__ or "").split("\n")[0] or None)
-        for f in dataclasses.fields(cls):
-            if not f.metadata["cli"]:
-                continue
-            meta = f.metadata
-            flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
-            default = f.default if meta["env"] is None else os.environ.get(meta["env"], f.default)
-            kwargs: dict[str, Any] = {"default": default, "help": meta["help"]}
-            if flags[0].startswith("-"):
-                kwargs["dest"] = f.name
-            if f.type in ("bool", "bool | None"):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = _cli_type(f)
-                choices = meta["choices"]
-                if choices is not None:
-                    kwargs["choices"] = [c for c in (choices() if callable(choices) else choices) if c is not None]
-            if not flags[0].startswith("-"):  # positional
-                kwargs.pop("default")
-            group.add_argument(*flags, **kwargs)
-    return parser
-
-
-def _cli_type(field: dataclasses.Field):
-    parse = field.metadata["parse"]
-    if parse == "json":
-        return _json_object
-    if parse is not None:
-        return parse
-    base = field.type.split(" | ")[0]
-    return {"int": int, "float": float, "str": str}[base]
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def _renamed(given: dict[str, Any]) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def test_a_flag_without_a_field_cannot_exist():
     from_cli_args would never read it; the field set is the parser's."""
     import argparse
 
-    from dcpgraph.config import DcpgraphConfig, add_cli_args
+    from dcpgraph.config import DcpgraphConfig
+    from dcpgraph.serving.cli_args import add_cli_args
 
     parser = add_cli_args(argparse.ArgumentParser())
     parser.add_argument("--not-a-field", default=1)

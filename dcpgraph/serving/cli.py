@@ -11,13 +11,14 @@ import argparse
 import logging
 import sys
 
-from ..config import DcpgraphConfig, add_cli_args
+from ..config import DcpgraphConfig
 from ..errors import DcpGraphError
+from .cli_args import add_cli_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``dcpgraph serve``'s parser: one flag per configuration field, generated
-    (:func:`dcpgraph.config.add_cli_args`), so every flag is a field and every field a flag."""
+    (:func:`dcpgraph.serving.cli_args.add_cli_args`), so every flag is a field and every field a flag."""
     p = argparse.ArgumentParser(prog="dcpgraph serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_cli_args(p)

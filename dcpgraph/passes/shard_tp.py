@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
-from ..mesh import Mesh
+from ..mesh import Mesh, local_kv_heads
 from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule, example_specs
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
@@ -119,10 +119,6 @@ def padded_size(size: int, tp: int) -> int | None:
         return None
     step = VOCAB_PAD_MULTIPLE * tp
     return -(-size // step) * step
-
-
-def local_kv_heads(num_kv_heads: int, tp: int) -> int:
-    return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
 class _TPSharding:

@@ -126,26 +126,47 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     model) before any tracing, pass or collective runs.
     """
 
+    return engine_for(compile_programs(model, tp=tp, dcp=dcp, interleave=interleave, block_size=block_size,
+                                       max_model_len=max_model_len, comm=comm, backend=backend, **options))
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    """What every rank runs, before any cache or scheduler exists: the lowered target, its KV blocks
+    per rank, its backend graphs, the draft's ``(program, graphs)`` (None without one), and the
+    checked configuration they were built from. Built the same way on every rank of a world
+    (the comm choice's link measurement is collective), so ranks that build it from one
+    configuration hold the same programs."""
+
+    program: Program
+    num_blocks: int
+    graphs: Any
+    draft: tuple[Program, Any] | None
+    config: _Configuration
+
+
+def compile_programs(model: torch.nn.Module | Program, **options: Any) -> CompiledModel:
+    """:func:`compile`'s work up to the engine: configuration → program → lowered programs and graphs."""
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
-    settings = DcpgraphConfig.from_compile_options(
-        tp=tp, dcp=dcp, interleave=interleave, block_size=block_size, max_model_len=max_model_len, comm=comm,
-        backend=backend, **options,
-    )
-    config = _configuration(model, settings)
-    opts = config.opts
+    config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = _traced_program(model)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
-    num_blocks = _num_blocks(program, config)
-    graphs = _compiled_graphs(program, config)
-    draft = _compiled_draft(config, comm_workload)
+    return CompiledModel(program, _num_blocks(program, config), _compiled_graphs(program, config),
+                         _compiled_draft(config, comm_workload), config)
+
+
+def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
+    """The engine that schedules ``compiled``; its executors are ``executor_cls`` (default: the
+    configuration's choice) made as ``executor_cls(program, num_blocks, graphs)``."""
+    config, opts = compiled.config, compiled.config.opts
     return Engine(
-        program, executor_cls=config.executor_cls, num_blocks=num_blocks, max_model_len=config.max_model_len,
-        max_batched_tokens=opts["max_num_batched_tokens"], max_num_seqs=opts["max_num_seqs"], graphs=graphs,
-        capture_limit=opts["capture_limit"], enable_prefix_caching=opts["enable_prefix_caching"],
-        speculative_config=config.spec, draft=draft, max_waiting=opts["max_waiting"],
-        kv_allocation=opts["kv_allocation"],
+        compiled.program, executor_cls=executor_cls or config.executor_cls, num_blocks=compiled.num_blocks,
+        max_model_len=config.max_model_len, max_batched_tokens=opts["max_num_batched_tokens"],
+        max_num_seqs=opts["max_num_seqs"], graphs=compiled.graphs, capture_limit=opts["capture_limit"],
+        enable_prefix_caching=opts["enable_prefix_caching"], speculative_config=config.spec, draft=compiled.draft,
+        max_waiting=opts["max_waiting"], kv_allocation=opts["kv_allocation"],
     )
 
 

@@ -252,14 +252,14 @@ class SpeculativeOptions(_Section):
 
 @dataclass(frozen=True)
 class ServingConfig(_Section):
-    """The HTTP server and the driver-to-worker channels."""
+    """The HTTP server and the front end's connections to its worker processes."""
 
     host: str = setting("127.0.0.1", "interface the HTTP server listens on", option=None)
     port: int = setting(8000, "HTTP port", option=None, low=0)
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1 routes "
                                         "(default: $DCPGRAPH_API_KEY)", option=None, env="DCPGRAPH_API_KEY")
     served_model_name: str | None = setting(None, "the model name clients use (default: MODEL)", option=None)
-    worker_host: str = setting("127.0.0.1", "interface the driver-to-worker channels and the gloo world bind to",
+    worker_host: str = setting("127.0.0.1", "interface the front end's worker connections and the gloo world bind to",
                                option=None)
     worker_timeout_s: float = setting(600.0, "seconds to wait for a worker process", option=None)
     max_request_bytes: int = setting(1 << 20, "largest request body", option=None, low=1)

@@ -45,7 +45,7 @@ class RequestError(DcpGraphError, ValueError):
 
 class QueueFullError(RequestError):
     """The waiting queue holds ``max_waiting`` requests: try again later (a server's 429/503).
-    Defined here so a worker's refusal keeps its class across the worker channel."""
+    Defined here so a worker's refusal keeps its class across the worker connection."""
 
 
 class CollectiveMismatchError(DcpGraphError, RuntimeError):

@@ -210,5 +210,11 @@ def test_workers_at_tp2_dcp2_equal_hf(arch, checkpoints, references):
         outputs = llm.generate(["The future of AI is"], SamplingParams(temperature=0.8, top_p=0.95))
         assert len(outputs[0].outputs[0].token_ids) == 16 or outputs[0].outputs[0].finish_reason == "stop"
         assert llm.kv_usage_per_rank() == [0.0, 0.0]
+        # one scheduler for the deployment, on rank 0; rank 1 only runs the steps rank 0 broadcasts,
+        # and the front end (this process) holds none of the engine
+        ranks = llm.engine.rank_call("process.report", {})
+        assert [(r["rank"], r["pid"], r["schedulers"]) for r in ranks] == \
+            [(0, llm.engine.worker_pids()[0], 1), (1, llm.engine.worker_pids()[1], 0)]
+        assert llm.engine.report()["executor"] == "driver" and not hasattr(llm.engine, "scheduler")
         procs = llm.engine.procs
     assert [p.exitcode for p in procs] == [0, 0]

@@ -280,8 +280,8 @@ class Engine(EngineClient):
 
     # -- reports ------------------------------------------------------------------------------
     def rank_call(self, name: str, args: dict) -> list:
-        """The rank op on this process's one rank (tp = 1, or one rank of a torchrun world)."""
-        return [run_rank_op(self, name, args)]
+        """The rank op: its driver half here, its rank half (if any) on every rank the executor runs."""
+        return run_rank_op(self, name, args)
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         """Every rank holds the same block table, so one figure serves them all."""

@@ -5,34 +5,84 @@ Two implementations: :class:`~dcpgraph.runtime.engine.Engine`, whose ranks run i
 :class:`~dcpgraph.serving.workers.RemoteEngine`, whose ranks are worker processes. Callers hold an
 ``EngineClient`` and never ask which one it is.
 
-Events, request ids and reports are the same on every rank (ranks run one deterministic schedule),
-so a client returns one value for them; what differs by rank (KV transfer steps, cache use) comes
-back as one value per rank, in rank order.
+One process schedules (the in-process engine, or rank 0 of the worker group), so events, request
+ids and reports have one value; what differs by rank (a KV transfer's rank half) comes back as one
+value per rank, in rank order.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .scheduler import StepEvent
+from .scheduler import Scheduler, StepEvent
 
-RankOp = Callable[..., Any]
+
+@dataclass(frozen=True)
+class RankOp:
+    """A step run beside the engine, in two halves.
+
+    ``driver(engine, **args)`` runs once, in the process that schedules (it reads or changes the
+    schedule: a request's block table, holding or adopting a request). Without ``on_rank`` its
+    result is the op's one value. With ``on_rank`` its result is the keyword arguments of
+    ``on_rank(rank_state, **result)``, which then runs on every rank at once (it moves that rank's
+    own KV) and gives one value per rank, in rank order. Arguments and results are plain data
+    (they cross processes)."""
+
+    driver: Callable[..., Any]
+    on_rank: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What an op's rank half can use: its rank, the compiled program, the rank's caches by name."""
+
+    rank: int
+    program: Any
+    caches: dict[str, Any]
+
+
 RANK_OPS: dict[str, RankOp] = {}
-"""Named steps a rank runs beside its engine (``fn(engine, **args)``, JSON-able arguments and
-result): the prefill/decode KV transfer registers its own (:mod:`dcpgraph.serving.kv_connector.rank_ops`)."""
+"""Named rank ops; the prefill/decode KV transfer registers its own
+(:mod:`dcpgraph.serving.kv_connector.rank_ops`)."""
 
 
-def register_rank_op(name: str, fn: RankOp) -> None:
-    RANK_OPS[name] = fn
+def register_rank_op(name: str, driver: Callable[..., Any], on_rank: Callable[..., Any] | None = None) -> None:
+    RANK_OPS[name] = RankOp(driver, on_rank)
 
 
-def run_rank_op(engine, name: str, args: dict) -> Any:
-    """``RANK_OPS[name](engine, **args)``; an unknown name is refused naming the known ones."""
+def rank_op(name: str) -> RankOp:
+    """The op registered as ``name``; an unknown name is refused naming the known ones."""
     if name not in RANK_OPS:
         raise ValueError(f"unknown rank op {name!r}; known: {sorted(RANK_OPS)}")
-    return RANK_OPS[name](engine, **args)
+    return RANK_OPS[name]
+
+
+def run_rank_op(engine, name: str, args: dict) -> list:
+    """The op's driver half on ``engine`` (the scheduling one), then, if it has one, its rank half on
+    every rank through ``engine.executor.each_rank``: one value, or one per rank."""
+    op = rank_op(name)
+    prepared = op.driver(engine, **args)
+    if op.on_rank is None:
+        return [prepared]
+    return engine.executor.each_rank(name, prepared)
+
+
+def run_on_rank(name: str, state: RankState, args: dict) -> Any:
+    """The rank half of op ``name`` on one rank."""
+    return rank_op(name).on_rank(state, **args)
+
+
+def _process_report(state: RankState) -> dict:
+    return {"rank": state.rank, "pid": os.getpid(), "schedulers": Scheduler.created}
+
+
+register_rank_op("process.report", lambda engine: {}, _process_report)
+"""Each rank's process id and how many schedulers its process has made (a worker group makes one,
+on rank 0)."""
 
 
 class EngineClient(abc.ABC):
@@ -64,7 +114,7 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def rank_call(self, name: str, args: dict) -> list:
-        """:func:`run_rank_op` on every rank at once; one value per rank."""
+        """:func:`run_rank_op`: the op's one value (``[value]``), or one value per rank."""
 
     @abc.abstractmethod
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ import torch
 
 from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
 from . import host_memory
+from .engine_client import RankState, run_on_rank
 
 
 def state_device(state: list[torch.Tensor]) -> torch.device:
@@ -106,6 +107,10 @@ class EmulatedExecutor:
     def rank_caches(self, rank: int) -> dict[str, torch.Tensor]:
         return self.caches[rank]
 
+    def each_rank(self, name: str, args: dict) -> list:
+        """Rank op ``name``'s rank half on every rank, in rank order."""
+        return [run_on_rank(name, RankState(r, self.program, self.caches[r]), args) for r in self.ranks]
+
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         from .emulator import run_spmd
 
@@ -146,6 +151,10 @@ class DistributedExecutor:
         if rank != self.rank:
             raise ValueError(f"rank {rank}'s caches live in another process (this is rank {self.rank})")
         return self.caches
+
+    def each_rank(self, name: str, args: dict) -> list:
+        """Rank op ``name``'s rank half on this process's rank (every rank of the world runs it)."""
+        return [run_on_rank(name, RankState(self.rank, self.program, self.caches), args)]
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),

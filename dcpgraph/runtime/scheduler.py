@@ -134,9 +134,12 @@ class RowOutput(NamedTuple):
 
 
 class Scheduler:
+    created = 0  # schedulers made in this process (a worker group's processes report theirs)
+
     def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int, *,
                  eos_token_ids: Iterable[int] = (), speculative_tokens: int = 0,
                  max_waiting: int | None = None, kv_allocation: str = "on_demand"):
+        Scheduler.created += 1
         if max_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1")
         if max_waiting is not None and max_waiting < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..api import compile as compile_model
+from ..api import CompiledModel, compile_programs, engine_for
 from ..checkpoints.loader import load_program
 
 
@@ -31,16 +31,21 @@ class EngineConfig:
         return cls(**data)
 
 
-def build_engine(config: EngineConfig, executor: str = "auto"):
-    """Trace the checkpoint's model on the meta device and compile it: an :class:`~dcpgraph.Engine`
-    on this process whose executor reads only this process's ranks' weight slices
-    (:func:`~.loader.load_program`). Inside an initialised world of size ``tp`` (a worker, or
-    torchrun) "auto" picks the distributed executor."""
+def compile_rank(config: EngineConfig, executor: str = "auto") -> CompiledModel:
+    """Trace the checkpoint's model on the meta device and compile it (no weights are read here:
+    an executor reads its ranks' slices, :func:`~dcpgraph.checkpoints.loader.load_program`).
+    Inside an initialised world of size ``tp`` (a worker, or torchrun) every rank calls it, and
+    "auto" picks the distributed executor."""
     program = load_program(config.model, config.dtype)
-    return compile_model(
+    return compile_programs(
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
         max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         executor=executor, **config.engine_options,
     )
+
+
+def build_engine(config: EngineConfig, executor: str = "auto"):
+    """An :class:`~dcpgraph.Engine` on this process for ``config`` (:func:`compile_rank`)."""
+    return engine_for(compile_rank(config, executor))

@@ -1,38 +1,48 @@
-"""One worker process per rank, driven over loopback sockets: :class:`RemoteEngine`.
+"""One worker process per rank, one engine among them: :class:`RemoteEngine`.
 
-The driver (the ``LLM`` or the server) listens on ``127.0.0.1`` (or the interface the operator
-names), starts ``tp`` processes, and each rank joins a gloo world, builds the same engine
-(:func:`~.engine_config.build_engine`, distributed executor) and connects back. Every call is sent to
-every rank and answered by every rank, in order, as JSON frames (:mod:`.channel`): ranks run the
-same deterministic engine on the same calls, so they stay in lockstep, and the driver checks that
-their answers agree. ``RemoteEngine`` has the :class:`~dcpgraph.Engine` methods serving uses
-(``add_request``, ``step``, ``abort``, ``generate``, ``memory_report``, ``report``).
+The process that serves (the ``LLM`` or the server: the front end) listens on ``127.0.0.1`` (or
+the interface the operator names) and starts ``tp`` processes. Each rank connects back
+(:mod:`multiprocessing.connection`, authenticated with a fresh key), joins a gloo world and
+compiles the checkpoint's programs (:func:`~.engine_config.compile_rank`: every rank the same).
+Rank 0 then builds the deployment's one :class:`~dcpgraph.Engine` (scheduler, block manager,
+prefix cache, proposer, sampling), whose executors broadcast each step's packed inputs to the
+other ranks (:mod:`dcpgraph.runtime.step_broadcast`); the other ranks only run steps. The front
+end sends engine calls (``add_request``, ``step``, ``abort``, ``generate``, reports, rank ops) to
+rank 0 alone; the other ranks' connections carry their start-up report and, when a rank fails,
+its error.
 
 Faults: a rank that exits, or a call unanswered within ``timeout_s``, raises
-:class:`WorkerDiedError` within about a quarter second of being noticed; the group is then dead
-(every later call raises it too) and its processes are killed.
+:class:`WorkerDiedError` within about a quarter second of being noticed (naming the errors the
+ranks reported); the group is then dead (every later call raises it too) and its processes are
+killed.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
+import queue
+import secrets
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import torch
 
 from .. import errors
-from ..runtime.engine_client import EngineClient, run_rank_op
+from ..api import engine_for
+from ..runtime.engine_client import EngineClient
 from ..runtime.ports import free_port
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
-from .channel import ChannelClosedError, recv_frame, send_frame
-from .engine_config import EngineConfig, build_engine
+from ..runtime.step_broadcast import ControlGroup, driver_executors, follow
+from .engine_config import EngineConfig, compile_rank
 from .kv_connector import rank_ops  # noqa: F401  (registers the KV transfer's rank ops on every worker)
+
+POLL_S = 0.25
 
 
 class WorkerDiedError(RuntimeError):
@@ -54,16 +64,16 @@ def raise_error_record(record: dict) -> None:
 
 
 # -- the worker side ------------------------------------------------------------------------------
-def _handle(engine, message: dict) -> dict:
+def _handle(engine, message: dict, control: ControlGroup) -> dict:
     op = message["op"]
     if op == "add":
         rid = engine.add_request(message["prompt"], message["max_new_tokens"], **message["sampling"])
         return {"rid": rid}
     if op == "step":
-        start = time.perf_counter()
+        start, broadcast = time.perf_counter(), control.broadcast_seconds
         events = engine.step()
-        return {"events": [[int(r), int(t), bool(f)] for r, t, f in events],
-                "logprobs": [e.logprobs for e in events], "seconds": time.perf_counter() - start}
+        return {"events": [(int(e[0]), int(e[1]), bool(e[2]), e.logprobs) for e in events],
+                "seconds": time.perf_counter() - start, "broadcast_seconds": control.broadcast_seconds - broadcast}
     if op == "abort":
         return {"aborted": bool(engine.abort(message["rid"]))}
     if op == "memory_report":
@@ -71,48 +81,97 @@ def _handle(engine, message: dict) -> dict:
     if op == "report":
         return {"value": engine.report()}
     if op == "rank_call":  # e.g. the prefill/decode transfer's steps (serving/kv_connector/rank_ops.py)
-        return {"value": run_rank_op(engine, message["name"], message["args"])}
+        return {"value": engine.rank_call(message["name"], message["args"])}
     if op == "generate":
         return {"value": engine.generate(message["prompts"], message["max_new_tokens"], **message["sampling"])}
     if op == "kv_usage":
-        used, total = engine.kv_usage_per_rank()[0]
-        return {"used": used, "total": total}
+        return {"value": engine.kv_usage_per_rank()}
     raise ValueError(f"unknown op {op!r}")
 
 
-def worker_main(rank: int, world: int, dist_port: int, driver: tuple[str, int], config: dict, timeout_s: float) -> None:
-    """A rank: connect to the driver, join the world, build the engine, then answer calls until
-    ``shutdown`` or the driver goes away."""
+def _drive(conn: Connection, engine, control: ControlGroup) -> None:
+    """Rank 0: answer the front end's calls until ``shutdown`` or the front end goes away, then stop
+    the followers."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message.get("op") == "shutdown":
+            control.broadcast(("stop",))
+            conn.send({"ok": True})
+            return
+        try:
+            reply = _handle(engine, message, control)
+        except Exception as err:  # noqa: BLE001 - the front end raises it
+            reply = {"error": error_record(err)}
+        conn.send(reply)
+    control.broadcast(("stop",))
+
+
+def _follow(conn: Connection, control: ControlGroup, compiled) -> None:
+    """Another rank: run what rank 0 broadcasts; a failure is reported to the front end, and the
+    process exits (so rank 0's collectives fail instead of waiting)."""
+    programs = {"target": (compiled.program, compiled.graphs)}
+    if compiled.draft is not None:
+        programs["draft"] = compiled.draft
+    try:
+        follow(control, programs)
+    except BaseException as err:
+        conn.send({"ok": False, "error": error_record(err), "traceback": traceback.format_exc()})
+        os._exit(1)
+
+
+def worker_main(rank: int, world: int, dist_port: int, front_end: tuple[str, int], authkey: bytes, config: dict,
+                timeout_s: float) -> None:
+    """A rank: connect to the front end, join the world, compile; then rank 0 builds the engine and
+    answers calls, the others follow it."""
     torch.set_num_threads(1)
-    sock = socket.create_connection(driver)
-    send_frame(sock, {"rank": rank, "pid": os.getpid()})
+    conn = Client(front_end, authkey=authkey)
+    conn.send({"rank": rank, "pid": os.getpid()})
     try:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{driver[0]}:{dist_port}",
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{front_end[0]}:{dist_port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        engine = build_engine(EngineConfig.from_json(config), executor="distributed")
+        control = ControlGroup()
+        compiled = compile_rank(EngineConfig.from_json(config), executor="distributed")
+        if rank == 0:
+            programs = {"target": compiled.program, **({"draft": compiled.draft[0]} if compiled.draft else {})}
+            engine = engine_for(compiled, driver_executors(control, programs))
     except BaseException as err:
-        send_frame(sock, {"ok": False, "error": error_record(err), "traceback": traceback.format_exc()})
+        conn.send({"ok": False, "error": error_record(err), "traceback": traceback.format_exc()})
         return
-    send_frame(sock, {"ok": True})
-    while True:
-        try:
-            message = recv_frame(sock)
-        except (ChannelClosedError, OSError):
-            return
-        if message.get("op") == "shutdown":
-            send_frame(sock, {"ok": True})
-            return
-        try:
-            reply = _handle(engine, message)
-        except Exception as err:
-            reply = {"error": error_record(err)}
-        send_frame(sock, reply)
+    conn.send({"ok": True})  # a follower's before its executors exist: rank 0's engine makes them with it
+    if rank == 0:
+        _drive(conn, engine, control)
+    else:
+        _follow(conn, control, compiled)
 
 
-# -- the driver side ------------------------------------------------------------------------------
+# -- the front end ------------------------------------------------------------------------------
+class ConnectionLostError(ConnectionError):
+    """A worker closed its connection or its process died."""
+
+
+def receive(conn: Connection, *, timeout_s: float | None, alive: Callable[[], bool]) -> Any:
+    """The next message on ``conn``, waiting in :data:`POLL_S` slices and calling ``alive()``
+    between them, so a worker that died is noticed within about that long instead of never."""
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    while not conn.poll(POLL_S):
+        if not alive():
+            raise ConnectionLostError("a worker process died")
+        if time.monotonic() > deadline:
+            raise TimeoutError("no reply from a worker in time")
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        raise ConnectionLostError("a worker closed its connection") from None
+
+
 class RemoteEngine(EngineClient):
+    """The front end's handle on a worker group: calls go to rank 0, where the engine is."""
+
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
                  start_method: str | None = None):
         import torch.multiprocessing as mp
@@ -120,53 +179,70 @@ class RemoteEngine(EngineClient):
         self.config = config
         self.timeout_s = timeout_s
         self.dead: str | None = None
-        self.last_step_rank_seconds: list[float] = []  # each rank's own time in its last step
+        self.last_step_rank_seconds: list[float] = []  # rank 0's own time in its last step
+        self.last_step_broadcast_seconds = 0.0  # of which broadcasting the step to the other ranks
         world = config.tensor_parallel_size
         if start_method is None:
             start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen(world)
-        driver = listener.getsockname()[:2]
+        authkey = secrets.token_bytes(32)
+        listener = Listener((host, 0), authkey=authkey)
         dist_port = free_port(host)
         self.procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
-                                  args=(rank, world, dist_port, driver, config.to_json(), timeout_s))
+                                  args=(rank, world, dist_port, listener.address, authkey, config.to_json(),
+                                        timeout_s))
                       for rank in range(world)]
-        self.socks: list[socket.socket | None] = [None] * world
+        self.conns: list[Connection | None] = [None] * world
         self.pids: list[int] = [0] * world
         try:
             for proc in self.procs:
                 proc.start()
             self._accept(listener, time.monotonic() + timeout_s)
-            for sock in self.socks:
-                hello = recv_frame(sock, timeout_s=timeout_s, alive=self._alive)
+            for conn in self.conns:
+                hello = receive(conn, timeout_s=timeout_s, alive=self._alive)
                 if not hello["ok"]:
                     raise_error_record(hello["error"])
+        except (ConnectionLostError, TimeoutError) as err:
+            self.close()
+            raise WorkerDiedError(f"the worker group failed to start: {err} (exit codes {self.exit_codes()})"
+                                  f"{self._reported_errors()}") from None
         except BaseException:
             self.close()
             raise
         finally:
             listener.close()
 
-    def _accept(self, listener: socket.socket, deadline: float) -> None:
-        listener.settimeout(0.25)
-        pending = len(self.procs)
-        while pending:
-            if time.monotonic() > deadline:
-                raise WorkerDiedError("workers did not connect in time")
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                if not self._alive():
-                    raise WorkerDiedError(f"a worker exited while starting (exit codes {self.exit_codes()})") from None
-                continue
-            first = recv_frame(sock, timeout_s=30, alive=self._alive)
-            self.socks[first["rank"]] = sock
+    def _accept(self, listener: Listener, deadline: float) -> None:
+        """Every rank's connection, accepted on a thread (``Listener.accept`` cannot time out) while
+        this one watches the processes and the deadline."""
+        accepted: queue.Queue = queue.Queue()
+
+        def accept_all() -> None:
+            for _ in self.procs:
+                try:
+                    accepted.put(listener.accept())
+                except (OSError, EOFError) as err:  # the listener closed, or a bad handshake
+                    accepted.put(err)
+                    return
+
+        threading.Thread(target=accept_all, daemon=True, name="dcpgraph-accept").start()
+        for _ in self.procs:
+            while True:
+                try:
+                    conn = accepted.get(timeout=POLL_S)
+                    break
+                except queue.Empty:
+                    if not self._alive():
+                        raise ConnectionLostError("a worker exited while starting") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("workers did not connect in time") from None
+            if isinstance(conn, BaseException):
+                raise ConnectionLostError(f"accepting a worker failed: {conn}")
+            first = receive(conn, timeout_s=30, alive=self._alive)
+            self.conns[first["rank"]] = conn
             self.pids[first["rank"]] = first["pid"]
-            pending -= 1
 
     def _alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -174,64 +250,68 @@ class RemoteEngine(EngineClient):
     def exit_codes(self) -> list[int | None]:
         return [p.exitcode for p in self.procs]
 
-    def _call(self, message: dict) -> list[dict]:
+    def _reported_errors(self) -> str:
+        """What ranks reported before failing (their unread messages with an error)."""
+        found = []
+        for rank, conn in enumerate(self.conns):
+            try:
+                while conn is not None and conn.poll(0):
+                    message = conn.recv()
+                    if isinstance(message, dict) and "error" in message:
+                        found.append(f"rank {rank}: {message['error']['type']}: {message['error']['message']}")
+            except (EOFError, OSError):
+                continue
+        return "; " + "; ".join(found) if found else ""
+
+    def _call(self, message: dict) -> dict:
+        """``message`` to rank 0 and its reply; a lost or silent worker kills the group."""
         if self.dead:
             raise WorkerDiedError(self.dead)
+        driver = self.conns[0]
         try:
-            for sock in self.socks:
-                send_frame(sock, message)
-            replies = [recv_frame(sock, timeout_s=self.timeout_s, alive=self._alive) for sock in self.socks]
-        except (ChannelClosedError, OSError, TimeoutError) as err:
-            self.dead = f"worker group failed during {message['op']!r}: {err} (exit codes {self.exit_codes()})"
+            driver.send(message)
+            reply = receive(driver, timeout_s=self.timeout_s, alive=self._alive)
+        except (ConnectionLostError, OSError, TimeoutError) as err:
+            self.dead = (f"worker group failed during {message['op']!r}: {err} (exit codes {self.exit_codes()})"
+                         f"{self._reported_errors()}")
             self.close()
             raise WorkerDiedError(self.dead) from None
-        for reply in replies:
-            if "error" in reply:
-                raise_error_record(reply["error"])
-        return replies
-
-    def _agreed(self, message: dict, key: str) -> Any:
-        return self._check_agree(message["op"], [r[key] for r in self._call(message)])
-
-    def _check_agree(self, op: str, values: list) -> Any:
-        if any(v != values[0] for v in values[1:]):
-            self.dead = f"ranks disagree on {op!r}: {values}"
-            self.close()
-            raise WorkerDiedError(self.dead)
-        return values[0]
+        if "error" in reply:
+            raise_error_record(reply["error"])
+        return reply
 
     # -- Engine's interface ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params=None, **sampling: Any) -> int:
-        if params is not None:  # ranks take the JSON-able keywords of the same request
+        if params is not None:  # rank 0 takes the plain keywords of the same request
             sampling = SamplingParams.for_engine(params, **sampling).engine_params()
-        return self._agreed({"op": "add", "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
-                             "sampling": sampling}, "rid")
+        return self._call({"op": "add", "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
+                           "sampling": sampling})["rid"]
 
     def step(self) -> list[StepEvent]:
-        """Every rank's events (checked equal); log-probabilities are rank 0's: every rank samples
-        the same token from the same gathered logits, and rank 0's computed them."""
-        replies = self._call({"op": "step"})
-        self.last_step_rank_seconds = [float(r["seconds"]) for r in replies]
-        events = self._check_agree("step", [r["events"] for r in replies])
-        return [StepEvent(r, t, f, lp) for (r, t, f), lp in zip(events, replies[0]["logprobs"], strict=True)]
+        """Rank 0's events: the one scheduler's step, run on every rank."""
+        reply = self._call({"op": "step"})
+        self.last_step_rank_seconds = [float(reply["seconds"])]
+        self.last_step_broadcast_seconds = float(reply["broadcast_seconds"])
+        return [StepEvent(r, t, f, lp) for r, t, f, lp in reply["events"]]
 
     def abort(self, request_id: int) -> bool:
-        return self._agreed({"op": "abort", "rid": int(request_id)}, "aborted")
+        return self._call({"op": "abort", "rid": int(request_id)})["aborted"]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
-        """:meth:`Engine.generate <dcpgraph.runtime.engine.Engine.generate>` on every rank (checked equal)."""
-        return self._agreed({"op": "generate", "prompts": [[int(t) for t in p] for p in prompts],
-                             "max_new_tokens": max_new_tokens, "sampling": sampling}, "value")
+        """:meth:`Engine.generate <dcpgraph.runtime.engine.Engine.generate>` on rank 0's engine."""
+        return self._call({"op": "generate", "prompts": [[int(t) for t in p] for p in prompts],
+                           "max_new_tokens": max_new_tokens, "sampling": sampling})["value"]
 
     def memory_report(self) -> dict:
-        return self._call({"op": "memory_report"})[0]["value"]
+        return self._call({"op": "memory_report"})["value"]
 
     def report(self) -> dict:
-        return self._call({"op": "report"})[0]["value"]
+        return self._call({"op": "report"})["value"]
 
     def rank_call(self, name: str, args: dict) -> list:
-        """A rank op (:mod:`dcpgraph.runtime.engine_client`) on every rank at once; one value per rank."""
-        return [r["value"] for r in self._call({"op": "rank_call", "name": name, "args": args})]
+        """A rank op (:mod:`dcpgraph.runtime.engine_client`): its driver half on rank 0, its rank
+        half (if any) on every rank; one value, or one per rank."""
+        return self._call({"op": "rank_call", "name": name, "args": args})["value"]
 
     def healthy(self) -> bool:
         return not self.dead and self._alive()
@@ -240,21 +320,21 @@ class RemoteEngine(EngineClient):
         return list(self.pids)
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
-        return [(r["used"], r["total"]) for r in self._call({"op": "kv_usage"})]
+        return [tuple(u) for u in self._call({"op": "kv_usage"})["value"]]
 
     def close(self) -> None:
-        """Ask every rank to stop, then make sure: join briefly, kill what is left."""
-        for sock in self.socks:
-            if sock is None:
-                continue
+        """Ask rank 0 to stop the group, then make sure: join briefly, kill what is left."""
+        driver = self.conns[0]
+        if driver is not None and not self.dead:
             try:
-                if not self.dead:
-                    send_frame(sock, {"op": "shutdown"})
-                    recv_frame(sock, timeout_s=5, alive=self._alive)
-            except (ChannelClosedError, OSError, TimeoutError):
+                driver.send({"op": "shutdown"})
+                receive(driver, timeout_s=5, alive=self._alive)
+            except (ConnectionLostError, OSError, TimeoutError):
                 pass
-            sock.close()
-        self.socks = [None] * len(self.socks)
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.conns = [None] * len(self.conns)
         self.dead = self.dead or "the worker group was shut down"
         for proc in self.procs:
             if proc.pid is not None:

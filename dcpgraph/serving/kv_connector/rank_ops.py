@@ -1,10 +1,12 @@
-"""What one rank does in a transfer, next to its engine: hold or release a prefilled request's
-blocks, adopt a transferred request, gather and send (producer) or receive and scatter (consumer).
+"""The steps of a transfer beside the engine, registered as rank ops ``kv.<step>``
+(:class:`~dcpgraph.runtime.engine_client.RankOp`, run by ``EngineClient.rank_call``).
 
-Each function takes the rank's :class:`~dcpgraph.Engine` and JSON-able arguments, and returns a
-JSON-able value, so the same call runs in-process (``tp == 1``) or on every worker of a
-:class:`~dcpgraph.serving.workers.RemoteEngine` (registered as the engines' rank ops ``kv.<step>``, run by ``EngineClient.rank_call``). Ranks of one
-instance run the same deterministic engine, so ``hold``/``adopt`` agree on every rank.
+Driver halves, run once where the scheduler is: ``side`` (this instance's layout), ``hold`` or
+``release`` a prefilled request's blocks, ``adopt`` a transferred request, and for ``send``/``recv``
+the request's block table. Rank halves, run on every rank at once: gather and send (producer) or
+receive and scatter (consumer) that rank's rows. Arguments and results are plain data, so the same
+call runs in process (``tp == 1``) or across a :class:`~dcpgraph.serving.workers.RemoteEngine`'s
+workers.
 
 ``DCPGRAPH_KV_FAULT`` (tests only) makes a rank exit at a chosen point: ``producer_exit_before_send``
 (the producer dies after accepting the request) or ``consumer_exit_mid_transfer`` (the consumer
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 
 from ...errors import KVTransferError
-from ...runtime.engine_client import register_rank_op
+from ...runtime.engine_client import RankState, register_rank_op
 from .config import parse_kv_transfer_config
 from .plan import KVSide, block_mode, buffer_bytes, check_compatible, gather, scatter, transfer_plan
 
@@ -27,19 +29,18 @@ def _fault(name: str) -> bool:
     return os.environ.get(FAULT_ENV) == name
 
 
-def _local_rank(engine) -> int:
+def _one_rank_per_process(engine) -> None:
     ranks = tuple(engine.executor.local_ranks)
     if len(ranks) != 1:
         raise KVTransferError(f"a cross-process KV transfer needs one rank per process (tp=1, or a worker of the "
                               f"distributed executor); the {engine.executor.mode} executor holds ranks {list(ranks)}")
-    return ranks[0]
 
 
-def _caches(engine, rank: int) -> list:
-    by_name = engine.executor.rank_caches(rank)
-    return [by_name[c.name] for c in engine.program.caches]
+def _caches(state: RankState) -> list:
+    return [state.caches[c.name] for c in state.program.caches]
 
 
+# -- driver halves: they read or change the schedule, once ----------------------------------------
 def side(engine) -> dict:
     return KVSide.of_engine(engine).to_json()
 
@@ -58,21 +59,30 @@ def adopt(engine, prompt: list[int], output: list[int], max_new_tokens: int, sam
     return {"rid": rid, "start": start}
 
 
-def _plan(engine, other: dict, producer_side: bool, start: int, end: int):
-    mine, peer = KVSide.of_engine(engine), KVSide.from_json(other)
+def _moving(engine, rid: int, **args) -> dict:
+    """The driver half of ``send`` and ``recv``: the request's block table and this instance's side,
+    for every rank's half."""
+    _one_rank_per_process(engine)
+    return {"table": list(engine.blocks.table(rid)), "side": side(engine), **args}
+
+
+def _plan(mine_json: dict, other: dict, producer_side: bool, start: int, end: int):
+    mine, peer = KVSide.from_json(mine_json), KVSide.from_json(other)
     producer, consumer = (mine, peer) if producer_side else (peer, mine)
     try:
         check_compatible(producer, consumer)
     except ValueError as err:
         raise KVTransferError(f"KV transfer refused: {err}") from None
-    return mine, peer, producer, consumer, transfer_plan(producer, consumer, start, end), block_mode(producer, consumer)
+    return mine, peer, transfer_plan(producer, consumer, start, end), block_mode(producer, consumer)
 
 
-def send(engine, rid: int, transfer_id: str, consumer: dict, start: int, end: int, config: dict) -> int:
+# -- rank halves: each rank moves its own rows --------------------------------------------------------
+def send_rows(state: RankState, table: list[int], side: dict, transfer_id: str, consumer: dict, start: int,
+              end: int, config: dict) -> int:
     """Producer rank: send every consumer rank its rows of ``[start, end)``; returns bytes sent."""
-    rank = _local_rank(engine)
-    mine, peer, _, _, plans, blocks = _plan(engine, consumer, True, start, end)
-    table, caches = engine.blocks.table(rid), _caches(engine, rank)
+    rank = state.rank
+    mine, peer, plans, blocks = _plan(side, consumer, True, start, end)
+    caches = _caches(state)
     sends = {mine.tp + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
     if _fault("producer_exit_before_send"):
         os._exit(17)
@@ -80,10 +90,11 @@ def send(engine, rid: int, transfer_id: str, consumer: dict, start: int, end: in
     return sum(len(b) for b in sends.values())
 
 
-def recv(engine, rid: int, transfer_id: str, producer: dict, start: int, end: int, config: dict) -> int:
-    """Consumer rank: receive this rank's rows of ``[start, end)`` into ``rid``'s blocks; returns bytes."""
-    rank = _local_rank(engine)
-    mine, peer, _, _, plans, blocks = _plan(engine, producer, False, start, end)
+def recv_rows(state: RankState, table: list[int], side: dict, transfer_id: str, producer: dict, start: int,
+              end: int, config: dict) -> int:
+    """Consumer rank: receive this rank's rows of ``[start, end)`` into the request's blocks; returns bytes."""
+    rank = state.rank
+    mine, peer, plans, blocks = _plan(side, producer, False, start, end)
     mine_plans = [p for p in plans if p.dst == rank]
     sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
     connector = parse_kv_transfer_config(config).connector()
@@ -91,13 +102,14 @@ def recv(engine, rid: int, transfer_id: str, producer: dict, start: int, end: in
         connector.join_group(transfer_id, peer.tp + rank, mine.tp + peer.tp)
         os._exit(17)
     received = connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, sizes)
-    table, caches = engine.blocks.table(rid), _caches(engine, rank)
+    caches = _caches(state)
     for p in mine_plans:
         scatter(mine, rank, caches, table, p, peer, blocks, received[p.src])
     return sum(sizes.values())
 
 
-OPS = {"side": side, "hold": hold, "release": release, "adopt": adopt, "send": send, "recv": recv}
+OPS = {"side": (side, None), "hold": (hold, None), "release": (release, None), "adopt": (adopt, None),
+       "send": (_moving, send_rows), "recv": (_moving, recv_rows)}
 PREFIX = "kv."  # their names among an engine's rank ops
 
 
@@ -108,5 +120,5 @@ def op_name(fn: str) -> str:
     return PREFIX + fn
 
 
-for _name, _fn in OPS.items():
-    register_rank_op(PREFIX + _name, _fn)
+for _name, (_driver, _on_rank) in OPS.items():
+    register_rank_op(PREFIX + _name, _driver, _on_rank)

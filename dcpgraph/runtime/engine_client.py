@@ -35,6 +35,10 @@ def run_rank_op(engine, name: str, args: dict) -> Any:
     return RANK_OPS[name](engine, **args)
 
 
+# the engine's own rank ops (every rank runs the same one, so a worker process has them too)
+register_rank_op("reset_prefix_cache", lambda engine: engine.reset_prefix_cache())
+
+
 class EngineClient(abc.ABC):
     """Requests in, token events out; see the module docstring for what is per rank."""
 

@@ -118,7 +118,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
     app.state.engine_loop = server.engine_loop
     app.state.server = server
     app.exception_handler(ApiError)(_api_error)
-    app.middleware("http")(server.authenticate)
+    app.add_middleware(Authenticate, server=server)
     app.add_middleware(CountInFlight, server=server)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
@@ -134,6 +134,25 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
     app.get("/kv_transfer/stats")(server.kv_transfer_stats)
     app.get("/metrics")(server.prometheus)
     return app
+
+
+class Authenticate:
+    """ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has
+    a key (401). Plain ASGI, not ``BaseHTTPMiddleware``, so a route still sees its client's
+    disconnect on the original ``receive`` channel."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        key = self.server.api_key
+        if scope["type"] == "http" and key and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                response = JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
+                                        status_code=401)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class CountInFlight:
@@ -194,15 +213,6 @@ class OpenAIServer:
                          "%.1f generated tokens/s", snap["running"], snap["waiting"], self.in_flight,
                          [f"{100 * u:.1f}%" for u in snap["kv_usage"]], rate)
             busy_before, tokens_before = busy, self.generated
-
-    async def authenticate(self, request: Request, call_next):
-        """``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has a key (401)."""
-        if self.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
-                                    status_code=401)
-        return await call_next(request)
 
     # -- routes ---------------------------------------------------------------------------------
 

@@ -42,9 +42,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _env_default(env: str | tuple[str, ...] | None, default: Any) -> Any:
-    """The first of the ``env`` variables that is set, else ``default``."""
+    """The first of the ``env`` variables that is set and not empty, else ``default``."""
     for name in (env,) if isinstance(env, str) else env or ():
-        if name in os.environ:
+        if os.environ.get(name):
             return os.environ[name]
     return default
 

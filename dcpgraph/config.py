@@ -38,6 +38,7 @@ from .backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_bac
 from .capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from .errors import ConfigError
 from .mesh import Mesh
+from .runtime.sampling_params import MAX_LOGPROBS
 from .runtime.speculative_config import SpeculativeConfig, speculative_config
 
 COMMS = ("auto", "a2a", "ag_rs", "ag")
@@ -45,6 +46,9 @@ EXECUTORS = ("auto", "emulated", "distributed")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "emulated")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOAD_FORMATS = ("auto", "safetensors")  # where weights come from (vLLM's --load-format)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
@@ -58,7 +62,7 @@ def setting(default: Any = None, help: str = "", *, flags: tuple[str, ...] | Non
     """A config field: its default and what :func:`add_cli_args` and the compile mapping need.
     ``choices`` may be a callable (evaluated when the parser is built); ``parse`` overrides the
     argparse ``type`` the annotation gives; ``env`` names an environment variable that supplies
-    the CLI default."""
+    the CLI default (a tuple: the first one set, e.g. dcpgraph's then vLLM's name)."""
     metadata = {"help": help, "flags": flags, "option": option, "low": low, "choices": choices, "cli": cli,
                 "env": env, "parse": parse}
     return dataclasses.field(default=default, metadata=metadata)
@@ -108,6 +112,15 @@ class ModelConfig(_Section):
     dtype: str = setting("auto", "auto (from the config), float32, bfloat16, float16, float64", option=None)
     seed: int = setting(0, "kept for vLLM's signature: unseeded requests draw from a stream keyed by request id",
                         option=None)
+    trust_remote_code: bool = setting(False, "passed to transformers when the tokenizer is loaded; the model itself is "
+                                             "always built from transformers' own classes (no remote code runs)",
+                                      option=None)
+    load_format: str = setting("auto", "where weights come from: auto/safetensors (the model directory's "
+                                       "*.safetensors)", choices=LOAD_FORMATS, option=None)
+
+    def _validate(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +179,10 @@ class CacheConfig(_Section):
                                            "same memory); not with --enable-prefix-caching")
     kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
                                               "tokens reserved at admission", choices=KV_ALLOCATIONS)
+    gpu_memory_utilization: float | None = setting(
+        None, "accepted for vLLM's command lines and ignored (logged): dcpgraph sizes the KV cache from "
+              "--num-gpu-blocks-override, --kv-cache-tokens or --kv-cache-memory-bytes (default: max-num-seqs "
+              "sequences of max-model-len), not from a fraction of device memory", option=None)
 
     def _validate(self) -> None:
         sizes = [option_name(f) for f in dataclasses.fields(self)
@@ -189,6 +206,14 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = setting(256, "tokens per step (the chunked-prefill budget)", low=1)
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, at most 4096)", low=1)
     max_waiting: int = setting(1024, "bound of the waiting queue (past it a request is refused)", low=1)
+    enable_chunked_prefill: bool | None = setting(
+        None, "prefills are always chunked (--max-num-batched-tokens is the budget); --enable-chunked-prefill is "
+              "accepted, --no-enable-chunked-prefill refused", option=None)
+
+    def _validate(self) -> None:
+        if self.enable_chunked_prefill is False:
+            raise ConfigError("--no-enable-chunked-prefill: dcpgraph always chunks prefills within "
+                              "--max-num-batched-tokens; raise that budget to prefill in fewer steps")
 
 
 @dataclass(frozen=True)
@@ -257,12 +282,31 @@ class ServingConfig(_Section):
     host: str = setting("127.0.0.1", "interface the HTTP server listens on", option=None)
     port: int = setting(8000, "HTTP port", option=None, low=0)
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1 routes "
-                                        "(default: $DCPGRAPH_API_KEY)", option=None, env="DCPGRAPH_API_KEY")
+                                        "(default: $DCPGRAPH_API_KEY, else vLLM's $VLLM_API_KEY)", option=None,
+                                  env=("DCPGRAPH_API_KEY", "VLLM_API_KEY"))
     served_model_name: str | None = setting(None, "the model name clients use (default: MODEL)", option=None)
     worker_host: str = setting("127.0.0.1", "interface the front end's worker connections and the gloo world bind to",
                                option=None)
     worker_timeout_s: float = setting(600.0, "seconds to wait for a worker process", option=None)
-    max_request_bytes: int = setting(1 << 20, "largest request body", option=None, low=1)
+    max_request_bytes: int = setting(1 << 28, "largest request body in bytes (vLLM has no bound; a long-context "
+                                              "prompt as JSON token ids is ~7 bytes a token)", option=None, low=1)
+    chat_template: str | None = setting(None, "a chat template (a Jinja file, or the template itself) used instead of "
+                                              "the tokenizer's", option=None)
+    max_logprobs: int = setting(20, "most log-probabilities a request may ask for per token (at most 20)",
+                                option=None, low=0)
+    disable_log_stats: bool = setting(False, "do not log the engine's state (requests, KV cache use, tokens per "
+                                             "second) every 10 s", option=None)
+    enable_log_requests: bool = setting(False, "log every request's sampling parameters and prompt token ids",
+                                        option=None)
+    generation_config: str = setting("auto", "vLLM's sampling defaults source; dcpgraph uses vLLM's neutral "
+                                             "defaults ('vllm'): 'auto' or a directory is accepted and logged "
+                                             "(generation_config.json defaults are not applied yet)", option=None)
+    enable_auto_tool_choice: bool = setting(False, "tool calling: not supported yet (refused at start-up)",
+                                            option=None)
+    tool_call_parser: str | None = setting(None, "tool-call parser: not supported yet (refused at start-up)",
+                                           choices=TOOL_CALL_PARSERS, option=None)
+    reasoning_parser: str | None = setting(None, "reasoning parser: not supported yet (refused at start-up)",
+                                           choices=REASONING_PARSERS, option=None)
     kv_transfer_config: str | None = setting(
         None, "P/D disaggregation, vLLM's keys as JSON, e.g. '{\"kv_role\": \"kv_producer\", \"kv_rank\": 0, "
               "\"kv_parallel_size\": 2, \"kv_port\": 14579}' (see dcpgraph/serving/kv_connector/config.py)",
@@ -272,6 +316,15 @@ class ServingConfig(_Section):
     def _validate(self) -> None:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ConfigError(f"max_logprobs must be at most {MAX_LOGPROBS} (the most a token returns), "
+                              f"got {self.max_logprobs}")
+        parsers = {"--enable-auto-tool-choice": self.enable_auto_tool_choice, "--tool-call-parser":
+                   self.tool_call_parser, "--reasoning-parser": self.reasoning_parser}
+        given = [flag for flag, value in parsers.items() if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: tool calling and reasoning parsers are not supported by "
+                              "dcpgraph serve yet; start without them")
 
 
 SECTIONS: dict[str, type] = {

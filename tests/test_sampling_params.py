@@ -85,3 +85,33 @@ def test_engine_takes_params_or_keywords_for_the_same_tokens(program):
     while engine.scheduler.has_work():
         out += [t for r, t, _ in engine.step() if r == rid]
     assert out == engine.generate([PROMPTS[1]], 5, **keywords)[0]  # one prompt: seed + 0, as add_request
+
+
+def test_logits_shaping_requests_take_no_drafts_and_ids_are_checked_against_the_vocabulary(program):
+    """Drafts are verified against raw logits, so a request whose greedy token may differ from the
+    raw argmax must not get any; ``min_p`` alone never changes a greedy token, so it may."""
+    engine = dcpgraph.compile(program, tp=1, block_size=4, max_model_len=32,
+                              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    shaped = [dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[3, 4]), dict(bad_words_token_ids=[[3]]),
+              dict(min_tokens=2), dict(repetition_penalty=1.2)]
+    for sampling in shaped:
+        rid = engine.add_request(PROMPTS[0], 4, **sampling)
+        assert engine.scheduler.get(rid).speculative is False, sampling
+    rid = engine.add_request(PROMPTS[0], 4, min_p=0.5, ignore_eos=True)
+    assert engine.scheduler.get(rid).speculative is True
+    with pytest.raises(dcpgraph.RequestError, match="logit_bias holds token ids"):
+        engine.add_request(PROMPTS[0], 4, logit_bias={program.facts.vocab_size: 1.0})
+
+
+def test_reset_prefix_cache_frees_cached_blocks_and_forgets_every_hash():
+    from dcpgraph.runtime.blocks import BlockManager
+
+    blocks = BlockManager(8, 2, enable_prefix_caching=True)
+    blocks.allocate(0, 6)
+    blocks.register(0, [1, 2, 3, 4, 5, 6], 6)
+    blocks.allocate(1, 4, blocks.match_prefix([1, 2, 3, 4, 9]))
+    blocks.release(0)  # its last block is cached free, the first two are shared with request 1
+    assert blocks.reset_prefix_cache() == 1 and blocks.match_prefix([1, 2, 3, 4, 5, 6, 7]) == []
+    blocks.register(1, [1, 2, 3, 4], 4)  # a live request registers nothing after a reset
+    blocks.release(1)
+    assert blocks.free_blocks == 8 and blocks.cached_blocks == 0

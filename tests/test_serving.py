@@ -28,7 +28,8 @@ pytestmark = pytest.mark.gloo
 KEY = "sk-test-key"
 MAX_MODEL_LEN = 256
 SERVER_ARGS = ("-tp", "2", "-dcp", "2", "--dtype", "float64", "--block-size", "4",
-               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--served-model-name", "tiny")
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--served-model-name", "tiny",
+               "--max-request-bytes", str(1 << 20))
 PROMPTS = ["héllo wörld", "The future of AI is", "x", "a b c d e f g h i j k"]
 
 
@@ -119,7 +120,7 @@ def test_bad_requests_get_openai_shaped_400s(servers):
     url = server.url + "/v1/completions"
     cases = {
         "malformed JSON": dict(content=b'{"prompt": "x",'),
-        "unknown field": dict(json={"prompt": "x", "max_tokns": 3}),
+        "best_of other than n": dict(json={"prompt": "x", "best_of": 2}),
         "max_tokens past max_model_len": dict(json={"prompt": "x", "max_tokens": MAX_MODEL_LEN}),
         "prompt too long": dict(json={"prompt": "y" * (MAX_MODEL_LEN + 5), "max_tokens": 1}),
         "bad temperature": dict(json={"prompt": "x", "temperature": -1}),

@@ -120,12 +120,12 @@ def load_model(path: str, dtype: str) -> torch.nn.Module:
     return model.eval()
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
         raise ConfigError(f"model (or tokenizer) must be a local directory, got {path!r}")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path}: cannot load a tokenizer: {err}") from None

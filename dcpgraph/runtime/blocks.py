@@ -93,6 +93,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}  # hash -> block id
         self._chain: dict[int, tuple[int, bytes | None]] = {}  # request -> (blocks hashed, last hash)
         self._shared: dict[int, int] = {}  # request -> leading blocks it got from the cache
+        self._unregistered: set[int] = set()  # live requests a prefix-cache reset took out of registration
         self.stats = {"queries": 0, "query_tokens": 0, "hit_requests": 0, "hit_tokens": 0, "evictions": 0,
                       "preempted_queries": 0, "preempted_query_tokens": 0, "preempted_hit_tokens": 0}
 
@@ -138,7 +139,7 @@ class BlockManager:
         """Enter every block of ``request_id`` whose tokens are all computed (``computed`` has
         passed its end) in the hash table. ``tokens`` are the request's tokens (prompt + output);
         a block whose hash is already cached under another id stays unregistered (a duplicate)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request_id in self._unregistered:
             return
         done, parent = self._chain.get(request_id, (0, None))
         full = computed // self.tokens_per_block
@@ -153,6 +154,22 @@ class BlockManager:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
         self._chain[request_id] = (full, new[-1])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): no block is matched by
+        :meth:`match_prefix` afterwards. Cached-free blocks return to the never-hashed free pool
+        (least recently released first, as released blocks); blocks in use keep their contents and
+        owners, and the live requests holding them register no more blocks (their chains were
+        forgotten), so they are freed unhashed. Returns how many cached-free blocks were freed."""
+        freed = list(self._cached_free)
+        self._cached_free.clear()
+        for block in freed:
+            self._free.appendleft(block)
+        self._hash_of.clear()
+        self._by_hash.clear()
+        self._unregistered.update(self._tables)
+        self._chain.clear()
+        return len(freed)
 
     def check_writable(self, request_id: int, start: int, end: int) -> None:
         """Assert that positions ``[start, end)`` of ``request_id`` land only in blocks the request
@@ -287,6 +304,7 @@ class BlockManager:
         """Drop ``request_id``'s references; blocks no one uses become free (hashed ones stay
         cached until evicted). Released tail first."""
         self._chain.pop(request_id, None)
+        self._unregistered.discard(request_id)
         self._shared.pop(request_id, None)
         self._frozen.pop(request_id, None)
         for block in reversed(self._tables.pop(request_id)):

@@ -137,6 +137,10 @@ class Engine(EngineClient):
         return request.id
 
     def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> Request:
+        try:
+            params.check_vocab(self.program.facts.vocab_size)  # before an id: nothing changes on a refusal
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         rid = self._next_id
         self._next_id += 1
         gen = None
@@ -146,7 +150,7 @@ class Engine(EngineClient):
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
         request = Request(rid, tokens, max_new_tokens, params, gen)
-        request.speculative = not params.penalized  # drafts are verified against the raw argmax
+        request.speculative = not params.modifies_logits  # drafts are verified against the raw argmax
         return request
 
     def abort(self, request_id: int) -> bool:
@@ -282,6 +286,14 @@ class Engine(EngineClient):
     def rank_call(self, name: str, args: dict) -> list:
         """The rank op: its driver half here, its rank half (if any) on every rank the executor runs."""
         return run_rank_op(self, name, args)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (:meth:`~.blocks.BlockManager.reset_prefix_cache`); the
+        number of cached-free blocks freed (0 without prefix caching). Through a client:
+        ``rank_call("reset_prefix_cache", {})``, which reaches every rank's engine."""
+        if not self.blocks.enable_prefix_caching:
+            return 0
+        return self.blocks.reset_prefix_cache()
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         """Every rank holds the same block table, so one figure serves them all."""

@@ -85,6 +85,10 @@ register_rank_op("process.report", lambda engine: {}, _process_report)
 on rank 0)."""
 
 
+# the engine's own rank ops (every rank runs the same one, so a worker process has them too)
+register_rank_op("reset_prefix_cache", lambda engine: engine.reset_prefix_cache())
+
+
 class EngineClient(abc.ABC):
     """Requests in, token events out; see the module docstring for what is per rank."""
 

@@ -37,6 +37,7 @@ class ModelRunner:
         self.buckets = buckets
         self.proposer = proposer
         self.verify_buckets = verify_buckets
+        self.eos_token_ids = tuple(int(t) for t in program.facts.eos_token_id)  # masked under min_tokens
         self.steps = 0
         self.table_rows = TableRows()  # block-table rows of the last step, reused while unchanged
         self.graph_steps: dict[str, int] = {}
@@ -60,7 +61,8 @@ class ModelRunner:
                 tokens = verify(rows, draft, request.params, request.generator)
             elif item.samples:
                 request = item.request
-                tokens = [sample(rows[-1], request.params, request.generator, request.prompt, request.output)]
+                tokens = [sample(rows[-1], request.params, request.generator, request.prompt, request.output,
+                                 self.eos_token_ids)]
             else:
                 tokens = []
             outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens)))

@@ -14,31 +14,19 @@ uses the request's own generator, so a seeded request reproduces. The residual i
 rejected draft (``p_j(d_j) < q_j(d_j)`` there), so the emitted token after ``a`` acceptances
 differs from ``d_{a+1}`` and :func:`~dcpgraph.speculative.ngram`'s prefix rule recovers ``a``.
 
-``p`` and ``q`` go through the same temperature / top-k / top-p processing as
-:func:`dcpgraph.runtime.sampling.sample` (:func:`probabilities`; equality is tested).
+``p`` and ``q`` go through the same temperature / min-p / top-k / top-p processing as
+:func:`dcpgraph.runtime.sampling.sample` (:func:`~dcpgraph.runtime.sampling.probabilities`, the
+one function both call). A request whose logits are shaped otherwise (penalties, ``logit_bias``,
+...) is never verified here: it gets no drafts (``SamplingParams.modifies_logits``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..runtime.sampling import greedy_tokens
+from ..runtime.sampling import greedy_tokens, probabilities
 from ..runtime.sampling_params import SamplingParams
 from .proposer import Drafts
-
-
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution ``sample`` draws from for a row of logits (float64, ``[..., V]``)."""
-    scores = logits.double() / params.temperature
-    if params.top_k > 0:  # 0 and vLLM's -1 are off
-        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_scores, -1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the first over p
-        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    return torch.softmax(scores, -1)
 
 
 def acceptance_probability(p_draft: float, q_draft: float) -> float:

@@ -23,7 +23,8 @@ New requests wait in a queue bounded by ``max_waiting`` (:class:`QueueFullError`
 preempted requests always re-enter it.
 
 After the model ran, :meth:`Scheduler.postprocess` owns everything that follows: speculative
-acceptance, appending tokens, the stop conditions (``max_new_tokens`` or an EOS id), moving
+acceptance, appending tokens, the stop conditions (``max_new_tokens``, or an EOS id unless the
+request has ``ignore_eos`` or has not reached its ``min_tokens``), moving
 ``computed`` on and finishing. A finished or aborted request leaves the scheduler at once (its
 blocks are released and nothing here refers to it any more), so the scheduler holds exactly the
 live requests.
@@ -330,7 +331,7 @@ class Scheduler:
             done = False
             for n, token in enumerate(emitted):
                 request.output.append(token)
-                done = len(request.output) >= request.max_new_tokens or token in self.eos_token_ids
+                done = len(request.output) >= request.max_new_tokens or self._stops_at(request, token)
                 events.append(StepEvent(request.id, token, done, out.logprobs[n] if out.logprobs else None))
                 if done:  # tokens past the stop (confirmed drafts) are not kept
                     advance = min(advance, len(item.chunk.tokens) + n)
@@ -339,6 +340,14 @@ class Scheduler:
             if done:
                 self._finish(request)
         return events
+
+    def _stops_at(self, request: Request, token: int) -> bool:
+        """Whether ``token`` (just appended) ends ``request`` before its budget: an EOS id, unless
+        the request has ``ignore_eos`` or fewer than ``min_tokens`` tokens are out (vLLM's
+        ``check_stop``; ``min_tokens`` also masks EOS while sampling, so this only guards)."""
+        params = request.params
+        return (token in self.eos_token_ids and not params.ignore_eos
+                and len(request.output) >= params.min_tokens)
 
     @property
     def spec_stats(self) -> dict:

@@ -1,15 +1,19 @@
 """The OpenAI-compatible HTTP API on FastAPI: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (``stream`` as server-sent events or one JSON body), ``/health``, ``/metrics``.
+``/v1/chat/completions`` (``stream`` as server-sent events or one JSON body), ``/health``, ``/metrics``,
+and vLLM's ``/tokenize``, ``/detokenize``, ``/version``, ``/ping`` (GET and POST), ``/load``
+(``{"server_load": completion and chat requests in flight}``) and ``/reset_prefix_cache`` (POST).
 
 Every request gets an id (``cmpl-…`` / ``chatcmpl-…``) that its log lines and its
 ``X-Request-Id`` header carry. Bodies are read with a size bound before JSON parsing (413 past it),
 then validated strictly (:mod:`.protocol`); every refusal is OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed JSON, unknown
-fields, invalid sampling values, a prompt or ``max_tokens`` past ``max_model_len``), 401 for a
+sampling values, a prompt or ``max_tokens`` past ``max_model_len``; unknown fields are ignored and
+logged, as vLLM does: :mod:`.protocol`), 401 for a
 missing or wrong API key on ``/v1`` routes, 404 for an unknown model name, 503 once the engine has
 failed. Engine errors map by class (:func:`status_for`): any ``RequestError`` is a 400 unless its
 class (or a base) is listed in :data:`STATUS_BY_ERROR_NAME` (a queue-full error is a 429) or
-defines ``http_status``. A client that goes away mid-stream has its requests aborted at once.
+defines ``http_status``. A client that goes away has its requests aborted at once: mid-stream, or
+while waiting for a non-streamed body (watched every :data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -21,20 +25,32 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import KVTransferError, RequestError
+from ..runtime.sampling_params import MAX_LOGPROBS
 from .engine_loop import EngineDeadError, EngineLoop, Piece
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, cache_config_info
-from .prompts import Prompt, chat_prompt, encode_prompt
+from .prompts import Prompt, chat_prompt, encode_prompt, truncated
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    tokenize_request,
+)
 
 log = logging.getLogger("dcpgraph.serving")
 STATUS_BY_ERROR_NAME = {"QueueFullError": 429, "EngineDeadError": 503, "WorkerDiedError": 503}
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what /load counts
+DISCONNECT_POLL_S = 0.25
+STATS_EVERY_S = 10.0  # vLLM's stats logging interval
+LOG_PROMPT_IDS = 64  # prompt ids a --enable-log-requests line shows per prompt
 
 
 class ApiError(Exception):
@@ -83,22 +99,77 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-              kv_agent=None) -> FastAPI:
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the server does beyond serving the model (``dcpgraph serve``'s flags of the same names)."""
+
+    chat_template: str | None = None  # a Jinja template used instead of the tokenizer's
+    max_logprobs: int = MAX_LOGPROBS  # the most log-probabilities a request may ask for per token
+    log_stats: bool = True  # log the engine's state every STATS_EVERY_S (vLLM's --disable-log-stats turns it off)
+    log_requests: bool = False  # log each request's sampling parameters and prompt ids (--enable-log-requests)
+
+
+def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 28,
+              kv_agent=None, options: ServerOptions | None = None) -> FastAPI:
     """``kv_agent``: this instance's P/D side (:class:`~.kv_connector.agent.KVAgent`), if any."""
     server = OpenAIServer(llm, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                          kv_agent=kv_agent)
+                          kv_agent=kv_agent, options=options or ServerOptions())
     app = FastAPI(title="dcpgraph", lifespan=server.lifespan)
     app.state.engine_loop = server.engine_loop
+    app.state.server = server
     app.exception_handler(ApiError)(_api_error)
-    app.middleware("http")(server.authenticate)
+    app.add_middleware(Authenticate, server=server)
+    app.add_middleware(CountInFlight, server=server)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.get("/v1/models")(server.models)
     app.get("/health")(server.health)
+    app.get("/ping")(server.health)
+    app.post("/ping")(server.health)
+    app.get("/version")(server.version)
+    app.get("/load")(server.load)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+    app.post("/reset_prefix_cache")(server.reset_prefix_cache)
     app.get("/kv_transfer/stats")(server.kv_transfer_stats)
     app.get("/metrics")(server.prometheus)
     return app
+
+
+class Authenticate:
+    """ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has
+    a key (401). Plain ASGI, not ``BaseHTTPMiddleware``, so a route still sees its client's
+    disconnect on the original ``receive`` channel."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        key = self.server.api_key
+        if scope["type"] == "http" and key and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                response = JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
+                                        status_code=401)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class CountInFlight:
+    """ASGI middleware: ``server.in_flight`` counts completion and chat requests from their
+    arrival to the last byte of their response (a stream included), as vLLM's ``/load`` does."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.in_flight -= 1
 
 
 async def _api_error(request: Request, err: ApiError):
@@ -109,26 +180,39 @@ class OpenAIServer:
     """The state behind the routes (the LLM, its engine loop, metrics, the P/D agent) and one
     handler per route; :func:`build_app` registers them."""
 
-    def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent):
+    def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent,
+                 options: ServerOptions):
         self.llm, self.served_model_name, self.kv_agent = llm, served_model_name, kv_agent
-        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.api_key, self.max_body_bytes, self.options = api_key, max_body_bytes, options
+        self.chat_template = options.chat_template
+        self.in_flight = 0  # completion and chat requests being answered (CountInFlight)
+        self.generated = 0  # tokens sent to clients (for the stats line)
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()))
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
+        stats = asyncio.ensure_future(self.log_stats()) if self.options.log_stats else None
         yield
+        if stats is not None:
+            stats.cancel()
         self.engine_loop.stop()
         self.llm.shutdown()
 
-    async def authenticate(self, request: Request, call_next):
-        """``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has a key (401)."""
-        if self.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
-                                    status_code=401)
-        return await call_next(request)
+    async def log_stats(self) -> None:
+        """Every :data:`STATS_EVERY_S` while the engine has (or just had) work: requests running
+        and waiting, KV cache use per rank, generated tokens per second (vLLM's periodic line)."""
+        busy_before, tokens_before = False, self.generated
+        while True:
+            await asyncio.sleep(STATS_EVERY_S)
+            snap = self.engine_loop.snapshot()
+            busy = bool(snap["running"] or snap["waiting"] or self.in_flight)
+            if busy or busy_before:
+                rate = (self.generated - tokens_before) / STATS_EVERY_S
+                log.info("engine: %d running, %d waiting, %d HTTP request(s) in flight, KV cache use per rank %s, "
+                         "%.1f generated tokens/s", snap["running"], snap["waiting"], self.in_flight,
+                         [f"{100 * u:.1f}%" for u in snap["kv_usage"]], rate)
+            busy_before, tokens_before = busy, self.generated
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -136,20 +220,60 @@ class OpenAIServer:
         log_id = f"cmpl-{uuid.uuid4().hex}"
         body = self.parse(CompletionRequest, await self.read_json(request))
         try:
-            prompts = [encode_prompt(self.llm.tokenizer, p) for p in body.prompts()]
+            prompts = [encode_prompt(self.llm.tokenizer, p, add_special_tokens=body.add_special_tokens)
+                       for p in body.prompts()]
         except TypeError as err:
             raise ApiError(400, str(err), param="prompt") from None
-        return await self.respond(prompts, body, body.max_tokens, log_id, chat=False)
+        return await self.respond(request, prompts, body, body.max_tokens, log_id, chat=False)
 
     async def chat_completions(self, request: Request):
         log_id = f"chatcmpl-{uuid.uuid4().hex}"
         body = self.parse(ChatCompletionRequest, await self.read_json(request))
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt = self.render_chat(body)
+        return await self.respond(request, [prompt], body, body.limit(), log_id, chat=True)
+
+    def render_chat(self, body) -> Prompt:
+        """``body.messages`` through the chat template (the server's ``--chat-template`` if given),
+        with the request's template keywords; a template that fails on them is a 400."""
+        messages = [m.for_template() for m in body.messages]
         try:
-            prompt = chat_prompt(self.llm.tokenizer, messages)
-        except ValueError as err:
-            raise ApiError(400, str(err), param="messages") from None
-        return await self.respond([prompt], body, body.limit(), log_id, chat=True)
+            return chat_prompt(self.llm.tokenizer, messages, chat_template=self.chat_template,
+                               **body.template_kwargs())
+        except Exception as err:  # the template's own errors (jinja2's TemplateError, ValueError, ...)
+            raise ApiError(400, f"the chat template failed: {type(err).__name__}: {err}", param="messages") from None
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``/tokenize``: a ``prompt`` (completions form) or ``messages`` (chat form)."""
+        data = await self.read_json(request)
+        body = self.parse(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+        prompt = self.render_chat(body) if "messages" in data else None
+        return tokenize_request(self.llm.tokenizer, body, prompt, self.llm.max_model_len)
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
+        body = self.parse(DetokenizeRequest, await self.read_json(request))
+        vocab = self.llm.info.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
+
+    async def version(self):
+        from .. import __version__
+
+        return {"version": __version__}
+
+    async def load(self):
+        return {"server_load": self.in_flight}
+
+    async def reset_prefix_cache(self):
+        """Forget every cached prefix on every rank (vLLM's route; 200 on success)."""
+        try:
+            freed = await self.engine_loop.call(lambda engine: engine.rank_call("reset_prefix_cache", {}))
+        except EngineDeadError as err:
+            raise ApiError(503, str(err), "service_unavailable") from None
+        log.info("prefix cache reset: %s cached-free block(s) freed per rank", freed[0])
+        return {"freed_blocks": freed[0]}
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": 0,
@@ -197,13 +321,26 @@ class OpenAIServer:
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+            msg = first["msg"].removeprefix("Value error, ")
+            raise ApiError(400, f"{where}: {msg}" if where else msg, param=where or None) from None
         if parsed.model is not None and parsed.model != self.served_model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", "not_found_error", "model")
-        if getattr(parsed, "best_of", None) not in (None, parsed.n):
-            raise ApiError(400, "best_of must equal n", param="best_of")
         return parsed
+
+    def sampling_params(self, body, limit: int | None):
+        """The request's :class:`SamplingParams`, its ``bad_words`` tokenized, every token id it
+        names checked against the model's vocabulary (400 otherwise)."""
+        try:
+            params = body.sampling_params(limit)
+            params.update_from_tokenizer(self.llm.tokenizer)
+            params.check_vocab(self.llm.info.vocab_size)
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
+            raise ApiError(400, f"{params.logprobs} log-probabilities per token asked; this server returns at most "
+                                f"{self.options.max_logprobs} (--max-logprobs)", param="logprobs")
+        return params
 
     def check_lengths(self, prompts: list[Prompt], limit: int | None) -> None:
         """Every prompt is shorter than ``max_model_len``, and leaves room for ``limit`` new tokens."""
@@ -219,10 +356,8 @@ class OpenAIServer:
     async def submit(self, prompts: list[Prompt], body, limit: int | None, log_id: str):
         """Queue every choice (choice ``i·n + j`` is prompt ``i``'s ``j``-th sample); returns
         ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
-        try:
-            params = body.sampling_params(limit)
-        except ValueError as err:
-            raise ApiError(400, str(err)) from None
+        params = self.sampling_params(body, limit)
+        prompts[:] = [truncated(p, params, self.llm.max_model_len) for p in prompts]
         self.check_lengths(prompts, limit)
         kv = body.kv_transfer_params
         if kv is not None:
@@ -243,6 +378,10 @@ class OpenAIServer:
                            "invalid_request_error") from None
         log.info("request %s: %d prompt(s), %d choice(s), prompt tokens %s", log_id, len(prompts),
                  len(submitted), [len(p.token_ids) for p in prompts])
+        if self.options.log_requests:
+            log.info("request %s: %s, prompt token ids %s", log_id, params,
+                     [p.token_ids[:LOG_PROMPT_IDS] + (["..."] if len(p.token_ids) > LOG_PROMPT_IDS else [])
+                      for p in prompts])
         return out, submitted
 
     async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str):
@@ -263,15 +402,31 @@ class OpenAIServer:
             if open_choices:
                 log.info("request %s: client went away, %d choice(s) aborted", log_id, len(open_choices))
 
-    async def respond(self, prompts: list[Prompt], body, limit, log_id: str, chat: bool):
+    async def respond(self, request: Request, prompts: list[Prompt], body, limit, log_id: str, chat: bool):
         """Submit the request, then answer with one JSON body or, with ``stream``, server-sent events."""
         out, submitted = await self.submit(prompts, body, limit, log_id)
         reply = _Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
         headers = {"X-Request-Id": log_id}
         if not body.stream:
-            return JSONResponse(await reply.whole(self.pieces(out, submitted, log_id)), headers=headers)
+            whole = await _unless_disconnected(request, reply.whole(self.pieces(out, submitted, log_id)))
+            return JSONResponse(whole, headers=headers) if whole is not None else Response(status_code=499)
         return StreamingResponse(reply.events(self.pieces(out, submitted, log_id)), media_type="text/event-stream",
                                  headers=headers)
+
+
+async def _unless_disconnected(request: Request, work):
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled (the
+    pieces generator it iterates aborts the request's choices) and ``None`` is returned."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
 
 
 class _Reply:
@@ -312,6 +467,7 @@ class _Reply:
             tokens[piece.choice][0].extend(piece.token_ids)
             tokens[piece.choice][1].extend(piece.logprobs)
             generated += len(piece.token_ids)
+            self.server.generated += len(piece.token_ids)
             handover = piece.kv_transfer_params or handover
             if piece.finished:
                 reasons[piece.choice] = piece.finish_reason
@@ -346,6 +502,7 @@ class _Reply:
                                         "finish_reason": None} for c in self.choices]))
             async for piece in pieces:
                 generated += len(piece.token_ids)
+                self.server.generated += len(piece.token_ids)
                 yield _sse(self.chunk([self.chunk_choice(piece)]))
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield _sse(self.chunk([], usage=self.usage(generated)))

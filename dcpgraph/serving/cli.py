@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ..config import DcpgraphConfig
-from ..errors import DcpGraphError
+from ..errors import ConfigError, DcpGraphError
 from .cli_args import add_cli_args
 
 
@@ -33,6 +34,34 @@ def llm_options(args: argparse.Namespace) -> dict:
     return llm_kwargs(DcpgraphConfig.from_cli_args(args))
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the value itself when it is a Jinja template
+    (vLLM's rule); anything else (a path that does not exist) is a ``ConfigError``."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def server_options(settings: DcpgraphConfig):
+    """The server's own options from the flags; logs the vLLM flags that are accepted but change
+    nothing here (so a copied command line runs, and says what it does not do)."""
+    from .api_server import ServerOptions
+
+    serving, log = settings.serving, logging.getLogger("dcpgraph.serving")
+    if settings.cache.gpu_memory_utilization is not None:
+        log.warning("--gpu-memory-utilization %s is ignored: the KV cache is sized by --num-gpu-blocks-override, "
+                    "--kv-cache-tokens or --kv-cache-memory-bytes", settings.cache.gpu_memory_utilization)
+    if serving.generation_config != "vllm":
+        log.warning("--generation-config %s: generation_config.json sampling defaults are not applied yet; requests "
+                    "use vLLM's neutral defaults (as --generation-config vllm)", serving.generation_config)
+    template = read_chat_template(serving.chat_template) if serving.chat_template else None
+    return ServerOptions(chat_template=template, max_logprobs=serving.max_logprobs,
+                         log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -47,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = DcpgraphConfig.from_cli_args(args)  # every flag checked, before any work
         serving = settings.serving
+        options = server_options(settings)
         kv_config = parse_kv_transfer_config(serving.kv_transfer_config) if serving.kv_transfer_config else None
         llm = LLM(model=settings.model.model, **llm_kwargs(settings))
     except DcpGraphError as err:
@@ -64,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if pids:
         log.info("worker processes (rank order): pids %s", pids)
     app = build_app(llm, served_model_name=serving.served_model_name or settings.model.model, api_key=serving.api_key,
-                    max_body_bytes=serving.max_request_bytes, kv_agent=kv_agent)
+                    max_body_bytes=serving.max_request_bytes, kv_agent=kv_agent, options=options)
     config = uvicorn.Config(app, host=serving.host, port=serving.port, log_level=serving.log_level,
                             timeout_graceful_shutdown=5)
     try:

@@ -24,7 +24,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 continue
             meta = f.metadata
             flags = meta["flags"] or (f"--{f.name.replace('_', '-')}",)
-            default = f.default if meta["env"] is None else os.environ.get(meta["env"], f.default)
+            default = _env_default(meta["env"], f.default)
             kwargs: dict[str, Any] = {"default": default, "help": meta["help"]}
             if flags[0].startswith("-"):
                 kwargs["dest"] = f.name
@@ -39,6 +39,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 kwargs.pop("default")
             group.add_argument(*flags, **kwargs)
     return parser
+
+
+def _env_default(env: str | tuple[str, ...] | None, default: Any) -> Any:
+    """The first of the ``env`` variables that is set and not empty, else ``default``."""
+    for name in (env,) if isinstance(env, str) else env or ():
+        if os.environ.get(name):
+            return os.environ[name]
+    return default
 
 
 def _cli_type(field: dataclasses.Field):

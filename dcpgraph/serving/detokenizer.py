@@ -11,7 +11,10 @@ Invariants:
 - a ``stop`` string is looked for in the decoded text, never in token ids, and the last
   ``len(longest stop) − 1`` characters are held back while the request runs, so a stop string is
   never partly streamed; the output ends right before it (or after it, with
-  ``include_stop_str_in_output``).
+  ``include_stop_str_in_output``);
+- with ``min_tokens``, a stop token ends the output only once ``min_tokens`` tokens are out and a
+  stop string only after that (vLLM's rules); with ``ignore_eos`` an EOS token that the budget
+  happened to end on is a ``"length"`` finish.
 
 Each step decodes the request's whole output (``O(n)`` per token): outputs here are short and it
 keeps the decoder's own handling of spaces and special tokens exact.
@@ -50,12 +53,13 @@ class TextStream:
         if self.finished:
             raise RuntimeError("token after the stream finished")
         self.token_ids.append(int(token))
-        if token in self.stop_token_ids:
+        count, min_tokens = len(self.token_ids), self.params.min_tokens
+        if token in self.stop_token_ids and count >= min_tokens:
             self._finish("stop")
         else:
-            self._text_tokens = len(self.token_ids)
+            self._text_tokens = count
         full = self._decode()
-        if not self.finished:
+        if not self.finished and count > min_tokens:  # vLLM checks stop strings only past min_tokens
             start = max(0, len(self.text) - self._hold)
             for position, stop in sorted((full.find(s, start), s) for s in self.params.stop_strings):
                 if position >= 0:
@@ -64,7 +68,8 @@ class TextStream:
                     self._finish("stop")
                     break
         if not self.finished and engine_finished:
-            self._finish("stop" if token in self.eos_token_ids else "length")
+            eos = token in self.eos_token_ids and not self.params.ignore_eos
+            self._finish("stop" if eos else "length")
         if self.finished:
             visible = full
         else:

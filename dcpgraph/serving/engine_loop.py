@@ -89,6 +89,14 @@ class EngineLoop:
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
 
+    async def call(self, fn):
+        """``fn(engine)`` run on the engine thread between steps (the engine is not thread-safe);
+        its result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        return await done
+
     def snapshot(self) -> dict:
         return dict(self._snapshot)
 
@@ -126,6 +134,15 @@ class EngineLoop:
                 self._fail(err)
 
     def _handle(self, command: tuple) -> None:
+        if command[0] == "call":
+            _, fn, loop, done = command
+            try:
+                result = fn(self.engine)
+            except Exception as err:
+                loop.call_soon_threadsafe(_set_exception, done, err)
+                return
+            loop.call_soon_threadsafe(_set_result, done, result)
+            return
         if command[0] == "abort":
             live = self._live.pop(command[1], None)
             if live is not None and self.error is None:

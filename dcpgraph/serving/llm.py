@@ -38,7 +38,7 @@ from .engine_config import EngineConfig, build_engine
 from .logprobs import vllm_logprobs
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
-from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt
+from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt, truncated
 from .workers import RemoteEngine
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -75,7 +75,7 @@ class LLM:
                  enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
                  worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0,
-                 speculative_config: dict | None = None, **engine_options: Any):
+                 speculative_config: dict | None = None, trust_remote_code: bool = False, **engine_options: Any):
         import torch.distributed as dist
 
         self.settings = settings = DcpgraphConfig.from_llm_kwargs(
@@ -85,14 +85,16 @@ class LLM:
             max_model_len=max_model_len, dtype=dtype, enable_prefix_caching=enable_prefix_caching, seed=seed,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             distributed_executor_backend=distributed_executor_backend, worker_host=worker_host,
-            worker_timeout_s=worker_timeout_s, speculative_config=speculative_config, **engine_options,
+            worker_timeout_s=worker_timeout_s, speculative_config=speculative_config,
+            trust_remote_code=trust_remote_code, **engine_options,
         )  # every option checked, before the model directory is read
         parallel, cache, scheduler = settings.parallel, settings.cache, settings.scheduler
         spec = settings.speculative
         require_model_dir(model)
         if spec.checked is not None and spec.checked.method == "mtp":
             check_mtp_checkpoint(model)
-        self.tokenizer = load_tokenizer(settings.model.tokenizer or model)
+        self.tokenizer = load_tokenizer(settings.model.tokenizer or model,
+                                        trust_remote_code=settings.model.trust_remote_code)
         tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
         interleave = parallel.cp_kv_cache_interleave_size
         info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
@@ -165,6 +167,9 @@ class LLM:
 
     def _run(self, items: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         streams: dict[int, tuple[int, int, TextStream]] = {}
+        for sp in params:
+            sp.update_from_tokenizer(self.tokenizer)  # bad_words -> their token ids
+        items = [truncated(p, sp, self.max_model_len) for p, sp in zip(items, params)]
         for i, (prompt, sp) in enumerate(zip(items, params)):
             try:
                 for j in range(sp.n):

@@ -45,12 +45,22 @@ def encode_prompt(tokenizer, prompt, *, add_special_tokens: bool = True) -> Prom
     raise TypeError(f"a prompt must be a string, a dict or a list of token ids, got {prompt!r:.80}")
 
 
+def truncated(prompt: Prompt, params, max_model_len: int) -> Prompt:
+    """``prompt`` cut to its last ``params.truncate_prompt_tokens`` tokens (vLLM's left
+    truncation; see :meth:`~dcpgraph.runtime.sampling_params.SamplingParams.truncate`); a cut
+    prompt's text no longer matches its tokens, so it is dropped."""
+    ids = params.truncate(prompt.token_ids, max_model_len)
+    return prompt if ids is prompt.token_ids else Prompt(None, ids)
+
+
 def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> Prompt:
-    """The conversation rendered by the tokenizer's chat template, then encoded without adding
-    special tokens again (the template writes them)."""
+                chat_template: str | None = None, **template_kwargs) -> Prompt:
+    """The conversation rendered by the tokenizer's chat template (or ``chat_template``, a Jinja
+    string), then encoded without adding special tokens again (the template writes them).
+    ``template_kwargs`` go to ``apply_chat_template`` (``continue_final_message``, and the
+    template's own variables such as Qwen3's ``enable_thinking``: vLLM's ``chat_template_kwargs``)."""
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:
-        raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        raise ValueError("the tokenizer has no chat template; pass chat_template= (the server: --chat-template)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template, **template_kwargs)
     return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))

@@ -1,15 +1,30 @@
-"""OpenAI request bodies, validated strictly: an unknown field or a bad value is a 400, not a guess.
+"""OpenAI request bodies with vLLM's fields, names, shapes and defaults.
 
-Only what dcpgraph implements is accepted: ``echo`` false, ``best_of`` absent or equal to ``n``.
+As vLLM does, a field this server does not know is ignored and logged at WARNING (not refused),
+and ``null`` for a field whose value cannot be null (``temperature``, ``top_p``, ``top_k``, the
+penalties, ``stream``, ``n``...) means that field's default. A known field with a bad value is a
+400. vLLM fields whose meaning dcpgraph does not implement yet are refused by name with the reason
+(:data:`UNSUPPORTED`) rather than ignored: silently dropping ``response_format`` or ``tools``
+would pretend to honour them.
+
 Log-probabilities: completions take ``logprobs`` (an int, 0–20: top-N per token), chat takes
 ``logprobs: true`` with ``top_logprobs`` (0–20; giving it without ``logprobs: true`` is an error,
 as in OpenAI's API). ``presence_penalty``/``frequency_penalty`` are in [-2, 2]. vLLM's extensions
-``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``skip_special_tokens`` and
-``include_stop_str_in_output`` are accepted too.
+``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+``logit_bias`` (clamped to [-100, 100] as vLLM does), ``allowed_token_ids``, ``bad_words``,
+``truncate_prompt_tokens``, ``skip_special_tokens`` and ``include_stop_str_in_output`` are
+accepted (their meaning: :mod:`dcpgraph.runtime.sampling_params`). ``best_of`` must be null or
+equal ``n``. Chat messages take a string ``content`` or a list of ``{"type": "text", "text"}``
+parts (joined with newlines, as vLLM's string content format); other part types are refused.
+``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g. Qwen3's
+``enable_thinking``).
 """
 
 from __future__ import annotations
 
+import logging
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,42 +32,108 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..runtime.sampling import MAX_LOGPROBS
 from .params import SamplingParams
 
+log = logging.getLogger("dcpgraph.serving")
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# vLLM request fields another part of dcpgraph has yet to implement: field -> why it is refused.
+# A field is refused only when given a value that asks for something ("tools": [] is accepted).
+UNSUPPORTED = {
+    "response_format": "structured outputs (json_object / json_schema) are not supported yet; omit it or use "
+                       '{"type": "text"}',
+    "structured_outputs": "structured outputs (choice, regex, grammar, json) are not supported yet",
+    "guided_json": "guided decoding is not supported yet", "guided_regex": "guided decoding is not supported yet",
+    "guided_choice": "guided decoding is not supported yet", "guided_grammar": "guided decoding is not supported yet",
+    "tools": "tool calling is not supported yet", "prompt_logprobs": "prompt logprobs are not supported yet",
+    "use_beam_search": "beam search is not supported", "echo": "echo is not supported yet",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+}
+_ASKS_NOTHING = (None, False, [], {}, {"type": "text"}, "", "none", "auto")
+
+
+def _admits_none(annotation: Any) -> bool:
+    return annotation is Any or type(None) in typing.get_args(annotation) or (
+        isinstance(annotation, types.UnionType) and type(None) in annotation.__args__)
+
+
+class LenientModel(BaseModel):
+    """vLLM's ``OpenAIBaseModel`` behaviour: unknown fields are kept aside (``model_extra``) and
+    logged at WARNING, never refused; ``null`` for a field that cannot be null is its default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not _admits_none(fields[k].annotation))}
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        ignored = sorted(set(self.model_extra or ()) - set(UNSUPPORTED))  # those are refused or ask nothing
+        if ignored:
+            log.warning("%s: fields ignored (this server does not know them): %s", type(self).__name__, ignored)
+        return self
+
+
+class StreamOptions(LenientModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Common(LenientModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
+    best_of: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not any(value == nothing for nothing in _ASKS_NOTHING):
+                raise ValueError(f"{name}: {UNSUPPORTED[name]}")
+        if self.best_of not in (None, self.n):
+            raise ValueError(f"best_of ({self.best_of}) must be null or equal n ({self.n}): dcpgraph returns "
+                             "every sampled completion and does not rank best_of > n candidates")
+        return self
 
     def requested_logprobs(self) -> int | None:
         """Top-N log-probabilities per generated token (``None``: none)."""
         return None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        bias = None if self.logit_bias is None else {
+            k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              max_tokens=max_tokens, logprobs=self.requested_logprobs(),
+                              min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              logprobs=self.requested_logprobs(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output)
 
@@ -61,9 +142,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    best_of: int | None = None
-    suffix: None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -83,24 +162,61 @@ class CompletionRequest(_Common):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(LenientModel):
+    """One part of a chat message's content: only ``text`` parts (a text-only model)."""
+
+    type: Literal["text"]
+    text: str
+
+
+def _text_parts_only(content: Any) -> Any:
+    """A clear refusal of a content part that is not text, before pydantic tries each type."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content part type {kind!r} is not supported: this server serves a text-only model, "
+                             'so content parts must be {"type": "text", "text": ...}')
+    return content
+
+
+class ChatMessage(LenientModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _text_parts_only(value)
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it: text parts joined with newlines (vLLM's
+        string content format); fields the server does not know are not passed on."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message = {"role": self.role, "content": content if content is not None else ""}
+        message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        return message
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (as vLLM)")
         return self
 
     def requested_logprobs(self) -> int | None:
@@ -108,3 +224,8 @@ class ChatCompletionRequest(_Common):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``apply_chat_template`` beyond the messages."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}

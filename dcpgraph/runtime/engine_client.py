@@ -35,6 +35,18 @@ def run_rank_op(engine, name: str, args: dict) -> Any:
     return RANK_OPS[name](engine, **args)
 
 
+WAITING_IDS = "waiting_request_ids"
+
+
+def _waiting_request_ids(engine) -> list[int]:
+    """Ids of the requests the engine's scheduler has queued but not (re-)admitted, in queue order
+    (the serving layer's queue-time metric: a request leaves this list when first scheduled)."""
+    return [r.id for r in engine.scheduler.waiting]
+
+
+register_rank_op(WAITING_IDS, _waiting_request_ids)
+
+
 class EngineClient(abc.ABC):
     """Requests in, token events out; see the module docstring for what is per rank."""
 

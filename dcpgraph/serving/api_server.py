@@ -23,13 +23,13 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import KVTransferError, RequestError
 from .engine_loop import EngineDeadError, EngineLoop, Piece
 from .logprobs import chat_logprobs, completion_logprobs
-from .metrics import Metrics, cache_config_info
+from .metrics import CONTENT_TYPE, Metrics, cache_config_info
 from .prompts import Prompt, chat_prompt, encode_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -112,7 +112,8 @@ class OpenAIServer:
     def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent):
         self.llm, self.served_model_name, self.kv_agent = llm, served_model_name, kv_agent
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
-        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()))
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()),
+                               max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
     @contextlib.asynccontextmanager
@@ -167,8 +168,7 @@ class OpenAIServer:
         return {**(self.kv_agent.stats if self.kv_agent else {"role": None}), "prompt_tokens_computed": computed}
 
     async def prometheus(self):
-        return PlainTextResponse(self.metrics.render(self.engine_loop.snapshot()),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(self.engine_loop.snapshot()), media_type=CONTENT_TYPE)
 
     # -- request handling -----------------------------------------------------------------------
 
@@ -245,17 +245,27 @@ class OpenAIServer:
                  len(submitted), [len(p.token_ids) for p in prompts])
         return out, submitted
 
-    async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str):
+    def _parent_done(self, prompt: int, n: int, open_choices: dict, generated: dict) -> None:
+        """Report prompt ``prompt``'s request (choices ``prompt·n`` to ``prompt·n + n − 1``, vLLM's
+        parent request) to the metrics once all its choices have finished."""
+        group = range(prompt * n, prompt * n + n)
+        if not any(c in open_choices for c in group):
+            self.metrics.parent_done(n, max(generated[c] for c in group))
+
+    async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str, n: int = 1):
         """Every piece of every choice until all finish; aborts what is left if the consumer stops."""
         open_choices = {choice: rid for rid, choice in submitted}
+        generated = dict.fromkeys(open_choices, 0)
         try:
             while open_choices:
                 piece: Piece = await out.get()
                 if piece.error is not None:
                     open_choices.clear()
                     raise ApiError(503, f"the engine failed: {piece.error}", "service_unavailable")
+                generated[piece.choice] += len(piece.token_ids)
                 if piece.finished:
                     open_choices.pop(piece.choice, None)
+                    self._parent_done(piece.choice // n, n, open_choices, generated)
                 yield piece
         finally:
             for rid in open_choices.values():
@@ -269,8 +279,8 @@ class OpenAIServer:
         reply = _Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
         headers = {"X-Request-Id": log_id}
         if not body.stream:
-            return JSONResponse(await reply.whole(self.pieces(out, submitted, log_id)), headers=headers)
-        return StreamingResponse(reply.events(self.pieces(out, submitted, log_id)), media_type="text/event-stream",
+            return JSONResponse(await reply.whole(self.pieces(out, submitted, log_id, body.n)), headers=headers)
+        return StreamingResponse(reply.events(self.pieces(out, submitted, log_id, body.n)), media_type="text/event-stream",
                                  headers=headers)
 
 

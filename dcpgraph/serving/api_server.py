@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from ..errors import KVTransferError, RequestError
 from .engine_loop import EngineDeadError, EngineLoop, Piece
+from .generation_defaults import generation_defaults, with_defaults
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE, Metrics, cache_config_info
 from .prompts import Prompt, chat_prompt, encode_prompt
@@ -112,6 +113,8 @@ class OpenAIServer:
     def __init__(self, llm, *, served_model_name: str, api_key: str | None, max_body_bytes: int, kv_agent):
         self.llm, self.served_model_name, self.kv_agent = llm, served_model_name, kv_agent
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.sampling_defaults = generation_defaults(
+            llm.settings.model.model, getattr(llm.settings.model, "generation_config", "auto"))
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
@@ -220,9 +223,11 @@ class OpenAIServer:
         """Queue every choice (choice ``i·n + j`` is prompt ``i``'s ``j``-th sample); returns
         ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
         try:
-            params = body.sampling_params(limit)
+            given = {k for k in body.model_fields_set if getattr(body, k) is not None}
+            params = with_defaults(body.sampling_params(limit), given, self.sampling_defaults)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
+        log.debug("request %s: sampling %s", log_id, params)
         self.check_lengths(prompts, limit)
         kv = body.kv_transfer_params
         if kv is not None:

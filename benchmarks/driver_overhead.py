@@ -9,7 +9,7 @@ link's cost per step is ``front-end step − rank-0 step + broadcast``: the call
 reply, plus the broadcast.
 
 - ``tiny``: the tiny Qwen3 test checkpoint (fp32) at tp = 2 and 4: the step is almost all link.
-- ``160m``: a Qwen3-shaped model of ~160M parameters (hidden 768, 12 layers, vocab 50,304) in
+- ``160m``: a Qwen3-shaped model of ~160M parameters (hidden 768, 12 layers, one KV head, vocab 50,304) in
   bf16 at tp = 2: a step with real compute.
 
 ``--baseline DIR`` runs the same measurement on another checkout (``PYTHONPATH=DIR``, e.g. the
@@ -41,7 +41,7 @@ def save_160m(path: str) -> str:
 
     special = first_special_id(321)
     config = tf.Qwen3Config(hidden_size=768, num_hidden_layers=12, intermediate_size=2560, num_attention_heads=12,
-                            num_key_value_heads=4, head_dim=64, vocab_size=50304, max_position_embeddings=4096,
+                            num_key_value_heads=1, head_dim=64, vocab_size=50304, max_position_embeddings=4096,
                             bos_token_id=special, eos_token_id=special + 2, pad_token_id=special,
                             tie_word_embeddings=False)
     torch.manual_seed(0)

@@ -298,9 +298,9 @@ class ServingConfig(_Section):
                                              "second) every 10 s", option=None)
     enable_log_requests: bool = setting(False, "log every request's sampling parameters and prompt token ids",
                                         option=None)
-    generation_config: str = setting("auto", "vLLM's sampling defaults source; dcpgraph uses vLLM's neutral "
-                                             "defaults ('vllm'): 'auto' or a directory is accepted and logged "
-                                             "(generation_config.json defaults are not applied yet)", option=None)
+    generation_config: str = setting("auto", "where a request's omitted temperature/top_p/top_k/repetition_penalty/"
+                                             "min_p come from: 'auto' (the model's generation_config.json), "
+                                             "'vllm' (vLLM's neutral defaults) or a directory", option=None)
     enable_auto_tool_choice: bool = setting(False, "tool calling: not supported yet (refused at start-up)",
                                             option=None)
     tool_call_parser: str | None = setting(None, "tool-call parser: not supported yet (refused at start-up)",

@@ -11,8 +11,6 @@ one place that validates them), the cache tensors the engine allocated, and the 
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import pytest
 
@@ -68,10 +66,12 @@ def test_metrics_carry_the_cache_config_vllm_names():
         num_gpu_blocks_override=512, enforce_eager=True)
     text = Metrics("tiny", cache_config_info(config, 512)).render(
         {"running": 0, "waiting": 0, "kv_usage": [0.0, 0.0]})
-    line = next(line for line in text.splitlines() if line.startswith("dcpgraph:cache_config_info{"))
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-    assert line.endswith("} 1")
-    assert labels == {"model_name": "tiny", "block_size": "16", "cache_dtype": "fp8_e4m3",
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:cache_config_info"]
+    assert len(info) == 1 and info[0].value == 1
+    labels = info[0].labels
+    assert labels == {"model_name": "tiny", "engine": "0", "block_size": "16", "cache_dtype": "fp8_e4m3",
                       "enable_prefix_caching": "True", "num_gpu_blocks": "512", "tensor_parallel_size": "2",
                       "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager"}
     default = cache_config_info(DcpgraphConfig.from_llm_kwargs(model="/m"), 96)
@@ -107,10 +107,12 @@ def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offlin
     finally:
         offline.shutdown()
     with running_server(path, *SMALL, *flags, log_path=str(tmp_path / "serve.log")) as server:
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(server.url + "/metrics", timeout=10).text
-        info = re.search(r"^dcpgraph:cache_config_info\{([^}]*)\} 1$", text, re.M)
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
-        assert (labels.get("cache_dtype"), labels.get("num_gpu_blocks")) == ("fp8_e4m3", str(blocks))
+        info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:cache_config_info"]
+        assert [(s.labels["cache_dtype"], s.labels["num_gpu_blocks"], s.value) for s in info] == \
+            [("fp8_e4m3", str(blocks), 1)]
         body = {"model": path, "prompt": prompt, "max_tokens": 8, "temperature": 0}
         got = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert (got["text"], got["finish_reason"]) == (want.text, want.finish_reason)

@@ -22,6 +22,8 @@ import pytest
 
 from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.generation import hf_greedy
+from dcpgraph.testing.pd import kv_usage
+from dcpgraph.testing.prometheus import samples, scrape
 from dcpgraph.testing.server import running_server
 
 pytestmark = pytest.mark.gloo
@@ -62,19 +64,17 @@ def auth() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
 
 
-def metric(server, name: str) -> list[float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return [float(v) for v in re.findall(rf"^dcpgraph:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-
-
 def wait_idle(server, timeout_s: float = 60) -> None:
+    """Until the server reports no request and no KV block in use (the engine's one figure and
+    every rank's)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if metric(server, "kv_cache_usage_perc") == [0.0, 0.0] and metric(server, "num_requests_running") == [0] \
-                and metric(server, "num_requests_waiting") == [0]:
+        if scrape(server, "vllm:kv_cache_usage_perc") == [0.0] \
+                and scrape(server, "dcpgraph:kv_cache_usage_perc_per_rank") == [0.0, 0.0] \
+                and scrape(server, "vllm:num_requests_running") == [0] and scrape(server, "vllm:num_requests_waiting") == [0]:
             return
         time.sleep(0.25)
-    raise AssertionError(f"KV blocks still in use: {metric(server, 'kv_cache_usage_perc')}")
+    raise AssertionError(f"KV blocks still in use: {kv_usage(server)}")
 
 
 def test_models_health_and_api_key(servers):
@@ -189,10 +189,47 @@ def test_32_concurrent_streaming_clients(servers, reference):
             assert result == "dropped"
     wait_idle(server)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    assert metric(server, "time_to_first_token_seconds_count")[0] >= 24
-    assert metric(server, "generation_tokens_total")[0] > 0
+    assert scrape(server, "vllm:time_to_first_token_seconds_count")[0] >= 24
+    assert scrape(server, "vllm:generation_tokens_total")[0] > 0
     assert "aborted" in server.log() or "client went away" in server.log()
     assert re.search(r"request cmpl-[0-9a-f]{32}: finished", server.log())
+
+
+COUNTED = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_sum",
+           "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
+           "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+           "vllm:request_decode_time_seconds_count", "vllm:request_params_n_sum", "vllm:request_params_n_count",
+           "vllm:request_max_num_generation_tokens_sum", "vllm:request_generation_tokens_sum")
+
+
+def test_metrics_count_a_request_as_vllm_does(servers):
+    """One request with n=2 through the openai client: /metrics (read with prometheus_client's
+    parser, text and OpenMetrics) moves by exactly what the response's usage says, in vLLM's
+    meaning: two engine requests, each counting its prompt, one parent request of n=2."""
+    server = servers["qwen3"]
+    wait_idle(server)
+    before = {name: sum(scrape(server, name)) for name in COUNTED}
+    reasons_before = {r: sum(scrape(server, "vllm:request_success_total", finished_reason=r)) for r in ("stop", "length")}
+    out = client(server).completions.create(model="tiny", prompt="héllo wörld", max_tokens=6, n=2, temperature=0)
+    usage, per_choice = out.usage, [c for c in out.choices]
+    delta = {name: sum(scrape(server, name)) - before[name] for name in COUNTED}
+    assert delta["vllm:prompt_tokens_total"] == usage.prompt_tokens  # n × the prompt
+    assert delta["vllm:generation_tokens_total"] == delta["vllm:request_generation_tokens_sum"] == usage.completion_tokens
+    assert delta["vllm:iteration_tokens_total_sum"] == usage.total_tokens
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert delta[f"vllm:{name}_count"] == 2, name
+    assert (delta["vllm:request_params_n_sum"], delta["vllm:request_params_n_count"]) == (2, 1)
+    assert delta["vllm:request_max_num_generation_tokens_sum"] == usage.completion_tokens / 2  # greedy: equal choices
+    for reason in ("stop", "length"):
+        moved = sum(scrape(server, "vllm:request_success_total", finished_reason=reason)) - reasons_before[reason]
+        assert moved == sum(c.finish_reason == reason for c in per_choice), reason
+    # a Prometheus 2 scrape asks for OpenMetrics first: it still gets the text format, names intact
+    wait_idle(server)
+    r = httpx.get(server.url + "/metrics", headers={"Accept": "application/openmetrics-text;version=1.0.0,"
+                                                              "text/plain;version=0.0.4;q=0.5"}, timeout=10)
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert samples(r.text, "vllm:kv_cache_usage_perc", model_name="tiny", engine="0") == [0.0]
 
 
 def test_a_dead_worker_fails_health_and_in_flight_requests(servers):

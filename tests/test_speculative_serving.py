@@ -16,6 +16,7 @@ from dcpgraph.checkpoints.model_dir import load_model
 from dcpgraph.serving.metrics import Metrics
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
+from dcpgraph.testing.prometheus import samples
 
 PROMPTS = ["héllo wörld", "The future of AI is", "x"]
 MAX_TOKENS = 12
@@ -64,10 +65,10 @@ def test_metrics_render_vllms_spec_decode_counters():
                 "speculative": {"method": "ngram", "verified_rows": 4, "drafted": 10, "accepted": 6,
                                 "accepted_per_position": [3, 2, 1]}}
     text = Metrics("m").render(snapshot)
-    assert 'dcpgraph:spec_decode_num_drafts_total{model_name="m"} 4' in text
-    assert 'dcpgraph:spec_decode_num_draft_tokens_total{model_name="m"} 10' in text
-    assert 'dcpgraph:spec_decode_num_accepted_tokens_total{model_name="m"} 6' in text
-    assert 'dcpgraph:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1' in text
+    assert samples(text, "vllm:spec_decode_num_drafts_total", model_name="m") == [4]
+    assert samples(text, "vllm:spec_decode_num_draft_tokens_total", model_name="m") == [10]
+    assert samples(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="m") == [6]
+    assert samples(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position="2") == [1]
     assert "spec_decode" not in Metrics("m").render({**snapshot, "speculative": {}})
 
 
@@ -99,7 +100,6 @@ def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_p
     """``dcpgraph serve --speculative-config`` (a draft directory) answers like HF and its
     /metrics counts drafts once the engine loop refreshed its snapshot."""
     import json
-    import re
     import time
 
     import httpx
@@ -119,11 +119,11 @@ def test_serve_with_speculative_config_reports_acceptance(dirs, reference, tmp_p
         deadline, drafted = time.monotonic() + 30, []
         while time.monotonic() < deadline:
             text = httpx.get(server.url + "/metrics", timeout=10).text
-            drafted = re.findall(r"^dcpgraph:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+            drafted = samples(text, "vllm:spec_decode_num_draft_tokens_total")
             if drafted and float(drafted[0]) > 0:
                 break
             time.sleep(0.5)
-        accepted = re.findall(r"^dcpgraph:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        accepted = samples(text, "vllm:spec_decode_num_accepted_tokens_total")
         assert drafted and float(drafted[0]) > 0 and accepted == drafted  # the target as draft: all accepted
 
 

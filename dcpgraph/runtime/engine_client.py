@@ -85,8 +85,20 @@ register_rank_op("process.report", lambda engine: {}, _process_report)
 on rank 0)."""
 
 
-# the engine's own rank ops (every rank runs the same one, so a worker process has them too)
+# the engine's own rank ops: driver halves only (they act on the one scheduler and block manager)
 register_rank_op("reset_prefix_cache", lambda engine: engine.reset_prefix_cache())
+
+
+WAITING_IDS = "waiting_request_ids"
+
+
+def _waiting_request_ids(engine) -> list[int]:
+    """Ids of the requests the engine's scheduler has queued but not (re-)admitted, in queue order
+    (the serving layer's queue-time metric: a request leaves this list when first scheduled)."""
+    return [r.id for r in engine.scheduler.waiting]
+
+
+register_rank_op(WAITING_IDS, _waiting_request_ids)
 
 
 class EngineClient(abc.ABC):

@@ -28,14 +28,15 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import KVTransferError, RequestError
 from ..runtime.sampling_params import MAX_LOGPROBS
 from .engine_loop import EngineDeadError, EngineLoop, Piece
+from .generation_defaults import generation_defaults, with_defaults
 from .logprobs import chat_logprobs, completion_logprobs
-from .metrics import Metrics, cache_config_info
+from .metrics import CONTENT_TYPE, Metrics, cache_config_info
 from .prompts import Prompt, chat_prompt, encode_prompt, truncated
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tokenization import (
@@ -187,7 +188,9 @@ class OpenAIServer:
         self.chat_template = options.chat_template
         self.in_flight = 0  # completion and chat requests being answered (CountInFlight)
         self.generated = 0  # tokens sent to clients (for the stats line)
-        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()))
+        self.sampling_defaults = generation_defaults(llm.settings.model.model, llm.settings.serving.generation_config)
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()),
+                               max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
     @contextlib.asynccontextmanager
@@ -291,8 +294,7 @@ class OpenAIServer:
         return {**(self.kv_agent.stats if self.kv_agent else {"role": None}), "prompt_tokens_computed": computed}
 
     async def prometheus(self):
-        return PlainTextResponse(self.metrics.render(self.engine_loop.snapshot()),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(self.engine_loop.snapshot()), media_type=CONTENT_TYPE)
 
     # -- request handling -----------------------------------------------------------------------
 
@@ -332,7 +334,8 @@ class OpenAIServer:
         """The request's :class:`SamplingParams`, its ``bad_words`` tokenized, every token id it
         names checked against the model's vocabulary (400 otherwise)."""
         try:
-            params = body.sampling_params(limit)
+            given = {k for k in body.model_fields_set if getattr(body, k) is not None}
+            params = with_defaults(body.sampling_params(limit), given, self.sampling_defaults)
             params.update_from_tokenizer(self.llm.tokenizer)
             params.check_vocab(self.llm.info.vocab_size)
         except ValueError as err:
@@ -358,6 +361,7 @@ class OpenAIServer:
         ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
         params = self.sampling_params(body, limit)
         prompts[:] = [truncated(p, params, self.llm.max_model_len) for p in prompts]
+        log.debug("request %s: sampling %s", log_id, params)
         self.check_lengths(prompts, limit)
         kv = body.kv_transfer_params
         if kv is not None:
@@ -384,17 +388,27 @@ class OpenAIServer:
                       for p in prompts])
         return out, submitted
 
-    async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str):
+    def _parent_done(self, prompt: int, n: int, open_choices: dict, generated: dict) -> None:
+        """Report prompt ``prompt``'s request (choices ``prompt·n`` to ``prompt·n + n − 1``, vLLM's
+        parent request) to the metrics once all its choices have finished."""
+        group = range(prompt * n, prompt * n + n)
+        if not any(c in open_choices for c in group):
+            self.metrics.parent_done(n, max(generated[c] for c in group))
+
+    async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str, n: int = 1):
         """Every piece of every choice until all finish; aborts what is left if the consumer stops."""
         open_choices = {choice: rid for rid, choice in submitted}
+        generated = dict.fromkeys(open_choices, 0)
         try:
             while open_choices:
                 piece: Piece = await out.get()
                 if piece.error is not None:
                     open_choices.clear()
                     raise ApiError(503, f"the engine failed: {piece.error}", "service_unavailable")
+                generated[piece.choice] += len(piece.token_ids)
                 if piece.finished:
                     open_choices.pop(piece.choice, None)
+                    self._parent_done(piece.choice // n, n, open_choices, generated)
                 yield piece
         finally:
             for rid in open_choices.values():
@@ -408,9 +422,10 @@ class OpenAIServer:
         reply = _Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
         headers = {"X-Request-Id": log_id}
         if not body.stream:
-            whole = await _unless_disconnected(request, reply.whole(self.pieces(out, submitted, log_id)))
+            whole = await _unless_disconnected(request, reply.whole(self.pieces(out, submitted, log_id, body.n)))
             return JSONResponse(whole, headers=headers) if whole is not None else Response(status_code=499)
-        return StreamingResponse(reply.events(self.pieces(out, submitted, log_id)), media_type="text/event-stream",
+        return StreamingResponse(reply.events(self.pieces(out, submitted, log_id, body.n)),
+                                 media_type="text/event-stream",
                                  headers=headers)
 
 

@@ -54,9 +54,6 @@ def server_options(settings: DcpgraphConfig):
     if settings.cache.gpu_memory_utilization is not None:
         log.warning("--gpu-memory-utilization %s is ignored: the KV cache is sized by --num-gpu-blocks-override, "
                     "--kv-cache-tokens or --kv-cache-memory-bytes", settings.cache.gpu_memory_utilization)
-    if serving.generation_config != "vllm":
-        log.warning("--generation-config %s: generation_config.json sampling defaults are not applied yet; requests "
-                    "use vLLM's neutral defaults (as --generation-config vllm)", serving.generation_config)
     template = read_chat_template(serving.chat_template) if serving.chat_template else None
     return ServerOptions(chat_template=template, max_logprobs=serving.max_logprobs,
                          log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests)

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import DcpGraphError
+from ..runtime.engine_client import WAITING_IDS
 from .detokenizer import TextStream
-from .metrics import Metrics
+from .metrics import FinishedRequest, Metrics
 from .params import SamplingParams
 
 log = logging.getLogger("dcpgraph.serving")
@@ -55,6 +56,8 @@ class _Live:
     prompt_tokens: int
     log_id: str
     arrived: float
+    max_tokens: int | None = None
+    scheduled: float | None = None  # the start of the engine step that first scheduled it
     first: float | None = None
     last: float | None = None
     produce: bool = False  # P/D producer: hold the KV after the first token instead of finishing
@@ -70,7 +73,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}
         self._snapshot = {"running": 0, "waiting": 0, "kv_usage": [0.0] * llm.config.tensor_parallel_size,
-                          "prefix_cache": {}}
+                          "kv_blocks": [], "prefix_cache": {}, "scheduler": {}}
         self._snapshot_at = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcpgraph-engine-loop", daemon=True)
@@ -148,6 +151,7 @@ class EngineLoop:
             if live is not None and self.error is None:
                 self.engine.abort(command[1])
                 log.info("request %s: aborted (client went away)", live.log_id)
+                self._record(live, "abort")
             return
         _, prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done, kv = command
         if self.error is not None:
@@ -166,28 +170,34 @@ class EngineLoop:
             loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(str(err)))
             raise
         live = _Live(choice, TextStream(self.llm.tokenizer, params, self.llm.eos_token_ids), loop, out,
-                     len(prompt_ids), log_id, time.monotonic(), produce=produce)
+                     len(prompt_ids), log_id, time.monotonic(), max_tokens=max_tokens, produce=produce)
         self._live[rid] = live
         loop.call_soon_threadsafe(_set_result, done, rid)
         if received:  # the producer's tokens are this response's first ones
-            live.first = live.last = time.monotonic()
+            live.scheduled = live.first = live.last = time.monotonic()
+            self.metrics.first_token(live.first - live.arrived)
+            self.metrics.step_done(live.prompt_tokens, len(received))
             piece = Piece(choice, "".join(live.stream.add(t, False) for t in received), list(received))
             if live.stream.finished:  # only a stop condition the producer did not apply ends it here
                 piece.finished, piece.finish_reason = True, live.stream.finish_reason
                 del self._live[rid]
                 self.engine.abort(rid)
+                self._record(live, live.stream.finish_reason)
             _post(loop, out, piece)
 
     def _step(self) -> None:
+        started = time.monotonic()
+        events = self.engine.step()
+        now = time.monotonic()
+        self._mark_scheduled(started)
         pieces: dict[int, tuple[_Live, Piece]] = {}
-        for event in self.engine.step():
+        for event in events:
             rid, token, engine_finished = event
             live = self._live.get(rid)
             if live is None:  # aborted, or already ended by a stop string earlier in this step
                 continue
-            now = time.monotonic()
-            live.first = live.first or now
-            live.last = now
+            if rid not in pieces:
+                self._timing(live, started, now)
             _, piece = pieces.setdefault(rid, (live, Piece(live.choice)))
             piece.text += live.stream.add(token, engine_finished or live.produce)
             piece.token_ids.append(token)
@@ -200,35 +210,58 @@ class EngineLoop:
                     piece.kv_transfer_params = self.kv_agent.hold(rid)
                 elif not engine_finished:
                     self.engine.abort(rid)
-                self._record(live)
+                self._record(live, live.stream.finish_reason)
+        prompt_tokens = sum(live.prompt_tokens for live, piece in pieces.values()
+                            if len(live.stream.token_ids) == len(piece.token_ids))  # their first tokens
+        self.metrics.step_done(prompt_tokens, sum(len(p.token_ids) for _, p in pieces.values()))
         for live, piece in pieces.values():
             _post(live.loop, live.out, piece)
 
-    def _record(self, live: _Live) -> None:
-        n = len(live.stream.token_ids)
-        ttft = live.first - live.arrived if live.first else None
-        tpot = (live.last - live.first) / (n - 1) if n > 1 else None
-        self.metrics.request_done(live.prompt_tokens, n, live.stream.finish_reason, ttft, tpot)
-        log.info("request %s: finished (%s), %d prompt + %d generated tokens", live.log_id,
-                 live.stream.finish_reason, live.prompt_tokens, n)
+    def _mark_scheduled(self, started: float) -> None:
+        """Stamp ``scheduled`` (the start of this step) on every live request the engine has taken
+        from its waiting queue; asks the engine only while some request is not stamped yet."""
+        unstamped = [live for live in self._live.values() if live.scheduled is None]
+        if not unstamped:
+            return
+        waiting = set(self.engine.rank_call(WAITING_IDS, {})[0])
+        for rid, live in self._live.items():
+            if live.scheduled is None and rid not in waiting:
+                live.scheduled = started
+
+    def _timing(self, live: _Live, started: float, now: float) -> None:
+        """A step emitted tokens for ``live``: its first token (TTFT) or one more inter-token gap."""
+        if live.first is None:
+            live.scheduled = live.scheduled or started
+            live.first = now
+            self.metrics.first_token(now - live.arrived)
+        else:
+            self.metrics.inter_token(now - live.last)
+        live.last = now
+
+    def _record(self, live: _Live, reason: str) -> None:
+        """Report a finished or aborted request's phases (see :class:`~.metrics.FinishedRequest`)."""
+        now, first = time.monotonic(), live.first
+        self.metrics.request_done(FinishedRequest(
+            finish_reason=reason, prompt_tokens=live.prompt_tokens, generation_tokens=len(live.stream.token_ids),
+            e2e=now - live.arrived, queued=None if live.scheduled is None else live.scheduled - live.arrived,
+            prefill=None if first is None else first - live.scheduled,
+            decode=None if first is None else live.last - first, max_tokens=live.max_tokens))
+        log.info("request %s: finished (%s), %d prompt + %d generated tokens", live.log_id, reason,
+                 live.prompt_tokens, len(live.stream.token_ids))
 
     def _refresh_snapshot(self) -> None:
         now = time.monotonic()
         idle_changed = not self._live and self._snapshot["running"] + self._snapshot["waiting"] > 0
         if self.error is not None or (now - self._snapshot_at < SNAPSHOT_EVERY_S and not idle_changed):
             return
-        running = sum(1 for v in self._live.values() if v.first is not None)
-        self._snapshot = {"running": running, "waiting": len(self._live) - running,
-                          "kv_usage": self.llm.kv_usage_per_rank(),
-                          "prefix_cache": self.engine.memory_report()["prefix_cache"],
-                          "speculative": self._speculative()}
+        running = sum(1 for v in self._live.values() if v.scheduled is not None)
+        blocks = [(int(u), int(t)) for u, t in self.engine.kv_usage_per_rank()]
+        report = self.engine.report()
+        self._snapshot = {"running": running, "waiting": len(self._live) - running, "kv_blocks": blocks,
+                          "kv_usage": [u / t if t else 0.0 for u, t in blocks],
+                          "prefix_cache": report["prefix_cache"], "scheduler": report["scheduler"],
+                          "speculative": report["speculative"] if self.llm.settings.speculative.checked else {}}
         self._snapshot_at = now
-
-    def _speculative(self) -> dict:
-        """The engine's acceptance statistics, or ``{}`` without speculation."""
-        if self.llm.settings.speculative.checked is None:
-            return {}
-        return self.engine.report()["speculative"]
 
     def _fail(self, err: Exception) -> None:
         self.error = f"{type(err).__name__}: {err}"

@@ -4,7 +4,6 @@ counters read from a running ``dcpgraph serve`` (bounded waits)."""
 from __future__ import annotations
 
 import json
-import re
 import time
 
 SERVE_ARGS = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "256", "--served-model-name", "tiny",
@@ -22,11 +21,11 @@ def kv_config(role: str, rank: int, size: int, port: int, **extra) -> str:
     return json.dumps(config)
 
 
-def metric(server, name: str) -> list[float]:
-    import httpx
+def kv_usage(server) -> list[float]:
+    """The engine's ``vllm:kv_cache_usage_perc`` and each rank's ``dcpgraph:kv_cache_usage_perc_per_rank``."""
+    from .prometheus import scrape
 
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return [float(v) for v in re.findall(rf"^dcpgraph:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return scrape(server, "vllm:kv_cache_usage_perc") + scrape(server, "dcpgraph:kv_cache_usage_perc_per_rank")
 
 
 def kv_stats(server) -> dict:
@@ -41,7 +40,7 @@ def wait_kv_free(*servers, timeout_s: float = 60) -> None:
     time.sleep(SNAPSHOT_PERIOD_S)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(set(metric(s, "kv_cache_usage_perc")) == {0.0} for s in servers):
+        if all(set(kv_usage(s)) == {0.0} for s in servers):
             return
         time.sleep(0.25)
-    raise AssertionError(f"KV blocks still in use: {[metric(s, 'kv_cache_usage_perc') for s in servers]}")
+    raise AssertionError(f"KV blocks still in use: {[kv_usage(s) for s in servers]}")

@@ -92,10 +92,14 @@ def measure_all(quick: bool) -> dict:
 
 
 def run_baseline(directory: str, quick: bool) -> dict:
-    """This script's measurement on the checkout at ``directory``, in a subprocess."""
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(directory)}
+    """This script's measurement on the checkout at ``directory``, in a subprocess run from that
+    directory (the worker processes' fork server puts its working directory first on ``sys.path``)."""
+    directory = os.path.abspath(directory)
     cmd = [sys.executable, os.path.abspath(__file__), "--json"] + (["--quick"] if quick else [])
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": directory}, cwd=directory, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"the baseline run failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -138,6 +138,9 @@ class ParallelConfig(_Section):
     distributed_executor_backend: str | None = setting(
         None, "where tp > 1 ranks run: worker processes (mp, the default) or emulated in this process",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS[1:], option=None)
+    data_parallel_size: int = setting(1, "replicas of the deployment (each tp ranks with its own scheduler and KV "
+                                         "cache) behind one server", flags=("--data-parallel-size", "-dp"),
+                                      option=None, low=1)
     nnodes: int = setting(1, "machines the tensor-parallel ranks span (tp ranks split evenly over them)",
                           option=None, low=1)
     node_rank: int = setting(0, "this machine's index among --nnodes: 0 is the head (the server, rank 0's "
@@ -167,6 +170,19 @@ class ParallelConfig(_Section):
         ):
             raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
 
+    def _validate_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.nnodes > 1:
+            raise ConfigError(f"data_parallel_size={dp} with nnodes={self.nnodes}: replicas over several machines "
+                              "are not supported yet; use one or the other")
+        if self.distributed_executor_backend == "emulated":
+            raise ConfigError(f"data_parallel_size={dp} runs each replica in its own worker processes; "
+                              "distributed_executor_backend='emulated' cannot")
+        if self.enable_expert_parallel:
+            raise ConfigError(f"data_parallel_size={dp} with enable_expert_parallel: experts partitioned across "
+                              "the replicas (DP attention + EP) are not supported yet, and partitioning within each "
+                              "replica is not what that flag means in vLLM; drop one of them")
+
     def _validate_nodes(self) -> None:
         nnodes, node, tp = self.nnodes, self.node_rank, self.tensor_parallel_size
         if not 0 <= node < nnodes:
@@ -179,6 +195,8 @@ class ParallelConfig(_Section):
         if node == 0 and self.headless:
             raise ConfigError("--headless is for the nodes other than the head: node_rank=0 runs the server "
                               "and rank 0's engine")
+        if self.data_parallel_size > 1:
+            self._validate_data_parallel()
         if nnodes > 1 and self.distributed_executor_backend == "emulated":
             raise ConfigError("distributed_executor_backend='emulated' runs every rank in one process: "
                               "it cannot span nnodes > 1")

@@ -34,6 +34,7 @@ from ..errors import ConfigError, RequestError
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
 from ..speculative.mtp_module import check_mtp_weights
+from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
 from .logprobs import vllm_logprobs
@@ -144,13 +145,28 @@ class LLM:
         self.eos_token_ids = checked.info.eos_token_ids
         in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
         self._next_request = 0
-        if tp == 1 or in_world:
+        if parallel.data_parallel_size > 1:
+            self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
+        elif tp == 1 or in_world:
             self.engine = build_engine(self.config, "auto")
         elif parallel.distributed_executor_backend == "emulated":
             self.engine = build_engine(self.config, "emulated")
         else:
             self.engine = RemoteEngine(self.config, host=settings.serving.worker_host,
                                        timeout_s=settings.serving.worker_timeout_s, layout=NodeLayout.of(parallel))
+
+    def _replicas(self, count: int) -> list[RemoteEngine]:
+        """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started ones)."""
+        replicas: list[RemoteEngine] = []
+        try:
+            for _ in range(count):
+                replicas.append(RemoteEngine(self.config, host=self.settings.serving.worker_host,
+                                             timeout_s=self.settings.serving.worker_timeout_s))
+        except BaseException:
+            for replica in replicas:
+                replica.close()
+            raise
+        return replicas
 
     # -- generation --------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -254,7 +270,7 @@ LLM_ARGUMENTS = tuple(p for p in signature(LLM.__init__).parameters if p not in 
 _ALWAYS = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size",
            "max_model_len", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "worker_host")
 # where the ranks run across machines (the parallel section's fields LLM takes by keyword)
-NODE_FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "headless")
+NODE_FIELDS = ("data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "headless")
 # what EngineConfig carries in its own fields, by compile's names
 _ENGINE_CONFIG_OPTIONS = ("tp", "dcp", "interleave", "block_size", "max_model_len", "enable_prefix_caching",
                           "max_num_seqs", "max_num_batched_tokens")

@@ -295,25 +295,33 @@ class RemoteEngine(EngineClient):
 
     def _call(self, message: dict) -> dict:
         """``message`` to rank 0 and its reply; a lost or silent worker kills the group."""
+        self._send(message)
+        return self._reply(message["op"])
+
+    def _send(self, message: dict) -> None:
         if self.dead:
             raise WorkerDiedError(self.dead)
-        driver = self.conns[0]
         try:
-            driver.send(message)
-            reply = receive(driver, timeout_s=self.timeout_s, alive=self._alive)
+            self.conns[0].send(message)
+        except OSError as err:
+            self._fail(message["op"], err)
+
+    def _reply(self, op: str) -> dict:
+        try:
+            reply = receive(self.conns[0], timeout_s=self.timeout_s, alive=self._alive)
         except (ConnectionLostError, OSError, TimeoutError) as err:
-            self.dead = (f"worker group failed during {message['op']!r}: {err} (exit codes {self.exit_codes()})"
-                         f"{self._reported_errors()}")
-            self.close()
-            raise WorkerDiedError(self.dead) from None
+            self._fail(op, err)
         if "error" in reply:
             if not self._alive():  # a rank went away during the call: rank 0's collectives failed
-                self.dead = (f"worker group failed during {message['op']!r}: a rank is gone (exit codes here "
-                             f"{self.exit_codes()}){self._reported_errors()}; rank 0: {reply['error']['message']}")
-                self.close()
-                raise WorkerDiedError(self.dead)
+                self._fail(op, f"a rank is gone; rank 0: {reply['error']['message']}")
             raise_error_record(reply["error"])
         return reply
+
+    def _fail(self, op: str, err) -> None:
+        self.dead = (f"worker group failed during {op!r}: {err} (exit codes here {self.exit_codes()})"
+                     f"{self._reported_errors()}")
+        self.close()
+        raise WorkerDiedError(self.dead) from None
 
     # -- Engine's interface ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params=None, **sampling: Any) -> int:
@@ -324,7 +332,16 @@ class RemoteEngine(EngineClient):
 
     def step(self) -> list[StepEvent]:
         """Rank 0's events: the one scheduler's step, run on every rank."""
-        reply = self._call({"op": "step"})
+        self.begin_step()
+        return self.end_step()
+
+    def begin_step(self) -> None:
+        """Start a step without waiting for it (several groups step at once: data parallelism)."""
+        self._send({"op": "step"})
+
+    def end_step(self) -> list[StepEvent]:
+        """The events of the step :meth:`begin_step` started."""
+        reply = self._reply("step")
         self.last_step_rank_seconds = [float(reply["seconds"])]
         self.last_step_broadcast_seconds = float(reply["broadcast_seconds"])
         return [StepEvent(r, t, f, lp) for r, t, f, lp in reply["events"]]

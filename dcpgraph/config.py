@@ -138,12 +138,26 @@ class ParallelConfig(_Section):
     distributed_executor_backend: str | None = setting(
         None, "where tp > 1 ranks run: worker processes (mp, the default) or emulated in this process",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS[1:], option=None)
+    data_parallel_size: int = setting(1, "replicas of the deployment (each tp ranks with its own scheduler and KV "
+                                         "cache) behind one server", flags=("--data-parallel-size", "-dp"),
+                                      option=None, low=1)
+    nnodes: int = setting(1, "machines the tensor-parallel ranks span (tp ranks split evenly over them)",
+                          option=None, low=1)
+    node_rank: int = setting(0, "this machine's index among --nnodes: 0 is the head (the server, rank 0's "
+                                "engine), the others run --headless", option=None, low=0)
+    master_addr: str = setting("127.0.0.1", "the head's address every node reaches (with --nnodes > 1)",
+                               option=None)
+    master_port: int = setting(29501, "the head's port for the ranks' rendezvous (with --nnodes > 1); the "
+                                      "head's worker connections listen on the next port", option=None, low=1)
+    headless: bool = setting(False, "run this node's share of worker ranks only (every node but the head)",
+                             option=None)
     executor: str = setting("auto", "compile's executor: auto, emulated or distributed (LLM picks it per process)",
                             cli=False)
     plan: Any = setting(None, "TP plan for plain modules: module-path pattern -> rule name", cli=False)
 
     def _validate(self) -> None:
         Mesh(self.tensor_parallel_size, self.decode_context_parallel_size)  # "tp must be a positive int, ..."
+        self._validate_nodes()
         if self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {self.executor!r}")
         backend = self.distributed_executor_backend
@@ -155,6 +169,37 @@ class ParallelConfig(_Section):
             isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
         ):
             raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
+
+    def _validate_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.nnodes > 1:
+            raise ConfigError(f"data_parallel_size={dp} with nnodes={self.nnodes}: replicas over several machines "
+                              "are not supported yet; use one or the other")
+        if self.distributed_executor_backend == "emulated":
+            raise ConfigError(f"data_parallel_size={dp} runs each replica in its own worker processes; "
+                              "distributed_executor_backend='emulated' cannot")
+        if self.enable_expert_parallel:
+            raise ConfigError(f"data_parallel_size={dp} with enable_expert_parallel: experts partitioned across "
+                              "the replicas (DP attention + EP) are not supported yet, and partitioning within each "
+                              "replica is not what that flag means in vLLM; drop one of them")
+
+    def _validate_nodes(self) -> None:
+        nnodes, node, tp = self.nnodes, self.node_rank, self.tensor_parallel_size
+        if not 0 <= node < nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes={nnodes}), got {node}")
+        if tp % nnodes:
+            raise ConfigError(f"tensor_parallel_size={tp} ranks do not split evenly over nnodes={nnodes}; "
+                              f"use nnodes in {[n for n in range(1, tp + 1) if tp % n == 0]}")
+        if node > 0 and not self.headless:
+            raise ConfigError(f"node_rank={node} runs worker ranks only: add --headless (node 0 is the head)")
+        if node == 0 and self.headless:
+            raise ConfigError("--headless is for the nodes other than the head: node_rank=0 runs the server "
+                              "and rank 0's engine")
+        if self.data_parallel_size > 1:
+            self._validate_data_parallel()
+        if nnodes > 1 and self.distributed_executor_backend == "emulated":
+            raise ConfigError("distributed_executor_backend='emulated' runs every rank in one process: "
+                              "it cannot span nnodes > 1")
 
 
 @dataclass(frozen=True)

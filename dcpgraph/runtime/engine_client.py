@@ -136,6 +136,15 @@ class EngineClient(abc.ABC):
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         """``(blocks in use, blocks allocated)`` per rank (cached-free prefix blocks count as free)."""
 
+    def begin_step(self) -> None:
+        """Start :meth:`step` (a client whose ranks run elsewhere returns at once; the rest run it
+        here); :meth:`end_step` gives its events. Lets several clients step at the same time."""
+        self._begun = self.step()
+
+    def end_step(self) -> list[StepEvent]:
+        events, self._begun = self._begun, []
+        return events
+
     def healthy(self) -> bool:
         """Whether every rank can still serve (a worker group whose process died cannot)."""
         return True

@@ -59,6 +59,16 @@ def server_options(settings: DcpgraphConfig):
                          log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests)
 
 
+def run_headless_node(settings: DcpgraphConfig) -> int:
+    """``--headless``: check the model directory as the head does, then run this node's ranks until
+    the head stops them (:func:`~.nodes.run_headless`)."""
+    from .llm import checked_checkpoint
+    from .nodes import NodeLayout, run_headless
+
+    checked = checked_checkpoint(settings)
+    return run_headless(checked.config, NodeLayout.of(settings.parallel), timeout_s=settings.serving.worker_timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = DcpgraphConfig.from_cli_args(args)  # every flag checked, before any work
+        if settings.parallel.headless:
+            return run_headless_node(settings)
         serving = settings.serving
         options = server_options(settings)
         kv_config = parse_kv_transfer_config(serving.kv_transfer_config) if serving.kv_transfer_config else None

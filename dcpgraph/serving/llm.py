@@ -20,6 +20,7 @@ given the same calls reproduces the same tokens; ``seed`` is kept for vLLM's sig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from inspect import signature
 from typing import Any
 
@@ -33,9 +34,11 @@ from ..errors import ConfigError, RequestError
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
 from ..speculative.mtp_module import check_mtp_weights
+from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
 from .logprobs import vllm_logprobs
+from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt, truncated
@@ -68,6 +71,51 @@ def check_mtp_checkpoint(path: str) -> None:
     check_mtp_weights(path)
 
 
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """A model directory checked against the configuration: its tokenizer, what
+    :func:`~dcpgraph.checkpoints.model_dir.inspect_checkpoint` found, and the record every rank
+    builds its engine from."""
+
+    tokenizer: Any
+    info: Any
+    config: EngineConfig
+
+
+def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
+    """Every check that can fail before a rank starts (the directory, the MTP layer, the tokenizer
+    against the model, the mesh, the context length, a draft model), and the engine record."""
+    model, parallel, cache, scheduler = settings.model.model, settings.parallel, settings.cache, settings.scheduler
+    spec = settings.speculative
+    require_model_dir(model)
+    if spec.checked is not None and spec.checked.method == "mtp":
+        check_mtp_checkpoint(model)
+    tokenizer = load_tokenizer(settings.model.tokenizer or model, trust_remote_code=settings.model.trust_remote_code)
+    tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
+    interleave = parallel.cp_kv_cache_interleave_size
+    info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
+                              interleave=interleave, tokenizer=tokenizer)
+    limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    max_model_len = scheduler.max_model_len
+    if max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    elif not 0 < max_model_len <= limit:
+        raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                          f"got {max_model_len}")
+    engine_options = _engine_options(settings)
+    if spec.speculative_config is not None:
+        engine_options["speculative_config"] = check_speculative_config(
+            spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
+            interleave=interleave, tokenizer=tokenizer)
+    config = EngineConfig(
+        model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=int(max_model_len),
+        enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, engine_options=engine_options,
+    )
+    return CheckedCheckpoint(tokenizer, info, config)
+
+
 class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
@@ -88,49 +136,37 @@ class LLM:
             worker_timeout_s=worker_timeout_s, speculative_config=speculative_config,
             trust_remote_code=trust_remote_code, **engine_options,
         )  # every option checked, before the model directory is read
-        parallel, cache, scheduler = settings.parallel, settings.cache, settings.scheduler
-        spec = settings.speculative
-        require_model_dir(model)
-        if spec.checked is not None and spec.checked.method == "mtp":
-            check_mtp_checkpoint(model)
-        self.tokenizer = load_tokenizer(settings.model.tokenizer or model,
-                                        trust_remote_code=settings.model.trust_remote_code)
-        tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
-        interleave = parallel.cp_kv_cache_interleave_size
-        info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
-                                  interleave=interleave, tokenizer=self.tokenizer)
-        limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
-        max_model_len = scheduler.max_model_len
-        if max_model_len is None:
-            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-        elif not 0 < max_model_len <= limit:
-            raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
-                              f"got {max_model_len}")
-        engine_options = _engine_options(settings)
-        if spec.speculative_config is not None:
-            engine_options["speculative_config"] = check_speculative_config(
-                spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
-                interleave=interleave, tokenizer=self.tokenizer)
-        self.info = info
+        parallel = settings.parallel
+        tp = parallel.tensor_parallel_size
+        checked = checked_checkpoint(settings)
+        self.tokenizer, self.info, self.config = checked.tokenizer, checked.info, checked.config
         self.seed = settings.model.seed
-        self.max_model_len = int(max_model_len)
-        self.eos_token_ids = info.eos_token_ids
-        self.config = EngineConfig(
-            model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-            cp_kv_cache_interleave_size=interleave, block_size=cache.block_size,
-            max_model_len=self.max_model_len, enable_prefix_caching=cache.enable_prefix_caching,
-            max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-            engine_options=engine_options,
-        )
+        self.max_model_len = checked.config.max_model_len
+        self.eos_token_ids = checked.info.eos_token_ids
         in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
         self._next_request = 0
-        if tp == 1 or in_world:
+        if parallel.data_parallel_size > 1:
+            self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
+        elif tp == 1 or in_world:
             self.engine = build_engine(self.config, "auto")
         elif parallel.distributed_executor_backend == "emulated":
             self.engine = build_engine(self.config, "emulated")
         else:
             self.engine = RemoteEngine(self.config, host=settings.serving.worker_host,
-                                       timeout_s=settings.serving.worker_timeout_s)
+                                       timeout_s=settings.serving.worker_timeout_s, layout=NodeLayout.of(parallel))
+
+    def _replicas(self, count: int) -> list[RemoteEngine]:
+        """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started ones)."""
+        replicas: list[RemoteEngine] = []
+        try:
+            for _ in range(count):
+                replicas.append(RemoteEngine(self.config, host=self.settings.serving.worker_host,
+                                             timeout_s=self.settings.serving.worker_timeout_s))
+        except BaseException:
+            for replica in replicas:
+                replica.close()
+            raise
+        return replicas
 
     # -- generation --------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -233,6 +269,8 @@ class LLM:
 LLM_ARGUMENTS = tuple(p for p in signature(LLM.__init__).parameters if p not in ("self", "model", "engine_options"))
 _ALWAYS = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size",
            "max_model_len", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "worker_host")
+# where the ranks run across machines (the parallel section's fields LLM takes by keyword)
+NODE_FIELDS = ("data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "headless")
 # what EngineConfig carries in its own fields, by compile's names
 _ENGINE_CONFIG_OPTIONS = ("tp", "dcp", "interleave", "block_size", "max_model_len", "enable_prefix_caching",
                           "max_num_seqs", "max_num_batched_tokens")
@@ -247,6 +285,7 @@ def llm_kwargs(settings: DcpgraphConfig) -> dict[str, Any]:
     fields = config_fields()
     taken = {option_name(fields[name][1]) for name in LLM_ARGUMENTS}
     out.update({k: v for k, v in settings.changed_compile_options().items() if k not in taken})
+    out.update({k: values[k] for k in NODE_FIELDS if values[k] != defaults[k]})
     return out
 
 

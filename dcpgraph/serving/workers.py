@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import secrets
 import threading
 import time
 import traceback
@@ -35,12 +34,12 @@ import torch
 from .. import errors
 from ..api import engine_for
 from ..runtime.engine_client import EngineClient
-from ..runtime.ports import free_port
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
 from ..runtime.step_broadcast import ControlGroup, driver_executors, follow
 from .engine_config import EngineConfig, compile_rank
 from .kv_connector import rank_ops  # noqa: F401  (registers the KV transfer's rank ops on every worker)
+from .nodes import NodeLayout
 
 POLL_S = 0.25
 
@@ -122,17 +121,31 @@ def _follow(conn: Connection, control: ControlGroup, compiled) -> None:
         os._exit(1)
 
 
-def worker_main(rank: int, world: int, dist_port: int, front_end: tuple[str, int], authkey: bytes, config: dict,
-                timeout_s: float) -> None:
+def _connect(front_end: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """The front end's connection; retried while it is not listening yet (a headless node can start
+    before the head)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(front_end, authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end: tuple[str, int], authkey: bytes,
+                config: dict, timeout_s: float) -> None:
     """A rank: connect to the front end, join the world, compile; then rank 0 builds the engine and
     answers calls, the others follow it."""
     torch.set_num_threads(1)
-    conn = Client(front_end, authkey=authkey)
+    conn = _connect(front_end, authkey, timeout_s)
     conn.send({"rank": rank, "pid": os.getpid()})
     try:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{front_end[0]}:{dist_port}",
+        host, port = world_address
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{host}:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
         control = ControlGroup()
         compiled = compile_rank(EngineConfig.from_json(config), executor="distributed")
@@ -147,6 +160,25 @@ def worker_main(rank: int, world: int, dist_port: int, front_end: tuple[str, int
         _drive(conn, engine, control)
     else:
         _follow(conn, control, compiled)
+
+
+def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: tuple[str, int],
+                  front_end: tuple[str, int], authkey: bytes, timeout_s: float, start_method: str | None = None):
+    """Start one process per rank of ``ranks`` (:func:`worker_main`); returns them, started."""
+    import torch.multiprocessing as mp
+
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
+                         args=(rank, config.tensor_parallel_size, world_address, front_end, authkey,
+                               config.to_json(), timeout_s))
+             for rank in ranks]
+    for proc in procs:
+        proc.start()
+    return procs
 
 
 # -- the front end ------------------------------------------------------------------------------
@@ -173,37 +205,30 @@ class RemoteEngine(EngineClient):
     """The front end's handle on a worker group: calls go to rank 0, where the engine is."""
 
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 start_method: str | None = None):
-        import torch.multiprocessing as mp
-
+                 start_method: str | None = None, layout: NodeLayout | None = None):
+        layout = layout or NodeLayout()
         self.config = config
         self.timeout_s = timeout_s
         self.dead: str | None = None
+        self.started = False  # every rank said it is ready (from then on a follower's message means failure)
         self.last_step_rank_seconds: list[float] = []  # rank 0's own time in its last step
         self.last_step_broadcast_seconds = 0.0  # of which broadcasting the step to the other ranks
         world = config.tensor_parallel_size
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
-        authkey = secrets.token_bytes(32)
-        listener = Listener((host, 0), authkey=authkey)
-        dist_port = free_port(host)
-        self.procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
-                                  args=(rank, world, dist_port, listener.address, authkey, config.to_json(),
-                                        timeout_s))
-                      for rank in range(world)]
+        authkey = layout.authkey()
+        listener = Listener(layout.front_end_address(host), authkey=authkey)
         self.conns: list[Connection | None] = [None] * world
         self.pids: list[int] = [0] * world
+        self.procs = []
         try:
-            for proc in self.procs:
-                proc.start()
+            self.procs = start_workers(config, layout.local_ranks(world), world_address=layout.world_address(host),
+                                       front_end=listener.address, authkey=authkey, timeout_s=timeout_s,
+                                       start_method=start_method)
             self._accept(listener, time.monotonic() + timeout_s)
             for conn in self.conns:
                 hello = receive(conn, timeout_s=timeout_s, alive=self._alive)
                 if not hello["ok"]:
                     raise_error_record(hello["error"])
+            self.started = True
         except (ConnectionLostError, TimeoutError) as err:
             self.close()
             raise WorkerDiedError(f"the worker group failed to start: {err} (exit codes {self.exit_codes()})"
@@ -220,7 +245,7 @@ class RemoteEngine(EngineClient):
         accepted: queue.Queue = queue.Queue()
 
         def accept_all() -> None:
-            for _ in self.procs:
+            for _ in self.conns:
                 try:
                     accepted.put(listener.accept())
                 except (OSError, EOFError) as err:  # the listener closed, or a bad handshake
@@ -228,7 +253,7 @@ class RemoteEngine(EngineClient):
                     return
 
         threading.Thread(target=accept_all, daemon=True, name="dcpgraph-accept").start()
-        for _ in self.procs:
+        for _ in self.conns:
             while True:
                 try:
                     conn = accepted.get(timeout=POLL_S)
@@ -245,7 +270,12 @@ class RemoteEngine(EngineClient):
             self.pids[first["rank"]] = first["pid"]
 
     def _alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        """This node's worker processes run, and (once started) no other rank's connection has
+        closed or carries a message: a rank only writes there when it fails. The other ranks'
+        connections are how the head sees a rank on another node go away."""
+        if not all(p.is_alive() for p in self.procs):
+            return False
+        return not self.started or not any(c is not None and c.poll(0) for c in self.conns[1:])
 
     def exit_codes(self) -> list[int | None]:
         return [p.exitcode for p in self.procs]
@@ -265,20 +295,33 @@ class RemoteEngine(EngineClient):
 
     def _call(self, message: dict) -> dict:
         """``message`` to rank 0 and its reply; a lost or silent worker kills the group."""
+        self._send(message)
+        return self._reply(message["op"])
+
+    def _send(self, message: dict) -> None:
         if self.dead:
             raise WorkerDiedError(self.dead)
-        driver = self.conns[0]
         try:
-            driver.send(message)
-            reply = receive(driver, timeout_s=self.timeout_s, alive=self._alive)
+            self.conns[0].send(message)
+        except OSError as err:
+            self._fail(message["op"], err)
+
+    def _reply(self, op: str) -> dict:
+        try:
+            reply = receive(self.conns[0], timeout_s=self.timeout_s, alive=self._alive)
         except (ConnectionLostError, OSError, TimeoutError) as err:
-            self.dead = (f"worker group failed during {message['op']!r}: {err} (exit codes {self.exit_codes()})"
-                         f"{self._reported_errors()}")
-            self.close()
-            raise WorkerDiedError(self.dead) from None
+            self._fail(op, err)
         if "error" in reply:
+            if not self._alive():  # a rank went away during the call: rank 0's collectives failed
+                self._fail(op, f"a rank is gone; rank 0: {reply['error']['message']}")
             raise_error_record(reply["error"])
         return reply
+
+    def _fail(self, op: str, err) -> None:
+        self.dead = (f"worker group failed during {op!r}: {err} (exit codes here {self.exit_codes()})"
+                     f"{self._reported_errors()}")
+        self.close()
+        raise WorkerDiedError(self.dead) from None
 
     # -- Engine's interface ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, params=None, **sampling: Any) -> int:
@@ -289,7 +332,16 @@ class RemoteEngine(EngineClient):
 
     def step(self) -> list[StepEvent]:
         """Rank 0's events: the one scheduler's step, run on every rank."""
-        reply = self._call({"op": "step"})
+        self.begin_step()
+        return self.end_step()
+
+    def begin_step(self) -> None:
+        """Start a step without waiting for it (several groups step at once: data parallelism)."""
+        self._send({"op": "step"})
+
+    def end_step(self) -> list[StepEvent]:
+        """The events of the step :meth:`begin_step` started."""
+        reply = self._reply("step")
         self.last_step_rank_seconds = [float(reply["seconds"])]
         self.last_step_broadcast_seconds = float(reply["broadcast_seconds"])
         return [StepEvent(r, t, f, lp) for r, t, f, lp in reply["events"]]

@@ -54,3 +54,23 @@ def test_driver_schedules_and_a_follower_with_another_program_is_refused():
     assert results[0]["tokens"] == expected
     assert results[0]["schedulers"] == 1 and results[1]["schedulers"] == 0
     assert [r["rank"] for r in results[0]["ranks"]] == [0, 1] and results[0]["executor"] == "driver"
+
+
+def test_a_packed_step_round_trips_every_tensor_exactly():
+    import pickle
+
+    import torch
+
+    from dcpgraph.runtime.step_broadcast import pack
+
+    base = torch.arange(40, dtype=torch.int32).reshape(5, 8)
+    message = ("run", 1, ("decode", 8), {"view": base[1:3, ::2], "bf16": torch.randn(3, 4, dtype=torch.bfloat16),
+                                         "empty": torch.empty(0, 5), "scalar": torch.tensor(7), "flag": True},
+               [{"fp8": torch.randn(4).to(torch.float8_e4m3fn)}])
+    back = pickle.loads(pack(message))
+    assert back[:3] == message[:3] and back[3]["flag"] is True
+    for got, want in [*((back[3][k], message[3][k]) for k in ("view", "bf16", "empty", "scalar")),
+                      (back[4][0]["fp8"], message[4][0]["fp8"])]:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+    assert len(pack(message)) < 1000  # the view's 4 elements, not its base's 40

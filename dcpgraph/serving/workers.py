@@ -147,7 +147,7 @@ def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end
         host, port = world_address
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{host}:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        control = ControlGroup()
+        control = ControlGroup(host)
         compiled = compile_rank(EngineConfig.from_json(config), executor="distributed")
         if rank == 0:
             programs = {"target": compiled.program, **({"draft": compiled.draft[0]} if compiled.draft else {})}

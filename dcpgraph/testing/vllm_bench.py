@@ -12,13 +12,17 @@ gets prompts of exactly the length it asks for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .server import ServerProcess, _stop, _wait_healthy, free_port
 
 DEFAULT_VENV = "/opt/vllm-venv"
 
@@ -143,27 +147,58 @@ def save_word_checkpoint(path: str | os.PathLike, shape: ModelShape = ModelShape
 
 def bench_command(url: str, model_dir: str, served_name: str, *, backend: str, num_prompts: int, input_len: int,
                   output_len: int, concurrency: int, result_dir: str, result_file: str,
-                  request_rate: float | None = None, seed: int = 0) -> list[str]:
+                  request_rate: float | None = None, seed: int = 0, warmups: int = 0) -> list[str]:
     """``vllm bench serve`` with the random dataset and ``--ignore-eos`` against ``url`` (results
-    saved as JSON to ``result_dir/result_file``)."""
+    saved as JSON to ``result_dir/result_file``); ``warmups`` requests first, unmeasured, at the
+    same concurrency."""
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     cli = vllm_cli() or vllm_venv() / "bin" / "vllm"
     command = [str(cli), "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
                "--model", served_name, "--tokenizer", model_dir, "--dataset-name", "random",
                "--random-input-len", str(input_len), "--random-output-len", str(output_len),
                "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
-               "--seed", str(seed), "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
+               "--seed", str(seed), "--num-warmups", str(warmups), "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
     if request_rate is not None:
         command += ["--request-rate", str(request_rate)]
     return command
 
 
+def _without_pythonpath() -> dict:
+    """This environment less ``PYTHONPATH``: vLLM's venv must not import this checkout's packages."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@contextlib.contextmanager
+def running_vllm(model_dir: str, *args: str, log_path: str, kv_cache_gib: float = 2.0,
+                 start_timeout_s: float = 900.0, env: dict | None = None):
+    """``vllm serve model_dir *args`` from vLLM's venv on a free 127.0.0.1 port, with
+    ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``, until the block exits; waits for ``/health``
+    (bounded), raising with the server's log if it exits or times out first."""
+    cli = vllm_cli()
+    if cli is None:
+        raise FileNotFoundError(f"no vLLM venv at {vllm_venv()}; install it: {install_command()}")
+    port = free_port("127.0.0.1")
+    command = [str(cli), "serve", model_dir, *args, "--host", "127.0.0.1", "--port", str(port)]
+    environment = {**_without_pythonpath(), "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", **(env or {})}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                   start_new_session=True)  # its engine and worker processes join its group
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        _wait_healthy(server, start_timeout_s)
+        yield server
+    finally:
+        _stop(server)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # a child the server left behind
+
+
 def run_bench(command: list[str], log_path: str, timeout_s: float) -> dict:
     """Run ``command`` (from :func:`bench_command`) and return its saved JSON results; raises
     ``RuntimeError`` with the end of its output if it fails or saves nothing."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not this checkout
     with open(log_path, "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=_without_pythonpath(),
+                              timeout=timeout_s)
     result = Path(command[command.index("--result-dir") + 1]) / command[command.index("--result-filename") + 1]
     if done.returncode != 0 or not result.is_file():
         tail = Path(log_path).read_text(errors="replace")[-4000:]

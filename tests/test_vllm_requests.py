@@ -37,7 +37,7 @@ def server(checkpoints, tmp_path_factory):
     template.write_text(TEMPLATE)
     args = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "128", "--served-model-name", "tiny",
             "--enable-prefix-caching", "--chat-template", str(template), "--max-logprobs", "5",
-            "--enable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.9",
+            "--enable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.002",
             "--generation-config", "vllm")
     with running_server(checkpoints["qwen3"], *args, log_path=str(root / "server.log"),
                         env={"VLLM_API_KEY": KEY, "DCPGRAPH_API_KEY": ""}) as s:

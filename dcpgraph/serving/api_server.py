@@ -190,7 +190,8 @@ class OpenAIServer:
         self.in_flight = 0  # completion and chat requests being answered (CountInFlight)
         self.generated = 0  # tokens sent to clients (for the stats line)
         self.sampling_defaults = generation_defaults(llm.settings.model.model, llm.settings.serving.generation_config)
-        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()),
+        kv_sizing = llm.engine.memory_report().get("kv_sizing")
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 

@@ -264,9 +264,13 @@ class OpenAIServer:
         return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
     async def version(self):
-        from .. import __version__
+        """The installed distribution's version (vLLM's route answers its own)."""
+        from importlib.metadata import PackageNotFoundError, version
 
-        return {"version": __version__}
+        try:
+            return {"version": version("dcpgraph")}
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}
 
     async def load(self):
         return {"server_load": self.in_flight}

@@ -14,6 +14,7 @@ import sys
 
 from ..config import DcpgraphConfig
 from ..errors import ConfigError, DcpGraphError
+from ..memory import size_text
 from .cli_args import add_cli_args
 
 
@@ -57,8 +58,6 @@ def server_options(settings: DcpgraphConfig):
 
 def kv_sizing_line(memory: dict) -> str:
     """The start-up line naming the KV cache's size per rank and how it was chosen."""
-    from ..memory import size_text
-
     sizing = memory.get("kv_sizing", {})
     line = (f"{memory['num_blocks']} blocks per rank of {memory['block_size']} tokens, "
             f"{size_text(memory['kv_bytes_per_rank'][0])} per rank, {memory['kv_capacity_tokens']} tokens")
@@ -71,9 +70,10 @@ def kv_sizing_line(memory: dict) -> str:
 
 def run_headless_node(settings: DcpgraphConfig) -> int:
     """``--headless``: check the model directory as the head does, then run this node's ranks until
-    the head stops them (:func:`~.nodes.run_headless`)."""
+    the head stops them (:func:`~.headless.run_headless`)."""
+    from .headless import run_headless
     from .llm import checked_checkpoint
-    from .nodes import NodeLayout, run_headless
+    from .nodes import NodeLayout
 
     checked = checked_checkpoint(settings)
     return run_headless(checked.config, NodeLayout.of(settings.parallel), timeout_s=settings.serving.worker_timeout_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,13 @@ from .checkpoints.loader import load_program
 from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
+from .memory import (
+    MemorySizing,
+    agreed_blocks,
+    default_utilization,
+    ranks_sharing,
+    size_for_utilization,
+)
 from .mesh import Mesh
 from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
@@ -23,6 +32,8 @@ from .runtime.layer_groups import check_hybrid_options
 from .speculative.draft_model import check_draft
 from .speculative.mtp import check_mtp_target
 from .speculative.mtp_module import load_mtp_program
+
+log = logging.getLogger("dcpgraph")
 
 
 def trace(model: torch.nn.Module, example_inputs=None) -> Program:
@@ -143,18 +154,23 @@ class CompiledModel:
     graphs: Any
     draft: tuple[Program, Any] | None
     config: _Configuration
+    memory_sizing: MemorySizing | None = None  # how num_blocks came from gpu_memory_utilization, if it did
 
 
-def compile_programs(model: torch.nn.Module | Program, **options: Any) -> CompiledModel:
-    """:func:`compile`'s work up to the engine: configuration → program → lowered programs and graphs."""
+def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | None = None,
+                     **options: Any) -> CompiledModel:
+    """:func:`compile`'s work up to the engine: configuration → program → lowered programs and graphs.
+    ``ranks_on_host``: the ranks sharing this host's memory, when the deployment knows them
+    (``dcpgraph serve``'s workers; see :func:`dcpgraph.memory.ranks_sharing`)."""
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = _traced_program(model)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
-    return CompiledModel(program, _num_blocks(program, config), _compiled_graphs(program, config),
-                         _compiled_draft(config, comm_workload), config)
+    num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
+    return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
+                         _compiled_draft(config, comm_workload), config, sizing)
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
@@ -166,7 +182,7 @@ def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
         max_model_len=config.max_model_len, max_batched_tokens=opts["max_num_batched_tokens"],
         max_num_seqs=opts["max_num_seqs"], graphs=compiled.graphs, capture_limit=opts["capture_limit"],
         enable_prefix_caching=opts["enable_prefix_caching"], speculative_config=config.spec, draft=compiled.draft,
-        max_waiting=opts["max_waiting"], kv_allocation=opts["kv_allocation"],
+        max_waiting=opts["max_waiting"], kv_allocation=opts["kv_allocation"], memory_sizing=compiled.memory_sizing,
     )
 
 
@@ -256,14 +272,38 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
     )
 
 
-def _num_blocks(program: Program, config: _Configuration) -> int:
-    """KV-cache blocks per rank for the given cache size, or for the default budget."""
+def _num_blocks(program: Program, config: _Configuration,
+                ranks_on_host: int | None = None) -> tuple[int, MemorySizing | None]:
+    """KV-cache blocks per rank: from the cache size given; else from ``gpu_memory_utilization``
+    (given, or 0.9 on an accelerator; :func:`dcpgraph.memory.size_for_utilization`, the smallest
+    count over the ranks of a distributed world), with its :class:`MemorySizing`; else the default
+    budget (every sequence slot at ``max_model_len``)."""
 
     opts, spec = config.opts, config.spec
+    decode_tokens = 1 + (spec.num_speculative_tokens if spec else 0)
+    explicit = any(opts[k] is not None for k in CACHE_SIZE_OPTIONS)
+    device = program_device(program)
+    utilization = None if explicit else default_utilization(device, opts["gpu_memory_utilization"])
+    if utilization is not None:
+        ranks = ranks_sharing(device, config.mesh.tp, distributed=config.distributed, ranks_on_host=ranks_on_host)
+        sizing = size_for_utilization(program, utilization, device, ranks=ranks,
+                                      max_num_batched_tokens=opts["max_num_batched_tokens"],
+                                      max_num_seqs=opts["max_num_seqs"], max_model_len=config.max_model_len,
+                                      decode_tokens=decode_tokens)
+        agreed = agreed_blocks(sizing.num_blocks, device) if config.distributed else sizing.num_blocks
+        sizing = dataclasses.replace(sizing, num_blocks=agreed)
+        log.info("%s", sizing.describe())
+        return sizing.num_blocks, sizing
     return blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, max_model_len=config.max_model_len,
-                             max_num_seqs=opts["max_num_seqs"],
-                             decode_tokens=1 + (spec.num_speculative_tokens if spec else 0),
-                             step_tokens=min(opts["max_num_batched_tokens"], config.max_model_len))
+                             max_num_seqs=opts["max_num_seqs"], decode_tokens=decode_tokens,
+                             step_tokens=min(opts["max_num_batched_tokens"], config.max_model_len)), None
+
+
+def program_device(program: Program) -> torch.device:
+    """Where ``program``'s ranks run: its state's device (the host when its state is on the meta
+    device, as a checkpoint's is until each rank reads its slices)."""
+    devices = {t.device for t in program.state.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
 def _compiled_graphs(program: Program, config: _Configuration):

@@ -225,15 +225,18 @@ class CacheConfig(_Section):
     kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
                                               "tokens reserved at admission", choices=KV_ALLOCATIONS)
     gpu_memory_utilization: float | None = setting(
-        None, "accepted for vLLM's command lines and ignored (logged): dcpgraph sizes the KV cache from "
-              "--num-gpu-blocks-override, --kv-cache-tokens or --kv-cache-memory-bytes (default: max-num-seqs "
-              "sequences of max-model-len), not from a fraction of device memory", option=None)
+        None, "fraction of memory for weights, activations and KV cache; the KV cache takes what is left: "
+              "(F x memory / ranks sharing it - weights - the activation peak of max-num-batched-tokens) / block "
+              "bytes. Default: 0.9 on an accelerator; on the host (--device cpu) dcpgraph's default sizing unless "
+              "given, where it is a fraction of the host memory available to this process (MemAvailable, cgroup) "
+              "shared by this node's ranks. Not with the explicit cache sizes")
 
     def _validate(self) -> None:
         sizes = [option_name(f) for f in dataclasses.fields(self)
                  if option_name(f) in CACHE_SIZE_OPTIONS and getattr(self, f.name) is not None]
         if len(sizes) > 1:
             raise ConfigError(f"give at most one of {list(CACHE_SIZE_OPTIONS)}, got {sizes}")
+        self._validate_utilization(sizes)
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ConfigError(f"kv_allocation must be one of {list(KV_ALLOCATIONS)}, got {self.kv_allocation!r}")
         dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
@@ -241,6 +244,19 @@ class CacheConfig(_Section):
             raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or vLLM's "
                               f"{sorted(KV_CACHE_DTYPE_ALIASES)} for the same caches), got {dtype!r}")
         object.__setattr__(self, "kv_cache_dtype", dtype)
+
+    def _validate_utilization(self, sizes: list[str]) -> None:
+        """``gpu_memory_utilization``: None or a number in (0, 1], and not with an explicit cache size
+        (vLLM lets an explicit size win silently; here two sizes at once are a mistake to name)."""
+        fraction = self.gpu_memory_utilization
+        if fraction is None:
+            return
+        if not isinstance(fraction, numbers.Real) or isinstance(fraction, bool) or not 0 < fraction <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
+        if sizes:
+            raise ConfigError(f"gpu_memory_utilization={fraction} and {sizes[0]} both size the KV cache "
+                              f"(--gpu-memory-utilization and --{_flag_of(sizes[0])}); give one of them")
+        object.__setattr__(self, "gpu_memory_utilization", float(fraction))
 
 
 @dataclass(frozen=True)
@@ -508,6 +524,12 @@ def _deprecated(message: str) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def _flag_of(option: str) -> str:
+    """The CLI spelling of the cache-size option ``option`` (compile's name)."""
+    fields = {option_name(f): f for f in dataclasses.fields(CacheConfig)}
+    return (fields[option].metadata["flags"] or ("--" + fields[option].name.replace("_", "-"),))[0].lstrip("-")
 
 
 def _fuse_new_tokens(value: Any, backend: str) -> bool:

@@ -254,31 +254,37 @@ EXAMPLE_REQUESTS = 2
 EXAMPLE_BLOCKS = 8
 EXAMPLE_TABLE_WIDTH = 4
 
-# Shapes and dtypes of user/meta/rank inputs, by role (InputSpec.target).
-_ROLE_SHAPES = {
-    "input_ids": ((1, EXAMPLE_TOKENS), torch.int64),
-    "position_ids": ((1, EXAMPLE_TOKENS), torch.int64),
-    "cu_seqlens_q": ((EXAMPLE_REQUESTS + 1,), torch.int32),
-    "context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
-    "local_context_lens": ((EXAMPLE_REQUESTS,), torch.int32),
-    "block_table": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),
-    "slot_mapping": ((EXAMPLE_TOKENS,), torch.int64),
-    "block_table_sliding": ((EXAMPLE_REQUESTS, EXAMPLE_TABLE_WIDTH), torch.int32),  # hybrid_kv_cache
-    "slot_mapping_sliding": ((EXAMPLE_TOKENS,), torch.int64),
-    "logits_indices": ((EXAMPLE_REQUESTS,), torch.int64),
-    "tp_rank": ((), torch.int64),
-    "dcp_rank": ((), torch.int64),
-}
+def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of user/meta/rank inputs, by role (``InputSpec.target``), for a step of
+    ``tokens`` tokens in ``requests`` requests with block tables ``table_width`` wide."""
+    t, r, w = tokens, requests, table_width
+    return {
+        "input_ids": ((1, t), torch.int64),
+        "position_ids": ((1, t), torch.int64),
+        "cu_seqlens_q": ((r + 1,), torch.int32),
+        "context_lens": ((r,), torch.int32),
+        "local_context_lens": ((r,), torch.int32),
+        "block_table": ((r, w), torch.int32),
+        "slot_mapping": ((t,), torch.int64),
+        "block_table_sliding": ((r, w), torch.int32),  # hybrid_kv_cache
+        "slot_mapping_sliding": ((t,), torch.int64),
+        "logits_indices": ((r,), torch.int64),
+        "tp_rank": ((), torch.int64),
+        "dcp_rank": ((), torch.int64),
+    }
 
 
-def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def example_specs(program: Program, *, tokens: int = EXAMPLE_TOKENS, requests: int = EXAMPLE_REQUESTS,
+                  table_width: int = EXAMPLE_TABLE_WIDTH) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of an example input for every entry of ``program.inputs``, in order.
 
     State: the full tensor's shape under its shard rule for rank 0 of ``program.mesh.tp``;
-    caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; user/meta/rank inputs: by role.
+    caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; user/meta/rank inputs: by role, for a
+    step of ``tokens`` tokens in ``requests`` requests (default: the verifier's example step).
     """
     caches = {c.name: c for c in program.caches}
     block_size = int(program.lowering.block_size or 16)
+    roles = role_shapes(tokens, requests, table_width)
     out = []
     for spec in program.inputs:
         if spec.kind in STATE_KINDS:
@@ -289,13 +295,13 @@ def example_specs(program: Program) -> list[tuple[tuple[int, ...], torch.dtype]]
             c = caches[spec.name]
             out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
         elif spec.kind == USER and spec.target == "hidden_states":  # an MTP layer's [1, T, H] input
-            out.append(((1, EXAMPLE_TOKENS, program.facts.hidden_size), program.facts.dtype))
+            out.append(((1, tokens, program.facts.hidden_size), program.facts.dtype))
         elif spec.kind in (USER, META, RANK):
-            if spec.target not in _ROLE_SHAPES:
+            if spec.target not in roles:
                 raise VerificationError(
-                    f"input {spec.name!r} has unknown role {spec.target!r}; known roles: {sorted(_ROLE_SHAPES)}"
+                    f"input {spec.name!r} has unknown role {spec.target!r}; known roles: {sorted(roles)}"
                 )
-            out.append(_ROLE_SHAPES[spec.target])
+            out.append(roles[spec.target])
         else:
             raise VerificationError(f"input {spec.name!r} has unknown kind {spec.kind!r}")
     return out

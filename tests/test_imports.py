@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mesh", "layout", "capacity"),
     ("program", "ops", "collectives"),
     ("kv_budget",),
+    ("memory",),  # the KV cache sized from a memory fraction (vLLM's --gpu-memory-utilization)
     ("runtime",),  # the engine, and the speculative interface (proposer registry, rejection)
     ("plan",),  # the cost model comm="auto" uses; calibration runs runtime's host collectives
     ("passes",),

@@ -336,3 +336,55 @@ def test_planner_offers_ag_for_gqa_only_and_picks_it_where_collectives_are_dear(
     steps = {(r.dcp, r.comm): r.cost.step_s for r in p.rows if r.tp == 2 and r.interleave == 1 and r.cost}
     assert min(steps, key=steps.get) == (2, "ag"), steps
     assert steps[(2, "ag")] < 0.75 * steps[(1, "none")] and steps[(2, "a2a")] > steps[(2, "ag")] + 0.005
+
+
+# -- nodes ------------------------------------------------------------------------------------------
+def _two_nodes(**kw):
+    return _kimi_plan(world_size=None, nnodes=2, gpus_per_node=8, context_len=8192, concurrency=64, **kw)
+
+
+def test_two_nodes_tp16_pays_the_inter_node_link_and_tp8_dp2_does_not():
+    """2 nodes x 8 H200: tp=16 spans both nodes, so its all-reduces run at the inter-node link
+    (latency + one hop, 25 GB/s: the closed form written out here); tp=8 dp=2 keeps each replica in
+    a node and costs exactly what the same layout costs on one node of 16."""
+    two = _two_nodes()
+    one = _kimi_plan(world_size=16, context_len=8192, concurrency=64)  # the same 16 devices in one node
+    tp16, tp8 = _row(two, 16, 1), _row(two, 8, 1)
+    assert (tp16.nodes, tp16.replicas, tp8.nodes, tp8.replicas) == (2, 1, 1, 2)
+    hw, shape = two.hardware, two.model
+    assert (hw.inter_node_bandwidth, hw.inter_node_latency_s) == (25e9, 10e-6)
+    wire = 2 * 15 / 16 * tp16.batch * shape.hidden_size * shape.dtype_bytes
+    per_layer = 2 * (hw.link_latency_s + hw.inter_node_latency_s + wire / hw.inter_node_bandwidth)
+    assert tp16.cost.tp_allreduce_s == pytest.approx(shape.num_layers * per_layer)
+    assert tp16.cost.tp_allreduce_s > 1.5 * _row(one, 16, 1).cost.tp_allreduce_s
+    assert tp8.cost == _row(one, 8, 1).cost and tp8.tokens_per_s == _row(one, 8, 1).tokens_per_s
+    # DCP groups of 8 consecutive ranks sit inside a node even when their TP group spans two
+    assert _row(two, 16, 8, "a2a").cost.collective_s == _row(one, 16, 8, "a2a").cost.collective_s
+    assert _row(two, 16, 8, "a2a").cost.tp_allreduce_s > _row(one, 16, 8, "a2a").cost.tp_allreduce_s
+
+
+def test_the_table_shows_the_nodes(capsys):
+    text = render_table(_two_nodes())
+    assert "world 16 = 2 nodes x 8 h200" in text
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("tp"))
+    assert " nodes " in header
+    assert "inter-node link, 25 GB/s + 10 us per node hop" in text
+    argv = ["plan", "kimi-k2", "--nnodes", "2", "--gpus-per-node", "8", "--kv-cache-memory-bytes", str(KIMI_BUDGET),
+            "--block-size", "64", "--max-model-len", "131072", "--weight-dtype-bytes", "0.5", "--json"]
+    assert dcpgraph_main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["world_size"], data["nnodes"], data["gpus_per_node"]) == (16, 2, 8)
+    assert {(r["tp"], r["nodes"]) for r in data["rows"] if r["dcp"] == 1} == {(16, 2), (8, 1), (4, 1), (2, 1), (1, 1)}
+
+
+def test_nodes_and_world_size_must_agree():
+    from dcpgraph import ConfigError
+    from dcpgraph.plan.hardware import nodes_spanned
+    from dcpgraph.plan.planner import world_of
+
+    assert world_of(None, 2, 8) == (16, 8) and world_of(16, 2, None) == (16, 8) and world_of(8, 1, None) == (8, 8)
+    for bad in ((12, 2, 8), (15, 2, None), (None, 2, None)):
+        with pytest.raises(ConfigError):
+            world_of(*bad)
+    assert nodes_spanned(4, 12, 6) == 2  # groups {0..3} {4..7} {8..11} on nodes of 6: the middle one is cut
+    assert nodes_spanned(16, 32, 8) == 2 and nodes_spanned(8, 16, 8) == 1

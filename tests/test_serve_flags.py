@@ -73,7 +73,8 @@ def test_metrics_carry_the_cache_config_vllm_names():
     labels = info[0].labels
     assert labels == {"model_name": "tiny", "engine": "0", "block_size": "16", "cache_dtype": "fp8_e4m3",
                       "enable_prefix_caching": "True", "num_gpu_blocks": "512", "tensor_parallel_size": "2",
-                      "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager"}
+                      "decode_context_parallel_size": "2", "cp_kv_cache_interleave_size": "4", "backend": "eager",
+                      "gpu_memory_utilization": "None", "kv_cache_memory_bytes": ""}
     default = cache_config_info(DcpgraphConfig.from_llm_kwargs(model="/m"), 96)
     assert (default["cache_dtype"], default["num_gpu_blocks"], default["backend"]) == ("auto", "96", "auto")
 

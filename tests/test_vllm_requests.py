@@ -37,7 +37,7 @@ def server(checkpoints, tmp_path_factory):
     template.write_text(TEMPLATE)
     args = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "128", "--served-model-name", "tiny",
             "--enable-prefix-caching", "--chat-template", str(template), "--max-logprobs", "5",
-            "--enable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.9",
+            "--enable-log-requests", "--enable-chunked-prefill", "--gpu-memory-utilization", "0.002",
             "--generation-config", "vllm")
     with running_server(checkpoints["qwen3"], *args, log_path=str(root / "server.log"),
                         env={"VLLM_API_KEY": KEY, "DCPGRAPH_API_KEY": ""}) as s:
@@ -207,6 +207,37 @@ def test_reset_prefix_cache_and_a_disconnected_non_streamed_request_is_aborted(s
     wait_for(lambda: "client went away" in server.log())
     wait_for(lambda: httpx.get(server.url + "/load", timeout=10).json() == {"server_load": 0})
     assert "request cmpl-" in server.log() and "SamplingParams(" in server.log()  # --enable-log-requests
+
+
+def test_streams_carry_continuous_usage_and_the_clients_request_id(server, hf):
+    """What ``vllm bench serve`` and guidellm read: every chunk's ``usage`` with
+    ``continuous_usage_stats`` (its choice's tokens so far), the final usage chunk, and the id
+    made from the client's ``X-Request-Id``."""
+    _, tok = hf
+    ids = tok.encode("a b c d")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(api(server).completions.create(model="tiny", prompt=ids, max_tokens=5, n=2, temperature=0,
+                                                 extra_body={"ignore_eos": True}, stream=True, stream_options=options,
+                                                 extra_headers={"X-Request-Id": "bench-7"}))
+    seen = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0].index
+        seen[choice] += 1
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (len(ids), seen[choice])
+    assert seen == {0: 5, 1: 5} and not chunks[-1].choices
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2 * len(ids), 10)
+    assert {c.id for c in chunks} == {"cmpl-bench-7"}
+    chat = list(api(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=3, extra_body={"ignore_eos": True}, stream=True,
+                                                    stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert [c.usage.completion_tokens for c in chat[1:-1]] == [1, 2, 3] and chat[-1].usage.completion_tokens == 3
+    plain = list(api(server).completions.create(model="tiny", prompt=ids, max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True, True, False]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "mine"})
+    assert r.json()["id"] == r.headers["x-request-id"] == "cmpl-mine"
 
 
 def wait_for(condition, timeout_s: float = 20) -> None:

@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_DIR_OR_ARCH",
                    help=f"local HF model directory or one of {sorted(ARCHITECTURES)}")
-    p.add_argument("--world-size", type=int, required=True, help="ranks (devices) in all")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (devices) in all (default: --nnodes x --gpus-per-node)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the world spans (vLLM's name); ranks are "
+                                                         "numbered node by node")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node (default: world-size / nnodes); a TP group spanning nodes pays the "
+                        "inter-node link")
     p.add_argument("--hardware", default="h200", help=f"one of {list(HARDWARE_NAMES)}")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache bytes per rank")
@@ -53,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                       kv_cache_dtype=canonical_kv_cache_dtype(args.kv_cache_dtype), max_model_len=args.max_model_len,
                       context_len=args.context_len, concurrency=args.concurrency,
-                      weight_dtype_bytes=args.weight_dtype_bytes, experts=args.experts)
+                      weight_dtype_bytes=args.weight_dtype_bytes, experts=args.experts, nnodes=args.nnodes,
+                      gpus_per_node=args.gpus_per_node)
     except (ConfigError, ValueError) as err:
         print(f"dcpgraph plan: {err}", file=sys.stderr)
         return 2

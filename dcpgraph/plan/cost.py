@@ -24,6 +24,11 @@ each, on a mesh (tp, dcp), per layer and per rank:
   ``2·(tp−1)/tp`` of that per rank. ``comm="ag"`` at ``dcp == tp`` holds the output projection
   whole, which removes the attention's all-reduce (one per layer).
 * **weights**: every weight byte of the rank is read once per step (``weight_bytes / bw``).
+
+A collective whose group spans several nodes (a TP group larger than a node, or cut across one)
+runs at the inter-node link instead (:func:`link_for`): latency ``link_latency + (nodes − 1) ·
+inter_node_latency``, bandwidth ``min(link_bandwidth, inter_node_bandwidth)`` (a ring is as fast as
+its slowest hop).
 """
 
 from __future__ import annotations
@@ -37,13 +42,25 @@ from .model_shape import ModelShape
 ACC_BYTES = 4  # fp32 partial outputs and LSEs in the merge
 
 
+def link_for(hw: Hardware, nodes: int = 1) -> tuple[float, float]:
+    """``(latency s, bandwidth bytes/s)`` of a collective over a group spanning ``nodes`` nodes:
+    the node's link within one; across them, ``nodes − 1`` inter-node hops of latency and the
+    slower of the two bandwidths."""
+    if nodes <= 1:
+        return hw.link_latency_s, hw.link_bandwidth
+    return (hw.link_latency_s + (nodes - 1) * hw.inter_node_latency_s,
+            min(hw.link_bandwidth, hw.inter_node_bandwidth))
+
+
 @dataclass(frozen=True)
 class Collective:
     name: str
     bytes_per_rank: int  # sent by each rank, per layer
 
-    def seconds(self, hw: Hardware) -> float:
-        return hw.link_latency_s + self.bytes_per_rank / hw.link_bandwidth
+    def seconds(self, hw: Hardware, nodes: int = 1) -> float:
+        """Over a group spanning ``nodes`` nodes: ``latency + bytes / bandwidth`` of :func:`link_for`."""
+        latency, bandwidth = link_for(hw, nodes)
+        return latency + self.bytes_per_rank / bandwidth
 
 
 def dcp_collectives(shape: ModelShape, tp: int, dcp: int, comm: str, batch: int,
@@ -102,12 +119,13 @@ def tp_allreduces_per_layer(tp: int, dcp: int, comm: str) -> int:
 
 
 def tp_allreduce_seconds(shape: ModelShape, tp: int, batch: int, hw: Hardware, activation_bytes: int = 2,
-                         count: int = 2) -> float:
-    """``count`` TP all-reduces of one layer (zero at tp=1)."""
+                         count: int = 2, nodes: int = 1) -> float:
+    """``count`` TP all-reduces of one layer (zero at tp=1), over a TP group spanning ``nodes``."""
     if tp == 1:
         return 0.0
     wire = 2 * (tp - 1) / tp * batch * shape.hidden_size * activation_bytes
-    return count * (hw.link_latency_s + wire / hw.link_bandwidth)
+    latency, bandwidth = link_for(hw, nodes)
+    return count * (latency + wire / bandwidth)
 
 
 @dataclass(frozen=True)
@@ -124,17 +142,19 @@ class StepCost:
 
 
 def decode_step(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, comm: str, context: int, batch: int,
-                kv_bytes_per_token_layer: float, weight_bytes: int) -> StepCost:
+                kv_bytes_per_token_layer: float, weight_bytes: int, tp_nodes: int = 1,
+                dcp_nodes: int = 1) -> StepCost:
     """Predicted decode step of ``batch`` requests at ``context`` tokens (the sum of the parts:
-    nothing is assumed to overlap across parts)."""
+    nothing is assumed to overlap across parts); ``tp_nodes``/``dcp_nodes``: the nodes a TP group
+    and a DCP group span (their collectives cross nodes when more than one)."""
     layers = shape.num_layers
     read, flops = attention_read(shape, tp, dcp, context, batch, kv_bytes_per_token_layer)
     colls = dcp_collectives(shape, tp, dcp, comm, batch, shape.dtype_bytes)
     return StepCost(
         attention_s=layers * attention_seconds(read, flops, hw, layers * read + weight_bytes),
-        collective_s=layers * sum(c.seconds(hw) for c in colls),
+        collective_s=layers * sum(c.seconds(hw, dcp_nodes) for c in colls),
         collective_bytes_per_layer=sum(c.bytes_per_rank for c in colls),
         tp_allreduce_s=layers * tp_allreduce_seconds(shape, tp, batch, hw, shape.dtype_bytes,
-                                                     tp_allreduces_per_layer(tp, dcp, comm)),
+                                                     tp_allreduces_per_layer(tp, dcp, comm), tp_nodes),
         weights_s=weight_bytes / hw.memory_bandwidth,
     )

@@ -15,6 +15,13 @@ measured for ``this-machine`` only; the presets leave them off (0), since a deco
 those devices is far larger than their caches and their launch cost is not a datasheet figure.
 ``this-machine`` is measured by :func:`~.calibration.measure_this_machine` (a short calibration
 of the paged attention op and of the gloo links between two processes).
+
+Between nodes. A collective whose group spans nodes runs at the inter-node link, a separate
+figure: ``inter_node_bandwidth`` per direction per device and ``inter_node_latency_s`` per node
+boundary it crosses (:func:`~.cost.link_for`). The default, 25 GB/s and 10 µs per hop, is a
+200 Gb/s network (InfiniBand HDR or 200 GbE RoCE) with one NIC per device; a node with 400 Gb/s
+NICs per device (NDR) has twice the bandwidth: pass your own :class:`Hardware` with
+``dataclasses.replace(preset, inter_node_bandwidth=50e9)``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import os
 from dataclasses import dataclass
 
 GB = 10**9
+INTER_NODE_BANDWIDTH = 25 * GB  # bytes/s per direction per device: 200 Gb/s per device
+INTER_NODE_LATENCY_S = 10e-6  # per node boundary a collective crosses
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class Hardware:
     cache_bandwidth: float = 0.0  # bytes/s
     # measured (working set bytes, bytes/s) points, increasing in size; empty: the two-level model
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    inter_node_bandwidth: float = INTER_NODE_BANDWIDTH  # bytes/s per direction per device, between nodes
+    inter_node_latency_s: float = INTER_NODE_LATENCY_S  # per node boundary crossed
 
     def read_bandwidth(self, working_set_bytes: float) -> float:
         """Bandwidth of a step that touches ``working_set_bytes``. With a measured
@@ -90,3 +101,11 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * GB
+
+
+def nodes_spanned(group_size: int, world_size: int, per_node: int) -> int:
+    """Most nodes one group spans when a world of ``world_size`` ranks, ``per_node`` to a node
+    (ranks ``[n·per_node, (n+1)·per_node)`` on node ``n``), is cut into consecutive groups of
+    ``group_size`` (as replicas are cut into TP groups and TP groups into DCP groups)."""
+    return max(len({r // per_node for r in range(start, start + group_size)})
+               for start in range(0, world_size, group_size))

@@ -6,6 +6,13 @@ DCP adds no ranks (the world of one engine is its TP group), so a world of ``W``
 ``W // tp`` independent replicas of a ``tp``-rank engine; every divisor ``tp`` of ``W`` is
 listed. Mesh validity is :meth:`dcpgraph.Mesh.validate` itself: an invalid mesh is listed with
 the message of the rule it breaks.
+
+Nodes. ``nnodes`` machines of ``gpus_per_node`` devices make a world of ``nnodes · gpus_per_node``
+ranks, numbered node by node, and each layout is those ranks cut into ``dp = W / tp`` consecutive
+TP groups (vLLM's ``-dp``/``-tp``), each cut into consecutive DCP groups. A group that spans nodes
+(``tp = 16`` on nodes of 8) pays the inter-node link for its collectives (:func:`~.cost.link_for`);
+``tp = 8, dp = 2`` on the same two nodes keeps every collective inside a node. Each row says how
+many nodes one replica spans.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 from .calibration import get_hardware
 from .cost import StepCost, decode_step
-from .hardware import Hardware
+from .hardware import Hardware, nodes_spanned
 from .model_shape import ModelShape, load_model_shape
 
 TIE = 0.02  # throughputs within 2 % count as equal: the smaller dcp (fewer collectives) wins
@@ -45,6 +52,7 @@ class PlanRow:
     batch: int = 0  # requests per replica in the predicted step
     cost: StepCost | None = None
     tokens_per_s: float = 0.0  # all replicas
+    nodes: int = 1  # nodes one replica (its TP group) spans
 
     @property
     def fits(self) -> bool:
@@ -73,6 +81,8 @@ class Plan:
     recommended: PlanRow | None
     reason: str
     assumptions: list[str] = field(default_factory=list)
+    nnodes: int = 1
+    gpus_per_node: int = 0  # devices per node (0: the whole world on one node)
 
 
 def _divisors(n: int) -> list[int]:
@@ -94,16 +104,38 @@ def weight_read_bytes(shape: ModelShape, tp: int, batch: int, weight_bytes: floa
     return int((full - routed + routed * routed_fraction_read(shape, batch)) * weight_bytes)
 
 
-def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_memory_bytes: int | None = None,
-         gpu_memory_utilization: float | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
-         max_model_len: int, context_len: int | None = None, concurrency: int | None = None,
-         weight_dtype_bytes: float | None = None, experts: str = "sharded") -> Plan:
+def world_of(world_size: int | None, nnodes: int, gpus_per_node: int | None) -> tuple[int, int]:
+    """``(world size, devices per node)`` from any two of them (``nnodes`` defaults to 1)."""
+    if nnodes < 1:
+        raise ConfigError(f"nnodes must be >= 1, got {nnodes}")
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+        if world_size is not None and world_size != nnodes * gpus_per_node:
+            raise ConfigError(f"world_size={world_size} is not nnodes={nnodes} x gpus_per_node={gpus_per_node}; "
+                              "give world_size or the nodes, or both consistent")
+        return nnodes * gpus_per_node, gpus_per_node
+    if world_size is None:
+        raise ConfigError("give world_size, or nnodes and gpus_per_node")
+    if world_size % nnodes:
+        raise ConfigError(f"world_size={world_size} does not split evenly over nnodes={nnodes}")
+    return world_size, world_size // nnodes
+
+
+def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h200",
+         kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None, block_size: int = 16,
+         kv_cache_dtype: str = "auto", max_model_len: int, context_len: int | None = None,
+         concurrency: int | None = None, weight_dtype_bytes: float | None = None, experts: str = "sharded",
+         nnodes: int = 1, gpus_per_node: int | None = None) -> Plan:
     """Every candidate layout of ``world_size`` ranks, evaluated; see the module docstring.
 
-    Exactly one of ``kv_cache_memory_bytes`` (KV bytes per rank) and ``gpu_memory_utilization``
-    (fraction of device memory; KV gets what the weights leave) sizes the cache. ``context_len``
-    (default ``max_model_len``) and ``concurrency`` (default: as many as fit) are the workload.
+    The world: ``world_size`` ranks on one node, or ``nnodes`` nodes of ``gpus_per_node`` devices
+    (either may be given with ``world_size``; :func:`world_of`). Exactly one of
+    ``kv_cache_memory_bytes`` (KV bytes per rank) and ``gpu_memory_utilization`` (fraction of
+    device memory; KV gets what the weights leave) sizes the cache. ``context_len`` (default
+    ``max_model_len``) and ``concurrency`` (default: as many as fit) are the workload.
     """
+    world_size, per_node = world_of(world_size, nnodes, gpus_per_node)
     shape = load_model_shape(model)
     hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
     if (kv_cache_memory_bytes is None) == (gpu_memory_utilization is None):
@@ -135,7 +167,7 @@ def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_
                 for comm in comms:
                     rows.append(_evaluate(shape, hw, tp, dcp, interleave, comm, kv_cache_dtype, world_size,
                                           block_size, max_model_len, context, concurrency, wbytes, experts,
-                                          kv_cache_memory_bytes, gpu_memory_utilization))
+                                          kv_cache_memory_bytes, gpu_memory_utilization, per_node))
     best, reason = _recommend(rows, context, concurrency)
     assumptions = [
         f"routed experts {experts} over tp; weights {wbytes:g} B/param",
@@ -145,13 +177,17 @@ def plan(model, *, world_size: int, hardware: str | Hardware = "h200", kv_cache_
         f"hardware {hw.name}: {hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.compute_flops / 1e9:,.0f} GFLOP/s, "
         f"link {hw.link_bandwidth / 1e9:.0f} GB/s + {hw.link_latency_s * 1e6:.0f} us per collective ({hw.source})",
     ]
+    if nnodes > 1:
+        assumptions.append(f"{nnodes} nodes x {per_node} devices, ranks numbered node by node; a group spanning "
+                           f"nodes runs at the inter-node link, {hw.inter_node_bandwidth / 1e9:.0f} GB/s + "
+                           f"{hw.inter_node_latency_s * 1e6:.0f} us per node hop")
     return Plan(shape, hw, world_size, block_size, max_model_len, context, concurrency, rows, best, reason,
-                assumptions)
+                assumptions, nnodes, per_node)
 
 
 def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size, max_model_len, context,
-              concurrency, wbytes, experts, kv_bytes, utilization) -> PlanRow:
-    row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True)
+              concurrency, wbytes, experts, kv_bytes, utilization, per_node) -> PlanRow:
+    row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True, nodes=nodes_spanned(tp, world, per_node))
     row.weight_bytes_per_rank = int(shape.weight_params_per_rank(tp, experts, dcp, comm) * wbytes)
     caches = shape.cache_shapes(tp, kv_dtype)
     row.bytes_per_block = capacity.bytes_per_block(caches, block_size)
@@ -177,7 +213,8 @@ def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size,
     per_layer = sum(c.bytes_per_token for c in caches) / shape.num_layers
     row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=comm, context=context, batch=row.batch,
                            kv_bytes_per_token_layer=per_layer,
-                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, comm))
+                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, comm),
+                           tp_nodes=row.nodes, dcp_nodes=nodes_spanned(dcp, world, per_node))
     row.tokens_per_s = row.replicas * row.batch / row.cost.step_s
     return row
 

@@ -8,13 +8,14 @@ from .planner import Plan, PlanRow
 
 GIB = 2**30
 
-COLUMNS = ("tp", "dcp", "repl", "intlv", "comm", "kv dtype", "weights GiB/rank", "KV GiB/rank",
+COLUMNS = ("tp", "dcp", "repl", "nodes", "intlv", "comm", "kv dtype", "weights GiB/rank", "KV GiB/rank",
            "KV B/token/rank", "blocks", "KV tokens", "max conc", "batch", "attn ms", "coll ms",
            "coll B/layer", "step ms", "tok/s", "note")
 
 
 def _cells(row: PlanRow, recommended: PlanRow | None) -> list[str]:
-    head = [f"{row.tp}", f"{row.dcp}", f"{row.replicas}", f"{row.interleave}", row.comm, row.kv_cache_dtype]
+    head = [f"{row.tp}", f"{row.dcp}", f"{row.replicas}", f"{row.nodes}", f"{row.interleave}", row.comm,
+            row.kv_cache_dtype]
     if not row.valid:
         return head + [""] * 12 + [f"INVALID: {row.rule}"]
     cells = head + [f"{row.weight_bytes_per_rank / GIB:,.1f}", f"{row.kv_budget_bytes_per_rank / GIB:,.1f}",
@@ -29,12 +30,19 @@ def _cells(row: PlanRow, recommended: PlanRow | None) -> list[str]:
     return cells + ["<- recommended" if row is recommended else ""]
 
 
+def _world(p: Plan) -> str:
+    """``"8 x h200"``, or over nodes ``"16 = 2 nodes x 8 h200"``."""
+    if p.nnodes > 1:
+        return f"{p.world_size} = {p.nnodes} nodes x {p.gpus_per_node} {p.hardware.name}"
+    return f"{p.world_size} x {p.hardware.name}"
+
+
 def render_table(p: Plan) -> str:
     m = p.model
     lines = [
         f"model {m.name}: {m.attention.upper()}, {m.num_layers} layers, {m.num_q_heads} query heads, "
         f"{m.num_kv_heads} KV head(s), cache dims {m.head_dim}/{m.v_head_dim}",
-        f"world {p.world_size} x {p.hardware.name}, block_size {p.block_size}, max_model_len {p.max_model_len:,}, "
+        f"world {_world(p)}, block_size {p.block_size}, max_model_len {p.max_model_len:,}, "
         f"workload: context {p.context_len:,}, concurrency "
         + (f"{p.concurrency:,}" if p.concurrency else "as many as fit"),
         "",
@@ -53,6 +61,7 @@ def render_table(p: Plan) -> str:
 def plan_dict(p: Plan) -> dict:
     return {
         "model": p.model.__dict__, "hardware": p.hardware.__dict__, "world_size": p.world_size,
+        "nnodes": p.nnodes, "gpus_per_node": p.gpus_per_node,
         "block_size": p.block_size, "max_model_len": p.max_model_len, "context_len": p.context_len,
         "concurrency": p.concurrency, "rows": [r.as_dict() for r in p.rows],
         "recommended": p.rows.index(p.recommended) if p.recommended is not None else None,

@@ -57,8 +57,10 @@ class Engine(EngineClient):
         enable_prefix_caching: bool = False,
         max_waiting: int | None = 1024,
         kv_allocation: str = "on_demand",
+        memory_sizing=None,
     ):
         self.program = program
+        self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
         self.mesh = program.mesh
         self.block_size = int(program.lowering.block_size)
         self.interleave = int(program.lowering.interleave)
@@ -320,8 +322,17 @@ class Engine(EngineClient):
             "dcp": self.mesh.dcp,
             "prefix_cache": self.prefix_cache_report(),
             "weight_bytes_per_rank": weight_bytes_per_rank(self.program),
+            "kv_sizing": self.kv_sizing_report(),
             **self._draft_memory(),
         }
+
+    def kv_sizing_report(self) -> dict:
+        """How ``num_blocks`` was chosen: ``policy`` "gpu_memory_utilization" with the figures of
+        :class:`~dcpgraph.memory.MemorySizing` (fraction, memory, ranks sharing it, weights,
+        activation peak, KV bytes per rank), else ``"cache_size"`` (an explicit or default size)."""
+        if self.memory_sizing is None:
+            return {"policy": "cache_size", "num_blocks": self.blocks.num_blocks}
+        return self.memory_sizing.report()
 
     def _draft_memory(self) -> dict:
         """A draft model's own KV cache (same blocks, its own per-block bytes) and weights."""

@@ -3,8 +3,8 @@
 and vLLM's ``/tokenize``, ``/detokenize``, ``/version``, ``/ping`` (GET and POST), ``/load``
 (``{"server_load": completion and chat requests in flight}``) and ``/reset_prefix_cache`` (POST).
 
-Every request gets an id (``cmpl-…`` / ``chatcmpl-…``) that its log lines and its
-``X-Request-Id`` header carry. Bodies are read with a size bound before JSON parsing (413 past it),
+Every request gets an id (``cmpl-…`` / ``chatcmpl-…``, followed by the client's ``X-Request-Id``
+header where it sent one, as vLLM) that its log lines and its ``X-Request-Id`` header carry. Bodies are read with a size bound before JSON parsing (413 past it),
 then validated strictly (:mod:`.protocol`); every refusal is OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed JSON, unknown
 sampling values, a prompt or ``max_tokens`` past ``max_model_len``; unknown fields are ignored and
@@ -52,6 +52,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # wha
 DISCONNECT_POLL_S = 0.25
 STATS_EVERY_S = 10.0  # vLLM's stats logging interval
 LOG_PROMPT_IDS = 64  # prompt ids a --enable-log-requests line shows per prompt
+MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id kept
 
 
 class ApiError(Exception):
@@ -189,7 +190,8 @@ class OpenAIServer:
         self.in_flight = 0  # completion and chat requests being answered (CountInFlight)
         self.generated = 0  # tokens sent to clients (for the stats line)
         self.sampling_defaults = generation_defaults(llm.settings.model.model, llm.settings.serving.generation_config)
-        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks()),
+        kv_sizing = llm.engine.memory_report().get("kv_sizing")
+        self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
 
@@ -220,7 +222,7 @@ class OpenAIServer:
     # -- routes ---------------------------------------------------------------------------------
 
     async def completions(self, request: Request):
-        log_id = f"cmpl-{uuid.uuid4().hex}"
+        log_id = f"cmpl-{request_id(request)}"
         body = self.parse(CompletionRequest, await self.read_json(request))
         try:
             prompts = [encode_prompt(self.llm.tokenizer, p, add_special_tokens=body.add_special_tokens)
@@ -230,7 +232,7 @@ class OpenAIServer:
         return await self.respond(request, prompts, body, body.max_tokens, log_id, chat=False)
 
     async def chat_completions(self, request: Request):
-        log_id = f"chatcmpl-{uuid.uuid4().hex}"
+        log_id = f"chatcmpl-{request_id(request)}"
         body = self.parse(ChatCompletionRequest, await self.read_json(request))
         prompt = self.render_chat(body)
         return await self.respond(request, [prompt], body, body.limit(), log_id, chat=True)
@@ -262,9 +264,13 @@ class OpenAIServer:
         return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
     async def version(self):
-        from .. import __version__
+        """The installed distribution's version (vLLM's route answers its own)."""
+        from importlib.metadata import PackageNotFoundError, version
 
-        return {"version": __version__}
+        try:
+            return {"version": version("dcpgraph")}
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}
 
     async def load(self):
         return {"server_load": self.in_flight}
@@ -429,6 +435,13 @@ class OpenAIServer:
                                  headers=headers)
 
 
+def request_id(request: Request) -> str:
+    """The client's ``X-Request-Id`` header if it sent one (as vLLM, so the client's and the
+    server's logs name a request alike), else a fresh random id."""
+    given = request.headers.get("x-request-id", "").strip()
+    return given[:MAX_REQUEST_ID] if given else uuid.uuid4().hex
+
+
 async def _unless_disconnected(request: Request, work):
     """``await work``, unless the client disconnects first: then ``work`` is cancelled (the
     pieces generator it iterates aborts the request's choices) and ``None`` is returned."""
@@ -455,6 +468,10 @@ class _Reply:
         self.created = int(time.time())
         self.wants_logprobs = body.requested_logprobs() is not None
         self.offsets = {c: 0 for c in choices}  # completions' text_offset, per choice
+        self.streamed = dict.fromkeys(choices, 0)  # tokens streamed so far, per choice
+        options = body.stream_options
+        self.final_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.final_usage and bool(options.continuous_usage_stats)
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if not self.wants_logprobs:
@@ -469,6 +486,13 @@ class _Reply:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts) * self.body.n
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated}
+
+    def choice_usage(self, choice: int) -> dict:
+        """One choice's usage so far (its prompt's tokens, the tokens it generated): what
+        ``stream_options.continuous_usage_stats`` puts on each of its chunks, as vLLM."""
+        prompt_tokens = len(self.prompts[choice // self.body.n].token_ids)
+        done = self.streamed[choice]
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
     async def whole(self, pieces) -> dict:
         """The non-streamed body: every choice's text, logprobs and finish reason, and the usage."""
@@ -500,6 +524,11 @@ class _Reply:
         return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.served_model_name, "choices": choices, **extra}
 
+    def choice_chunk(self, choice: dict) -> dict:
+        """A chunk of one choice, with that choice's usage so far when continuous usage is asked."""
+        extra = {"usage": self.choice_usage(choice["index"])} if self.continuous_usage else {}
+        return self.chunk([choice], **extra)
+
     def chunk_choice(self, piece: Piece) -> dict:
         logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
         if self.chat:
@@ -507,19 +536,28 @@ class _Reply:
             return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
+    def role_chunks(self) -> list[str]:
+        """(chat) Each choice's first chunk, ``delta: {"role": "assistant", "content": ""}``."""
+        return [_sse(self.choice_chunk({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None})) for c in self.choices]
+
     async def events(self, pieces):
-        """The stream: (chat) a role chunk, a chunk per piece, the usage if asked, then ``[DONE]``;
-        an engine failure ends it with an error event."""
-        generated = 0
+        """The stream: a chunk per piece, (chat) preceded by the role chunks once the first piece
+        has come (as vLLM, so a client timing its first chunk measures the first token, not the
+        request's arrival), then the usage if asked, then ``[DONE]``; an engine failure ends it
+        with an error event."""
+        generated, started = 0, not self.chat
         try:
-            if self.chat:
-                yield _sse(self.chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None} for c in self.choices]))
             async for piece in pieces:
+                if not started:
+                    started = True
+                    for event in self.role_chunks():
+                        yield event
                 generated += len(piece.token_ids)
+                self.streamed[piece.choice] += len(piece.token_ids)
                 self.server.generated += len(piece.token_ids)
-                yield _sse(self.chunk([self.chunk_choice(piece)]))
-            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield _sse(self.choice_chunk(self.chunk_choice(piece)))
+            if self.final_usage:
                 yield _sse(self.chunk([], usage=self.usage(generated)))
             yield _sse("[DONE]")
         except ApiError as err:

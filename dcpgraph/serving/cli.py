@@ -14,6 +14,7 @@ import sys
 
 from ..config import DcpgraphConfig
 from ..errors import ConfigError, DcpGraphError
+from ..memory import size_text
 from .cli_args import add_cli_args
 
 
@@ -46,24 +47,33 @@ def read_chat_template(value: str) -> str:
 
 
 def server_options(settings: DcpgraphConfig):
-    """The server's own options from the flags; logs the vLLM flags that are accepted but change
-    nothing here (so a copied command line runs, and says what it does not do)."""
+    """The server's own options from the flags."""
     from .api_server import ServerOptions
 
-    serving, log = settings.serving, logging.getLogger("dcpgraph.serving")
-    if settings.cache.gpu_memory_utilization is not None:
-        log.warning("--gpu-memory-utilization %s is ignored: the KV cache is sized by --num-gpu-blocks-override, "
-                    "--kv-cache-tokens or --kv-cache-memory-bytes", settings.cache.gpu_memory_utilization)
+    serving = settings.serving
     template = read_chat_template(serving.chat_template) if serving.chat_template else None
     return ServerOptions(chat_template=template, max_logprobs=serving.max_logprobs,
                          log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests)
 
 
+def kv_sizing_line(memory: dict) -> str:
+    """The start-up line naming the KV cache's size per rank and how it was chosen."""
+    sizing = memory.get("kv_sizing", {})
+    line = (f"{memory['num_blocks']} blocks per rank of {memory['block_size']} tokens, "
+            f"{size_text(memory['kv_bytes_per_rank'][0])} per rank, {memory['kv_capacity_tokens']} tokens")
+    if sizing.get("policy") != "gpu_memory_utilization":
+        return line + " (from the cache-size options or the default: max-num-seqs x max-model-len)"
+    return (line + f" (--gpu-memory-utilization {sizing['utilization']}: {size_text(sizing['device_memory'])} "
+            f"{sizing['device']} / {sizing['ranks_sharing']} ranks - {size_text(sizing['weight_bytes'])} weights "
+            f"- {size_text(sizing['activation_peak_bytes'])} activation peak)")
+
+
 def run_headless_node(settings: DcpgraphConfig) -> int:
     """``--headless``: check the model directory as the head does, then run this node's ranks until
-    the head stops them (:func:`~.nodes.run_headless`)."""
+    the head stops them (:func:`~.headless.run_headless`)."""
+    from .headless import run_headless
     from .llm import checked_checkpoint
-    from .nodes import NodeLayout, run_headless
+    from .nodes import NodeLayout
 
     checked = checked_checkpoint(settings)
     return run_headless(checked.config, NodeLayout.of(settings.parallel), timeout_s=settings.serving.worker_timeout_s)
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if kv_agent:
         log.info("KV transfer: %s", kv_config.to_json())
+    log.info("KV cache: %s", kv_sizing_line(llm.engine.memory_report()))
     pids = llm.engine.worker_pids()
     if pids:
         log.info("worker processes (rank order): pids %s", pids)

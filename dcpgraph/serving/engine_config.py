@@ -22,6 +22,9 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
     engine_options: dict[str, Any] = field(default_factory=dict)  # more dcpgraph.compile options
+    # ranks sharing one node's host memory (data-parallel replicas included): what a memory
+    # fraction of the host is divided by (None: dcpgraph.memory.ranks_sharing's default)
+    ranks_on_host: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -42,7 +45,7 @@ def compile_rank(config: EngineConfig, executor: str = "auto") -> CompiledModel:
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
         max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        executor=executor, **config.engine_options,
+        executor=executor, ranks_on_host=config.ranks_on_host, **config.engine_options,
     )
 
 

@@ -112,6 +112,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=int(max_model_len),
         enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, engine_options=engine_options,
+        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes,
     )
     return CheckedCheckpoint(tokenizer, info, config)
 

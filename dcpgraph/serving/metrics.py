@@ -60,12 +60,18 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
-def cache_config_info(settings, num_blocks: int) -> dict[str, str]:
+def cache_config_info(settings, num_blocks: int, kv_sizing: dict | None = None) -> dict[str, str]:
     """vLLM's ``cache_config_info`` labels for a :class:`~dcpgraph.config.DcpgraphConfig` and the
     ``num_blocks`` per rank its engine allocated: the KV cache as the server was started
-    (``cache_dtype`` as given: ``auto`` is the model's dtype)."""
+    (``cache_dtype`` as given: ``auto`` is the model's dtype). ``kv_sizing`` (the engine's
+    ``memory_report()["kv_sizing"]``) adds the memory fraction applied and the KV bytes per rank it
+    left (``gpu_memory_utilization`` "None" and ``kv_cache_memory_bytes`` empty when a cache size
+    or the default chose the count)."""
     cache, parallel = settings.cache, settings.parallel
+    by_fraction = (kv_sizing or {}).get("policy") == "gpu_memory_utilization"
     return {
+        "gpu_memory_utilization": str(kv_sizing["utilization"] if by_fraction else None),
+        "kv_cache_memory_bytes": str(kv_sizing["kv_bytes"]) if by_fraction else "",
         "block_size": str(cache.block_size),
         "cache_dtype": str(cache.kv_cache_dtype),
         "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),

@@ -79,7 +79,11 @@ class LenientModel(BaseModel):
 
 
 class StreamOptions(LenientModel):
+    """``include_usage``: a last chunk with the request's usage; ``continuous_usage_stats`` (vLLM's,
+    with ``include_usage``): every chunk also carries its choice's usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(LenientModel):

@@ -227,6 +227,7 @@ def _auto_rank(rank: int, world: int, measure: bool):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow
 def test_gloo_ranks_price_with_the_links_they_measure_and_agree():
     """Under a real gloo world ``comm="auto"`` times ``all_gather`` and ``all_to_all`` between the
     ranks at start-up and prices with the slowest rank's figures: both ranks name the same

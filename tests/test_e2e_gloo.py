@@ -60,6 +60,7 @@ def _rank(rank: int, world: int, name: str, dcp: int, interleave: int, comm: str
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # several gloo worlds compiling on 2 cores; the default tier keeps test_step_broadcast's
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_gloo_ranks_generate_hf_tokens(world):
     name, dcp, interleave, comm, invalid = CASES[world]

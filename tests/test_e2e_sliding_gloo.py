@@ -25,6 +25,7 @@ def _rank(rank: int, world: int, name: str, interleave: int, comm: str):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # several gloo worlds compiling on 2 cores; the default tier keeps test_step_broadcast's
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gloo_sliding_models_generate_hf_tokens(name):
     interleave, comm = CASES[name]

@@ -46,6 +46,7 @@ def _effective(log: str, request_id: str) -> dict:
     return {k: v for k, v in re.findall(r"(\w+)=([^,]+)", line)}
 
 
+@pytest.mark.slow  # a server subprocess
 def test_the_server_samples_with_the_checkpoints_defaults(model_dir, tmp_path):
     from dcpgraph.testing.server import running_server
 

@@ -157,6 +157,7 @@ def _gloo_rank(rank: int, world: int):
 
 
 @pytest.mark.gloo
+@pytest.mark.slow
 def test_gloo_window_sized_sliding_caches_generate_hf_tokens():
     from dcpgraph.runtime.distributed import spawn
 

@@ -194,7 +194,7 @@ def test_dtype_auto_comes_from_the_config(tmp_path):
 
 # -- tp=2 / dcp=2 on gloo worker processes --------------------------------------------------------
 @pytest.mark.gloo
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
 def test_workers_at_tp2_dcp2_equal_hf(arch, checkpoints, references):
     tokenizer, reference = references[arch]
     with LLM(model=checkpoints[arch], dtype="float64", block_size=4, tensor_parallel_size=2,

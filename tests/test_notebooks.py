@@ -24,6 +24,7 @@ def test_there_are_three_notebooks():
     assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_"]
 
 
+@pytest.mark.slow  # each notebook runs a kernel that compiles models
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     book = nbformat.read(path, as_version=4)

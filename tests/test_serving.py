@@ -26,7 +26,7 @@ from dcpgraph.testing.pd import kv_usage
 from dcpgraph.testing.prometheus import samples, scrape
 from dcpgraph.testing.server import running_server
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]  # two tp=2 servers, ~3 min on 2 cores
 KEY = "sk-test-key"
 MAX_MODEL_LEN = 256
 SERVER_ARGS = ("-tp", "2", "-dcp", "2", "--dtype", "float64", "--block-size", "4",

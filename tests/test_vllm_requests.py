@@ -23,6 +23,8 @@ import torch
 from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.server import running_server
 
+pytestmark = pytest.mark.slow  # a server subprocess per module (~45 s on 2 cores)
+
 KEY = "sk-vllm-env-key"
 LONG = {"model": "tiny", "prompt": "x", "max_tokens": 120, "n": 4, "temperature": 0, "ignore_eos": True}
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_call_id is defined %}"

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torchair_support as ts
 
-pytestmark = pytest.mark.torchair
+pytestmark = [pytest.mark.torchair, pytest.mark.slow]  # GE graph builds: ~30 s of set-up each
 
 # name: (architecture, comm, lower_npu merge mode)
 CASES = {

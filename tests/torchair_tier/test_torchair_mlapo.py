@@ -25,7 +25,7 @@ import torch
 import torchair_support as ts
 from test_torchair_ge import _clone, _max_diff, _outputs, _step_args
 
-pytestmark = pytest.mark.torchair
+pytestmark = [pytest.mark.torchair, pytest.mark.slow]  # GE graph builds: ~30 s of set-up each
 WORLD = 2
 BLOCK_SIZE = 128
 

@@ -7,10 +7,10 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from dcpgraph.serving.api_server import _Reply
 from dcpgraph.serving.engine_loop import Piece
 from dcpgraph.serving.prompts import Prompt
 from dcpgraph.serving.protocol import ChatCompletionRequest
+from dcpgraph.serving.responses import Reply as _Reply
 
 
 def reply(**body) -> _Reply:

@@ -11,7 +11,7 @@ sampling values, a prompt or ``max_tokens`` past ``max_model_len``; unknown fiel
 logged, as vLLM does: :mod:`.protocol`), 401 for a
 missing or wrong API key on ``/v1`` routes, 404 for an unknown model name, 503 once the engine has
 failed. Engine errors map by class (:func:`status_for`): any ``RequestError`` is a 400 unless its
-class (or a base) is listed in :data:`STATUS_BY_ERROR_NAME` (a queue-full error is a 429) or
+class (or a base) is listed in :data:`~.api_errors.STATUS_BY_ERROR_NAME` (a queue-full error is a 429) or
 defines ``http_status``. A client that goes away has its requests aborted at once: mid-stream, or
 while waiting for a non-streamed body (watched every :data:`DISCONNECT_POLL_S`).
 """
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -33,12 +31,14 @@ from pydantic import ValidationError
 
 from ..errors import KVTransferError, RequestError
 from ..runtime.sampling_params import MAX_LOGPROBS
+from .api_errors import ApiError, error_body, status_for
 from .engine_loop import EngineDeadError, EngineLoop, Piece
 from .generation_defaults import generation_defaults, with_defaults
-from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE, Metrics, cache_config_info
+from .middleware import Authenticate, CountInFlight
 from .prompts import Prompt, chat_prompt, encode_prompt, truncated
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import Reply
 from .tokenization import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -47,34 +47,10 @@ from .tokenization import (
 )
 
 log = logging.getLogger("dcpgraph.serving")
-STATUS_BY_ERROR_NAME = {"QueueFullError": 429, "EngineDeadError": 503, "WorkerDiedError": 503}
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what /load counts
 DISCONNECT_POLL_S = 0.25
 STATS_EVERY_S = 10.0  # vLLM's stats logging interval
 LOG_PROMPT_IDS = 64  # prompt ids a --enable-log-requests line shows per prompt
 MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id kept
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def status_for(err: BaseException) -> int:
-    """HTTP status of an engine-side error, by class: ``http_status`` if the class defines one,
-    else the first of its classes named in :data:`STATUS_BY_ERROR_NAME`, else 400 for request errors."""
-    explicit = getattr(err, "http_status", None)
-    if isinstance(explicit, int):
-        return explicit
-    for cls in type(err).__mro__:
-        if cls.__name__ in STATUS_BY_ERROR_NAME:
-            return STATUS_BY_ERROR_NAME[cls.__name__]
-    return 400 if isinstance(err, (RequestError, ValueError)) else 500
-
-
-def error_body(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def check_kv_transfer(kv_agent, kv: dict, prompts: list, params, stream: bool) -> None:
@@ -95,10 +71,6 @@ def check_kv_transfer(kv_agent, kv: dict, prompts: list, params, stream: bool) -
     else:
         raise ApiError(400, "kv_transfer_params must hold do_remote_decode=true (for a producer) or a producer's "
                             "returned parameters (for a consumer)", param="kv_transfer_params")
-
-
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 @dataclass(frozen=True)
@@ -136,42 +108,6 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_bo
     app.get("/kv_transfer/stats")(server.kv_transfer_stats)
     app.get("/metrics")(server.prometheus)
     return app
-
-
-class Authenticate:
-    """ASGI middleware: ``/v1`` routes need ``Authorization: Bearer <api_key>`` when the server has
-    a key (401). Plain ASGI, not ``BaseHTTPMiddleware``, so a route still sees its client's
-    disconnect on the original ``receive`` channel."""
-
-    def __init__(self, app, server: OpenAIServer):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        key = self.server.api_key
-        if scope["type"] == "http" and key and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
-                response = JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"),
-                                        status_code=401)
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-class CountInFlight:
-    """ASGI middleware: ``server.in_flight`` counts completion and chat requests from their
-    arrival to the last byte of their response (a stream included), as vLLM's ``/load`` does."""
-
-    def __init__(self, app, server: OpenAIServer):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            return await self.app(scope, receive, send)
-        self.server.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.server.in_flight -= 1
 
 
 async def _api_error(request: Request, err: ApiError):
@@ -425,7 +361,7 @@ class OpenAIServer:
     async def respond(self, request: Request, prompts: list[Prompt], body, limit, log_id: str, chat: bool):
         """Submit the request, then answer with one JSON body or, with ``stream``, server-sent events."""
         out, submitted = await self.submit(prompts, body, limit, log_id)
-        reply = _Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
+        reply = Reply(self, prompts, body, log_id, chat, [c for _, c in submitted])
         headers = {"X-Request-Id": log_id}
         if not body.stream:
             whole = await _unless_disconnected(request, reply.whole(self.pieces(out, submitted, log_id, body.n)))
@@ -455,111 +391,3 @@ async def _unless_disconnected(request: Request, work):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return None
-
-
-class _Reply:
-    """One request's answer in OpenAI's shapes: ``chat.completion`` / ``text_completion`` bodies,
-    or their stream chunks, with logprobs in the chat or the completions format."""
-
-    def __init__(self, server: OpenAIServer, prompts: list[Prompt], body, log_id: str, chat: bool,
-                 choices: list[int]):
-        self.server, self.prompts, self.body, self.log_id, self.chat = server, prompts, body, log_id, chat
-        self.choices = choices
-        self.created = int(time.time())
-        self.wants_logprobs = body.requested_logprobs() is not None
-        self.offsets = {c: 0 for c in choices}  # completions' text_offset, per choice
-        self.streamed = dict.fromkeys(choices, 0)  # tokens streamed so far, per choice
-        options = body.stream_options
-        self.final_usage = bool(options and options.include_usage)
-        self.continuous_usage = self.final_usage and bool(options.continuous_usage_stats)
-
-    def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
-        if not self.wants_logprobs:
-            return None
-        tokenizer = self.server.llm.tokenizer
-        if self.chat:
-            return chat_logprobs(tokenizer, token_ids, entries)
-        value, self.offsets[choice] = completion_logprobs(tokenizer, token_ids, entries, self.offsets[choice])
-        return value
-
-    def usage(self, generated: int) -> dict:
-        prompt_tokens = sum(len(p.token_ids) for p in self.prompts) * self.body.n
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                "total_tokens": prompt_tokens + generated}
-
-    def choice_usage(self, choice: int) -> dict:
-        """One choice's usage so far (its prompt's tokens, the tokens it generated): what
-        ``stream_options.continuous_usage_stats`` puts on each of its chunks, as vLLM."""
-        prompt_tokens = len(self.prompts[choice // self.body.n].token_ids)
-        done = self.streamed[choice]
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
-
-    async def whole(self, pieces) -> dict:
-        """The non-streamed body: every choice's text, logprobs and finish reason, and the usage."""
-        texts = {c: "" for c in self.choices}
-        tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
-        reasons: dict[int, str | None] = {}
-        generated = 0
-        handover = None
-        async for piece in pieces:
-            texts[piece.choice] += piece.text
-            tokens[piece.choice][0].extend(piece.token_ids)
-            tokens[piece.choice][1].extend(piece.logprobs)
-            generated += len(piece.token_ids)
-            self.server.generated += len(piece.token_ids)
-            handover = piece.kv_transfer_params or handover
-            if piece.finished:
-                reasons[piece.choice] = piece.finish_reason
-        choices = [
-            {"index": c, "message": {"role": "assistant", "content": texts[c]},
-             "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
-            {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
-            for c in sorted(texts)
-        ]
-        return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.server.served_model_name, "choices": choices,
-                "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {})}
-
-    def chunk(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.server.served_model_name, "choices": choices, **extra}
-
-    def choice_chunk(self, choice: dict) -> dict:
-        """A chunk of one choice, with that choice's usage so far when continuous usage is asked."""
-        extra = {"usage": self.choice_usage(choice["index"])} if self.continuous_usage else {}
-        return self.chunk([choice], **extra)
-
-    def chunk_choice(self, piece: Piece) -> dict:
-        logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
-        if self.chat:
-            delta = {"content": piece.text} if piece.text or not piece.finished else {}
-            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
-        return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
-
-    def role_chunks(self) -> list[str]:
-        """(chat) Each choice's first chunk, ``delta: {"role": "assistant", "content": ""}``."""
-        return [_sse(self.choice_chunk({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None})) for c in self.choices]
-
-    async def events(self, pieces):
-        """The stream: a chunk per piece, (chat) preceded by the role chunks once the first piece
-        has come (as vLLM, so a client timing its first chunk measures the first token, not the
-        request's arrival), then the usage if asked, then ``[DONE]``; an engine failure ends it
-        with an error event."""
-        generated, started = 0, not self.chat
-        try:
-            async for piece in pieces:
-                if not started:
-                    started = True
-                    for event in self.role_chunks():
-                        yield event
-                generated += len(piece.token_ids)
-                self.streamed[piece.choice] += len(piece.token_ids)
-                self.server.generated += len(piece.token_ids)
-                yield _sse(self.choice_chunk(self.chunk_choice(piece)))
-            if self.final_usage:
-                yield _sse(self.chunk([], usage=self.usage(generated)))
-            yield _sse("[DONE]")
-        except ApiError as err:
-            log.error("request %s: %s", self.log_id, err.message)
-            yield _sse(error_body(err.status, err.message, err.kind))

@@ -27,7 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .api_server import error_body
+from .api_errors import error_body
 
 log = logging.getLogger("dcpgraph.proxy")
 

@@ -1,0 +1,127 @@
+"""One request's answer in OpenAI's shapes: a ``chat.completion`` / ``text_completion`` body, or
+its server-sent-event chunks, with logprobs in the chat or the completions format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .api_errors import ApiError, error_body
+from .engine_loop import Piece
+from .logprobs import chat_logprobs, completion_logprobs
+from .prompts import Prompt
+
+log = logging.getLogger("dcpgraph.serving")
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class Reply:
+    """One request's answer in OpenAI's shapes: ``chat.completion`` / ``text_completion`` bodies,
+    or their stream chunks, with logprobs in the chat or the completions format."""
+
+    def __init__(self, server, prompts: list[Prompt], body, log_id: str, chat: bool,
+                 choices: list[int]):
+        self.server, self.prompts, self.body, self.log_id, self.chat = server, prompts, body, log_id, chat
+        self.choices = choices
+        self.created = int(time.time())
+        self.wants_logprobs = body.requested_logprobs() is not None
+        self.offsets = {c: 0 for c in choices}  # completions' text_offset, per choice
+        self.streamed = dict.fromkeys(choices, 0)  # tokens streamed so far, per choice
+        options = body.stream_options
+        self.final_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.final_usage and bool(options.continuous_usage_stats)
+
+    def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        tokenizer = self.server.llm.tokenizer
+        if self.chat:
+            return chat_logprobs(tokenizer, token_ids, entries)
+        value, self.offsets[choice] = completion_logprobs(tokenizer, token_ids, entries, self.offsets[choice])
+        return value
+
+    def usage(self, generated: int) -> dict:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts) * self.body.n
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated}
+
+    def choice_usage(self, choice: int) -> dict:
+        """One choice's usage so far (its prompt's tokens, the tokens it generated): what
+        ``stream_options.continuous_usage_stats`` puts on each of its chunks, as vLLM."""
+        prompt_tokens = len(self.prompts[choice // self.body.n].token_ids)
+        done = self.streamed[choice]
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+    async def whole(self, pieces) -> dict:
+        """The non-streamed body: every choice's text, logprobs and finish reason, and the usage."""
+        texts = {c: "" for c in self.choices}
+        tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
+        reasons: dict[int, str | None] = {}
+        generated = 0
+        handover = None
+        async for piece in pieces:
+            texts[piece.choice] += piece.text
+            tokens[piece.choice][0].extend(piece.token_ids)
+            tokens[piece.choice][1].extend(piece.logprobs)
+            generated += len(piece.token_ids)
+            self.server.generated += len(piece.token_ids)
+            handover = piece.kv_transfer_params or handover
+            if piece.finished:
+                reasons[piece.choice] = piece.finish_reason
+        choices = [
+            {"index": c, "message": {"role": "assistant", "content": texts[c]},
+             "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
+            {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
+            for c in sorted(texts)
+        ]
+        return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.served_model_name, "choices": choices,
+                "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {})}
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.served_model_name, "choices": choices, **extra}
+
+    def choice_chunk(self, choice: dict) -> dict:
+        """A chunk of one choice, with that choice's usage so far when continuous usage is asked."""
+        extra = {"usage": self.choice_usage(choice["index"])} if self.continuous_usage else {}
+        return self.chunk([choice], **extra)
+
+    def chunk_choice(self, piece: Piece) -> dict:
+        logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
+        if self.chat:
+            delta = {"content": piece.text} if piece.text or not piece.finished else {}
+            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    def role_chunks(self) -> list[str]:
+        """(chat) Each choice's first chunk, ``delta: {"role": "assistant", "content": ""}``."""
+        return [_sse(self.choice_chunk({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None})) for c in self.choices]
+
+    async def events(self, pieces):
+        """The stream: a chunk per piece, (chat) preceded by the role chunks once the first piece
+        has come (as vLLM, so a client timing its first chunk measures the first token, not the
+        request's arrival), then the usage if asked, then ``[DONE]``; an engine failure ends it
+        with an error event."""
+        generated, started = 0, not self.chat
+        try:
+            async for piece in pieces:
+                if not started:
+                    started = True
+                    for event in self.role_chunks():
+                        yield event
+                generated += len(piece.token_ids)
+                self.streamed[piece.choice] += len(piece.token_ids)
+                self.server.generated += len(piece.token_ids)
+                yield _sse(self.choice_chunk(self.chunk_choice(piece)))
+            if self.final_usage:
+                yield _sse(self.chunk([], usage=self.usage(generated)))
+            yield _sse("[DONE]")
+        except ApiError as err:
+            log.error("request %s: %s", self.log_id, err.message)
+            yield _sse(error_body(err.status, err.message, err.kind))

@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,8 +43,6 @@ def free_port_pair() -> int:
     for _ in range(50):
         port = free_port("127.0.0.1")
         with contextlib.suppress(OSError):
-            import socket
-
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
             return port

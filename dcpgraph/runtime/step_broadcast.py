@@ -133,10 +133,6 @@ class ControlGroup:
             return None
         return [value] + [conn.recv() for conn in self.followers]
 
-    def close(self) -> None:
-        for conn in [*self.followers, *([self.driver] if self.driver else [])]:
-            conn.close()
-
 
 def fingerprint(program: Program) -> str:
     """The compiled program's identity across processes: its generated code and the shapes and
@@ -177,10 +173,8 @@ class DriverExecutor:
         self.control, self.index = control, index
         control.broadcast(("create", role, num_blocks, fingerprint(program)))
         answers = control.gather(None)
-        refused = [(r, a) for r, a in enumerate(answers) if a is not None]
-        control.broadcast(("go", not refused))
-        if refused:
-            _check_answers(answers)
+        control.broadcast(("go", all(a is None for a in answers)))
+        _check_answers(answers)  # raises for the first rank that refused
         self.inner = DistributedExecutor(program, num_blocks, graphs)
         self.program, self.graphs, self.device = program, graphs, self.inner.device
 

@@ -164,12 +164,13 @@ def _targets(engine):
     return [str(n.target) for n in engine.program.graph_module.graph.nodes if n.op == "call_function"]
 
 
-def test_pass_rewrites_bf16_linears_only_and_leaves_fp32_programs_unchanged():
+def test_pass_rewrites_bf16_linears_to_the_bf16_op_only():
     _need_native()
     model = tiny_model("qwen3", layers=2)
     fp32 = dcpgraph.compile(model, backend="eager", max_num_seqs=2)
     assert "dcpgraph.linear_bf16.default" not in _targets(fp32)
-    assert _summary(fp32, "native_linear") == "no linear by a bf16 CPU parameter"
+    fp64 = dcpgraph.compile(tiny_model("qwen3", layers=1).double(), backend="eager", max_num_seqs=2)
+    assert _summary(fp64, "native_linear") == "no linear by a bf16 or fp32 CPU parameter"
     bf16 = dcpgraph.compile(model.to(torch.bfloat16), backend="eager", max_num_seqs=2)
     targets = _targets(bf16)
     assert "aten.linear.default" not in targets

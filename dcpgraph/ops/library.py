@@ -22,6 +22,7 @@ softcap,k_scales?,v_scales?)``        window start (local key index) per query; 
 slots,scales)``                        per (token, head, 128 elements) written to ``scales``
 ``linear_bf16(input,weight,bias?)``     ``aten.linear``'s meaning; bf16 CPU calls of few rows run
                                        natively (:mod:`dcpgraph.ops.linear`)
+``linear_f32(input,weight,bias?)``      the same for fp32 (:mod:`dcpgraph.ops.linear_f32`)
 ``rms_norm_bf16(x, weight, eps)``      HF's RMSNorm of a bf16 tensor, one op (:mod:`dcpgraph.ops.rms_norm`)
 ``rotary_embedding(x, cos, sin)``      HF's ``x·cos + rotate_half(x)·sin``, one op (:mod:`dcpgraph.ops.rotary`)
 ``mla_preprocess(x, weights…, w_uk,    MLA's query/KV projections, norms, rotary and latent cache
@@ -40,7 +41,17 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, linear, merge_native, mla_preprocess, paged, quant, rms_norm, rotary
+from . import (
+    kernels,
+    linear,
+    linear_f32,
+    merge_native,
+    mla_preprocess,
+    paged,
+    quant,
+    rms_norm,
+    rotary,
+)
 from .kernels import acc_dtype
 from .merge import merge_attention_reference, rescale_to_global_reference
 
@@ -78,6 +89,7 @@ _SCHEMAS = {
         "-> (Tensor, Tensor, Tensor)"
     ),
     "linear_bf16": "linear_bf16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+    "linear_f32": "linear_f32(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     "rms_norm_bf16": "rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor",
     "rotary_embedding": "rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor",
 }
@@ -192,6 +204,7 @@ _register("kv_cache_write_", _kv_cache_write_, _kv_cache_write_fake)
 _register("kv_cache_write_fp8_", _kv_cache_write_fp8_, _kv_cache_write_fp8_fake)
 _register("mla_preprocess", mla_preprocess.mla_preprocess_reference, mla_preprocess.mla_preprocess_fake)
 _register("linear_bf16", linear.linear_bf16, linear.linear_bf16_fake)
+_register("linear_f32", linear_f32.linear_f32, linear_f32.linear_f32_fake)
 _register("rms_norm_bf16", rms_norm.rms_norm_reference, rms_norm.rms_norm_fake)
 _register("rotary_embedding", rotary.rotary_reference, rotary.rotary_fake)
 
@@ -205,6 +218,7 @@ kv_cache_write_ = ops.kv_cache_write_
 kv_cache_write_fp8_ = ops.kv_cache_write_fp8_
 mla_preprocess_op = ops.mla_preprocess
 linear_bf16 = ops.linear_bf16
+linear_f32_op = ops.linear_f32
 rms_norm_bf16 = ops.rms_norm_bf16
 rotary_embedding = ops.rotary_embedding
 from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

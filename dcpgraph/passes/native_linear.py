@@ -1,12 +1,14 @@
-"""``native_linear``: linears by bf16 CPU parameters → ``dcpgraph.linear_bf16``.
+"""``native_linear``: linears by bf16 or fp32 CPU parameters → ``dcpgraph.linear_bf16`` / ``linear_f32``.
 
-Every ``aten.linear(x, W, b?)`` whose weight ``W`` is a 2-D bf16 parameter (a state input of the
-program) on the CPU becomes ``dcpgraph.linear_bf16(x, W, b?)``, an op with torch's meaning whose
-CPU kernel runs few-row calls (decode) through the native kernel (AMX, AVX512-BF16, or AVX2 + FMA) and every other call
-through ``torch.nn.functional.linear`` (the checker and the numerics: :mod:`dcpgraph.ops.linear`).
-The pass applies only where that kernel is built and past its self-check in this process, so a
-machine without it keeps plain ``aten.linear``; fp32/fp64 programs, activations-by-activations
-products and weights on other devices are never touched, so their tokens are unchanged.
+Every ``aten.linear(x, W, b?)`` whose weight ``W`` is a 2-D bf16 (fp32) parameter (a state input
+of the program) on the CPU becomes ``dcpgraph.linear_bf16(x, W, b?)`` (``dcpgraph.linear_f32``),
+an op with torch's meaning whose CPU kernel runs few-row calls (decode) through a native kernel
+that reads ``W`` once (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.linear_f32`) and every other
+call through ``torch.nn.functional.linear``. Each dtype's rewrite applies only where its kernel is
+built and past its self-check in this process, so a machine without it keeps plain
+``aten.linear``; fp64 programs, activations-by-activations products and weights on other devices
+are never touched. The fp32 kernel sums in another order than torch's GEMM (differences of order
+1e-6 relative), as a TP all-reduce or a DCP merge already does.
 
 It runs last: earlier passes recognise ``aten.linear`` (``select_logits`` walks back to the LM
 head, ``shard_tp`` and ``fuse_mla_preprocess`` match projections), and after ``shard_tp`` each
@@ -17,19 +19,28 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import linear as linear_ops
+from ..ops import linear as linear_bf16_ops
+from ..ops import linear_f32 as linear_f32_ops
 from ..program import STATE_KINDS, Program
 from .manager import program_pass, ran
 
 aten = torch.ops.aten
 
+# weight dtype → (the op, its module: native_enabled() and reason(), its name in summaries)
+_NATIVE = {
+    torch.bfloat16: (torch.ops.dcpgraph.linear_bf16.default, linear_bf16_ops, "bf16"),
+    torch.float32: (torch.ops.dcpgraph.linear_f32.default, linear_f32_ops, "fp32"),
+}
 
-def _is_bf16_cpu_parameter(node, state_names: set[str]) -> bool:
+
+def _cpu_parameter_dtype(node, state_names: set[str]) -> torch.dtype | None:
+    """The dtype of ``node`` if it is a 2-D CPU parameter of a dtype with a native linear, else None."""
     if not (isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in state_names):
-        return False
+        return None
     val = node.meta.get("val")
-    return (isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16 and val.dim() == 2
-            and val.device.type == "cpu")
+    if isinstance(val, torch.Tensor) and val.dim() == 2 and val.device.type == "cpu" and val.dtype in _NATIVE:
+        return val.dtype
+    return None
 
 
 @program_pass(
@@ -44,21 +55,30 @@ def native_linear(program: Program, enabled: bool = True):
     if not enabled:
         return program, "disabled"
     state_names = {s.name for s in program.inputs if s.kind in STATE_KINDS}
-    gm = program.graph_module
-    candidates = [
-        n for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is aten.linear.default and _is_bf16_cpu_parameter(n.args[1], state_names)
-    ]
-    if not candidates:
-        return program, "no linear by a bf16 CPU parameter"
-    if not linear_ops.native_enabled():
-        return program, f"{len(candidates)} bf16 linears kept on torch: {linear_ops.reason()}"
+
+    def weight_dtype(node) -> torch.dtype | None:
+        if node.op == "call_function" and node.target is aten.linear.default:
+            return _cpu_parameter_dtype(node.args[1], state_names)
+        return None
+
+    found: dict[torch.dtype, int] = {}
+    for node in program.graph_module.graph.nodes:
+        dtype = weight_dtype(node)
+        if dtype is not None:
+            found[dtype] = found.get(dtype, 0) + 1
+    if not found:
+        return program, "no linear by a bf16 or fp32 CPU parameter"
+    usable = {d for d in found if _NATIVE[d][1].native_enabled()}
+    kept = [f"{found[d]} {_NATIVE[d][2]} linears kept on torch: {_NATIVE[d][1].reason()}" for d in found if d not in usable]
+    if not usable:
+        return program, "; ".join(kept)
     gm = program.copy_graph()
-    count = 0
+    done: dict[torch.dtype, int] = {}
     for node in gm.graph.nodes:
-        if (node.op == "call_function" and node.target is aten.linear.default
-                and _is_bf16_cpu_parameter(node.args[1], state_names)):
-            node.target = torch.ops.dcpgraph.linear_bf16.default
-            count += 1
+        dtype = weight_dtype(node)
+        if dtype in usable:
+            node.target = _NATIVE[dtype][0]
+            done[dtype] = done.get(dtype, 0) + 1
     gm.recompile()
-    return program.replace(graph_module=gm), f"{count} bf16 linears → dcpgraph.linear_bf16"
+    summary = [f"{done[d]} {_NATIVE[d][2]} linears → dcpgraph.{_NATIVE[d][0].name().split('::')[1]}" for d in done]
+    return program.replace(graph_module=gm), "; ".join(summary + kept)

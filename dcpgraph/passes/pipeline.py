@@ -11,7 +11,7 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
                         Ascend backends, whose attention takes no causal bound in the cache);
 6. ``shard_dcp``        paged reads sharded over DCP groups: local counts, LSE merge across ranks;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
-8. ``native_linear``    linears by bf16 CPU weights → ``linear_bf16`` (native for decode rows);
+8. ``native_linear``    linears by bf16/fp32 CPU weights → ``linear_bf16``/``linear_f32`` (native for decode rows);
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
 10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 

@@ -1,8 +1,8 @@
-"""``linear_bf16`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_embedding`` → their aten chains.
+"""``linear_bf16`` and ``linear_f32`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_embedding`` → their aten chains.
 
 These ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`,
 :mod:`dcpgraph.ops.rotary`); the passes that emit them (``native_linear``, ``native_rms_norm``,
-``native_rotary``) only fire for CPU tensors (bf16; rotary also fp16 and fp32), which an Ascend
+``native_rotary``) only fire for CPU tensors (bf16; linear and rotary also fp32, rotary fp16), which an Ascend
 program meets when it is traced on the CPU before its weights move. On Ascend they become the
 aten ops GE converts (``MatMulV2``/``BiasAdd``, the RMSNorm and rotary chains), so a program that
 went through those passes lowers exactly as one that did not.
@@ -21,6 +21,11 @@ dcp_ops = torch.ops.dcpgraph
 
 @register(dcp_ops.linear_bf16.default, "linear_bf16->linear")
 def linear_bf16_as_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@register(dcp_ops.linear_f32.default, "linear_f32->linear")
+def linear_f32_as_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -138,7 +138,11 @@ class Engine(EngineClient):
         self.scheduler.add(request)
         return request.id
 
-    def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> Request:
+    def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0,
+                     transfer: str | None = None) -> Request:
+        if transfer is not None and params.prompt_logprobs is not None:
+            raise RequestError(f"prompt_logprobs is not supported with prefill/decode disaggregation ({transfer}): "
+                               "the prompt's logits stay on the prefill engine; run the request on one engine")
         try:
             params.check_vocab(self.program.facts.vocab_size)  # before an id: nothing changes on a refusal
         except ValueError as err:
@@ -152,6 +156,8 @@ class Engine(EngineClient):
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
         request = Request(rid, tokens, max_new_tokens, params, gen)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no log-probability
         request.speculative = not params.modifies_logits  # drafts are verified against the raw argmax
         return request
 
@@ -217,7 +223,7 @@ class Engine(EngineClient):
         check_exportable(self)
         self._require_idle("prefill")
         tokens = self.check_request(prompt, 2)
-        request = self._new_request(tokens, 2, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(tokens, 2, SamplingParams.for_engine(params, **sampling), transfer="prefill")
         request.speculative = False  # one token, exactly: drafts could finish it before the export
         self.scheduler.add(request)
         try:
@@ -246,7 +252,8 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling),
+                                    transfer="continue_from")
         request.output = output
         request.computed = transfer.computed
         self.scheduler.adopt(request)
@@ -277,7 +284,8 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling),
+                                    transfer="adopt_transferred")
         request.output = [int(t) for t in output]
         request.computed = len(tokens)
         prefix = self.blocks.match_prefix(tokens)

@@ -37,7 +37,7 @@ from ..speculative.mtp_module import check_mtp_weights
 from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
-from .logprobs import vllm_logprobs
+from .logprobs import vllm_logprobs, vllm_prompt_logprobs
 from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -220,6 +220,7 @@ class LLM:
                 raise
         pending = set(streams)
         logprobs: dict[int, list[dict]] = {rid: [] for rid in streams}
+        prompt_logprobs: dict[int, list] = {}  # per prompt, from its first completion's first event
         while pending:
             for event in self.engine.step():
                 rid, token, engine_finished = event
@@ -228,6 +229,8 @@ class LLM:
                 stream = streams[rid][2]
                 stream.add(token, engine_finished)
                 logprobs[rid].append(event.logprobs)
+                if event.prompt_logprobs is not None:
+                    prompt_logprobs[streams[rid][0]] = event.prompt_logprobs
                 if stream.finished:
                     pending.discard(rid)
                     if not engine_finished:
@@ -235,6 +238,8 @@ class LLM:
         outputs = []
         for i, prompt in enumerate(items):
             out = RequestOutput(str(self._next_request), prompt.text, list(prompt.token_ids))
+            if params[i].prompt_logprobs is not None:
+                out.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, prompt.token_ids, prompt_logprobs[i])
             self._next_request += 1
             for rid, (_, j, stream) in sorted(((k, v) for k, v in streams.items() if v[0] == i), key=lambda kv: kv[1][1]):
                 completion = CompletionOutput(j, stream.text, list(stream.token_ids), stream.finish_reason)

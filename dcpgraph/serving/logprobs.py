@@ -26,6 +26,13 @@ def vllm_logprobs(tokenizer, token: int, entry: dict) -> dict[int, Logprob]:
     return out
 
 
+def vllm_prompt_logprobs(tokenizer, prompt: Sequence[int], entries: Sequence[dict | None]) -> list:
+    """vLLM's ``RequestOutput.prompt_logprobs``: ``None`` for the first prompt token (nothing
+    precedes it), then each prompt token's map as :func:`vllm_logprobs` builds it."""
+    return [None if entry is None else vllm_logprobs(tokenizer, token, entry)
+            for token, entry in zip(prompt, entries, strict=True)]
+
+
 def completion_logprobs(tokenizer, tokens: Sequence[int], entries: Sequence[dict], offset: int) -> tuple[dict, int]:
     """OpenAI completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset``) for consecutive tokens whose first starts at character ``offset`` of the

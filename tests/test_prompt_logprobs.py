@@ -114,7 +114,7 @@ def test_prompt_logprobs_values_are_checked():
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     assert SamplingParams(prompt_logprobs=0, temperature=0).engine_params() == {"prompt_logprobs": 0}
-    assert "prompt_logprobs" not in SamplingParams(prompt_logprobs=2).engine_params(1)  # once per prompt
+    assert SamplingParams(prompt_logprobs=2).engine_params(1)["prompt_logprobs"] == 2
 
 
 def check_request_output(model, out, top: int) -> None:

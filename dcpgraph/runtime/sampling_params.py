@@ -243,7 +243,7 @@ class SamplingParams:
                       "top_p": float(self.top_p), "seed": seed}
         if self.logprobs is not None:
             params["logprobs"] = self.logprobs
-        if self.prompt_logprobs is not None and index == 0:  # the prompt's, computed once for all n
+        if self.prompt_logprobs is not None:
             params["prompt_logprobs"] = self.prompt_logprobs
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
             if getattr(self, name) != off:

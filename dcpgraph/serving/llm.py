@@ -210,8 +210,11 @@ class LLM:
         for i, (prompt, sp) in enumerate(zip(items, params)):
             try:
                 for j in range(sp.n):
+                    sampling = sp.engine_params(j)
+                    if j:  # the prompt's log-probabilities are the same for all n: completion 0 computes them
+                        sampling.pop("prompt_logprobs", None)
                     rid = self.engine.add_request(prompt.token_ids, self.max_tokens_for(sp, len(prompt.token_ids)),
-                                                  **sp.engine_params(j))
+                                                  **sampling)
                     streams[rid] = (i, j, TextStream(self.tokenizer, sp, self.eos_token_ids))
             except RequestError as err:
                 for rid in streams:

@@ -88,13 +88,18 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
     model, parallel, cache, scheduler = settings.model.model, settings.parallel, settings.cache, settings.scheduler
     spec = settings.speculative
     require_model_dir(model)
+    load_format = settings.model.load_format
+    if load_format == "dummy" and spec.checked is not None and spec.checked.method in ("mtp", "draft_model"):
+        raise ConfigError(f"load_format='dummy' builds the target model only; speculative method "
+                          f"{spec.checked.method!r} reads weights from a checkpoint: use 'ngram', or load_format "
+                          "'auto'/'safetensors'")
     if spec.checked is not None and spec.checked.method == "mtp":
         check_mtp_checkpoint(model)
     tokenizer = load_tokenizer(settings.model.tokenizer or model, trust_remote_code=settings.model.trust_remote_code)
     tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
     interleave = parallel.cp_kv_cache_interleave_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
-                              interleave=interleave, tokenizer=tokenizer)
+                              interleave=interleave, tokenizer=tokenizer, load_format=load_format)
     limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
     max_model_len = scheduler.max_model_len
     if max_model_len is None:
@@ -112,7 +117,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=int(max_model_len),
         enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, engine_options=engine_options,
-        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes,
+        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes, load_format=load_format,
     )
     return CheckedCheckpoint(tokenizer, info, config)
 

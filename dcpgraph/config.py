@@ -110,8 +110,9 @@ class ModelConfig(_Section):
                                 flags=("model",), option=None)
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)", option=None)
     dtype: str = setting("auto", "auto (from the config), float32, bfloat16, float16, float64", option=None)
-    seed: int = setting(0, "kept for vLLM's signature: unseeded requests draw from a stream keyed by request id",
-                        option=None)
+    seed: int = setting(0, "the run's seed (vLLM's): a request without its own seed samples from a generator "
+                           "seeded by this seed and its request id, so the same requests in the same order give "
+                           "the same tokens")
     trust_remote_code: bool = setting(False, "passed to transformers when the tokenizer is loaded; the model itself is "
                                              "always built from transformers' own classes (no remote code runs)",
                                       option=None)

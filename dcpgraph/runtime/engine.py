@@ -28,6 +28,15 @@ from .speculative_config import speculative_config as speculative_config_of
 from .verify_buckets import VerifyBuckets
 
 
+def unseeded_stream(run_seed: int, request_id: int) -> int:
+    """The generator seed of a sampled request without its own seed: ``(request_id + run_seed ·
+    0x9E3779B1) mod 2^32``. A CPU generator keeps only a seed's low 32 bits (mt19937), so the
+    run's seed is mixed in there: within one run every request id below 2^32 gets its own stream,
+    another run seed shifts them all (seeds equal mod 2^32 share them), and seed 0 keys a
+    request by its id alone."""
+    return (request_id + run_seed * 0x9E3779B1) % 2**32
+
+
 class Engine(EngineClient):
     """Serves generation requests: :class:`~.scheduler.Scheduler` decides each step and applies its
     results, :class:`~.model_runner.ModelRunner` runs it on every rank.
@@ -58,8 +67,10 @@ class Engine(EngineClient):
         max_waiting: int | None = 1024,
         kv_allocation: str = "on_demand",
         memory_sizing=None,
+        seed: int = 0,
     ):
         self.program = program
+        self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
         self.mesh = program.mesh
         self.block_size = int(program.lowering.block_size)
@@ -153,8 +164,10 @@ class Engine(EngineClient):
         if not params.greedy:
             # A seeded request's stream depends on its seed and its index in its generate() call,
             # not on how many requests this engine served before (so the same seed reproduces the
-            # same tokens on the same engine); unseeded requests get one stream per request id.
-            gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
+            # same tokens on the same engine); an unseeded request's on the run's seed and its
+            # request id (unseeded_stream), so the same requests in the same order reproduce a run.
+            gen = torch.Generator().manual_seed(unseeded_stream(self.seed, rid) if params.seed is None
+                                                else params.seed + index)
         request = Request(rid, tokens, max_new_tokens, params, gen)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no log-probability

@@ -14,8 +14,9 @@ driven from here over loopback sockets. ``distributed_executor_backend="emulated
 rank in this process instead (the SPMD emulator). Every check that can fail does so here, before
 any rank starts (:func:`~.checkpoint.inspect_checkpoint`).
 
-Unseeded sampled requests draw from a stream keyed by the engine's request id, so a fresh ``LLM``
-given the same calls reproduces the same tokens; ``seed`` is kept for vLLM's signature.
+Unseeded sampled requests draw from a stream keyed by ``seed`` (vLLM's run seed, default 0) and
+the engine's request id, so a fresh ``LLM`` with the same seed given the same calls reproduces the
+same tokens, and another seed gives other ones.
 """
 
 from __future__ import annotations

@@ -118,6 +118,7 @@ def test_prompt_logprobs_field_on_completions_and_chat(served):
 @pytest.mark.parametrize("path,body,needle", [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "0 is accepted only with echo"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "not available when stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "/v1/completions supports echo"),
 ])
 def test_bad_echo_and_prompt_logprobs_requests_are_refused_by_name(served, path, body, needle):

@@ -125,6 +125,9 @@ class _Common(LenientModel):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not any(value == nothing for nothing in _ASKS_NOTHING):
                 raise ValueError(f"{name}: {UNSUPPORTED[name]}")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule (0 asks for the prompt tokens' own figures only)
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); use 0, null or "
+                             "a non-streamed request")
         if self.best_of not in (None, self.n):
             raise ValueError(f"best_of ({self.best_of}) must be null or equal n ({self.n}): dcpgraph returns "
                              "every sampled completion and does not rank best_of > n candidates")

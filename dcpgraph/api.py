@@ -183,6 +183,7 @@ def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
         max_num_seqs=opts["max_num_seqs"], graphs=compiled.graphs, capture_limit=opts["capture_limit"],
         enable_prefix_caching=opts["enable_prefix_caching"], speculative_config=config.spec, draft=compiled.draft,
         max_waiting=opts["max_waiting"], kv_allocation=opts["kv_allocation"], memory_sizing=compiled.memory_sizing,
+        seed=opts["seed"],
     )
 
 

@@ -46,7 +46,7 @@ EXECUTORS = ("auto", "emulated", "distributed")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "emulated")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOAD_FORMATS = ("auto", "safetensors")  # where weights come from (vLLM's --load-format)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # where weights come from (vLLM's --load-format)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
 # the cache sizes, by their compile names; at most one may be given
@@ -110,13 +110,15 @@ class ModelConfig(_Section):
                                 flags=("model",), option=None)
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)", option=None)
     dtype: str = setting("auto", "auto (from the config), float32, bfloat16, float16, float64", option=None)
-    seed: int = setting(0, "kept for vLLM's signature: unseeded requests draw from a stream keyed by request id",
-                        option=None)
+    seed: int = setting(0, "the run's seed (vLLM's): a request without its own seed samples from a generator "
+                           "seeded by this seed and its request id, so the same requests in the same order give "
+                           "the same tokens")
     trust_remote_code: bool = setting(False, "passed to transformers when the tokenizer is loaded; the model itself is "
                                              "always built from transformers' own classes (no remote code runs)",
                                       option=None)
     load_format: str = setting("auto", "where weights come from: auto/safetensors (the model directory's "
-                                       "*.safetensors)", choices=LOAD_FORMATS, option=None)
+                                       "*.safetensors), dummy (random weights from the config alone, for "
+                                       "benchmarking; no weight file is read)", choices=LOAD_FORMATS, option=None)
 
     def _validate(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -62,7 +62,7 @@ def test_sampling_params_has_vllm_defaults_and_checks_values():
     assert SamplingParams(temperature=0.5, seed=7).engine_params(2)["seed"] == 9
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0),
                 dict(n=0), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(logprobs=21), dict(seed="x"),
-                dict(prompt_logprobs=1), dict(repetition_penalty=0)):
+                dict(prompt_logprobs=-1), dict(repetition_penalty=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 

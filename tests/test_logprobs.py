@@ -102,7 +102,7 @@ def test_repetition_penalty_equals_hf_logits_processor():
 
 def test_bad_values_are_refused_by_name():
     for kwargs, name in [({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-                         ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
                          ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)

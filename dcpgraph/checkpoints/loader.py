@@ -29,6 +29,7 @@ from .tensor_sources import (
     AbsorbedMLA,
     BlockDequantized,
     Concatenated,
+    Dummy,
     InMemory,
     SafetensorsFiles,
     Stacked,
@@ -188,16 +189,46 @@ def open_checkpoint(path: str, dtype: str):
     return model, model_sources(model, files)
 
 
+class _NoFiles:
+    """The stored tensors of ``load_format="dummy"``: none."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __contains__(self, name: str) -> bool:
+        return False
+
+
+def dummy_sources(model, path: str) -> dict[str, object]:
+    """``load_format="dummy"``: a :class:`~.tensor_sources.Dummy` for every parameter (a tied one
+    shares its target's values) and the config's computed buffers; no weight file is opened."""
+    tied = _tied(model)
+    sources: dict[str, object] = {n: InMemory(t, f"{n} (computed from the config)")
+                                  for n, t in _computed_buffers(model, _NoFiles(path)).items()}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        sources[name] = Dummy(tuple(param.shape), tied.get(name, name))
+    return sources
+
+
 def check_checkpoint(path: str, dtype: str) -> None:
     """Raise ConfigError for missing, unexpected or mismatched tensors; reads headers only."""
     open_checkpoint(path, dtype)
 
 
-def load_program(path: str, dtype: str) -> Program:
+def load_program(path: str, dtype: str, load_format: str = "auto") -> Program:
     """The traced Program of ``path`` with meta state and a :class:`ShardedReader`: compile it
-    (``dcpgraph.compile(program, tp=...)``) and each rank's executor reads only its slices."""
+    (``dcpgraph.compile(program, tp=...)``) and each rank's executor reads only its slices.
+    ``load_format``: "auto"/"safetensors" (the directory's weight files) or "dummy" (random
+    weights, :func:`dummy_sources`: the config alone)."""
+    from .files import DTYPES
     from .meta_trace import trace_on_meta
 
-    model, sources = open_checkpoint(path, dtype)
+    if load_format == "dummy":
+        model = meta_model(path, DTYPES[dtype])
+        sources = dummy_sources(model, path)
+    elif load_format in ("auto", "safetensors"):
+        model, sources = open_checkpoint(path, dtype)
+    else:
+        raise ConfigError(f"load_format must be one of ['auto', 'safetensors', 'dummy'], got {load_format!r}")
     program = trace_on_meta(model)
     return program.replace(state_reader=ShardedReader(sources, checkpoint=path))

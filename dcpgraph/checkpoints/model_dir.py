@@ -66,8 +66,9 @@ def require_model_dir(path: str) -> None:
 
 
 def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int = 1, block_size: int = 16,
-                       interleave: int = 1, tokenizer=None) -> CheckpointInfo:
-    """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights."""
+                       interleave: int = 1, tokenizer=None, load_format: str = "auto") -> CheckpointInfo:
+    """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights.
+    ``load_format="dummy"``: the config alone (no weight file is looked for)."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -95,8 +96,10 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
     from .loader import check_checkpoint
 
     resolved = resolve_dtype(dtype, config)
-    files = weight_files(path)
-    check_checkpoint(path, resolved)
+    files = ()
+    if load_format != "dummy":
+        files = weight_files(path)
+        check_checkpoint(path, resolved)
     return CheckpointInfo(
         path=path, architecture=usable[0], dtype=resolved, vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),

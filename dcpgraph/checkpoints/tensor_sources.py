@@ -9,7 +9,8 @@ stored bytes that slice needs:
   (fused MoE experts from a checkpoint that stores one tensor per expert);
 - :class:`AbsorbedMLA`: ``W_UK`` / ``W_UV^T`` of an MLA up-projection, read by whole heads;
 - :class:`InMemory`: a small tensor computed from the config (rotary frequencies);
-- :class:`BlockDequantized`: an fp8 weight times its per-tile scales (block-quantized checkpoints).
+- :class:`BlockDequantized`: an fp8 weight times its per-tile scales (block-quantized checkpoints);
+- :class:`Dummy`: random values from the tensor's name alone (``load_format="dummy"``).
 
 :func:`read_local` is :meth:`dcpgraph.program.ShardRule.local` on a source: rank ``r``'s shard
 under a shard rule, built from one slice per contiguous run (``packed`` rules read one per half).
@@ -94,6 +95,30 @@ class InMemory:
 
     def describe(self) -> str:
         return self.what
+
+
+DUMMY_SEED = 1234  # vLLM's dummy-weight seed
+DUMMY_RANGE = 1e-3  # vLLM's: dummy weights are uniform in [-1e-3, 1e-3]
+
+
+@dataclass(frozen=True)
+class Dummy:
+    """A random full tensor, uniform in ``[-DUMMY_RANGE, DUMMY_RANGE]`` (float32 values), drawn
+    from a generator seeded by :data:`DUMMY_SEED` and the CRC-32 of ``name``: the same values in
+    every process, so every rank's slice comes from one tensor; no file is read."""
+
+    shape: tuple[int, ...]
+    name: str
+
+    def read(self, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        import zlib
+
+        gen = torch.Generator().manual_seed(DUMMY_SEED + zlib.crc32(self.name.encode()))
+        full = (torch.rand(self.shape, generator=gen) * 2 - 1) * DUMMY_RANGE
+        return full if dim is None else full.narrow(dim, start, stop - start).clone()
+
+    def describe(self) -> str:
+        return f"{self.name} (dummy)"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,15 @@ from .speculative_config import speculative_config as speculative_config_of
 from .verify_buckets import VerifyBuckets
 
 
+def unseeded_stream(run_seed: int, request_id: int) -> int:
+    """The generator seed of a sampled request without its own seed: ``(request_id + run_seed ·
+    0x9E3779B1) mod 2^32``. A CPU generator keeps only a seed's low 32 bits (mt19937), so the
+    run's seed is mixed in there: within one run every request id below 2^32 gets its own stream,
+    another run seed shifts them all (seeds equal mod 2^32 share them), and seed 0 keys a
+    request by its id alone."""
+    return (request_id + run_seed * 0x9E3779B1) % 2**32
+
+
 class Engine(EngineClient):
     """Serves generation requests: :class:`~.scheduler.Scheduler` decides each step and applies its
     results, :class:`~.model_runner.ModelRunner` runs it on every rank.
@@ -58,8 +67,10 @@ class Engine(EngineClient):
         max_waiting: int | None = 1024,
         kv_allocation: str = "on_demand",
         memory_sizing=None,
+        seed: int = 0,
     ):
         self.program = program
+        self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
         self.mesh = program.mesh
         self.block_size = int(program.lowering.block_size)
@@ -138,7 +149,11 @@ class Engine(EngineClient):
         self.scheduler.add(request)
         return request.id
 
-    def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0) -> Request:
+    def _new_request(self, tokens: list[int], max_new_tokens: int, params: SamplingParams, index: int = 0,
+                     transfer: str | None = None) -> Request:
+        if transfer is not None and params.prompt_logprobs is not None:
+            raise RequestError(f"prompt_logprobs is not supported with prefill/decode disaggregation ({transfer}): "
+                               "the prompt's logits stay on the prefill engine; run the request on one engine")
         try:
             params.check_vocab(self.program.facts.vocab_size)  # before an id: nothing changes on a refusal
         except ValueError as err:
@@ -149,9 +164,13 @@ class Engine(EngineClient):
         if not params.greedy:
             # A seeded request's stream depends on its seed and its index in its generate() call,
             # not on how many requests this engine served before (so the same seed reproduces the
-            # same tokens on the same engine); unseeded requests get one stream per request id.
-            gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
+            # same tokens on the same engine); an unseeded request's on the run's seed and its
+            # request id (unseeded_stream), so the same requests in the same order reproduce a run.
+            gen = torch.Generator().manual_seed(unseeded_stream(self.seed, rid) if params.seed is None
+                                                else params.seed + index)
         request = Request(rid, tokens, max_new_tokens, params, gen)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no log-probability
         request.speculative = not params.modifies_logits  # drafts are verified against the raw argmax
         return request
 
@@ -217,7 +236,7 @@ class Engine(EngineClient):
         check_exportable(self)
         self._require_idle("prefill")
         tokens = self.check_request(prompt, 2)
-        request = self._new_request(tokens, 2, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(tokens, 2, SamplingParams.for_engine(params, **sampling), transfer="prefill")
         request.speculative = False  # one token, exactly: drafts could finish it before the export
         self.scheduler.add(request)
         try:
@@ -246,7 +265,8 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling),
+                                    transfer="continue_from")
         request.output = output
         request.computed = transfer.computed
         self.scheduler.adopt(request)
@@ -277,7 +297,8 @@ class Engine(EngineClient):
         if max_new_tokens <= len(output):
             raise RequestError(f"max_new_tokens ({max_new_tokens}) counts the {len(output)} transferred token(s): "
                                f"give at least {len(output) + 1} to generate anything")
-        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling))
+        request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling),
+                                    transfer="adopt_transferred")
         request.output = [int(t) for t in output]
         request.computed = len(tokens)
         prefix = self.blocks.match_prefix(tokens)

@@ -65,7 +65,7 @@ class ModelRunner:
                                  self.eos_token_ids)]
             else:
                 tokens = []
-            outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens)))
+            outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), _prompt_logprobs(item, rows)))
         return outputs
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -114,6 +114,25 @@ def _logprobs(item: ScheduledChunk, rows: torch.Tensor, tokens: list[int]) -> li
         return None
     chosen_from = rows[: len(tokens)] if len(tokens) > 1 or len(rows) == 1 else rows[-1:]
     return [token_logprobs(row, token, top) for row, token in zip(chosen_from, tokens)]
+
+
+def _prompt_logprobs(item: ScheduledChunk, rows: torch.Tensor) -> list[dict] | None:
+    """The prompt log-probabilities this chunk adds: the row of position ``p`` scores prompt token
+    ``p + 1``, so a chunk at ``start`` with one row per token covers prompt tokens
+    ``start + 1 .. start + n`` (the last prompt position's row scores the first output token
+    instead). Tokens already recorded (a chunk recomputed after a preemption) are skipped."""
+    request = item.request
+    if not request.needs_prompt_logprobs:
+        return None
+    chunk, prompt = item.chunk, request.prompt
+    if chunk.logits_rows != len(chunk.tokens):
+        raise AssertionError(f"a prompt-logprobs chunk needs a logits row per token, got {chunk.logits_rows} "
+                             f"for {len(chunk.tokens)}")
+    first = len(request.prompt_logprobs)  # the next prompt token without an entry
+    stop = min(chunk.start + len(chunk.tokens), len(prompt) - 1)  # positions whose next token is a prompt token
+    top = request.params.prompt_logprobs
+    return [token_logprobs(rows[p - chunk.start], prompt[p + 1], top)
+            for p in range(max(chunk.start, first - 1), stop)]
 
 
 def _with_drafts(chunk: Chunk, drafts: list[int]) -> Chunk:

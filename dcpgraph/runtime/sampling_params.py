@@ -18,8 +18,9 @@ completion ``i`` of ``n`` uses ``seed + i``.
 ``logprobs=N`` (0 to 20, vLLM's default ``max_logprobs``) returns, per generated token, the
 log-probability of the sampled token and of the ``N`` most likely ones, from the logits it was
 sampled from, before penalties and temperature (vLLM's ``raw_logprobs``; see
-:mod:`dcpgraph.runtime.sampling`). ``prompt_logprobs`` is refused: the compiled program returns
-logits for a request's last position only. ``presence_penalty``, ``frequency_penalty`` (in
+:mod:`dcpgraph.runtime.sampling`). ``prompt_logprobs=N`` (0 to 20) returns, for every prompt token
+after the first, its log-probability given the tokens before it and the ``N`` most likely tokens
+at that position (vLLM's: the first prompt token has none). ``presence_penalty``, ``frequency_penalty`` (in
 [-2, 2]) and ``repetition_penalty`` (> 0, 1 = off) have vLLM's meaning and apply to greedy
 requests too.
 
@@ -60,7 +61,7 @@ _GREEDY_BELOW = 1e-5  # vLLM treats temperatures this small as greedy
 
 # The fields one engine request samples with (the keywords of Engine.add_request / generate).
 # ``stop_token_ids`` is sent only with ``min_tokens``: the engine masks them; the caller stops at them.
-ENGINE_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+ENGINE_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
                  "bad_words_token_ids", "stop_token_ids")
 ENGINE_DEFAULTS = {"temperature": 0.0}  # the engine's keyword API is greedy unless told otherwise
@@ -77,7 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None  # top-N log-probabilities per sampled token (None: none at all)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token (None: none at all)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -107,12 +108,10 @@ class SamplingParams:
         if self.max_tokens is not None and (
                 isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: the compiled program returns logits for the last "
-                             "prompt position only; use None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
@@ -244,6 +243,8 @@ class SamplingParams:
                       "top_p": float(self.top_p), "seed": seed}
         if self.logprobs is not None:
             params["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            params["prompt_logprobs"] = self.prompt_logprobs
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
             if getattr(self, name) != off:
                 params[name] = float(getattr(self, name))

@@ -68,6 +68,9 @@ class Request:
     finished: bool = False
     speculative: bool = True  # whether its decode rows may carry drafts
     preemptions: int = 0
+    # with params.prompt_logprobs: entry j is prompt token j's log-probabilities (None for j = 0),
+    # filled as prefill chunks run; complete when it holds len(prompt) entries
+    prompt_logprobs: list[dict | None] | None = None
     _joined: tuple = field(default=(None, None, 0, 0, None), init=False, repr=False, compare=False)
 
     @property
@@ -82,6 +85,11 @@ class Request:
             joined.extend(self.output[no:])
         self._joined = (self.prompt, self.output, len(self.prompt), len(self.output), joined)
         return joined
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's log-probabilities are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def num_tokens(self) -> int:
@@ -113,11 +121,16 @@ class _StepEventFields(NamedTuple):
 class StepEvent(_StepEventFields):
     """One emitted token. ``finished``: the request ended with it (it is then no longer held).
     ``logprobs``: the token's :func:`~.sampling.token_logprobs` when the request asked for them,
-    else ``None``; an attribute, not a tuple field, so ``rid, token, finished = event`` holds."""
+    else ``None``; ``prompt_logprobs``: on a request's first token only, when it asked for them,
+    one entry per prompt token (``None`` for the first, then :func:`~.sampling.token_logprobs` of
+    each prompt token at its position), else ``None``. Attributes, not tuple fields, so
+    ``rid, token, finished = event`` holds."""
 
-    def __new__(cls, request_id: int, token: int, finished: bool, logprobs: dict | None = None):
+    def __new__(cls, request_id: int, token: int, finished: bool, logprobs: dict | None = None,
+                prompt_logprobs: list | None = None):
         event = super().__new__(cls, request_id, token, finished)
         event.logprobs = logprobs
+        event.prompt_logprobs = prompt_logprobs
         return event
 
 
@@ -126,12 +139,15 @@ class RowOutput(NamedTuple):
     for a prefill chunk that does not reach the last token; with drafts, tokens whose common prefix
     with the drafts is the accepted drafts, followed by the target's token there: for a greedy
     request the target's argmax after each of the ``1 + len(drafts)`` query rows, for a sampled
-    one rejection sampling's emitted tokens), the ``drafts`` it verified and,
-    per token, its log-probabilities if requested."""
+    one rejection sampling's emitted tokens), the ``drafts`` it verified,
+    per token, its log-probabilities if requested and, for a request that asked for prompt
+    log-probabilities, those of the prompt tokens this chunk newly covered (in prompt order,
+    continuing ``request.prompt_logprobs``)."""
 
     tokens: list[int]
     drafts: list[int]
     logprobs: list[dict] | None = None  # per token, when the request asked for log-probabilities
+    prompt_logprobs: list[dict] | None = None
 
 
 class Scheduler:
@@ -264,7 +280,9 @@ class Scheduler:
         """Start (or restart, after a preemption) the head of the waiting queue with its first chunk,
         if its blocks fit without preempting anyone."""
         tokens = request.tokens
-        prefix = self.blocks.match_prefix(tokens)
+        # vLLM's rule: a request still owing prompt log-probabilities reads no cached prefix (the
+        # cached positions' logits were never kept), so it runs its whole prompt
+        prefix = [] if request.needs_prompt_logprobs else self.blocks.match_prefix(tokens)
         start = len(prefix) * self.blocks.tokens_per_block if prefix else request.computed
         n = min(len(tokens) - start, budget)
         need = request.reserve_tokens if self.whole_request else start + n
@@ -309,7 +327,8 @@ class Scheduler:
         tokens, start = request.tokens, request.computed
         self.blocks.check_writable(request.id, start, start + n)  # never into a shared/hashed block
         table = self.blocks.frozen_table(request.id)
-        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, table,
+        rows = n if request.needs_prompt_logprobs else 1  # every position's logits, or the last one's
+        chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, table, logits_rows=rows,
                       sliding_table=self.blocks.frozen_group_table(request.id))
         samples = start + n == len(tokens)
         room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)
@@ -328,11 +347,14 @@ class Scheduler:
         for item, out in zip(plan, outputs, strict=True):
             request = item.request
             emitted, advance = self._accepted(item, out)
+            if out.prompt_logprobs:
+                request.prompt_logprobs.extend(out.prompt_logprobs)
             done = False
             for n, token in enumerate(emitted):
                 request.output.append(token)
                 done = len(request.output) >= request.max_new_tokens or self._stops_at(request, token)
-                events.append(StepEvent(request.id, token, done, out.logprobs[n] if out.logprobs else None))
+                first = request.prompt_logprobs if len(request.output) == 1 else None
+                events.append(StepEvent(request.id, token, done, out.logprobs[n] if out.logprobs else None, first))
                 if done:  # tokens past the stop (confirmed drafts) are not kept
                     advance = min(advance, len(item.chunk.tokens) + n)
                     break

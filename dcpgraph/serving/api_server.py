@@ -165,7 +165,7 @@ class OpenAIServer:
                        for p in body.prompts()]
         except TypeError as err:
             raise ApiError(400, str(err), param="prompt") from None
-        return await self.respond(request, prompts, body, body.max_tokens, log_id, chat=False)
+        return await self.respond(request, prompts, body, body.engine_max_tokens(), log_id, chat=False)
 
     async def chat_completions(self, request: Request):
         log_id = f"chatcmpl-{request_id(request)}"
@@ -282,9 +282,11 @@ class OpenAIServer:
             params.check_vocab(self.llm.info.vocab_size)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
-            raise ApiError(400, f"{params.logprobs} log-probabilities per token asked; this server returns at most "
-                                f"{self.options.max_logprobs} (--max-logprobs)", param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.options.max_logprobs:
+                raise ApiError(400, f"{asked} {name.replace('_', ' ')} per token asked; this server returns at most "
+                                    f"{self.options.max_logprobs} (--max-logprobs)", param=name)
         return params
 
     def check_lengths(self, prompts: list[Prompt], limit: int | None) -> None:

@@ -63,7 +63,7 @@ class DataParallelEngine(EngineClient):
                 rid = self._ids[i][event[0]]
                 if event[2]:
                     self._forget(i, event[0])
-                events.append(StepEvent(rid, event[1], event[2], event.logprobs))
+                events.append(StepEvent(rid, event[1], event[2], event.logprobs, event.prompt_logprobs))
         return events
 
     def abort(self, request_id: int) -> bool:

@@ -25,6 +25,7 @@ class EngineConfig:
     # ranks sharing one node's host memory (data-parallel replicas included): what a memory
     # fraction of the host is divided by (None: dcpgraph.memory.ranks_sharing's default)
     ranks_on_host: int | None = None
+    load_format: str = "auto"  # "dummy": random weights from the config (see checkpoints.loader.load_program)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -39,7 +40,7 @@ def compile_rank(config: EngineConfig, executor: str = "auto") -> CompiledModel:
     an executor reads its ranks' slices, :func:`~dcpgraph.checkpoints.loader.load_program`).
     Inside an initialised world of size ``tp`` (a worker, or torchrun) every rank calls it, and
     "auto" picks the distributed executor."""
-    program = load_program(config.model, config.dtype)
+    program = load_program(config.model, config.dtype, config.load_format)
     return compile_programs(
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,

@@ -44,6 +44,7 @@ class Piece:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # per token of token_ids, when requested
+    prompt_logprobs: list | None = None  # per prompt token (None first), on a choice's first piece when requested
     kv_transfer_params: dict | None = None  # a producer's hand-over (P/D), on its final piece
 
 
@@ -203,6 +204,8 @@ class EngineLoop:
             piece.token_ids.append(token)
             if event.logprobs is not None:
                 piece.logprobs.append(event.logprobs)
+            if event.prompt_logprobs is not None:
+                piece.prompt_logprobs = event.prompt_logprobs
             if live.stream.finished:
                 piece.finished, piece.finish_reason = True, live.stream.finish_reason
                 del self._live[rid]

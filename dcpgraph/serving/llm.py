@@ -14,8 +14,9 @@ driven from here over loopback sockets. ``distributed_executor_backend="emulated
 rank in this process instead (the SPMD emulator). Every check that can fail does so here, before
 any rank starts (:func:`~.checkpoint.inspect_checkpoint`).
 
-Unseeded sampled requests draw from a stream keyed by the engine's request id, so a fresh ``LLM``
-given the same calls reproduces the same tokens; ``seed`` is kept for vLLM's signature.
+Unseeded sampled requests draw from a stream keyed by ``seed`` (vLLM's run seed, default 0) and
+the engine's request id, so a fresh ``LLM`` with the same seed given the same calls reproduces the
+same tokens, and another seed gives other ones.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..speculative.mtp_module import check_mtp_weights
 from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
-from .logprobs import vllm_logprobs
+from .logprobs import vllm_logprobs, vllm_prompt_logprobs
 from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -88,13 +89,18 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
     model, parallel, cache, scheduler = settings.model.model, settings.parallel, settings.cache, settings.scheduler
     spec = settings.speculative
     require_model_dir(model)
+    load_format = settings.model.load_format
+    if load_format == "dummy" and spec.checked is not None and spec.checked.method in ("mtp", "draft_model"):
+        raise ConfigError(f"load_format='dummy' builds the target model only; speculative method "
+                          f"{spec.checked.method!r} reads weights from a checkpoint: use 'ngram', or load_format "
+                          "'auto'/'safetensors'")
     if spec.checked is not None and spec.checked.method == "mtp":
         check_mtp_checkpoint(model)
     tokenizer = load_tokenizer(settings.model.tokenizer or model, trust_remote_code=settings.model.trust_remote_code)
     tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
     interleave = parallel.cp_kv_cache_interleave_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
-                              interleave=interleave, tokenizer=tokenizer)
+                              interleave=interleave, tokenizer=tokenizer, load_format=load_format)
     limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
     max_model_len = scheduler.max_model_len
     if max_model_len is None:
@@ -112,7 +118,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=int(max_model_len),
         enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, engine_options=engine_options,
-        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes,
+        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes, load_format=load_format,
     )
     return CheckedCheckpoint(tokenizer, info, config)
 
@@ -210,8 +216,11 @@ class LLM:
         for i, (prompt, sp) in enumerate(zip(items, params)):
             try:
                 for j in range(sp.n):
+                    sampling = sp.engine_params(j)
+                    if j:  # the prompt's log-probabilities are the same for all n: completion 0 computes them
+                        sampling.pop("prompt_logprobs", None)
                     rid = self.engine.add_request(prompt.token_ids, self.max_tokens_for(sp, len(prompt.token_ids)),
-                                                  **sp.engine_params(j))
+                                                  **sampling)
                     streams[rid] = (i, j, TextStream(self.tokenizer, sp, self.eos_token_ids))
             except RequestError as err:
                 for rid in streams:
@@ -220,6 +229,7 @@ class LLM:
                 raise
         pending = set(streams)
         logprobs: dict[int, list[dict]] = {rid: [] for rid in streams}
+        prompt_logprobs: dict[int, list] = {}  # per prompt, from its first completion's first event
         while pending:
             for event in self.engine.step():
                 rid, token, engine_finished = event
@@ -228,6 +238,8 @@ class LLM:
                 stream = streams[rid][2]
                 stream.add(token, engine_finished)
                 logprobs[rid].append(event.logprobs)
+                if event.prompt_logprobs is not None:
+                    prompt_logprobs[streams[rid][0]] = event.prompt_logprobs
                 if stream.finished:
                     pending.discard(rid)
                     if not engine_finished:
@@ -235,6 +247,8 @@ class LLM:
         outputs = []
         for i, prompt in enumerate(items):
             out = RequestOutput(str(self._next_request), prompt.text, list(prompt.token_ids))
+            if params[i].prompt_logprobs is not None:
+                out.prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, prompt.token_ids, prompt_logprobs[i])
             self._next_request += 1
             for rid, (_, j, stream) in sorted(((k, v) for k, v in streams.items() if v[0] == i), key=lambda kv: kv[1][1]):
                 completion = CompletionOutput(j, stream.text, list(stream.token_ids), stream.finish_reason)

@@ -34,3 +34,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token id: Logprob} of that token and the top ``prompt_logprobs`` ones at its position
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -9,7 +9,13 @@ would pretend to honour them.
 
 Log-probabilities: completions take ``logprobs`` (an int, 0–20: top-N per token), chat takes
 ``logprobs: true`` with ``top_logprobs`` (0–20; giving it without ``logprobs: true`` is an error,
-as in OpenAI's API). ``presence_penalty``/``frequency_penalty`` are in [-2, 2]. vLLM's extensions
+as in OpenAI's API). vLLM's ``prompt_logprobs`` (0–20, both endpoints) returns each prompt token's
+log-probability and the top-N at its position (the first token's is ``null``). Completions take
+``echo`` (vLLM's meaning: the prompt's text is prepended to the completion's and, with
+``logprobs``, the logprobs cover the prompt tokens too, the first one ``null``; ``prompt_logprobs``
+then defaults to ``logprobs``); ``max_tokens: 0`` is accepted with ``echo`` only and returns the
+prompt alone (the engine still runs one token, counted in the usage as vLLM does). Chat refuses
+``echo``. ``presence_penalty``/``frequency_penalty`` are in [-2, 2]. vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``logit_bias`` (clamped to [-100, 100] as vLLM does), ``allowed_token_ids``, ``bad_words``,
 ``truncate_prompt_tokens``, ``skip_special_tokens`` and ``include_stop_str_in_output`` are
@@ -43,8 +49,8 @@ UNSUPPORTED = {
     "structured_outputs": "structured outputs (choice, regex, grammar, json) are not supported yet",
     "guided_json": "guided decoding is not supported yet", "guided_regex": "guided decoding is not supported yet",
     "guided_choice": "guided decoding is not supported yet", "guided_grammar": "guided decoding is not supported yet",
-    "tools": "tool calling is not supported yet", "prompt_logprobs": "prompt logprobs are not supported yet",
-    "use_beam_search": "beam search is not supported", "echo": "echo is not supported yet",
+    "tools": "tool calling is not supported yet",
+    "use_beam_search": "beam search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
 }
 _ASKS_NOTHING = (None, False, [], {}, {"type": "text"}, "", "none", "auto")
@@ -112,12 +118,16 @@ class _Common(LenientModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not any(value == nothing for nothing in _ASKS_NOTHING):
                 raise ValueError(f"{name}: {UNSUPPORTED[name]}")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule (0 asks for the prompt tokens' own figures only)
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM); use 0, null or "
+                             "a non-streamed request")
         if self.best_of not in (None, self.n):
             raise ValueError(f"best_of ({self.best_of}) must be null or equal n ({self.n}): dcpgraph returns "
                              "every sampled completion and does not rank best_of > n candidates")
@@ -127,13 +137,17 @@ class _Common(LenientModel):
         """Top-N log-probabilities per generated token (``None``: none)."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Top-N log-probabilities per prompt token (``None``: none)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         bias = None if self.logit_bias is None else {
             k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                              logprobs=self.requested_logprobs(),
+                              logprobs=self.requested_logprobs(), prompt_logprobs=self.requested_prompt_logprobs(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=bias,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
@@ -144,9 +158,31 @@ class _Common(LenientModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1; 0 is accepted only with echo: true (the prompt alone)")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        """The tokens the engine generates: one for ``echo_only`` (vLLM's), else ``max_tokens``."""
+        return 1 if self.echo_only else self.max_tokens
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """vLLM's: ``echo`` with ``logprobs`` and no ``prompt_logprobs`` asks for ``logprobs`` of them."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -214,9 +250,13 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.echo:
+            raise ValueError("echo: chat's echo (prepending the last message) is not supported; /v1/completions "
+                             "supports echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:

@@ -1,5 +1,11 @@
 """One request's answer in OpenAI's shapes: a ``chat.completion`` / ``text_completion`` body, or
-its server-sent-event chunks, with logprobs in the chat or the completions format."""
+its server-sent-event chunks, with logprobs in the chat or the completions format.
+
+Echo (completions, vLLM's): a choice's first piece is shown with its prompt in front (text, token
+ids and, with ``logprobs``, the prompt tokens' entries, the first one ``null``); with
+``max_tokens: 0`` the prompt alone replaces the one token the engine ran. ``prompt_logprobs``
+(vLLM's field) is on each completions choice, or on the chat body, of a non-streamed answer.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import time
 
 from .api_errors import ApiError, error_body
 from .engine_loop import Piece
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from .prompts import Prompt
 
 log = logging.getLogger("dcpgraph.serving")
@@ -29,6 +35,11 @@ class Reply:
         self.choices = choices
         self.created = int(time.time())
         self.wants_logprobs = body.requested_logprobs() is not None
+        self.wants_prompt_logprobs = body.requested_prompt_logprobs() is not None
+        self.echo = bool(getattr(body, "echo", False)) and not chat
+        self.echo_only = self.echo and body.max_tokens == 0
+        self.prompt_entries: dict[int, list] = {}  # per choice, from its first piece
+        self.echoed: set[int] = set()  # choices whose prompt was put in front already
         self.offsets = {c: 0 for c in choices}  # completions' text_offset, per choice
         self.streamed = dict.fromkeys(choices, 0)  # tokens streamed so far, per choice
         options = body.stream_options
@@ -43,6 +54,36 @@ class Reply:
             return chat_logprobs(tokenizer, token_ids, entries)
         value, self.offsets[choice] = completion_logprobs(tokenizer, token_ids, entries, self.offsets[choice])
         return value
+
+    def prompt_of(self, choice: int) -> Prompt:
+        return self.prompts[choice // self.body.n]
+
+    def prompt_text(self, choice: int) -> str:
+        """The prompt as given, or a token-id prompt decoded (vLLM detokenizes it for echo)."""
+        prompt = self.prompt_of(choice)
+        return prompt.text if prompt.text is not None else self.server.llm.tokenizer.decode(prompt.token_ids)
+
+    def shown(self, piece: Piece) -> tuple[str, list[int], list]:
+        """``piece``'s text, token ids and logprob entries as the client sees them (echo: the
+        module docstring); records the choice's prompt entries when the piece carries them."""
+        if piece.prompt_logprobs is not None:
+            self.prompt_entries[piece.choice] = piece.prompt_logprobs
+        if not self.echo or piece.choice in self.echoed:
+            return piece.text, piece.token_ids, piece.logprobs
+        self.echoed.add(piece.choice)
+        ids, text = list(self.prompt_of(piece.choice).token_ids), self.prompt_text(piece.choice)
+        entries = self.prompt_entries.get(piece.choice, []) if self.wants_logprobs else []
+        if self.echo_only:
+            return text, ids, entries
+        return text + piece.text, ids + piece.token_ids, [*entries, *piece.logprobs]
+
+    def prompt_logprobs_of(self, choice: int) -> dict:
+        """``{"prompt_logprobs": [...]}`` when asked, else nothing."""
+        if not self.wants_prompt_logprobs:
+            return {}
+        tokenizer = self.server.llm.tokenizer
+        return {"prompt_logprobs": prompt_logprobs_json(tokenizer, self.prompt_of(choice).token_ids,
+                                                        self.prompt_entries[choice])}
 
     def usage(self, generated: int) -> dict:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts) * self.body.n
@@ -64,9 +105,10 @@ class Reply:
         generated = 0
         handover = None
         async for piece in pieces:
-            texts[piece.choice] += piece.text
-            tokens[piece.choice][0].extend(piece.token_ids)
-            tokens[piece.choice][1].extend(piece.logprobs)
+            text, token_ids, entries = self.shown(piece)
+            texts[piece.choice] += text
+            tokens[piece.choice][0].extend(token_ids)
+            tokens[piece.choice][1].extend(entries)
             generated += len(piece.token_ids)
             self.server.generated += len(piece.token_ids)
             handover = piece.kv_transfer_params or handover
@@ -75,12 +117,14 @@ class Reply:
         choices = [
             {"index": c, "message": {"role": "assistant", "content": texts[c]},
              "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
-            {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
+            {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c],
+             **self.prompt_logprobs_of(c)}
             for c in sorted(texts)
         ]
         return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.served_model_name, "choices": choices,
-                "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {})}
+                "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {}),
+                **(self.prompt_logprobs_of(self.choices[0]) if self.chat else {})}
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -92,11 +136,12 @@ class Reply:
         return self.chunk([choice], **extra)
 
     def chunk_choice(self, piece: Piece) -> dict:
-        logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
+        text, token_ids, entries = self.shown(piece)
+        logprobs = self.logprobs_of(piece.choice, token_ids, entries)
         if self.chat:
-            delta = {"content": piece.text} if piece.text or not piece.finished else {}
+            delta = {"content": text} if text or not piece.finished else {}
             return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
-        return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        return {"index": piece.choice, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
     def role_chunks(self) -> list[str]:
         """(chat) Each choice's first chunk, ``delta: {"role": "assistant", "content": ""}``."""

@@ -71,7 +71,7 @@ def _handle(engine, message: dict, control: ControlGroup) -> dict:
     if op == "step":
         start, broadcast = time.perf_counter(), control.broadcast_seconds
         events = engine.step()
-        return {"events": [(int(e[0]), int(e[1]), bool(e[2]), e.logprobs) for e in events],
+        return {"events": [(int(e[0]), int(e[1]), bool(e[2]), e.logprobs, e.prompt_logprobs) for e in events],
                 "seconds": time.perf_counter() - start, "broadcast_seconds": control.broadcast_seconds - broadcast}
     if op == "abort":
         return {"aborted": bool(engine.abort(message["rid"]))}
@@ -344,7 +344,7 @@ class RemoteEngine(EngineClient):
         reply = self._reply("step")
         self.last_step_rank_seconds = [float(reply["seconds"])]
         self.last_step_broadcast_seconds = float(reply["broadcast_seconds"])
-        return [StepEvent(r, t, f, lp) for r, t, f, lp in reply["events"]]
+        return [StepEvent(r, t, f, lp, plp) for r, t, f, lp, plp in reply["events"]]
 
     def abort(self, request_id: int) -> bool:
         return self._call({"op": "abort", "rid": int(request_id)})["aborted"]

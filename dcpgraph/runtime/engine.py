@@ -18,6 +18,7 @@ from ..errors import RequestError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
 from .engine_client import EngineClient, run_rank_op
+from .grammar import GrammarBackend
 from .graph_mode import DecodeBuckets, default_buckets
 from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
@@ -92,6 +93,7 @@ class Engine(EngineClient):
         self.graphs = graphs
         self.speculative_tokens = k
         self._next_id = 0
+        self.grammar_backend = None  # set by enable_structured_outputs
         from .capture import capture_graphs
 
         capture_graphs(self.runner, graphs)  # every graph compiled before any request
@@ -143,6 +145,7 @@ class Engine(EngineClient):
             params.check_vocab(self.program.facts.vocab_size)  # before an id: nothing changes on a refusal
         except ValueError as err:
             raise RequestError(str(err)) from None
+        grammar = self._grammar_for(params)  # a GrammarError (a RequestError) before an id too
         rid = self._next_id
         self._next_id += 1
         gen = None
@@ -151,9 +154,29 @@ class Engine(EngineClient):
             # not on how many requests this engine served before (so the same seed reproduces the
             # same tokens on the same engine); unseeded requests get one stream per request id.
             gen = torch.Generator().manual_seed(rid if params.seed is None else params.seed + index)
-        request = Request(rid, tokens, max_new_tokens, params, gen)
+        request = Request(rid, tokens, max_new_tokens, params, gen, grammar=grammar)
         request.speculative = not params.modifies_logits  # drafts are verified against the raw argmax
         return request
+
+    def enable_structured_outputs(self, backend) -> None:
+        """Let requests carry ``structured_outputs``: ``backend`` is a
+        :class:`~.grammar.GrammarBackend` (or its :meth:`~.grammar.GrammarBackend.serialize` text,
+        from a front end in another process) for the tokenizer the requests' text is in."""
+        if isinstance(backend, str):
+            backend = GrammarBackend.from_serialized(backend)
+        if backend.vocab_size != self.program.facts.vocab_size:
+            raise ValueError(f"the grammar backend's vocabulary ({backend.vocab_size}) is not the model's "
+                             f"({self.program.facts.vocab_size})")
+        self.grammar_backend = backend
+
+    def _grammar_for(self, params: SamplingParams):
+        """A fresh grammar state for a request with ``structured_outputs`` (``None`` without)."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_backend is None:
+            raise RequestError("structured_outputs need the tokenizer's grammar backend: the front end calls "
+                               "Engine.enable_structured_outputs(GrammarBackend.from_tokenizer(...)) first")
+        return self.grammar_backend.matcher(params.structured_outputs)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its KV blocks are free on return and it emits no further events.
@@ -248,6 +271,8 @@ class Engine(EngineClient):
                                f"give at least {len(output) + 1} to generate anything")
         request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling))
         request.output = output
+        if request.grammar is not None:
+            request.grammar.advance(output)  # the prefill engine's token, sampled under the same grammar
         request.computed = transfer.computed
         self.scheduler.adopt(request)
         import_kv(self, transfer, request)
@@ -279,6 +304,8 @@ class Engine(EngineClient):
                                f"give at least {len(output) + 1} to generate anything")
         request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling))
         request.output = [int(t) for t in output]
+        if request.grammar is not None:
+            request.grammar.advance(request.output)
         request.computed = len(tokens)
         prefix = self.blocks.match_prefix(tokens)
         self.scheduler.adopt(request, prefix)

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -68,6 +68,7 @@ class Request:
     finished: bool = False
     speculative: bool = True  # whether its decode rows may carry drafts
     preemptions: int = 0
+    grammar: Any = None  # its RequestGrammar (runtime/grammar.py) when it has structured outputs
     _joined: tuple = field(default=(None, None, 0, 0, None), init=False, repr=False, compare=False)
 
     @property

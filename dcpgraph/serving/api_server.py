@@ -302,6 +302,11 @@ class OpenAIServer:
         """Queue every choice (choice ``i·n + j`` is prompt ``i``'s ``j``-th sample); returns
         ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
         params = self.sampling_params(body, limit)
+        if params.structured_outputs is not None:  # compiled on the engine thread: 400 if it cannot be
+            try:
+                await self.engine_loop.call(lambda _engine: self.llm.prepare_structured_outputs(params))
+            except ValueError as err:
+                raise ApiError(400, str(err), param="structured_outputs") from None
         prompts[:] = [truncated(p, params, self.llm.max_model_len) for p in prompts]
         log.debug("request %s: sampling %s", log_id, params)
         self.check_lengths(prompts, limit)

@@ -18,6 +18,12 @@ equal ``n``. Chat messages take a string ``content`` or a list of ``{"type": "te
 parts (joined with newlines, as vLLM's string content format); other part types are refused.
 ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g. Qwen3's
 ``enable_thinking``).
+
+Structured outputs: ``response_format`` (``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema"}}``; ``"text"`` asks nothing) and vLLM's
+``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
+a ``response_format`` constraint replaces ``structured_outputs``' own, as in vLLM.
 """
 
 from __future__ import annotations
@@ -35,14 +41,13 @@ from .params import SamplingParams
 log = logging.getLogger("dcpgraph.serving")
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
 
+_GUIDED = ("the guided_* fields are gone from vLLM; use structured_outputs: {\"json\"|\"regex\"|\"choice\"|"
+           "\"grammar\"|\"json_object\": ...}")
+
 # vLLM request fields another part of dcpgraph has yet to implement: field -> why it is refused.
 # A field is refused only when given a value that asks for something ("tools": [] is accepted).
 UNSUPPORTED = {
-    "response_format": "structured outputs (json_object / json_schema) are not supported yet; omit it or use "
-                       '{"type": "text"}',
-    "structured_outputs": "structured outputs (choice, regex, grammar, json) are not supported yet",
-    "guided_json": "guided decoding is not supported yet", "guided_regex": "guided decoding is not supported yet",
-    "guided_choice": "guided decoding is not supported yet", "guided_grammar": "guided decoding is not supported yet",
+    "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
     "tools": "tool calling is not supported yet", "prompt_logprobs": "prompt logprobs are not supported yet",
     "use_beam_search": "beam search is not supported", "echo": "echo is not supported yet",
     "suffix": "suffix (fill-in-the-middle) is not supported",
@@ -76,6 +81,37 @@ class LenientModel(BaseModel):
         if ignored:
             log.warning("%s: fields ignored (this server does not know them): %s", type(self).__name__, ignored)
         return self
+
+
+class JsonSchemaResponseFormat(LenientModel):
+    """OpenAI's ``response_format.json_schema``: the schema is under ``schema``."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(LenientModel):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError('response_format type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+    def constraint(self) -> dict | None:
+        """The ``structured_outputs`` fields it asks for (``None`` for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return None
 
 
 class StreamOptions(LenientModel):
@@ -112,6 +148,18 @@ class _Common(LenientModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_constraint(self) -> dict | None:
+        """``structured_outputs`` with ``response_format``'s constraint in place of its own (as
+        vLLM: the response format overrides the constraint fields, keeping the options)."""
+        asked = self.response_format.constraint() if self.response_format is not None else None
+        if asked is None:
+            return self.structured_outputs
+        options = {k: v for k, v in (self.structured_outputs or {}).items()
+                   if k not in ("json", "regex", "choice", "grammar", "json_object")}
+        return {**options, **asked}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -139,7 +187,8 @@ class _Common(LenientModel):
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               truncate_prompt_tokens=self.truncate_prompt_tokens,
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              structured_outputs=self.structured_constraint())
 
 
 class CompletionRequest(_Common):

@@ -49,6 +49,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOAD_FORMATS = ("auto", "safetensors")  # where weights come from (vLLM's --load-format)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
+IMPLEMENTED_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # serving/reasoning.py
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
@@ -366,7 +367,8 @@ class ServingConfig(_Section):
                                             option=None)
     tool_call_parser: str | None = setting(None, "tool-call parser: not supported yet (refused at start-up)",
                                            choices=TOOL_CALL_PARSERS, option=None)
-    reasoning_parser: str | None = setting(None, "reasoning parser: not supported yet (refused at start-up)",
+    reasoning_parser: str | None = setting(None, "split chat outputs' <think>...</think> into message.reasoning "
+                                                 "(qwen3, deepseek_r1)",
                                            choices=REASONING_PARSERS, option=None)
     kv_transfer_config: str | None = setting(
         None, "P/D disaggregation, vLLM's keys as JSON, e.g. '{\"kv_role\": \"kv_producer\", \"kv_rank\": 0, "
@@ -380,12 +382,15 @@ class ServingConfig(_Section):
         if self.max_logprobs > MAX_LOGPROBS:
             raise ConfigError(f"max_logprobs must be at most {MAX_LOGPROBS} (the most a token returns), "
                               f"got {self.max_logprobs}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in IMPLEMENTED_REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: not implemented by dcpgraph serve; "
+                              f"choose from {list(IMPLEMENTED_REASONING_PARSERS)}")
         parsers = {"--enable-auto-tool-choice": self.enable_auto_tool_choice, "--tool-call-parser":
-                   self.tool_call_parser, "--reasoning-parser": self.reasoning_parser}
+                   self.tool_call_parser}
         given = [flag for flag, value in parsers.items() if value]
         if given:
-            raise ConfigError(f"{', '.join(given)}: tool calling and reasoning parsers are not supported by "
-                              "dcpgraph serve yet; start without them")
+            raise ConfigError(f"{', '.join(given)}: tool calling is not supported by dcpgraph serve yet; "
+                              "start without them")
 
 
 SECTIONS: dict[str, type] = {

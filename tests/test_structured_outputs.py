@@ -15,6 +15,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from dcpgraph import LLM
 from dcpgraph.errors import GrammarError
@@ -146,3 +147,32 @@ def test_bad_constraints_are_refused_with_the_reason(llm):
         SamplingParams(structured_outputs={"structural_tag": "{}"})
     with pytest.raises(ValueError, match=r"needs json_schema"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_schema"})
+
+
+def test_grammar_after_a_start_token_leaves_what_precedes_it_free():
+    tokenizer = byte_level_tokenizer(321)
+    end = tokenizer.eos_token_id - 1  # a special token standing for </think>
+    backend = GrammarBackend.from_tokenizer(tokenizer, 321, [tokenizer.eos_token_id])
+    state = backend.matcher(StructuredOutputsParams(choice=["ab"]), after_token=end)
+    assert state.allowed().all()
+    rows = torch.zeros(4, 321, dtype=torch.float64)
+    masked, kept = state.mask_verify_rows(rows, [ord("z"), end, ord("b")])  # "b" is refused right after </think>
+    assert kept == [ord("z"), end] and masked.shape == (3, 321)
+    assert torch.isfinite(masked[0]).all() and torch.isfinite(masked[1]).all()
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [ord("a")]
+    assert state.allowed().all()  # rolled back: still waiting for the start token
+    state.advance([ord("q"), end, ord("a")])
+    assert state.allowed().nonzero().flatten().tolist() == [ord("b")]
+
+
+def test_llm_grammar_starts_after_its_token(model_dir, llm):
+    end = 300  # a filler token: pushed first, the JSON follows it; never emitted, nothing is constrained
+    first = SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": SCHEMA, **COMPACT},
+                           structured_outputs_after_token=end, logit_bias={end: 100})
+    out = llm.generate(["hello"], first)[0].outputs[0]
+    assert out.token_ids[0] == end
+    jsonschema.validate(loads(llm.get_tokenizer().decode(out.token_ids[1:-1])), SCHEMA)
+    never = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": SCHEMA, **COMPACT},
+                           structured_outputs_after_token=end, logit_bias={end: -100})
+    plain = SamplingParams(temperature=0, max_tokens=24, logit_bias={end: -100})
+    assert llm.generate(["hello"], never)[0].outputs[0].text == llm.generate(["hello"], plain)[0].outputs[0].text

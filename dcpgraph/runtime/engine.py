@@ -176,7 +176,7 @@ class Engine(EngineClient):
         if self.grammar_backend is None:
             raise RequestError("structured_outputs need the tokenizer's grammar backend: the front end calls "
                                "Engine.enable_structured_outputs(GrammarBackend.from_tokenizer(...)) first")
-        return self.grammar_backend.matcher(params.structured_outputs)
+        return self.grammar_backend.matcher(params.structured_outputs, params.structured_outputs_after_token)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its KV blocks are free on return and it emits no further events.

@@ -15,7 +15,10 @@ request's matcher state. Invariants:
   grammar refuses, and the matcher is rolled back over every draft it tried, so it again holds the
   output only until the scheduler's emitted tokens are known.
 
-Once the grammar is complete only the stop tokens (the model's EOS ids) are allowed.
+Once the grammar is complete only the stop tokens (the model's EOS ids) are allowed. A grammar
+given a start token (``after_token``: a reasoning parser's ``</think>``, as vLLM applies
+structured outputs after the reasoning) masks nothing until that token is emitted, then constrains
+the tokens after it.
 """
 
 from __future__ import annotations
@@ -99,22 +102,26 @@ class GrammarBackend:
             return c.compile_grammar(choice_grammar(params.choice))
         return c.compile_grammar(params.grammar)
 
-    def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self, self.compile(params))
+    def matcher(self, params: StructuredOutputsParams, after_token: int | None = None) -> RequestGrammar:
+        return RequestGrammar(self, self.compile(params), after_token)
 
 
 class RequestGrammar:
     """One request's grammar state: the tokens it allows next, advanced over emitted tokens."""
 
-    def __init__(self, backend: GrammarBackend, compiled: Any):
+    def __init__(self, backend: GrammarBackend, compiled: Any, after_token: int | None = None):
         xgr = _xgrammar()
+        self.waiting_for = after_token  # the grammar starts after this token (a reasoning end) is emitted
         self.vocab_size = backend.vocab_size
         self.stop_token_ids = backend.stop_token_ids
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=backend.stop_token_ids)
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
 
     def allowed(self) -> torch.Tensor:
-        """``[V]`` bool: the tokens the grammar allows after what the matcher accepted."""
+        """``[V]`` bool: the tokens the grammar allows after what the matcher accepted (all of
+        them while it waits for its start token)."""
+        if self.waiting_for is not None:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         if self.matcher.is_terminated():
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             mask[torch.tensor(self.stop_token_ids, dtype=torch.long)] = True
@@ -136,19 +143,30 @@ class RequestGrammar:
         """The ``1 + k`` rows of a chunk verified with ``drafts``, row ``j`` masked with the state
         after drafts ``0..j-1``; drafts from the first one the grammar refuses on are dropped (with
         their rows). The matcher is left as it was (rolled back over the drafts it accepted)."""
-        masked, kept = [], []
+        masked, kept, waiting, accepted = [], [], self.waiting_for, 0
         for j in range(len(drafts) + 1):
             masked.append(self.mask(rows[j]))
-            if j == len(drafts) or self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[j])):
+            if j == len(drafts):
                 break
-            kept.append(int(drafts[j]))
-        if kept:
-            self.matcher.rollback(len(kept))
+            draft = int(drafts[j])
+            if self.waiting_for is not None:
+                self.waiting_for = None if draft == self.waiting_for else self.waiting_for
+            elif self.matcher.is_terminated() or not self.matcher.accept_token(draft):
+                break
+            else:
+                accepted += 1
+            kept.append(draft)
+        if accepted:
+            self.matcher.rollback(accepted)
+        self.waiting_for = waiting
         return torch.stack(masked), kept
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Accept the request's newly emitted ``tokens`` (each one the mask allowed)."""
         for token in tokens:
+            if self.waiting_for is not None:
+                self.waiting_for = None if int(token) == self.waiting_for else self.waiting_for
+                continue
             if self.matcher.is_terminated():
                 return
             if not self.matcher.accept_token(int(token)):

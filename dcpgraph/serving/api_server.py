@@ -38,6 +38,7 @@ from .metrics import CONTENT_TYPE, Metrics, cache_config_info
 from .middleware import Authenticate, CountInFlight
 from .prompts import Prompt, chat_prompt, encode_prompt, truncated
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import ReasoningParser
 from .responses import Reply
 from .tokenization import (
     DetokenizeRequest,
@@ -130,6 +131,8 @@ class OpenAIServer:
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
+        parser = llm.settings.serving.reasoning_parser
+        self.reasoning = ReasoningParser.for_tokenizer(parser, llm.tokenizer) if parser else None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -282,6 +285,10 @@ class OpenAIServer:
             params.check_vocab(self.llm.info.vocab_size)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
+        parser = self.reasoning
+        if (parser is not None and isinstance(body, ChatCompletionRequest) and params.structured_outputs is not None
+                and parser.end_token_id is not None and parser.thinks(body.chat_template_kwargs)):
+            params.structured_outputs_after_token = parser.end_token_id  # as vLLM: constrain what follows </think>
         if params.logprobs is not None and params.logprobs > self.options.max_logprobs:
             raise ApiError(400, f"{params.logprobs} log-probabilities per token asked; this server returns at most "
                                 f"{self.options.max_logprobs} (--max-logprobs)", param="logprobs")

@@ -34,6 +34,10 @@ class Reply:
         options = body.stream_options
         self.final_usage = bool(options and options.include_usage)
         self.continuous_usage = self.final_usage and bool(options.continuous_usage_stats)
+        parser = server.reasoning if chat else None
+        self.template_kwargs = getattr(body, "chat_template_kwargs", None)
+        self.reasoning = parser  # vLLM's --reasoning-parser: <think>...</think> -> message.reasoning
+        self.reasoning_streams = {c: parser.stream(self.template_kwargs) for c in choices} if parser else {}
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if not self.wants_logprobs:
@@ -73,7 +77,7 @@ class Reply:
             if piece.finished:
                 reasons[piece.choice] = piece.finish_reason
         choices = [
-            {"index": c, "message": {"role": "assistant", "content": texts[c]},
+            {"index": c, "message": self.message(texts[c]),
              "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
             {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]}
             for c in sorted(texts)
@@ -81,6 +85,25 @@ class Reply:
         return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.served_model_name, "choices": choices,
                 "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {})}
+
+    def message(self, text: str) -> dict:
+        """A chat choice's message: the text as content, or split by the reasoning parser."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = self.reasoning.split(text, self.template_kwargs)
+        return {"role": "assistant", "content": content, "reasoning": reasoning}
+
+    def delta(self, piece: Piece) -> dict:
+        """A chat chunk's delta: the piece's text as content, or its reasoning and content parts
+        (the parser's held-back text comes out with the last piece)."""
+        stream = self.reasoning_streams.get(piece.choice)
+        if stream is None:
+            return {"content": piece.text} if piece.text or not piece.finished else {}
+        reasoning, content = stream.feed(piece.text)
+        if piece.finished:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return {**({"reasoning": reasoning} if reasoning else {}), **({"content": content} if content else {})}
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -94,8 +117,7 @@ class Reply:
     def chunk_choice(self, piece: Piece) -> dict:
         logprobs = self.logprobs_of(piece.choice, piece.token_ids, piece.logprobs)
         if self.chat:
-            delta = {"content": piece.text} if piece.text or not piece.finished else {}
-            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            return {"index": piece.choice, "delta": self.delta(piece), "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
     def role_chunks(self) -> list[str]:

@@ -46,6 +46,7 @@ from .tokenization import (
     TokenizeCompletionRequest,
     tokenize_request,
 )
+from .tools import AUTO_NEEDS_PARSER
 
 log = logging.getLogger("dcpgraph.serving")
 DISCONNECT_POLL_S = 0.25
@@ -82,6 +83,7 @@ class ServerOptions:
     max_logprobs: int = MAX_LOGPROBS  # the most log-probabilities a request may ask for per token
     log_stats: bool = True  # log the engine's state every STATS_EVERY_S (vLLM's --disable-log-stats turns it off)
     log_requests: bool = False  # log each request's sampling parameters and prompt ids (--enable-log-requests)
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 / deepseek_r1 (serving/reasoning.py)
 
 
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 28,
@@ -131,7 +133,7 @@ class OpenAIServer:
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
-        parser = llm.settings.serving.reasoning_parser
+        parser = options.reasoning_parser
         self.reasoning = ReasoningParser.for_tokenizer(parser, llm.tokenizer) if parser else None
 
     @contextlib.asynccontextmanager
@@ -173,6 +175,8 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         log_id = f"chatcmpl-{request_id(request)}"
         body = self.parse(ChatCompletionRequest, await self.read_json(request))
+        if body.tool_choice == "auto":
+            raise ApiError(400, AUTO_NEEDS_PARSER, param="tool_choice")
         prompt = self.render_chat(body)
         return await self.respond(request, [prompt], body, body.limit(), log_id, chat=True)
 

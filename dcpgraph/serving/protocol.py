@@ -24,10 +24,17 @@ Structured outputs: ``response_format`` (``{"type": "json_object"}`` or ``{"type
 ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
 ``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
 a ``response_format`` constraint replaces ``structured_outputs``' own, as in vLLM.
+
+Tools (chat): ``tools`` (function tools, passed to the chat template), ``tool_choice``
+(``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name"}}``;
+``"auto"`` when ``tools`` are given without one, as vLLM), ``parallel_tool_calls``; assistant
+messages may carry ``tool_calls`` and tool messages ``tool_call_id``. What each choice does:
+:mod:`.tools`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 import typing
@@ -37,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..runtime.sampling import MAX_LOGPROBS
 from .params import SamplingParams
+from .tools import tool_call_schema
 
 log = logging.getLogger("dcpgraph.serving")
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
@@ -48,7 +56,7 @@ _GUIDED = ("the guided_* fields are gone from vLLM; use structured_outputs: {\"j
 # A field is refused only when given a value that asks for something ("tools": [] is accepted).
 UNSUPPORTED = {
     "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
-    "tools": "tool calling is not supported yet", "prompt_logprobs": "prompt logprobs are not supported yet",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
     "use_beam_search": "beam search is not supported", "echo": "echo is not supported yet",
     "suffix": "suffix (fill-in-the-middle) is not supported",
 }
@@ -232,11 +240,44 @@ def _text_parts_only(content: Any) -> Any:
     return content
 
 
+class FunctionCall(LenientModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(LenientModel):
+    """An assistant message's earlier call, as the response gave it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates read it (vLLM's): ``arguments`` parsed to an object when it is JSON."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(LenientModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(LenientModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(LenientModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -251,6 +292,8 @@ class ChatMessage(LenientModel):
             content = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": content if content is not None else ""}
         message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
@@ -263,6 +306,41 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_default(cls, data: Any) -> Any:
+        """vLLM's default: ``"auto"`` when ``tools`` are given without a ``tool_choice``."""
+        if isinstance(data, dict) and data.get("tools") and data.get("tool_choice") is None:
+            return {**data, "tool_choice": "auto"}
+        return data
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return self
+        if not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError('tool_choice as an object must be {"type": "function", "function": {"name": ...}}')
+            if name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"The tool specified in `tool_choice` ({name!r}) does not match any of the "
+                                 f"specified `tools`: {[t.function.name for t in self.tools]}")
+        return self
+
+    def structured_constraint(self) -> dict | None:
+        """A ``"required"`` or named ``tool_choice`` constrains the output to its tool-call schema
+        (replacing ``response_format`` and ``structured_outputs``, as vLLM)."""
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            tools = [t.model_dump() for t in self.tools]
+            return {"json": tool_call_schema(tools, self.tool_choice, self.parallel_tool_calls)}
+        return super().structured_constraint()
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -280,5 +358,6 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template`` beyond the messages."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else {}
+        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

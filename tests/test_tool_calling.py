@@ -1,0 +1,89 @@
+"""Tool calling with ``tool_choice`` ``"required"`` / a named function: the request's constraint
+is vLLM's tool-call schema, a tiny random model's constrained output parses into calls whose
+arguments validate against the tools' parameter schemas (``jsonschema``), and the request checks
+are vLLM's."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from dcpgraph import LLM
+from dcpgraph.serving.protocol import ChatCompletionRequest
+from dcpgraph.serving.tools import tool_call_schema, tool_calls_of
+from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+
+pytest.importorskip("xgrammar", reason="tool_choice required/named uses structured outputs (xgrammar)")
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "today's weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now"}}]
+MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0, **fields)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model = save_tiny_checkpoint(tmp_path_factory.mktemp("tools") / "qwen3", "qwen3", layers=1)
+    with LLM(model, dtype="float64", max_model_len=512, block_size=4) as llm:
+        yield llm
+
+
+def generate(llm, body: ChatCompletionRequest, temperature: float = 0.0) -> str:
+    params = body.sampling_params(160)
+    params.temperature, params.seed = temperature, 7
+    params.structured_outputs = params.structured_outputs.__class__(
+        json=params.structured_outputs.json, disable_any_whitespace=True)  # a random model pads JSON otherwise
+    out = llm.chat([m.for_template() for m in body.messages], params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    return out.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_named_function_output_is_its_arguments(llm, temperature):
+    body = request(tool_choice={"type": "function", "function": {"name": "weather"}})
+    text = generate(llm, body, temperature)
+    calls = tool_calls_of(text, body.tool_choice)
+    assert [c["function"]["name"] for c in calls] == ["weather"] and calls[0]["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"], strict=False), WEATHER)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_output_is_a_list_of_calls(llm, parallel):
+    body = request(tool_choice="required", parallel_tool_calls=parallel)
+    calls = tool_calls_of(generate(llm, body, 1.0), "required")
+    assert calls and (parallel or len(calls) == 1)
+    for call in calls:
+        arguments = json.loads(call["function"]["arguments"], strict=False)
+        if call["function"]["name"] == "weather":
+            jsonschema.validate(arguments, WEATHER)
+        else:
+            assert call["function"]["name"] == "now" and isinstance(arguments, dict)
+
+
+def test_request_checks_and_template_inputs():
+    assert request().tool_choice == "auto"  # vLLM's default with tools
+    assert ChatCompletionRequest(messages=MESSAGES).tool_choice is None
+    assert request(tool_choice="none").sampling_params(8).structured_outputs is None
+    assert request(tool_choice="required").template_kwargs()["tools"][0]["function"]["name"] == "weather"
+    with pytest.raises(ValueError, match=r"`tools` must be set"):
+        ChatCompletionRequest(messages=MESSAGES, tool_choice="required")
+    with pytest.raises(ValueError, match=r"does not match any of the specified `tools`"):
+        request(tool_choice={"type": "function", "function": {"name": "nope"}})
+    history = ChatCompletionRequest(messages=[
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "4 C", "tool_call_id": "c1"}])
+    assert history.messages[1].for_template()["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert history.messages[2].for_template()["tool_call_id"] == "c1"
+    schema = tool_call_schema(TOOLS, "required", False)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][1]["properties"]["parameters"] == {
+        "type": "object", "properties": {}}
+    assert tool_calls_of('[{"name": "now", "parameters": {}', "required") is None  # cut short: stays content

@@ -23,6 +23,7 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the se
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
           "required": ["ok", "n"], "additionalProperties": False}
 REGEX = r"(yes|no)-[0-9]{3}"
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model pads JSON otherwise
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def server(tmp_path_factory):
     tokenizer.save_pretrained(model)
     args = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "256", "--served-model-name", "tiny",
             "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.002", "--generation-config", "vllm",
-            "--reasoning-parser", "deepseek_r1", "--speculative-config",
+            "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--speculative-config",
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}')
     with running_server(model, *args, log_path=str(root / "server.log")) as s:
         s.think_end = tokenizer.convert_tokens_to_ids("</think>")
@@ -65,13 +67,13 @@ def test_chat_response_format_after_the_reasoning(server):
     got = api(server).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "json please"}], max_tokens=60, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
-        logit_bias={str(server.think_end): 100})
+        logit_bias={str(server.think_end): 100}, extra_body=COMPACT)
     message = got.choices[0].message
     assert message.reasoning is None or message.reasoning == ""
     jsonschema.validate(json.loads(message.content, strict=False), SCHEMA)
     obj = api(server).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=80, temperature=0,
-        response_format={"type": "json_object"}, logit_bias={str(server.think_end): 100})
+        response_format={"type": "json_object"}, logit_bias={str(server.think_end): 100}, extra_body=COMPACT)
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content, strict=False), dict)
 
@@ -104,7 +106,8 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEM
 def test_named_and_required_tool_calls_in_bodies_and_streams(server):
     client = api(server)
     common = {"model": "tiny", "messages": [{"role": "user", "content": "call it"}], "max_tokens": 60,
-              "temperature": 0, "tools": TOOLS, "logit_bias": {str(server.think_end): 100}}  # </think> first
+              "temperature": 0, "tools": TOOLS, "logit_bias": {str(server.think_end): 100},  # </think> first
+              "extra_body": COMPACT}
     named = {"type": "function", "function": {"name": "lookup"}}
     whole = client.chat.completions.create(**common, tool_choice=named)
     call = whole.choices[0].message.tool_calls[0]
@@ -123,5 +126,22 @@ def test_named_and_required_tool_calls_in_bodies_and_streams(server):
                                                                       "function": call.function.model_dump()}]},
                {"role": "tool", "content": "done", "tool_call_id": call.id}]
     assert client.chat.completions.create(model="tiny", messages=history, max_tokens=3).choices[0].message.reasoning
-    with pytest.raises(openai.BadRequestError, match=r'"auto" tool choice requires --enable-auto-tool-choice'):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+
+
+def test_auto_tool_choice_reads_hermes_calls(server):
+    """``tool_choice`` "auto" (the default with tools): a regex makes the output a hermes call."""
+    call = r'<tool_call>\{"name": "lookup", "arguments": \{"ok": (true|false), "n": [0-9]\}\}</tool_call>'
+    common = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 80, "temperature": 0,
+              "tools": TOOLS, "logit_bias": {str(server.think_end): 100},
+              "extra_body": {"structured_outputs": {"regex": "ok then" + call}}}
+    whole = api(server).chat.completions.create(**common)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == "ok then"
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), SCHEMA)
+    chunks = [c for c in api(server).chat.completions.create(**common, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "ok then"
+    streamed = [tc.function.arguments for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed == [message.tool_calls[0].function.arguments] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = api(server).chat.completions.create(**{**common, "extra_body": {}, "max_tokens": 8,
+                                                   "logit_bias": {str(server.think_end): -100}})
+    assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason == "length"

@@ -11,7 +11,10 @@ import jsonschema
 import pytest
 
 from dcpgraph import LLM
+from dcpgraph.config import DcpgraphConfig
+from dcpgraph.errors import ConfigError
 from dcpgraph.serving.protocol import ChatCompletionRequest
+from dcpgraph.serving.tool_parsers import AutoToolStream, parse_hermes, parse_llama3_json
 from dcpgraph.serving.tools import tool_call_schema, tool_calls_of
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 
@@ -25,8 +28,9 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "to
 MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
 
 
-def request(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0, **fields)
+def request(temperature: float = 0.0, **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, max_tokens=160, temperature=temperature, seed=7,
+                                 structured_outputs={"disable_any_whitespace": True}, **fields)  # else padded JSON
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +40,9 @@ def llm(tmp_path_factory):
         yield llm
 
 
-def generate(llm, body: ChatCompletionRequest, temperature: float = 0.0) -> str:
-    params = body.sampling_params(160)
-    params.temperature, params.seed = temperature, 7
-    params.structured_outputs = params.structured_outputs.__class__(
-        json=params.structured_outputs.json, disable_any_whitespace=True)  # a random model pads JSON otherwise
+def generate(llm, body: ChatCompletionRequest) -> str:
+    params = body.sampling_params(body.max_tokens)
+    assert params.structured_outputs.disable_any_whitespace
     out = llm.chat([m.for_template() for m in body.messages], params)[0].outputs[0]
     assert out.finish_reason == "stop", out.text
     return out.text
@@ -48,8 +50,8 @@ def generate(llm, body: ChatCompletionRequest, temperature: float = 0.0) -> str:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_named_function_output_is_its_arguments(llm, temperature):
-    body = request(tool_choice={"type": "function", "function": {"name": "weather"}})
-    text = generate(llm, body, temperature)
+    body = request(temperature, tool_choice={"type": "function", "function": {"name": "weather"}})
+    text = generate(llm, body)
     calls = tool_calls_of(text, body.tool_choice)
     assert [c["function"]["name"] for c in calls] == ["weather"] and calls[0]["id"].startswith("chatcmpl-tool-")
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"], strict=False), WEATHER)
@@ -57,8 +59,8 @@ def test_named_function_output_is_its_arguments(llm, temperature):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_output_is_a_list_of_calls(llm, parallel):
-    body = request(tool_choice="required", parallel_tool_calls=parallel)
-    calls = tool_calls_of(generate(llm, body, 1.0), "required")
+    body = request(1.0, tool_choice="required", parallel_tool_calls=parallel)
+    calls = tool_calls_of(generate(llm, body), "required")
     assert calls and (parallel or len(calls) == 1)
     for call in calls:
         arguments = json.loads(call["function"]["arguments"], strict=False)
@@ -71,7 +73,8 @@ def test_required_output_is_a_list_of_calls(llm, parallel):
 def test_request_checks_and_template_inputs():
     assert request().tool_choice == "auto"  # vLLM's default with tools
     assert ChatCompletionRequest(messages=MESSAGES).tool_choice is None
-    assert request(tool_choice="none").sampling_params(8).structured_outputs is None
+    assert ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="none").sampling_params(8) \
+        .structured_outputs is None
     assert request(tool_choice="required").template_kwargs()["tools"][0]["function"]["name"] == "weather"
     with pytest.raises(ValueError, match=r"`tools` must be set"):
         ChatCompletionRequest(messages=MESSAGES, tool_choice="required")
@@ -87,3 +90,43 @@ def test_request_checks_and_template_inputs():
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][1]["properties"]["parameters"] == {
         "type": "object", "properties": {}}
     assert tool_calls_of('[{"name": "now", "parameters": {}', "required") is None  # cut short: stays content
+
+
+HERMES = 'Let me check.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\n<tool_call>{"name": "now"'
+LLAMA = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "now", "arguments": {}}'
+
+
+def names_and_arguments(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_hermes_and_llama3_json_parsers():
+    content, calls = parse_hermes(HERMES)
+    assert content == HERMES and calls == []  # the unclosed last call is not JSON: all of it is content
+    content, calls = parse_hermes(HERMES + ', "arguments": {}}')
+    assert content == "Let me check." and names_and_arguments(calls) == [("weather", {"city": "Oslo"}), ("now", {})]
+    assert parse_hermes("no calls") == ("no calls", [])
+    content, calls = parse_llama3_json(LLAMA)
+    assert content is None and names_and_arguments(calls) == [("weather", {"city": "Oslo"}), ("now", {})]
+    assert parse_llama3_json("plain {text}") == ("plain {text}", [])
+    assert parse_llama3_json('{"not": "a call"}') == ('{"not": "a call"}', [])
+
+
+@pytest.mark.parametrize(("parser", "text"), [("hermes", HERMES + ', "arguments": {}}'), ("hermes", "just text <tool"),
+                                              ("llama3_json", LLAMA), ("llama3_json", "  hello {x}")])
+@pytest.mark.parametrize("cut", [1, 4, 7])
+def test_auto_stream_equals_the_whole_parse(parser, text, cut):
+    stream = AutoToolStream(parser)
+    sent = "".join(stream.feed(text[i:i + cut]) for i in range(0, len(text), cut))
+    rest, calls = stream.finish()
+    content, whole_calls = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}[parser](text)
+    assert sent + rest == (content or "") and names_and_arguments(calls) == names_and_arguments(whole_calls)
+
+
+def test_tool_flags_are_checked_at_start_up():
+    serving = DcpgraphConfig.from_fields(model="m", enable_auto_tool_choice=True, tool_call_parser="hermes").serving
+    assert serving.enable_auto_tool_choice and serving.tool_call_parser == "hermes"
+    with pytest.raises(ConfigError, match=r"--enable-auto-tool-choice requires --tool-call-parser"):
+        DcpgraphConfig.from_fields(model="m", enable_auto_tool_choice=True)
+    with pytest.raises(ConfigError, match=r"--tool-call-parser mistral: not implemented .* \['hermes', 'llama3_json'\]"):
+        DcpgraphConfig.from_fields(model="m", tool_call_parser="mistral")

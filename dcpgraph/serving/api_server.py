@@ -84,6 +84,7 @@ class ServerOptions:
     log_stats: bool = True  # log the engine's state every STATS_EVERY_S (vLLM's --disable-log-stats turns it off)
     log_requests: bool = False  # log each request's sampling parameters and prompt ids (--enable-log-requests)
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 / deepseek_r1 (serving/reasoning.py)
+    auto_tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice (serving/tool_parsers.py)
 
 
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 28,
@@ -175,7 +176,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         log_id = f"chatcmpl-{request_id(request)}"
         body = self.parse(ChatCompletionRequest, await self.read_json(request))
-        if body.tool_choice == "auto":
+        if body.tool_choice == "auto" and self.options.auto_tool_parser is None:
             raise ApiError(400, AUTO_NEEDS_PARSER, param="tool_choice")
         prompt = self.render_chat(body)
         return await self.respond(request, [prompt], body, body.limit(), log_id, chat=True)

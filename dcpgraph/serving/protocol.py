@@ -336,10 +336,13 @@ class ChatCompletionRequest(_Common):
 
     def structured_constraint(self) -> dict | None:
         """A ``"required"`` or named ``tool_choice`` constrains the output to its tool-call schema
-        (replacing ``response_format`` and ``structured_outputs``, as vLLM)."""
+        (replacing ``response_format``'s and ``structured_outputs``' constraint, as vLLM; the
+        latter's ``disable_any_whitespace`` is kept)."""
         if self.tools and self.tool_choice not in (None, "none", "auto"):
             tools = [t.model_dump() for t in self.tools]
-            return {"json": tool_call_schema(tools, self.tool_choice, self.parallel_tool_calls)}
+            compact = bool((self.structured_outputs or {}).get("disable_any_whitespace"))
+            return {"json": tool_call_schema(tools, self.tool_choice, self.parallel_tool_calls),
+                    **({"disable_any_whitespace": True} if compact else {})}
         return super().structured_constraint()
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from .api_errors import ApiError, error_body
 from .engine_loop import Piece
 from .logprobs import chat_logprobs, completion_logprobs
 from .prompts import Prompt
+from .tool_parsers import PARSERS, AutoToolStream
 from .tools import tool_calls_of
 
 log = logging.getLogger("dcpgraph.serving")
@@ -41,6 +42,9 @@ class Reply:
         self.reasoning_streams = {c: parser.stream(self.template_kwargs) for c in choices} if parser else {}
         choice = getattr(body, "tool_choice", None) if chat and getattr(body, "tools", None) else None
         self.tool_choice = choice if choice not in (None, "none", "auto") else None
+        parser = getattr(getattr(server, "options", None), "auto_tool_parser", None)
+        self.auto_tool_parser = parser if choice == "auto" else None
+        self.auto_streams = {c: AutoToolStream(parser) for c in choices} if self.auto_tool_parser else {}
         self.tool_texts = {c: "" for c in choices}  # a tool-call stream's content, sent as calls at its end
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
@@ -97,6 +101,10 @@ class Reply:
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, self.template_kwargs)
             message = {"role": "assistant", "content": content, "reasoning": reasoning}
+        if self.auto_tool_parser is not None:
+            content, calls = PARSERS[self.auto_tool_parser](message["content"] or "")
+            if calls:
+                return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
         calls = tool_calls_of(message["content"] or "", self.tool_choice) if self.tool_choice else None
         if calls:
             message = {**message, "content": "", "tool_calls": calls}
@@ -128,7 +136,16 @@ class Reply:
                 content = "" if calls else self.tool_texts[piece.choice]
                 if calls:
                     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        if content or (stream is None and not self.tool_choice and not piece.finished):
+        auto = self.auto_streams.get(piece.choice)
+        if auto is not None:
+            content = auto.feed(content)
+            if piece.finished:
+                rest, calls = auto.finish()
+                content += rest
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                    reason = "tool_calls"
+        if content or (stream is None and not self.tool_choice and auto is None and not piece.finished):
             delta["content"] = content
         return delta, reason
 

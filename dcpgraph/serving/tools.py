@@ -10,8 +10,10 @@ outputs (vLLM's construction), and the ``tool_calls`` of the response.
   each item becomes a call (``arguments``: its parameters as JSON text) and ``finish_reason`` is
   ``"tool_calls"`` when the output ended by itself.
 * ``"none"``: no constraint, no parsing (the tools still go to the chat template, as vLLM).
-* ``"auto"`` (the default when ``tools`` are given, as vLLM) needs a tool-call parser, which
-  dcpgraph does not implement yet: a 400 naming vLLM's flags.
+* ``"auto"`` (the default when ``tools`` are given, as vLLM) needs ``--enable-auto-tool-choice``
+  and ``--tool-call-parser`` (else a 400 naming them): the output is not constrained and the
+  parser (:mod:`.tool_parsers`) reads its calls; ``finish_reason`` is ``"tool_calls"`` when it
+  found any.
 
 Every call gets an id ``chatcmpl-tool-<32 hex>``. A stream sends the calls whole, in its last
 chunk's ``delta.tool_calls`` (each with its ``index``), once the output is complete.
@@ -24,8 +26,7 @@ import uuid
 from typing import Any
 
 AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
-                     '(dcpgraph implements no tool-call parser yet: use tool_choice "required", a named function '
-                     'or "none")')
+                     '(or use tool_choice "required", a named function or "none")')
 
 
 def _parameters_or_empty(parameters: dict | None) -> dict:

@@ -176,3 +176,16 @@ def test_llm_grammar_starts_after_its_token(model_dir, llm):
                            structured_outputs_after_token=end, logit_bias={end: -100})
     plain = SamplingParams(temperature=0, max_tokens=24, logit_bias={end: -100})
     assert llm.generate(["hello"], never)[0].outputs[0].text == llm.generate(["hello"], plain)[0].outputs[0].text
+
+
+def test_preempted_requests_keep_their_grammar_state(model_dir, llm):
+    """A cache of 24 blocks (96 tokens) for four requests of up to 81: the youngest are preempted and
+    recompute ``prompt + output``; their matchers are untouched, so the outputs are those of the
+    roomy engine, token for token."""
+    constraint = {"json": SCHEMA, **COMPACT}
+    prompts = ["a", "bb", "ccc", "dddd"]
+    roomy = texts(llm, constraint, temperature=1.0, prompts=prompts)
+    with LLM(model_dir, dtype="float64", max_model_len=128, block_size=4, num_gpu_blocks_override=24,
+             max_num_seqs=4) as small:
+        assert texts(small, constraint, temperature=1.0, prompts=prompts) == roomy
+        assert small.engine.report()["scheduler"]["preemptions"] > 0

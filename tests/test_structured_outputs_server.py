@@ -105,7 +105,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEM
 
 def test_named_and_required_tool_calls_in_bodies_and_streams(server):
     client = api(server)
-    common = {"model": "tiny", "messages": [{"role": "user", "content": "call it"}], "max_tokens": 60,
+    common = {"model": "tiny", "messages": [{"role": "user", "content": "call it"}], "max_tokens": 200,
               "temperature": 0, "tools": TOOLS, "logit_bias": {str(server.think_end): 100},  # </think> first
               "extra_body": COMPACT}
     named = {"type": "function", "function": {"name": "lookup"}}
@@ -131,7 +131,7 @@ def test_named_and_required_tool_calls_in_bodies_and_streams(server):
 def test_auto_tool_choice_reads_hermes_calls(server):
     """``tool_choice`` "auto" (the default with tools): a regex makes the output a hermes call."""
     call = r'<tool_call>\{"name": "lookup", "arguments": \{"ok": (true|false), "n": [0-9]\}\}</tool_call>'
-    common = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 80, "temperature": 0,
+    common = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 160, "temperature": 0,
               "tools": TOOLS, "logit_bias": {str(server.think_end): 100},
               "extra_body": {"structured_outputs": {"regex": "ok then" + call}}}
     whole = api(server).chat.completions.create(**common)

@@ -5,7 +5,9 @@ are vLLM's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -13,7 +15,12 @@ import pytest
 from dcpgraph import LLM
 from dcpgraph.config import DcpgraphConfig
 from dcpgraph.errors import ConfigError
+from dcpgraph.serving.api_server import ServerOptions
+from dcpgraph.serving.engine_loop import Piece
+from dcpgraph.serving.prompts import Prompt
 from dcpgraph.serving.protocol import ChatCompletionRequest
+from dcpgraph.serving.reasoning import ReasoningParser
+from dcpgraph.serving.responses import Reply
 from dcpgraph.serving.tool_parsers import AutoToolStream, parse_hermes, parse_llama3_json
 from dcpgraph.serving.tools import tool_call_schema, tool_calls_of
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
@@ -130,3 +137,50 @@ def test_tool_flags_are_checked_at_start_up():
         DcpgraphConfig.from_fields(model="m", enable_auto_tool_choice=True)
     with pytest.raises(ConfigError, match=r"--tool-call-parser mistral: not implemented .* \['hermes', 'llama3_json'\]"):
         DcpgraphConfig.from_fields(model="m", tool_call_parser="mistral")
+
+
+def replies(text: str, cut: int, parser: str | None, **body) -> tuple[dict, list[dict]]:
+    """The non-streamed choice and the streamed deltas (with the finish reason) of one output
+    ``text`` cut into pieces of ``cut`` characters, under a deepseek_r1 reasoning parser."""
+    server = SimpleNamespace(served_model_name="m", generated=0, llm=SimpleNamespace(tokenizer=None),
+                             reasoning=ReasoningParser("deepseek_r1"), options=ServerOptions(auto_tool_parser=parser))
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS, **body})
+
+    async def pieces():
+        for i in range(0, len(text), cut):
+            last = i + cut >= len(text)
+            yield Piece(choice=0, text=text[i:i + cut], token_ids=[1], finished=last,
+                        finish_reason="stop" if last else None)
+
+    def reply():
+        return Reply(server, [Prompt("x", [1])], request, "chatcmpl-1", chat=True, choices=[0])
+
+    whole = asyncio.run(reply().whole(pieces()))["choices"][0]
+    events = asyncio.run(_collect(reply().events(pieces())))
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    return whole, [{**c["choices"][0]["delta"], "finish": c["choices"][0]["finish_reason"]} for c in chunks]
+
+
+async def _collect(events):
+    return [e async for e in events]
+
+
+@pytest.mark.parametrize("cut", [1, 5])
+@pytest.mark.parametrize(("parser", "choice", "text"), [
+    (None, {"type": "function", "function": {"name": "weather"}}, 'hm</think>{"city": "Oslo", "unit": "c"}'),
+    (None, "required", 'hm</think>[{"name": "now", "parameters": {}}]'),
+    ("hermes", "auto", 'hm</think>ok<tool_call>{"name": "now", "arguments": {}}</tool_call>'),
+    ("llama3_json", "auto", 'hm</think>{"name": "now", "parameters": {}}'),
+    ("hermes", "auto", "hm</think>no call here"),
+])
+def test_streamed_deltas_carry_what_the_whole_body_does(cut, parser, choice, text):
+    whole, deltas = replies(text, cut, parser, tool_choice=choice)
+    message = whole["message"]
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"] == "hm"
+    assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
+    streamed = [(c["function"]["name"], c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])]
+    assert streamed == [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert deltas[-1]["finish"] == whole["finish_reason"]
+    assert bool(streamed) == (text != "hm</think>no call here")
+    expected = "stop" if isinstance(choice, dict) or not streamed else "tool_calls"
+    assert whole["finish_reason"] == expected

@@ -101,6 +101,10 @@ class Reply:
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, self.template_kwargs)
             message = {"role": "assistant", "content": content, "reasoning": reasoning}
+        return self.with_tool_calls(message, reason)
+
+    def with_tool_calls(self, message: dict, reason: str | None) -> dict:
+        """``{"message", "finish_reason"}`` with the calls the message's content holds (if any)."""
         if self.auto_tool_parser is not None:
             content, calls = PARSERS[self.auto_tool_parser](message["content"] or "")
             if calls:
@@ -131,7 +135,7 @@ class Reply:
             self.tool_texts[piece.choice] += content
             content = ""
             if piece.finished:
-                whole = self.message_and_reason(self.tool_texts[piece.choice], reason)
+                whole = self.with_tool_calls({"content": self.tool_texts[piece.choice]}, reason)
                 calls, reason = whole["message"].get("tool_calls"), whole["finish_reason"]
                 content = "" if calls else self.tool_texts[piece.choice]
                 if calls:

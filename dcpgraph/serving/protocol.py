@@ -4,7 +4,7 @@ As vLLM does, a field this server does not know is ignored and logged at WARNING
 and ``null`` for a field whose value cannot be null (``temperature``, ``top_p``, ``top_k``, the
 penalties, ``stream``, ``n``...) means that field's default. A known field with a bad value is a
 400. vLLM fields whose meaning dcpgraph does not implement yet are refused by name with the reason
-(:data:`UNSUPPORTED`) rather than ignored: silently dropping ``response_format`` or ``tools``
+(:data:`UNSUPPORTED`) rather than ignored: silently dropping ``prompt_logprobs`` or ``echo``
 would pretend to honour them.
 
 Log-probabilities: completions take ``logprobs`` (an int, 0–20: top-N per token), chat takes

@@ -49,6 +49,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # where weights come from (vLLM's --load-format)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
+IMPLEMENTED_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # serving/reasoning.py
+IMPLEMENTED_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # serving/tool_parsers.py
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
@@ -364,11 +366,13 @@ class ServingConfig(_Section):
     generation_config: str = setting("auto", "where a request's omitted temperature/top_p/top_k/repetition_penalty/"
                                              "min_p come from: 'auto' (the model's generation_config.json), "
                                              "'vllm' (vLLM's neutral defaults) or a directory", option=None)
-    enable_auto_tool_choice: bool = setting(False, "tool calling: not supported yet (refused at start-up)",
+    enable_auto_tool_choice: bool = setting(False, "tool_choice \"auto\" (the default with tools): the "
+                                                   "--tool-call-parser reads calls from the output",
                                             option=None)
-    tool_call_parser: str | None = setting(None, "tool-call parser: not supported yet (refused at start-up)",
+    tool_call_parser: str | None = setting(None, "how tool_choice \"auto\" reads calls (hermes, llama3_json)",
                                            choices=TOOL_CALL_PARSERS, option=None)
-    reasoning_parser: str | None = setting(None, "reasoning parser: not supported yet (refused at start-up)",
+    reasoning_parser: str | None = setting(None, "split chat outputs' <think>...</think> into message.reasoning "
+                                                 "(qwen3, deepseek_r1)",
                                            choices=REASONING_PARSERS, option=None)
     kv_transfer_config: str | None = setting(
         None, "P/D disaggregation, vLLM's keys as JSON, e.g. '{\"kv_role\": \"kv_producer\", \"kv_rank\": 0, "
@@ -382,12 +386,15 @@ class ServingConfig(_Section):
         if self.max_logprobs > MAX_LOGPROBS:
             raise ConfigError(f"max_logprobs must be at most {MAX_LOGPROBS} (the most a token returns), "
                               f"got {self.max_logprobs}")
-        parsers = {"--enable-auto-tool-choice": self.enable_auto_tool_choice, "--tool-call-parser":
-                   self.tool_call_parser, "--reasoning-parser": self.reasoning_parser}
-        given = [flag for flag, value in parsers.items() if value]
-        if given:
-            raise ConfigError(f"{', '.join(given)}: tool calling and reasoning parsers are not supported by "
-                              "dcpgraph serve yet; start without them")
+        if self.reasoning_parser is not None and self.reasoning_parser not in IMPLEMENTED_REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: not implemented by dcpgraph serve; "
+                              f"choose from {list(IMPLEMENTED_REASONING_PARSERS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in IMPLEMENTED_TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser}: not implemented by dcpgraph serve; "
+                              f"choose from {list(IMPLEMENTED_TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser "
+                              f"({' or '.join(IMPLEMENTED_TOOL_CALL_PARSERS)})")
 
 
 SECTIONS: dict[str, type] = {

@@ -43,6 +43,11 @@ class RequestError(DcpGraphError, ValueError):
     vocabulary, longer than ``max_model_len`` or than the whole KV cache)."""
 
 
+class GrammarError(RequestError):
+    """A request's structured-output constraint cannot be compiled (a bad JSON schema, regex or
+    EBNF grammar); the message carries the compiler's reason."""
+
+
 class QueueFullError(RequestError):
     """The waiting queue holds ``max_waiting`` requests: try again later (a server's 429/503).
     Defined here so a worker's refusal keeps its class across the worker connection."""

@@ -147,8 +147,8 @@ def test_truncate_null_defaults_unknown_fields_and_refusals(server, hf):
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert "fields ignored (this server does not know them): ['not_a_vllm_field']" in server.log()
-    refusals = {"best_of": {"prompt": "x", "best_of": 3}, "response_format": {"prompt": "x", "response_format":
-                {"type": "json_object"}}, "logprobs": {"prompt": "x", "logprobs": 6},
+    refusals = {"best_of": {"prompt": "x", "best_of": 3}, "cannot be compiled": {"prompt": "x", "structured_outputs":
+                {"regex": "(ab"}}, "logprobs": {"prompt": "x", "logprobs": 6},
                 "vocabulary": {"prompt": "x", "logit_bias": {"99999": 1}}, "min_tokens": {"prompt": "x",
                 "max_tokens": 2, "min_tokens": 3}}
     for word, bad in refusals.items():

@@ -18,6 +18,7 @@ from ..errors import RequestError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
 from .engine_client import EngineClient, run_rank_op
+from .grammar import GrammarBackend
 from .graph_mode import DecodeBuckets, default_buckets
 from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
 from .model_runner import ModelRunner
@@ -103,6 +104,7 @@ class Engine(EngineClient):
         self.graphs = graphs
         self.speculative_tokens = k
         self._next_id = 0
+        self.grammar_backend = None  # set by enable_structured_outputs
         from .capture import capture_graphs
 
         capture_graphs(self.runner, graphs)  # every graph compiled before any request
@@ -158,6 +160,7 @@ class Engine(EngineClient):
             params.check_vocab(self.program.facts.vocab_size)  # before an id: nothing changes on a refusal
         except ValueError as err:
             raise RequestError(str(err)) from None
+        grammar = self._grammar_for(params)  # a GrammarError (a RequestError) before an id too
         rid = self._next_id
         self._next_id += 1
         gen = None
@@ -168,11 +171,31 @@ class Engine(EngineClient):
             # request id (unseeded_stream), so the same requests in the same order reproduce a run.
             gen = torch.Generator().manual_seed(unseeded_stream(self.seed, rid) if params.seed is None
                                                 else params.seed + index)
-        request = Request(rid, tokens, max_new_tokens, params, gen)
+        request = Request(rid, tokens, max_new_tokens, params, gen, grammar=grammar)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no log-probability
         request.speculative = not params.modifies_logits  # drafts are verified against the raw argmax
         return request
+
+    def enable_structured_outputs(self, backend) -> None:
+        """Let requests carry ``structured_outputs``: ``backend`` is a
+        :class:`~.grammar.GrammarBackend` (or its :meth:`~.grammar.GrammarBackend.serialize` text,
+        from a front end in another process) for the tokenizer the requests' text is in."""
+        if isinstance(backend, str):
+            backend = GrammarBackend.from_serialized(backend)
+        if backend.vocab_size != self.program.facts.vocab_size:
+            raise ValueError(f"the grammar backend's vocabulary ({backend.vocab_size}) is not the model's "
+                             f"({self.program.facts.vocab_size})")
+        self.grammar_backend = backend
+
+    def _grammar_for(self, params: SamplingParams):
+        """A fresh grammar state for a request with ``structured_outputs`` (``None`` without)."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_backend is None:
+            raise RequestError("structured_outputs need the tokenizer's grammar backend: the front end calls "
+                               "Engine.enable_structured_outputs(GrammarBackend.from_tokenizer(...)) first")
+        return self.grammar_backend.matcher(params.structured_outputs, params.structured_outputs_after_token)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now: its KV blocks are free on return and it emits no further events.
@@ -268,6 +291,8 @@ class Engine(EngineClient):
         request = self._new_request(prompt, max_new_tokens, SamplingParams.for_engine(params, **sampling),
                                     transfer="continue_from")
         request.output = output
+        if request.grammar is not None:
+            request.grammar.advance(output)  # the prefill engine's token, sampled under the same grammar
         request.computed = transfer.computed
         self.scheduler.adopt(request)
         import_kv(self, transfer, request)
@@ -300,6 +325,8 @@ class Engine(EngineClient):
         request = self._new_request(tokens, max_new_tokens, SamplingParams.for_engine(params, **sampling),
                                     transfer="adopt_transferred")
         request.output = [int(t) for t in output]
+        if request.grammar is not None:
+            request.grammar.advance(request.output)
         request.computed = len(tokens)
         prefix = self.blocks.match_prefix(tokens)
         self.scheduler.adopt(request, prefix)

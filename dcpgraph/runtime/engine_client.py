@@ -136,6 +136,12 @@ class EngineClient(abc.ABC):
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         """``(blocks in use, blocks allocated)`` per rank (cached-free prefix blocks count as free)."""
 
+    @abc.abstractmethod
+    def enable_structured_outputs(self, backend) -> None:
+        """Let requests carry ``structured_outputs`` (:meth:`Engine.enable_structured_outputs
+        <dcpgraph.runtime.engine.Engine.enable_structured_outputs>`); a client whose engine runs
+        in another process sends the backend's serialized text."""
+
     def begin_step(self) -> None:
         """Start :meth:`step` (a client whose ranks run elsewhere returns at once; the rest run it
         here); :meth:`end_step` gives its events. Lets several clients step at the same time."""

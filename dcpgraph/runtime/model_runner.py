@@ -4,7 +4,9 @@ It owns everything between the scheduler's plan and the sampled tokens: drafts f
 proposer (:mod:`dcpgraph.speculative`) for the rows the scheduler gave room to, the flattened
 per-rank step inputs (:mod:`.step_inputs`), the static-shape decode and verification buckets
 (:mod:`.graph_mode`, :mod:`.verify_buckets`), the executor that runs the compiled program,
-sampling, and verification of drafts (:func:`dcpgraph.runtime.rejection.verify`). It never
+sampling, and verification of drafts (:func:`dcpgraph.runtime.rejection.verify`), each row masked
+first by the request's grammar when it has one (:mod:`.grammar`; the grammar then advances over
+the tokens the scheduler will emit: the accepted drafts and the token after them). It never
 changes a request: what the tokens mean (acceptance, stop conditions, ``computed``) is
 :meth:`Scheduler.postprocess`'s business.
 """
@@ -19,7 +21,7 @@ import torch
 from ..program import Program
 from .graph_mode import DecodeBuckets
 from .proposer import NO_DRAFTS
-from .rejection import verify
+from .rejection import accept, verify
 from .sampling import sample, token_logprobs
 from .scheduler import RowOutput, ScheduledChunk
 from .step_inputs import Chunk, TableRows, build_step_inputs
@@ -56,16 +58,25 @@ class ModelRunner:
         for item, chunk, draft in zip(plan, chunks, drafts):
             rows = logits[row : row + chunk.logits_rows]
             row += chunk.logits_rows
+            prompt_logprobs = _prompt_logprobs(item, rows)  # from the model's rows, before any grammar mask
             request = item.request
+            grammar = request.grammar
             if draft.tokens:  # verification: greedy agreement or rejection sampling
-                tokens = verify(rows, draft, request.params, request.generator)
+                checked = draft
+                if grammar is not None:  # drafts cut at the first one the grammar refuses
+                    rows, kept = grammar.mask_verify_rows(rows, draft.tokens)
+                    checked = replace(draft, tokens=kept, probs=None if draft.probs is None else draft.probs[: len(kept)])
+                tokens = verify(rows, checked, request.params, request.generator)
             elif item.samples:
-                request = item.request
+                if grammar is not None:
+                    rows = grammar.mask(rows[-1])[None]
                 tokens = [sample(rows[-1], request.params, request.generator, request.prompt, request.output,
                                  self.eos_token_ids)]
             else:
                 tokens = []
-            outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), _prompt_logprobs(item, rows)))
+            if grammar is not None and tokens:
+                grammar.advance(tokens[: accept(draft.tokens, tokens) + 1] if draft.tokens else tokens)
+            outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), prompt_logprobs))
         return outputs
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:

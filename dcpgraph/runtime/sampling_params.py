@@ -36,7 +36,13 @@ logit; JSON's string keys are accepted). ``min_p`` (in [0, 1]) drops, after temp
 whose probability is below ``min_p`` times the largest one; it never changes a greedy token.
 ``ignore_eos`` makes the scheduler not stop at EOS (``max_tokens`` ends the request).
 ``truncate_prompt_tokens`` (``k >= 1``, or ``-1`` for ``max_model_len``) keeps a prompt's last
-``k`` tokens (:meth:`SamplingParams.truncate`).
+``k`` tokens (:meth:`SamplingParams.truncate`). ``structured_outputs``
+(:class:`~.structured_outputs.StructuredOutputsParams`, or vLLM's request object as a dict)
+constrains the output to a JSON schema, JSON object, regex, choice or EBNF grammar: every sampled
+or verified row is masked to the tokens the grammar allows (:mod:`.grammar`); speculative drafts
+are checked against the grammar too, so such a request may still take drafts.
+``structured_outputs_after_token`` (set by the server's reasoning parser to ``</think>``'s id)
+starts the constraint after that token, leaving the reasoning unconstrained.
 
 Invariant: a request whose greedy token may differ from the raw argmax (:attr:`SamplingParams.
 modifies_logits`) is never given speculative drafts (they are verified against raw logits); a
@@ -56,6 +62,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top log-probabilities one token returns
 _GREEDY_BELOW = 1e-5  # vLLM treats temperatures this small as greedy
 
@@ -63,7 +71,8 @@ _GREEDY_BELOW = 1e-5  # vLLM treats temperatures this small as greedy
 # ``stop_token_ids`` is sent only with ``min_tokens``: the engine masks them; the caller stops at them.
 ENGINE_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_p", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
-                 "bad_words_token_ids", "stop_token_ids")
+                 "bad_words_token_ids", "stop_token_ids", "structured_outputs",
+                 "structured_outputs_after_token")
 ENGINE_DEFAULTS = {"temperature": 0.0}  # the engine's keyword API is greedy unless told otherwise
 
 
@@ -92,6 +101,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # from bad_words (update_from_tokenizer), or given
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is read as vLLM's object
+    structured_outputs_after_token: int | None = None  # the constraint starts after this token (a reasoning end)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +157,14 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 (max_model_len) or None, "
                              f"got {self.truncate_prompt_tokens!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_json(self.structured_outputs)
+            if self.structured_outputs_after_token is not None and not _is_int(self.structured_outputs_after_token):
+                raise ValueError(f"structured_outputs_after_token must be a token id, got "
+                                 f"{self.structured_outputs_after_token!r}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: a complete output "
+                                 "would have no allowed token left (the grammar allows only EOS there)")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
@@ -270,6 +289,10 @@ class SamplingParams:
             params["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.bad_words_token_ids:
             params["bad_words_token_ids"] = [list(ids) for ids in self.bad_words_token_ids]
+        if self.structured_outputs is not None:
+            params["structured_outputs"] = self.structured_outputs.to_json()
+            if self.structured_outputs_after_token is not None:
+                params["structured_outputs_after_token"] = self.structured_outputs_after_token
         return params
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,6 +71,7 @@ class Request:
     # with params.prompt_logprobs: entry j is prompt token j's log-probabilities (None for j = 0),
     # filled as prefill chunks run; complete when it holds len(prompt) entries
     prompt_logprobs: list[dict | None] | None = None
+    grammar: Any = None  # its RequestGrammar (runtime/grammar.py) when it has structured outputs
     _joined: tuple = field(default=(None, None, 0, 0, None), init=False, repr=False, compare=False)
 
     @property

@@ -38,6 +38,7 @@ from .metrics import CONTENT_TYPE, Metrics, cache_config_info
 from .middleware import Authenticate, CountInFlight
 from .prompts import Prompt, chat_prompt, encode_prompt, truncated
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import ReasoningParser
 from .responses import Reply
 from .tokenization import (
     DetokenizeRequest,
@@ -45,6 +46,7 @@ from .tokenization import (
     TokenizeCompletionRequest,
     tokenize_request,
 )
+from .tools import AUTO_NEEDS_PARSER
 
 log = logging.getLogger("dcpgraph.serving")
 DISCONNECT_POLL_S = 0.25
@@ -81,6 +83,8 @@ class ServerOptions:
     max_logprobs: int = MAX_LOGPROBS  # the most log-probabilities a request may ask for per token
     log_stats: bool = True  # log the engine's state every STATS_EVERY_S (vLLM's --disable-log-stats turns it off)
     log_requests: bool = False  # log each request's sampling parameters and prompt ids (--enable-log-requests)
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 / deepseek_r1 (serving/reasoning.py)
+    auto_tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice (serving/tool_parsers.py)
 
 
 def build_app(llm, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 28,
@@ -130,6 +134,8 @@ class OpenAIServer:
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
                                max_model_len=llm.max_model_len)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
+        parser = options.reasoning_parser
+        self.reasoning = ReasoningParser.for_tokenizer(parser, llm.tokenizer) if parser else None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -170,6 +176,8 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         log_id = f"chatcmpl-{request_id(request)}"
         body = self.parse(ChatCompletionRequest, await self.read_json(request))
+        if body.tool_choice == "auto" and self.options.auto_tool_parser is None:
+            raise ApiError(400, AUTO_NEEDS_PARSER, param="tool_choice")
         prompt = self.render_chat(body)
         return await self.respond(request, [prompt], body, body.limit(), log_id, chat=True)
 
@@ -282,6 +290,10 @@ class OpenAIServer:
             params.check_vocab(self.llm.info.vocab_size)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
+        parser = self.reasoning
+        if (parser is not None and isinstance(body, ChatCompletionRequest) and params.structured_outputs is not None
+                and parser.end_token_id is not None and parser.thinks(body.chat_template_kwargs)):
+            params.structured_outputs_after_token = parser.end_token_id  # as vLLM: constrain what follows </think>
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > self.options.max_logprobs:
@@ -304,6 +316,11 @@ class OpenAIServer:
         """Queue every choice (choice ``i·n + j`` is prompt ``i``'s ``j``-th sample); returns
         ``(out queue, [(rid, choice)])``. A refusal aborts the choices already queued."""
         params = self.sampling_params(body, limit)
+        if params.structured_outputs is not None:  # compiled on the engine thread: 400 if it cannot be
+            try:
+                await self.engine_loop.call(lambda _engine: self.llm.prepare_structured_outputs(params))
+            except ValueError as err:
+                raise ApiError(400, str(err), param="structured_outputs") from None
         prompts[:] = [truncated(p, params, self.llm.max_model_len) for p in prompts]
         log.debug("request %s: sampling %s", log_id, params)
         self.check_lengths(prompts, limit)

@@ -53,7 +53,9 @@ def server_options(settings: DcpgraphConfig):
     serving = settings.serving
     template = read_chat_template(serving.chat_template) if serving.chat_template else None
     return ServerOptions(chat_template=template, max_logprobs=serving.max_logprobs,
-                         log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests)
+                         log_stats=not serving.disable_log_stats, log_requests=serving.enable_log_requests,
+                         reasoning_parser=serving.reasoning_parser,
+                         auto_tool_parser=serving.tool_call_parser if serving.enable_auto_tool_choice else None)
 
 
 def kv_sizing_line(memory: dict) -> str:

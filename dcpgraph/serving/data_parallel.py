@@ -49,6 +49,10 @@ class DataParallelEngine(EngineClient):
         self.requests_served[replica] += 1
         return rid
 
+    def enable_structured_outputs(self, backend) -> None:
+        for replica in self.replicas:
+            replica.enable_structured_outputs(backend)
+
     def _forget(self, replica: int, local: int) -> None:
         rid = self._ids[replica].pop(local, None)
         self._owner.pop(rid, None)

@@ -32,6 +32,7 @@ from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_
 from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..config import DcpgraphConfig, config_fields, option_name
 from ..errors import ConfigError, RequestError
+from ..runtime.grammar import GrammarBackend
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
 from ..speculative.mtp_module import check_mtp_weights
@@ -152,6 +153,7 @@ class LLM:
         self.eos_token_ids = checked.info.eos_token_ids
         in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
         self._next_request = 0
+        self.grammar_backend = None  # built on the first request with structured_outputs
         if parallel.data_parallel_size > 1:
             self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
         elif tp == 1 or in_world:
@@ -204,6 +206,18 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling_params for {count} prompts")
         return list(sampling_params)
 
+    def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` here (a :class:`~dcpgraph.errors.GrammarError`
+        naming the reason if it cannot be), building the tokenizer's grammar backend and handing
+        it to the engine on the first such request; nothing for a request without one."""
+        if params.structured_outputs is None:
+            return
+        if self.grammar_backend is None:
+            backend = GrammarBackend.from_tokenizer(self.tokenizer, self.info.vocab_size, self.eos_token_ids)
+            self.engine.enable_structured_outputs(backend)  # a remote client sends backend.serialize()
+            self.grammar_backend = backend
+        self.grammar_backend.compile(params.structured_outputs)
+
     def max_tokens_for(self, params: SamplingParams, prompt_len: int) -> int:
         """vLLM's rule: ``max_tokens=None`` means up to ``max_model_len``."""
         return params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - prompt_len)
@@ -212,6 +226,7 @@ class LLM:
         streams: dict[int, tuple[int, int, TextStream]] = {}
         for sp in params:
             sp.update_from_tokenizer(self.tokenizer)  # bad_words -> their token ids
+            self.prepare_structured_outputs(sp)
         items = [truncated(p, sp, self.max_model_len) for p, sp in zip(items, params)]
         for i, (prompt, sp) in enumerate(zip(items, params)):
             try:

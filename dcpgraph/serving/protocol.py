@@ -4,7 +4,7 @@ As vLLM does, a field this server does not know is ignored and logged at WARNING
 and ``null`` for a field whose value cannot be null (``temperature``, ``top_p``, ``top_k``, the
 penalties, ``stream``, ``n``...) means that field's default. A known field with a bad value is a
 400. vLLM fields whose meaning dcpgraph does not implement yet are refused by name with the reason
-(:data:`UNSUPPORTED`) rather than ignored: silently dropping ``response_format`` or ``tools``
+(:data:`UNSUPPORTED`) rather than ignored: silently dropping ``prompt_logprobs`` or ``echo``
 would pretend to honour them.
 
 Log-probabilities: completions take ``logprobs`` (an int, 0–20: top-N per token), chat takes
@@ -24,10 +24,23 @@ equal ``n``. Chat messages take a string ``content`` or a list of ``{"type": "te
 parts (joined with newlines, as vLLM's string content format); other part types are refused.
 ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g. Qwen3's
 ``enable_thinking``).
+
+Structured outputs: ``response_format`` (``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema"}}``; ``"text"`` asks nothing) and vLLM's
+``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
+a ``response_format`` constraint replaces ``structured_outputs``' own, as in vLLM.
+
+Tools (chat): ``tools`` (function tools, passed to the chat template), ``tool_choice``
+(``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name"}}``;
+``"auto"`` when ``tools`` are given without one, as vLLM), ``parallel_tool_calls``; assistant
+messages may carry ``tool_calls`` and tool messages ``tool_call_id``. What each choice does:
+:mod:`.tools`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 import typing
@@ -37,19 +50,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..runtime.sampling import MAX_LOGPROBS
 from .params import SamplingParams
+from .tools import tool_call_schema
 
 log = logging.getLogger("dcpgraph.serving")
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
 
+_GUIDED = ("the guided_* fields are gone from vLLM; use structured_outputs: {\"json\"|\"regex\"|\"choice\"|"
+           "\"grammar\"|\"json_object\": ...}")
+
 # vLLM request fields another part of dcpgraph has yet to implement: field -> why it is refused.
 # A field is refused only when given a value that asks for something ("tools": [] is accepted).
 UNSUPPORTED = {
-    "response_format": "structured outputs (json_object / json_schema) are not supported yet; omit it or use "
-                       '{"type": "text"}',
-    "structured_outputs": "structured outputs (choice, regex, grammar, json) are not supported yet",
-    "guided_json": "guided decoding is not supported yet", "guided_regex": "guided decoding is not supported yet",
-    "guided_choice": "guided decoding is not supported yet", "guided_grammar": "guided decoding is not supported yet",
-    "tools": "tool calling is not supported yet",
+    "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
 }
@@ -82,6 +94,37 @@ class LenientModel(BaseModel):
         if ignored:
             log.warning("%s: fields ignored (this server does not know them): %s", type(self).__name__, ignored)
         return self
+
+
+class JsonSchemaResponseFormat(LenientModel):
+    """OpenAI's ``response_format.json_schema``: the schema is under ``schema``."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(LenientModel):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError('response_format type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+    def constraint(self) -> dict | None:
+        """The ``structured_outputs`` fields it asks for (``None`` for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return None
 
 
 class StreamOptions(LenientModel):
@@ -119,6 +162,18 @@ class _Common(LenientModel):
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # P/D: see serving/kv_connector/agent.py
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_constraint(self) -> dict | None:
+        """``structured_outputs`` with ``response_format``'s constraint in place of its own (as
+        vLLM: the response format overrides the constraint fields, keeping the options)."""
+        asked = self.response_format.constraint() if self.response_format is not None else None
+        if asked is None:
+            return self.structured_outputs
+        options = {k: v for k, v in (self.structured_outputs or {}).items()
+                   if k not in ("json", "regex", "choice", "grammar", "json_object")}
+        return {**options, **asked}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -153,7 +208,8 @@ class _Common(LenientModel):
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               truncate_prompt_tokens=self.truncate_prompt_tokens,
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              structured_outputs=self.structured_constraint())
 
 
 class CompletionRequest(_Common):
@@ -219,11 +275,44 @@ def _text_parts_only(content: Any) -> Any:
     return content
 
 
+class FunctionCall(LenientModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(LenientModel):
+    """An assistant message's earlier call, as the response gave it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates read it (vLLM's): ``arguments`` parsed to an object when it is JSON."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(LenientModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(LenientModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(LenientModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -238,6 +327,8 @@ class ChatMessage(LenientModel):
             content = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": content if content is not None else ""}
         message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
@@ -251,6 +342,44 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_default(cls, data: Any) -> Any:
+        """vLLM's default: ``"auto"`` when ``tools`` are given without a ``tool_choice``."""
+        if isinstance(data, dict) and data.get("tools") and data.get("tool_choice") is None:
+            return {**data, "tool_choice": "auto"}
+        return data
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return self
+        if not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError('tool_choice as an object must be {"type": "function", "function": {"name": ...}}')
+            if name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"The tool specified in `tool_choice` ({name!r}) does not match any of the "
+                                 f"specified `tools`: {[t.function.name for t in self.tools]}")
+        return self
+
+    def structured_constraint(self) -> dict | None:
+        """A ``"required"`` or named ``tool_choice`` constrains the output to its tool-call schema
+        (replacing ``response_format``'s and ``structured_outputs``' constraint, as vLLM; the
+        latter's ``disable_any_whitespace`` is kept)."""
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            tools = [t.model_dump() for t in self.tools]
+            compact = bool((self.structured_outputs or {}).get("disable_any_whitespace"))
+            return {"json": tool_call_schema(tools, self.tool_choice, self.parallel_tool_calls),
+                    **({"disable_any_whitespace": True} if compact else {})}
+        return super().structured_constraint()
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -271,5 +400,6 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template`` beyond the messages."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else {}
+        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

@@ -17,6 +17,8 @@ from .api_errors import ApiError, error_body
 from .engine_loop import Piece
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from .prompts import Prompt
+from .tool_parsers import PARSERS, AutoToolStream
+from .tools import tool_calls_of
 
 log = logging.getLogger("dcpgraph.serving")
 
@@ -45,6 +47,16 @@ class Reply:
         options = body.stream_options
         self.final_usage = bool(options and options.include_usage)
         self.continuous_usage = self.final_usage and bool(options.continuous_usage_stats)
+        parser = getattr(server, "reasoning", None) if chat else None  # the server's --reasoning-parser
+        self.template_kwargs = getattr(body, "chat_template_kwargs", None)
+        self.reasoning = parser  # vLLM's --reasoning-parser: <think>...</think> -> message.reasoning
+        self.reasoning_streams = {c: parser.stream(self.template_kwargs) for c in choices} if parser else {}
+        choice = getattr(body, "tool_choice", None) if chat and getattr(body, "tools", None) else None
+        self.tool_choice = choice if choice not in (None, "none", "auto") else None
+        parser = getattr(getattr(server, "options", None), "auto_tool_parser", None)
+        self.auto_tool_parser = parser if choice == "auto" else None
+        self.auto_streams = {c: AutoToolStream(parser) for c in choices} if self.auto_tool_parser else {}
+        self.tool_texts = {c: "" for c in choices}  # a tool-call stream's content, sent as calls at its end
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if not self.wants_logprobs:
@@ -115,8 +127,8 @@ class Reply:
             if piece.finished:
                 reasons[piece.choice] = piece.finish_reason
         choices = [
-            {"index": c, "message": {"role": "assistant", "content": texts[c]},
-             "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c]} if self.chat else
+            {"index": c, **self.message_and_reason(texts[c], reasons[c]),
+             "logprobs": self.logprobs_of(c, *tokens[c])} if self.chat else
             {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c],
              **self.prompt_logprobs_of(c)}
             for c in sorted(texts)
@@ -125,6 +137,65 @@ class Reply:
                 "created": self.created, "model": self.server.served_model_name, "choices": choices,
                 "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {}),
                 **(self.prompt_logprobs_of(self.choices[0]) if self.chat else {})}
+
+    def message_and_reason(self, text: str, reason: str | None) -> dict:
+        """A chat choice's ``message`` and ``finish_reason``: the text as content, split by the
+        reasoning parser, and its tool calls under a ``"required"`` or named ``tool_choice``."""
+        message: dict = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(text, self.template_kwargs)
+            message = {"role": "assistant", "content": content, "reasoning": reasoning}
+        return self.with_tool_calls(message, reason)
+
+    def with_tool_calls(self, message: dict, reason: str | None) -> dict:
+        """``{"message", "finish_reason"}`` with the calls the message's content holds (if any)."""
+        if self.auto_tool_parser is not None:
+            content, calls = PARSERS[self.auto_tool_parser](message["content"] or "")
+            if calls:
+                return {"message": {**message, "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
+        calls = tool_calls_of(message["content"] or "", self.tool_choice) if self.tool_choice else None
+        if calls:
+            message = {**message, "content": "", "tool_calls": calls}
+            if self.tool_choice == "required" and reason == "stop":
+                reason = "tool_calls"  # OpenAI's: "stop" for a named function
+        return {"message": message, "finish_reason": reason}
+
+    def delta(self, piece: Piece) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason: the piece's text as content, or its reasoning
+        and content parts (the parser's held-back text comes out with the last piece); under a
+        ``"required"`` or named ``tool_choice`` the content is held and sent as ``tool_calls``
+        with the last piece."""
+        stream = self.reasoning_streams.get(piece.choice)
+        if stream is None:
+            reasoning, content = "", piece.text
+        else:
+            reasoning, content = stream.feed(piece.text)
+            if piece.finished:
+                more_reasoning, more_content = stream.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        reason = piece.finish_reason
+        delta = {"reasoning": reasoning} if reasoning else {}
+        if self.tool_choice:
+            self.tool_texts[piece.choice] += content
+            content = ""
+            if piece.finished:
+                whole = self.with_tool_calls({"content": self.tool_texts[piece.choice]}, reason)
+                calls, reason = whole["message"].get("tool_calls"), whole["finish_reason"]
+                content = "" if calls else self.tool_texts[piece.choice]
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        auto = self.auto_streams.get(piece.choice)
+        if auto is not None:
+            content = auto.feed(content)
+            if piece.finished:
+                rest, calls = auto.finish()
+                content += rest
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                    reason = "tool_calls"
+        if content or (stream is None and not self.tool_choice and auto is None and not piece.finished):
+            delta["content"] = content
+        return delta, reason
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.log_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -139,8 +210,8 @@ class Reply:
         text, token_ids, entries = self.shown(piece)
         logprobs = self.logprobs_of(piece.choice, token_ids, entries)
         if self.chat:
-            delta = {"content": text} if text or not piece.finished else {}
-            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            delta, reason = self.delta(piece)
+            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": piece.choice, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
     def role_chunks(self) -> list[str]:

@@ -75,6 +75,9 @@ def _handle(engine, message: dict, control: ControlGroup) -> dict:
                 "seconds": time.perf_counter() - start, "broadcast_seconds": control.broadcast_seconds - broadcast}
     if op == "abort":
         return {"aborted": bool(engine.abort(message["rid"]))}
+    if op == "structured_outputs":
+        engine.enable_structured_outputs(message["backend"])
+        return {}
     if op == "memory_report":
         return {"value": engine.memory_report()}
     if op == "report":
@@ -348,6 +351,11 @@ class RemoteEngine(EngineClient):
 
     def abort(self, request_id: int) -> bool:
         return self._call({"op": "abort", "rid": int(request_id)})["aborted"]
+
+    def enable_structured_outputs(self, backend) -> None:
+        """Rank 0 builds its own grammar backend from the serialized tokenizer information."""
+        text = backend if isinstance(backend, str) else backend.serialize()
+        self._call({"op": "structured_outputs", "backend": text})
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
         """:meth:`Engine.generate <dcpgraph.runtime.engine.Engine.generate>` on rank 0's engine."""

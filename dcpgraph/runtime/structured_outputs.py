@@ -1,0 +1,84 @@
+"""``StructuredOutputsParams``: the one constraint a request's output must satisfy (vLLM's class).
+
+Exactly one of the constraint fields is set: ``json`` (a JSON schema, as a dict or its JSON text),
+``regex`` (the output fullmatches it), ``choice`` (the output is one of these strings),
+``grammar`` (an EBNF grammar, xgrammar's GBNF dialect with a ``root`` rule) or ``json_object``
+(any JSON object). ``disable_any_whitespace`` makes a ``json`` constraint emit compact JSON.
+vLLM's ``structural_tag``, ``whitespace_pattern`` and ``disable_additional_properties`` are
+refused by name. The constraint is applied as a logits mask by :mod:`.grammar`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_REFUSED = {"structural_tag": "structural tags are not supported",
+            "whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM too)",
+            "disable_additional_properties": "disable_additional_properties is not supported"}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of {list(CONSTRAINTS)}, got "
+                             f"{given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or its text), got {self.json!r}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true when given, got {self.json_object!r}")
+
+    @classmethod
+    def from_json(cls, data: StructuredOutputsParams | dict[str, Any]) -> StructuredOutputsParams:
+        """From the request's ``structured_outputs`` object; vLLM fields dcpgraph does not implement
+        are refused by name, unknown ones too."""
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"structured_outputs must be an object, got {data!r}")
+        asked = {k: v for k, v in data.items() if v not in (None, False)}
+        for name in sorted(set(asked) & set(_REFUSED)):
+            raise ValueError(f"structured_outputs.{name}: {_REFUSED[name]}")
+        unknown = sorted(set(data) - set(CONSTRAINTS) - {"disable_any_whitespace"} - set(_REFUSED)
+                         - {"disable_fallback"})
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; valid: "
+                             f"{list(CONSTRAINTS) + ['disable_any_whitespace']}")
+        return cls(**{k: v for k, v in data.items() if k in CONSTRAINTS or k == "disable_any_whitespace"})
+
+    def to_json(self) -> dict[str, Any]:
+        """The set fields, JSON-able (what a multi-process engine sends its driver)."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in CONSTRAINTS if getattr(self, name) is not None}
+        if "choice" in out:
+            out["choice"] = list(out["choice"])
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
+
+    def key(self) -> str:
+        """A stable text key of the constraint (compiled grammars are cached by it)."""
+        return json.dumps(self.to_json(), sort_keys=True)

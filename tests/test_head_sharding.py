@@ -26,6 +26,7 @@ MODELS = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=8)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),  # views with a hard-coded head count
 }
 PROMPT = (5, 9, 4, 77, 10, 11, 3, 40, 41)  # crosses two of the 4-token blocks
 NEW_TOKENS = 8

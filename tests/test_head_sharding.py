@@ -103,7 +103,7 @@ def test_greedy_tokens_match_hf(name, tp, dcp):
     assert greedy(model, tp, dcp) == want
 
 
-@pytest.mark.slow  # ~1-2 min: every model on every mesh
+@pytest.mark.slow  # ~3 min on 2 loaded cores: every model on every mesh
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tokens_match_hf_on_every_mesh(name):
     model = build(name)

@@ -45,6 +45,11 @@ def shape_arg(gm: torch.fx.GraphModule) -> list:
         (aten.view.default, (1, 8, 6, 16), (1, 8, 6, 16), [1, 8, 96], [1, 8, 96], 0),
         # -1 absorbs the change already
         (aten.view.default, (1, 6, 64), (1, 6, 32), [1, 6, -1, 8], [1, 6, -1, 8], 0),
+        # last-dim split rule: a hard-coded head count (OPT's view(bsz, -1, num_heads, head_dim)),
+        # heads == head_dim, so only the position (the outer factor) says which one shrank
+        (aten.view.default, (1, 6, 64), (1, 6, 16), [1, -1, 8, 8], [1, -1, 2, 8], 1),
+        # a per-head fused qkv (Persimmon's [heads, 3, head_dim] rows)
+        (aten.view.default, (1, 6, 192), (1, 6, 48), [1, 6, 8, 3, 8], [1, 6, 2, 3, 8], 1),
     ],
 )
 def test_realigns_literals(target, original, current, shape, expected, fixed):

@@ -91,9 +91,12 @@ def test_glm4_own_plan_split_input_matches_hf():
 
 
 def test_phi3_own_plan_leaving_kv_unsharded_is_refused_before_running():
-    program = dcpgraph.trace(_model("phi3"))
+    # dcpgraph's default plan splits the fused qkv by head; HF's own gathers it, which is refused.
+    model = _model("phi3")
+    program = dcpgraph.trace(model)
+    hf_plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}
     with pytest.raises(UnsupportedModelError, match="K/V projection .*qkv_proj colwise_gather_output"):
-        dcpgraph.compile(program, tp=2)
+        dcpgraph.compile(program, tp=2, plan=hf_plan)
 
 
 def test_packed_shard_rule_keeps_gate_and_up_paired():

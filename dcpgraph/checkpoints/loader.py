@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..program import STATE_KINDS, Program
+from .composite import LanguageModelFiles, text_config_of
 from .names import CheckpointNames
 from .quantization import dequantized_sources, fp8_block_size
 from .tensor_sources import (
@@ -39,10 +40,12 @@ from .tensor_sources import (
 
 
 def meta_model(path: str, dtype: torch.dtype | None):
-    """The HF causal LM of ``path``'s config on the meta device in ``dtype``, eval mode."""
+    """The HF causal LM of ``path``'s config on the meta device in ``dtype``, eval mode: of its
+    ``text_config`` alone for a composite (vision-language) checkpoint (:mod:`.composite`)."""
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path)
+    config = text_config_of(config) or config
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
@@ -182,9 +185,13 @@ class ShardedReader:
 def open_checkpoint(path: str, dtype: str):
     """``(meta model, sources)`` of the model directory ``path`` in ``dtype`` (a resolved
     :data:`~.checkpoint.DTYPES` key), checked as :func:`model_sources` says."""
+    import transformers as tf
+
     from .files import DTYPES, weight_files
 
     files = SafetensorsFiles(path, weight_files(path))
+    if text_config_of(tf.AutoConfig.from_pretrained(path)) is not None:
+        files = LanguageModelFiles(files)  # the language model's tensors only, under its own names
     model = meta_model(path, DTYPES[dtype])
     return model, model_sources(model, files)
 

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
+from .composite import require_text_causal_lm, text_config_of
 from .files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
 
 
@@ -80,6 +81,9 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     architectures = list(getattr(config, "architectures", None) or [])
     usable = [a for a in architectures if a in known]
+    composite_text = text_config_of(config)
+    if composite_text is not None:  # a vision-language checkpoint: its language model is served
+        usable = [require_text_causal_lm(composite_text, path)]
     if not usable:
         raise UnsupportedModelError(
             f"{path}: config.architectures={architectures} names no causal LM transformers knows "

@@ -240,6 +240,8 @@ def read_local(source, rule: ShardRule, rank: int, tp: int) -> torch.Tensor:
     if rule.dim is None or tp == 1:
         return source.read(None)
     dim = rule.dim % len(shape)
+    if hasattr(rule, "row_ranges"):  # sections split separately (a fused [q; k; v])
+        return torch.cat([source.read(dim, start, stop) for start, stop in rule.row_ranges(rank, tp)], dim)
     packed = getattr(rule, "packed", None)
     if packed:
         half = shape[dim] // packed

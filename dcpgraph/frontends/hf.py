@@ -19,6 +19,7 @@ import torch.fx
 from ..errors import UnsupportedModelError
 from ..program import ModelFacts, Program
 from .export import TokenShapeRefusal, finish, program_from_export, run_export
+from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
 from .layer_kinds import check_layer_types, require_attention_in_every_layer
 
@@ -121,38 +122,13 @@ class _GlobalAttributes:
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     """The model's TP plan with full parameter paths: the config's ``base_model_tp_plan`` under
     the base model's prefix, the class's own ``_tp_plan`` (the LM head), and vocab-parallel
-    input embeddings; attention the config leaves unplanned is sharded by head
-    (:func:`head_sharded_attention`)."""
+    input embeddings; attention with q/k/v and output projections is sharded by head whatever
+    the config plans for it (:func:`~.head_sharding.head_sharded_attention`)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     prefix = getattr(model, "base_model_prefix", "model")
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
-    return {**plan, **head_sharded_attention(model, plan, prefix), **tensor_parallel_experts(model, plan)}
-
-
-# Standard attention's projections, sharded by head as every TP plan that plans them does.
-HEAD_SHARDED_PROJECTIONS = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
-
-
-def head_sharded_attention(model: torch.nn.Module, plan: dict[str, str], prefix: str) -> dict[str, str]:
-    """Plan entries for attention that ``plan`` says nothing about (GPT-OSS's config plans only
-    its embedding; its experts come with ``base_model_ep_plan``): q/k/v column-parallel and o
-    row-parallel by head, and a per-head ``sinks`` parameter with its heads, as vLLM shards the
-    same modules. Empty when ``plan`` names any attention module, or when a decoder layer's
-    ``self_attn`` lacks any of the four ``nn.Linear`` projections (MLA, fused QKV)."""
-    if any(".self_attn." in key for key in plan):
-        return {}
-    layers = getattr(getattr(model, prefix, None), "layers", None)
-    if not layers:
-        return {}
-    attentions = [getattr(layer, "self_attn", None) for layer in layers]
-    if not all(isinstance(getattr(a, name, None), torch.nn.Linear)
-               for a in attentions for name in HEAD_SHARDED_PROJECTIONS):
-        return {}
-    added = {f"{prefix}.layers.*.self_attn.{name}": style for name, style in HEAD_SHARDED_PROJECTIONS.items()}
-    if all(isinstance(getattr(a, "sinks", None), torch.nn.Parameter) for a in attentions):
-        added[f"{prefix}.layers.*.self_attn.sinks"] = "colwise"  # one logit per query head
-    return added
+    return {**head_sharded_attention(model, plan), **tensor_parallel_experts(model, plan)}
 
 
 ROUTED_EXPERTS_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"}

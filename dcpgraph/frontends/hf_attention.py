@@ -3,8 +3,8 @@
 While a model is traced with ``attn_implementation="dcpgraph"``, every attention call becomes one
 ``torch.ops.dcpgraph.attention`` node carrying its scale and causality. Every keyword HF hands
 over is classified (:data:`SEMANTICS_FREE`, :data:`IMPLEMENTED`, :data:`REFUSED`, else unknown): a
-semantics-free keyword never blocks a model; sliding windows, logit soft-capping and attention sinks
-become arguments of the op; a feature the pipeline does not implement (a mask tensor, positional
+semantics-free keyword never blocks a model; sliding windows, logit soft-capping, attention sinks and
+chunked (block-local) layers become arguments of the op; a feature the pipeline does not implement (a mask tensor, positional
 biases such as ALiBi, non-causal attention, dropout…) raises
 :class:`~dcpgraph.errors.UnsupportedModelError` naming the layer, instead of being dropped.
 The matching ``AttentionMaskInterface`` entry builds no mask: causality is the op's own flag.
@@ -134,15 +134,36 @@ def dcpgraph_attention(
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     indices = kwargs.get("indices")
+    chunk = _chunk_size(module)
+    if chunk and (window or indices is not None):
+        raise UnsupportedModelError(f"{where}: chunked attention with a sliding window or sparse indices "
+                                    "is not supported")
     if indices is not None:
         if window or softcap or sinks is not None:
             raise UnsupportedModelError(f"{where}: sparse (indexed) attention with a sliding window, "
                                         "soft-cap or sinks is not supported")
         out = torch.ops.dcpgraph.sparse_attention(query, key, value, indices, scale)
         return out.transpose(1, 2).contiguous(), None
-    extra = (window, softcap, sinks) if (window or softcap or sinks is not None) else ()
-    out = torch.ops.dcpgraph.attention(query, key, value, scale, True, *extra)
+    extra = (window, softcap, sinks) if (window or softcap or sinks is not None or chunk) else ()
+    out = torch.ops.dcpgraph.attention(query, key, value, scale, True, *extra, *((chunk,) if chunk else ()))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _chunk_size(module) -> int:
+    """The chunk of a chunked-attention layer (Llama-4's ``layer_types[i] == "chunked_attention"``
+    with ``attention_chunk_size``), else 0: HF builds that layer's block-local mask itself, which
+    the front end's mask interface replaces by the causal flag, so the chunk is read from the
+    layer's config."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", None)
+    if layer is None or layer >= len(types) or types[layer] != "chunked_attention":
+        return 0
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise UnsupportedModelError(f"{_where(module)}: a chunked-attention layer needs attention_chunk_size >= 1, "
+                                    f"got {chunk!r}")
+    return chunk
 
 
 def _modifiers(where: str, q_heads: int, kwargs: dict) -> tuple[int, float, torch.Tensor | None]:

@@ -2,8 +2,8 @@
 
 dcpgraph keeps one paged KV cache per attention layer and computes every other layer statelessly
 from the current tokens. A layer that carries any other state across tokens (a Mamba/SSM scan, a
-short convolution, linear attention) or whose attention pattern is not causal full/sliding
-attention over that cache (chunked, compressed, or indexer-selected other than the
+short convolution, linear attention) or whose attention pattern is not causal full/sliding/chunked
+attention over that cache (compressed, or indexer-selected other than the
 lightning indexer the sparse front end recognises) cannot be compiled by rewriting
 attention alone: its decode steps would silently compute something else. Such models are refused
 by name, from ``config.layer_types`` (transformers' ``ALLOWED_LAYER_TYPES`` vocabulary) and
@@ -22,12 +22,11 @@ from ..errors import UnsupportedModelError
 # Layer types compiled as they are: causal attention over the paged cache, or an MLP kind.
 # ``indexed_attention`` (DeepSeek-V3.2, GLM-5) is compiled by the sparse-attention front end,
 # which recognises the lightning indexer structurally and refuses other variants by name.
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "indexed_attention",
-                                   "sparse", "dense"})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
+                                   "indexed_attention", "sparse", "dense"})
 
 # Every other layer type transformers names, with the feature that makes it unsupported.
 REFUSED_LAYER_TYPES: dict[str, str] = {
-    "chunked_attention": "chunked (block-local) attention",
     "window_attention": "non-overlapping window attention",
     "deepseek_sparse_attention": "indexer-selected sparse attention",
     "qwen_sparse_attention": "indexer-selected sparse attention",
@@ -58,9 +57,10 @@ def check_layer_types(text_config) -> None:
             f"{'…' if len(layers) > 8 else ''}); dcpgraph compiles layer types {sorted(SUPPORTED_LAYER_TYPES)}"
         )
     chunk = getattr(text_config, "attention_chunk_size", None)
-    if chunk:
+    if chunk and "chunked_attention" not in types:
         raise UnsupportedModelError(
-            f"chunked (block-local) attention: not supported (attention_chunk_size={chunk})"
+            f"chunked (block-local) attention without layer_types naming its chunked layers: not supported "
+            f"(attention_chunk_size={chunk})"
         )
 
 

@@ -55,6 +55,7 @@ def attend(
     kv_start: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [Lq, Hq, D]`` over ``k [Lk, Hkv, D]``, ``v [Lk, Hkv, Dv]`` → ``(out, lse)``.
 
@@ -63,7 +64,9 @@ def attend(
     position, translated to local key indices by the caller).
     ``kv_start [Lq]``: query ``i`` sees keys ``j >= kv_start[i]`` only (a sliding window's lower
     bound in local key indices). ``window`` (with ``causal``): query ``i`` sees keys
-    ``j > Lk − Lq + i − window``. ``softcap``: scores become ``softcap·tanh(s/softcap)``.
+    ``j > Lk − Lq + i − window``. ``chunk`` (with ``causal``, aligned positions ``p = Lk − Lq + i``):
+    query ``i`` sees keys ``j >= ⌊p/chunk⌋·chunk`` only. ``softcap``: scores become
+    ``softcap·tanh(s/softcap)``.
     """
     lq, hq, _ = q.shape
     lk, hkv, dv = v.shape
@@ -73,10 +76,9 @@ def attend(
         return empty_result(lq, hq, dv, q.dtype, q.device)
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if kv_start is not None or window or softcap:
-        return _attend_math(
-            q, k, v, scale, causal=causal, kv_bound=kv_bound, kv_start=kv_start, window=window, softcap=softcap
-        )
+    if kv_start is not None or window or softcap or chunk:
+        return _attend_math(q, k, v, scale, causal=causal, kv_bound=kv_bound, kv_start=kv_start, window=window,
+                            softcap=softcap, chunk=chunk)
     value_prefix = is_prefix_view(v, k)
     flash_dtype = q.dtype == k.dtype == v.dtype and q.dtype in _FLASH_DTYPES
     if kv_bound is None and not causal and flash_dtype and (q.shape[-1] == k.shape[-1] == dv or value_prefix):
@@ -143,7 +145,7 @@ def softmax_attend(scores: torch.Tensor, values: torch.Tensor, visible: torch.Te
     return torch.matmul(probs, values), lse
 
 
-def _attend_math(q, k, v, scale, *, causal, kv_bound, kv_start=None, window=0, softcap=0.0):
+def _attend_math(q, k, v, scale, *, causal, kv_bound, kv_start=None, window=0, softcap=0.0, chunk=0):
     lq, hq, _ = q.shape
     lk, hkv, _ = v.shape
     group = hq // hkv
@@ -159,6 +161,8 @@ def _attend_math(q, k, v, scale, *, causal, kv_bound, kv_start=None, window=0, s
         masks.append(keys.unsqueeze(0) <= diagonal)
         if window:
             masks.append(keys.unsqueeze(0) > diagonal - window)
+        if chunk:
+            masks.append(keys.unsqueeze(0) >= torch.div(diagonal, chunk, rounding_mode="floor") * chunk)
     if kv_bound is not None:
         masks.append(keys.unsqueeze(0) < kv_bound.to(keys.device).unsqueeze(1))
     if kv_start is not None:

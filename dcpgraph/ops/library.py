@@ -8,7 +8,7 @@ mode gets them rewritten to Ascend ops first).
 op                                     meaning
 =====================================  =========================================================
 ``attention(q,k,v,scale,causal,        canonical attention from a front end, HF layout
-window,softcap,sinks)``                ``[B, H, S, D]``; causal is top-left (``Sq == Sk``)
+window,softcap,sinks,chunk)``          ``[B, H, S, D]``; causal is top-left (``Sq == Sk``)
 ``partial_attention(q,k,v,cu_q,cu_k,   varlen attention over contiguous KV → ``(out, lse)``;
 scale,causal,window,softcap)``         causal is bottom-right per row
 ``paged_attention(q,kc,vc,table,cu_q,  attention over a paged KV cache → ``(out, lse)``,
@@ -32,7 +32,8 @@ q_eps, kv_eps, rotary_kind)``          (:mod:`dcpgraph.ops.mla_preprocess`)
 
 Score modifiers (defaults mean "off", and passes emit them only when on, so a graph without them
 is unchanged): ``window > 0`` is a sliding window (query at ``p`` sees keys at ``p − W < j <= p``),
-``softcap > 0`` caps each scaled score to ``c·tanh(s/c)``, and ``sinks [H]`` (canonical op only)
+``chunk > 0`` is chunked (block-local) attention (canonical op only: query at ``p`` sees keys at
+``⌊p/C⌋·C <= j <= p``; the cached form bounds its paged read by that chunk start), ``softcap > 0`` caps each scaled score to ``c·tanh(s/c)``, and ``sinks [H]`` (canonical op only)
 adds one learned logit per head to the softmax denominator: ``out·σ(lse − sink)`` with
 ``lse' = logaddexp(lse, sink)``, i.e. a merge with one extra partial ``(0, sink)``.
 """
@@ -65,7 +66,7 @@ _lib = torch.library.Library(NS, "DEF")
 _SCHEMAS = {
     "attention": (
         "attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window=0, "
-        "float softcap=0.0, Tensor? sinks=None) -> Tensor"
+        "float softcap=0.0, Tensor? sinks=None, int chunk=0) -> Tensor"
     ),
     "partial_attention": (
         "partial_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -110,13 +111,13 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return merged
 
 
-def _attention(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None):
+def _attention(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None, chunk=0):
     b = q.shape[0]
     outs = []
     for i in range(b):
         o, lse = kernels.attend(
             q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), scale,
-            causal=causal, window=window, softcap=softcap,
+            causal=causal, window=window, softcap=softcap, chunk=chunk,
         )
         if sinks is not None:
             o = with_sinks(o, lse, sinks)
@@ -124,7 +125,7 @@ def _attention(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None):
     return torch.stack(outs).contiguous()
 
 
-def _attention_fake(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None):
+def _attention_fake(q, k, v, scale, causal, window=0, softcap=0.0, sinks=None, chunk=0):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

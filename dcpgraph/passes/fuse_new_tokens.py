@@ -26,9 +26,10 @@ import operator
 
 import torch
 
-from ..errors import VerificationError
+from ..errors import UnsupportedModelError, VerificationError
 from ..program import Program
 from .graph_edit import Emitter, nodes_calling
+from .insert_kv_cache import CHUNK_META
 from .manager import not_yet_run, program_pass
 
 aten = torch.ops.aten
@@ -57,6 +58,13 @@ def fuse_new_tokens(program: Program, enabled: bool = True):
     keeps the split: their paged attention reads a request's keys up to its length, no causal
     bound inside the cache."""
     if not enabled:
+        chunked = [n for n in nodes_calling(program.graph_module.graph, dcp_ops.paged_attention.default)
+                   if n.meta.get(CHUNK_META)]
+        if chunked:
+            raise UnsupportedModelError(
+                f"chunked (block-local) attention (chunk {chunked[0].meta[CHUNK_META]}) needs the new tokens read "
+                "with the context in one bounded paged read, which this backend does not provide "
+                "(it keeps the context/new split); use a backend that fuses them (the CPU/CUDA ones)")
         return (program.replace(lowering=program.lowering.decided(new_tokens="split")),
                 "kept the context/new split (the backend's paged attention takes no causal bound)")
     gm = program.copy_graph()

@@ -18,7 +18,10 @@ Score modifiers of the canonical op carry over to both halves: a soft-cap to the
 varlen attention alike; a sliding window ``W`` to the new-token part as ``window`` (aligned
 positions) and to the context part as a per-query lower bound ``kv_start = max(position − W + 1, 0)``
 computed in the graph from the ``position_ids`` input (global positions; ``shard_dcp`` turns it
-into each rank's local index). Attention sinks enter as a third partial ``(0, sink_h)`` of the
+into each rank's local index). A chunked layer (chunk ``C``) bounds its paged read the same way
+by its chunk's start ``kv_start = ⌊position / C⌋·C``; its new-token attention knows no positions,
+so such a layer is exact only once ``fuse_new_tokens`` folds the new tokens into that read (the
+split form is refused for it). Attention sinks enter as a third partial ``(0, sink_h)`` of the
 final merge, which runs once per query after any DCP merge, so a sink is counted exactly once.
 
 MLA in latent form (values = a prefix of the key, see ``absorb_mla``) gets one cache per layer
@@ -83,6 +86,16 @@ def attention_modifiers(node) -> tuple[int, float, object]:
     return int(values[0] or 0), float(values[1] or 0.0), values[2]
 
 
+def attention_chunk(node) -> int:
+    """The chunk size of a canonical ``dcpgraph.attention`` node (0: not chunked)."""
+    return int((node.args[8] if len(node.args) > 8 else node.kwargs.get("chunk", 0)) or 0)
+
+
+CHUNK_META = "dcpgraph_chunk"
+"""``node.meta`` key on the paged read of a chunked layer: its chunk size. The new-token attention
+emitted beside it does not know the chunk, so only the fused read (``fuse_new_tokens``) is exact."""
+
+
 def _add_cache(specs: list, scales: dict, by_name: dict, node, layer: int, role: str, value, dtype) -> None:
     """Append the CacheSpec of ``node`` (heads and dim from the written ``value [1, H, T, D]``),
     and for fp8 its scale cache's spec, recording that placeholder in ``scales``."""
@@ -145,7 +158,7 @@ class _CacheRewrite:
         self.latent, self.shares = latent, shares  # value dim per layer (MLA), sparse layer -> reuses a selection
         self.cache_specs: list[CacheSpec] = []
         self.scales: dict = {}  # data cache name -> its scale cache placeholder (fp8 only)
-        self.window_starts: dict[int, object] = {}  # window -> kv_start node (global positions)
+        self.window_starts: dict[int, object] = {}  # window (or −chunk) -> kv_start node (global positions)
         self.sparse_memo: dict = {}
 
     def add_placeholders(self, cache_names: list[str]) -> None:
@@ -247,8 +260,11 @@ def _context_and_new(rw: _CacheRewrite, node, qkv: tuple, k_cache, v_cache, scal
     qt, kt, vt = qkv
     q, scale = node.args[0], node.args[3]
     window, softcap, sinks = attention_modifiers(node)
+    chunk = attention_chunk(node)
     paged_extra, partial_extra = (), ()
-    if window or softcap or rw.fp8:
+    if chunk:
+        paged_extra = (_chunk_start(rw.graph, e, rw.window_starts, chunk), softcap)
+    elif window or softcap or rw.fp8:
         paged_extra = (_window_start(rw.graph, e, rw.window_starts, window) if window else None, softcap)
     if window or softcap:
         partial_extra = (window, softcap)
@@ -256,6 +272,8 @@ def _context_and_new(rw: _CacheRewrite, node, qkv: tuple, k_cache, v_cache, scal
         dcp_ops.paged_attention.default, qt, k_cache, v_cache, meta["block_table"],
         meta["cu_seqlens_q"], meta["context_lens"], None, scale, *paged_extra, *scale_args,
     )
+    if chunk:
+        o_ctx.args[0].meta[CHUNK_META] = chunk
     o_new, lse_new = e.pair(
         dcp_ops.partial_attention.default, qt, kt, vt,
         meta["cu_seqlens_q"], meta["cu_seqlens_q"], scale, True, *partial_extra,
@@ -329,7 +347,9 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
         caches=tuple(rw.cache_specs),
         lowering=program.lowering.decided(block_size=block_size, kv_cache_dtype=kv_cache_dtype),
     )
-    modified = f"; sliding windows {sorted(rw.window_starts)}" if rw.window_starts else ""
+    windows = sorted(w for w in rw.window_starts if w > 0)
+    chunks = sorted(-w for w in rw.window_starts if w < 0)
+    modified = (f"; sliding windows {windows}" if windows else "") + (f"; chunks {chunks}" if chunks else "")
     return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "
                     f"{kv_cache_dtype}: {rw.cache_specs[0].dtype}){modified}")
 
@@ -351,6 +371,24 @@ def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:
 def lse_new_dtype(q) -> torch.dtype:
     """The LSE dtype of an attention over ``q``: fp32, or fp64 for fp64 queries."""
     return torch.promote_types(q.meta["val"].dtype, torch.float32)
+
+
+def _first_positions(graph) -> tuple:
+    positions = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
+    if positions is None:
+        raise VerificationError("a sliding window or chunk needs the 'position_ids' input, which the graph lacks")
+    return positions, next(n for n in graph.nodes if n.op != "placeholder")
+
+
+def _chunk_start(graph, e: Emitter, cache: dict, chunk: int):
+    """``⌊position / C⌋·C`` per new token (the first global position of its chunk), emitted once
+    per chunk size (keyed ``-C`` beside the windows' starts) right after the placeholders."""
+    if cache.get(-chunk) is None:
+        positions, first = _first_positions(graph)
+        with graph.inserting_before(first):
+            index = e(aten.div.Tensor_mode, e(aten.view.default, positions, [-1]), chunk, rounding_mode="floor")
+            cache[-chunk] = e(aten.mul.Tensor, index, chunk)
+    return cache[-chunk]
 
 
 def _window_start(graph, e: Emitter, cache: dict, window: int):

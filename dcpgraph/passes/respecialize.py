@@ -7,6 +7,8 @@ before each shape-taking op, realigns its shape argument with its input:
 
 - position rule: a literal ``S[i]`` equal to the input's *original* size at ``i`` (from the
   traced ``meta["val"]``) is replaced by the input's *current* size at ``i``;
+- last-dim split rule (:func:`_split_last_dim`): a shape splitting the input's shrunk last dim
+  into literal factors (``[..., heads, head_dim]``) has its outermost factor divided;
 - element-count rule: with no ``-1`` and every entry a literal, if the shape holds ``f`` times
   the input's current element count, the one literal equal to an original size that shrank by
   exactly ``f`` (``before == f · now``) is divided by ``f``; with no such literal, or several, the
@@ -42,6 +44,9 @@ def _realign(shape: list, original: tuple, current: tuple) -> list | None:
                 changed = True
     if changed:
         return out
+    split = _split_last_dim(shape, original, current)
+    if split is not None:
+        return split
     if -1 in shape or not all(isinstance(x, int) for x in shape):
         return None
     numel_now = 1
@@ -62,6 +67,30 @@ def _realign(shape: list, original: tuple, current: tuple) -> list | None:
         out[candidates[0]] //= factor
         return out
     return None
+
+
+def _split_last_dim(shape: list, original: tuple, current: tuple) -> list | None:
+    """Last-dim split rule: the input's last dim shrank ``f``-fold (``before == f · now``) and the
+    shape splits it into literals ``[a, b, ...]`` at the same position whose product is ``before``
+    (heads × head_dim, or heads × 3 × head_dim of a per-head fused qkv). A column shard keeps whole
+    rows of the outermost factor, so ``a`` becomes ``a / f``."""
+    last = len(original) - 1
+    if last < 0 or len(current) != len(original) or len(shape) <= last + 1:
+        return None
+    before, now = _concrete(original[last]), _concrete(current[last])
+    tail = shape[last:]
+    if before is None or now is None or before == now or before % now or not all(
+            isinstance(x, int) and x > 0 for x in tail):
+        return None
+    product = 1
+    for x in tail:
+        product *= x
+    factor = before // now
+    if product != before or tail[0] % factor:
+        return None
+    out = list(shape)
+    out[last] = tail[0] // factor
+    return out
 
 
 def respecialize_shapes(gm: torch.fx.GraphModule, example_specs) -> int:

@@ -33,16 +33,19 @@ from .graph_edit import Emitter, add_placeholders, nodes_calling
 from .manager import program_pass, ran
 from .respecialize import respecialize_shapes
 from .tp_modules import merge_summed_reductions, reduce_module_outputs, shard_parameters
+from .tp_norms import shard_norms
 from .tp_styles import (
     ALL_STYLES,
     COLWISE,
     GATHER_OUTPUT,
     PACKED,
+    QKV,
     REFUSED,
     REPLICATED,
     ROWWISE,
     SPLIT_INPUT,
     PackedShardRule,
+    QKVShardRule,
     plan_rule,
 )
 
@@ -152,6 +155,14 @@ class _TPSharding:
             raise UnsupportedModelError(
                 f"{spec.target} needs two different shardings ({self.rules[node.name]} vs {rule})")
         full = self.program.state[spec.target]
+        if isinstance(rule, QKVShardRule):
+            try:
+                rule.local_shape(tuple(full.shape), self.tp)
+                rule.row_ranges(0, self.tp)
+            except ValueError as exc:
+                raise UnsupportedModelError(f"{spec.target}: {exc}") from None
+            self.rules[node.name] = rule
+            return
         parts = (rule.parts or self.tp) * getattr(rule, "packed", 1)
         if rule.dim is not None and (rule.padded or full.shape[rule.dim]) % parts:
             raise UnsupportedModelError(f"{spec.target} {tuple(full.shape)} cannot be split in {parts} on dim {rule.dim}")
@@ -217,7 +228,9 @@ class _TPSharding:
         if rule is None or rule in REPLICATED:
             return
         self.count(rule)
-        if rule in COLWISE:
+        if rule in QKV:
+            self.fused_qkv(node, weight, bias, path)
+        elif rule in COLWISE:
             n_kv = self.program.facts.num_kv_heads
             parts = n_kv if (node in kv_linears and n_kv < self.tp) else None
             features = self.program.state[spec.target].shape[0]
@@ -232,6 +245,34 @@ class _TPSharding:
             self.rowwise(node, rule, weight, bias, path)
         else:
             raise UnsupportedModelError(f"TP plan style {rule!r} for the linear {path} is not supported")
+
+    def fused_qkv(self, node: torch.fx.Node, weight, bias, path: str) -> None:
+        """``qkv_colwise``: the fused ``[q; k; v]`` rows split by :class:`QKVShardRule`, and every
+        slice the model takes of the output's last dim (its q, k and v sections at global
+        offsets) re-pointed at the same section of the local ``[q_r; k_r; v_r]``."""
+        facts = self.program.facts
+        rule = QKVShardRule(0, q_rows=facts.num_q_heads * facts.head_dim,
+                            kv_rows=facts.num_kv_heads * facts.head_dim, kv_heads=facts.num_kv_heads)
+        self.assign(weight, rule, path)
+        self.assign(bias, rule, path)
+        q_local = rule.q_rows // self.tp
+        kv_local = rule.kv_rows // rule.kv_parts(self.tp)
+        full = rule.q_rows + 2 * rule.kv_rows
+        sections = {(0, rule.q_rows): (0, q_local),
+                    (rule.q_rows, rule.q_rows + rule.kv_rows): (q_local, q_local + kv_local),
+                    (rule.q_rows + rule.kv_rows, full): (q_local + kv_local, q_local + 2 * kv_local)}
+        rank = node.meta["val"].dim() if "val" in node.meta else 3
+        for user in list(node.users):
+            ok = user.target is aten.slice.Tensor and user.args[0] is node and len(user.args) >= 3 \
+                and user.args[1] in (-1, rank - 1)
+            start = (user.args[2] if len(user.args) > 2 else 0) or 0
+            end = min(user.args[3] if len(user.args) > 3 and user.args[3] is not None else full, full)
+            if not ok or (start, end) not in sections:
+                raise UnsupportedModelError(
+                    f"{path}: a fused qkv projection's output must be used as its q, k and v sections "
+                    f"(rows {sorted(sections)}), found {user.format_node()}; use tp=1")
+            local_start, local_end = sections[(start, end)]
+            user.args = (node, user.args[1], local_start, local_end, *user.args[4:])
 
     def rowwise(self, node: torch.fx.Node, rule: str, weight, bias, path: str) -> None:
         """``y = all_reduce(x_r @ W_r^T) + b``: the bias is added once, after the reduction."""
@@ -281,6 +322,7 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
             sharding.linear(node, kv_linears)
     if facts.attention == "gqa":
         _require_head_sharded_kv(kv_linears, plan, specs)
+    shard_norms(program, graph, plan, specs, rules, sharding.assign, sharding.count, tp, kv_linears, nearest_linears)
     reduced = reduce_module_outputs(graph, plan, sharding.count, tp)
     shard_parameters(program, graph, plan, specs, rules, sharding.assign, sharding.count, tp, sharding.tp_rank,
                      reduced)

@@ -22,6 +22,11 @@ style                                   effect on rank ``r`` of ``tp``
                                         of the two halves is split, rank ``r`` keeps
                                         ``[gate_r; up_r]``, so the model's own ``chunk(2)`` still
                                         pairs gate and up
+``qkv_colwise`` (dcpgraph's own)      a fused ``[q; k; v]`` projection: each section split by
+                                        head (:class:`QKVShardRule`), the model's slices of its
+                                        output re-pointed at the local sections
+``norm_colwise`` (dcpgraph's own)     a 1-D RMSNorm weight over a head-sharded width: split as
+                                        that width, the mean of squares averaged over the group
 ``embedding_rowwise`` (vocab parallel)  embedding rows split, out-of-range ids look up zeros,
                                         all-reduce
 ``embedding_colwise``                   embedding columns split, all-gather of the last dim
@@ -51,7 +56,7 @@ import torch
 from ..errors import ConfigError
 from ..program import ShardRule
 
-COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
+COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "qkv_colwise"})
 GATHER_OUTPUT = frozenset({"colwise_rep", "colwise_gather_output"})
 ROWWISE = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"})
 SPLIT_INPUT = frozenset({"rowwise_split_input", "rowwise_rep"})
@@ -66,7 +71,9 @@ REPLICATED = frozenset({
 REFUSED = {
     "moe_identity_expert": "zero-compute identity experts (LongCat-Flash) leave no traced node to pre-divide",
 }
-ALL_STYLES = COLWISE | ROWWISE | EMBEDDING | MODULE_REDUCE | EXPERT_PARALLEL | REPLICATED | set(REFUSED)
+QKV = frozenset({"qkv_colwise"})
+NORM = frozenset({"norm_colwise"})
+ALL_STYLES = COLWISE | ROWWISE | EMBEDDING | MODULE_REDUCE | EXPERT_PARALLEL | REPLICATED | NORM | set(REFUSED)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,46 @@ class PackedShardRule(ShardRule):
             raise ValueError(f"cannot split dim {self.dim} of {tuple(full.shape)} into {self.packed}x{tp}")
         halves = full.chunk(self.packed, self.dim)
         return torch.cat([h.chunk(tp, self.dim)[rank] for h in halves], self.dim).contiguous()
+
+
+@dataclass(frozen=True)
+class QKVShardRule(ShardRule):
+    """A fused ``[q; k; v]`` projection's rows (``q_rows = heads·head_dim``, ``kv_rows`` each for
+    k and v): rank ``r`` keeps its ``1/tp`` of q, and its part of k and of v, which with fewer KV
+    heads than ranks is part ``r // (tp // kv_heads)`` of ``kv_heads`` (KV heads replicated):
+    ``[q_r; k_r; v_r]``."""
+
+    q_rows: int = 0
+    kv_rows: int = 0
+    kv_heads: int = 1
+
+    def kv_parts(self, tp: int) -> int:
+        return min(tp, self.kv_heads)
+
+    def row_ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` rows of the full tensor that rank ``rank`` keeps, in order."""
+        if self.q_rows % tp or self.kv_rows % self.kv_parts(tp) or tp % self.kv_parts(tp):
+            raise ValueError(f"cannot split q rows {self.q_rows} / k, v rows {self.kv_rows} over tp={tp}")
+        q_chunk, kv_chunk = self.q_rows // tp, self.kv_rows // self.kv_parts(tp)
+        kv_index = rank // (tp // self.kv_parts(tp))
+        k_start, v_start = self.q_rows, self.q_rows + self.kv_rows
+        return [(rank * q_chunk, (rank + 1) * q_chunk),
+                (k_start + kv_index * kv_chunk, k_start + (kv_index + 1) * kv_chunk),
+                (v_start + kv_index * kv_chunk, v_start + (kv_index + 1) * kv_chunk)]
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if self.dim is None or tp == 1:
+            return full
+        if full.shape[self.dim] != self.q_rows + 2 * self.kv_rows:
+            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} is not q {self.q_rows} + 2 x kv {self.kv_rows}")
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.row_ranges(rank, tp)], self.dim).contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        if self.dim is None or tp == 1:
+            return tuple(shape)
+        out = list(shape)
+        out[self.dim] = self.q_rows // tp + 2 * (self.kv_rows // self.kv_parts(tp))
+        return tuple(out)
 
 
 def param_rule(style: str, ndim: int, is_bias: bool) -> ShardRule:

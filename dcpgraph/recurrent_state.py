@@ -89,3 +89,40 @@ class GatedDeltaNetShape:
         conv = (local.conv_kernel - 1) * local.conv_channels * torch.empty((), dtype=model_dtype).element_size()
         recurrent = local.value_heads * local.key_dim * local.value_dim * RECURRENT_STATE_DTYPE.itemsize
         return conv + recurrent
+
+
+@dataclass(frozen=True)
+class ShortConvShape:
+    """One short-convolution layer (HF ``lfm2``'s ``Lfm2ShortConv``): ``channels`` C (the hidden
+    size) and ``conv_kernel`` K (``conv_L_cache``). Its state is the conv state ``[S, C_r, K−1]`` in
+    the model's dtype, ``C_r = C/tp`` where ``tp`` divides ``C`` (the layer is split by channels),
+    else ``C`` (replicated)::
+
+        conv_bytes = (K − 1) · C_r · model_bytes
+    """
+
+    channels: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for name in ("channels", "conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"short conv {name} must be a positive int, got {value!r}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"short conv conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    def splits_over(self, tp: int) -> bool:
+        return self.channels % tp == 0
+
+    def on_rank(self, tp: int) -> ShortConvShape:
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        return ShortConvShape(self.channels // tp, self.conv_kernel) if self.splits_over(tp) else self
+
+    def conv_state_shape(self, slots: int) -> tuple[int, int, int]:
+        return (slots, self.channels, self.conv_kernel - 1)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        local = self.on_rank(tp)
+        return (local.conv_kernel - 1) * local.channels * torch.empty((), dtype=model_dtype).element_size()

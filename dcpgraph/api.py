@@ -53,6 +53,7 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
         if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
                                                     torch.ops.dcpgraph.sparse_attention.default)
     )
+    count += len(program.facts.extra.get("recurrent_layers") or {})
     if count == 0:
         raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
     if count != program.facts.num_layers:

@@ -34,6 +34,10 @@ L2NORM_EPS = 1e-6
 ACTIVATIONS = ("silu", "none")
 
 _lib = torch.library.Library(NS, "FRAGMENT")
+# Canonical (stateless) forms, as a front end traces them: the whole token sequence is one request
+# from a zero state. A later lowering gives them state pools and becomes the in-place forms below.
+_lib.define("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor")
+_lib.define("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk_size) -> Tensor")
 _lib.define(
     "causal_conv1d_(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, Tensor state_slots, "
     "Tensor cu_seqlens_q, Tensor context_lens, str activation) -> Tensor"
@@ -130,6 +134,24 @@ def gated_delta_rule_(q, k, v, g, beta, states, state_slots, cu_seqlens_q, conte
     return out
 
 
+def causal_conv1d(x, weight, bias, activation):
+    """One request from a zero state: ``causal_conv1d_`` on a scratch one-slot pool."""
+    scratch = torch.zeros(1, weight.shape[0], weight.shape[-1] - 1, dtype=weight.dtype, device=x.device)
+    return causal_conv1d_(x, weight, bias, scratch, *_one_new_request(x), activation)
+
+
+def gated_delta_rule(q, k, v, g, beta, chunk_size):
+    """One request from a zero state: ``gated_delta_rule_`` on a scratch one-slot pool."""
+    scratch = torch.zeros(1, v.shape[1], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+    return gated_delta_rule_(q, k, v, g, beta, scratch, *_one_new_request(q), chunk_size)
+
+
+def _one_new_request(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(state_slots, cu_seqlens_q, context_lens)`` of one new request over all of ``x``'s rows."""
+    return (torch.zeros(1, dtype=torch.int64), torch.tensor([0, x.shape[0]], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32))
+
+
 def _causal_conv1d_fake(x, weight, bias, conv_states, state_slots, cu_seqlens_q, context_lens, activation):
     return torch.empty_like(x)
 
@@ -138,7 +160,11 @@ def _gated_delta_rule_fake(q, k, v, g, beta, states, state_slots, cu_seqlens_q, 
     return torch.empty_like(v)
 
 
-for _name, _kernel, _fake in (("causal_conv1d_", causal_conv1d_, _causal_conv1d_fake),
-                               ("gated_delta_rule_", gated_delta_rule_, _gated_delta_rule_fake)):
+for _name, _kernel, _fake in (
+    ("causal_conv1d_", causal_conv1d_, _causal_conv1d_fake),
+    ("gated_delta_rule_", gated_delta_rule_, _gated_delta_rule_fake),
+    ("causal_conv1d", causal_conv1d, lambda x, weight, bias, activation: torch.empty_like(x)),
+    ("gated_delta_rule", gated_delta_rule, lambda q, k, v, g, beta, chunk_size: torch.empty_like(v)),
+):
     _lib.impl(_name, _kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NS}::{_name}", _fake, lib=_lib)

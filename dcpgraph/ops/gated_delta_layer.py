@@ -63,18 +63,38 @@ def gated_delta_net(w: GatedDeltaNetWeights, hidden: torch.Tensor, conv_states: 
                     context_lens: torch.Tensor, scan_chunk: int = DEFAULT_SCAN_CHUNK) -> torch.Tensor:
     """``hidden [T, H]`` → this rank's (partial) layer output ``[T, H]``; the states of the
     step's rows are updated in place (see :mod:`dcpgraph.ops.gated_delta`)."""
+    rows = (state_slots, cu_seqlens_q, context_lens)
+    return gated_delta_net_with(
+        w, hidden,
+        lambda x: torch.ops.dcpgraph.causal_conv1d_(x, w.conv_weight, w.conv_bias, conv_states, *rows, "silu"),
+        lambda q, k, v, g, beta: torch.ops.dcpgraph.gated_delta_rule_(q, k, v, g, beta, recurrent_states, *rows,
+                                                                      scan_chunk),
+    )
+
+
+def gated_delta_net_canonical(w: GatedDeltaNetWeights, hidden: torch.Tensor,
+                              scan_chunk: int = DEFAULT_SCAN_CHUNK) -> torch.Tensor:
+    """The layer over one request's tokens from a zero state, with the canonical (stateless) ops:
+    what a front end traces."""
+    return gated_delta_net_with(
+        w, hidden,
+        lambda x: torch.ops.dcpgraph.causal_conv1d(x, w.conv_weight, w.conv_bias, "silu"),
+        lambda q, k, v, g, beta: torch.ops.dcpgraph.gated_delta_rule(q, k, v, g, beta, scan_chunk),
+    )
+
+
+def gated_delta_net_with(w: GatedDeltaNetWeights, hidden: torch.Tensor, conv, rule) -> torch.Tensor:
+    """The layer's formula (module docstring) with ``conv(mixed [T, C])`` and
+    ``rule(q, k, v, g, beta)`` supplied: stateful or canonical."""
     tokens = hidden.shape[0]
-    mixed = torch.cat([F.linear(hidden, w.w_q), F.linear(hidden, w.w_k), F.linear(hidden, w.w_v)], dim=-1)
-    mixed = torch.ops.dcpgraph.causal_conv1d_(mixed, w.conv_weight, w.conv_bias, conv_states, state_slots,
-                                              cu_seqlens_q, context_lens, "silu")
+    mixed = conv(torch.cat([F.linear(hidden, w.w_q), F.linear(hidden, w.w_k), F.linear(hidden, w.w_v)], dim=-1))
     qk = w.key_heads * w.key_dim
     q = mixed[:, :qk].reshape(tokens, w.key_heads, w.key_dim)
     k = mixed[:, qk: 2 * qk].reshape(tokens, w.key_heads, w.key_dim)
     v = mixed[:, 2 * qk:].reshape(tokens, w.value_heads, w.value_dim)
     beta = torch.sigmoid(F.linear(hidden, w.w_b))
     g = -w.a_log.float().exp() * F.softplus(F.linear(hidden, w.w_a).float() + w.dt_bias)
-    o = torch.ops.dcpgraph.gated_delta_rule_(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens_q,
-                                             context_lens, scan_chunk)
+    o = rule(q, k, v, g, beta)
     z = F.linear(hidden, w.w_z).reshape(tokens, w.value_heads, w.value_dim)
     o = gated_rms_norm(o, z, w.norm_weight, w.norm_eps)
     return F.linear(o.reshape(tokens, -1), w.out_proj)

@@ -39,7 +39,18 @@ class ShortConvWeights:
 def short_conv(w: ShortConvWeights, hidden: torch.Tensor, conv_states: torch.Tensor, state_slots: torch.Tensor,
                cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """``hidden [T, H]`` → this rank's (partial) output ``[T, H]``; conv states updated in place."""
+    return short_conv_with(w, hidden, lambda x: torch.ops.dcpgraph.causal_conv1d_(
+        x, w.conv_weight, w.conv_bias, conv_states, state_slots, cu_seqlens_q, context_lens, "none"))
+
+
+def short_conv_canonical(w: ShortConvWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """One request's tokens from a zero state with the canonical (stateless) conv: what a front
+    end traces."""
+    return short_conv_with(w, hidden, lambda x: torch.ops.dcpgraph.causal_conv1d(x, w.conv_weight, w.conv_bias,
+                                                                                  "none"))
+
+
+def short_conv_with(w: ShortConvWeights, hidden: torch.Tensor, conv) -> torch.Tensor:
+    """The layer's formula (module docstring) with ``conv(x [T, C])`` supplied."""
     gated = F.linear(hidden, w.w_b, w.bias_b) * F.linear(hidden, w.w_x, w.bias_x)
-    conv = torch.ops.dcpgraph.causal_conv1d_(gated, w.conv_weight, w.conv_bias, conv_states, state_slots,
-                                             cu_seqlens_q, context_lens, "none")
-    return F.linear(F.linear(hidden, w.w_c, w.bias_c) * conv, w.out_proj, w.out_bias)
+    return F.linear(F.linear(hidden, w.w_c, w.bias_c) * conv(gated), w.out_proj, w.out_bias)

@@ -30,6 +30,7 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
+from ..errors import UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
@@ -87,6 +88,22 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     return passes
 
 
+def refuse_recurrent_layers(program: Program) -> None:
+    """Refuse by name a traced hybrid: its recurrent layers (canonical ``causal_conv1d`` /
+    ``gated_delta_rule``) are exact over one traced sequence, but no pass gives them per-request
+    state pools yet, so compiled steps (prefill chunks, decode) would restart their state."""
+    recurrent = program.facts.extra.get("recurrent_layers") or {}
+    if recurrent:
+        kinds = sorted(set(recurrent.values()))
+        layers = sorted(recurrent)
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: recurrent layers ({', '.join(kinds)} at layers {layers[:8]}"
+            f"{'…' if len(layers) > 8 else ''}) trace to canonical ops but cannot be compiled yet: the "
+            "program and engine keep no per-request recurrent state across steps (see the hybrid models "
+            "page of the user guide); compile models whose layers are all attention"
+        )
+
+
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
@@ -102,6 +119,7 @@ def compile_program(
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
+    refuse_recurrent_layers(program)
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,

@@ -31,6 +31,7 @@ import torch
 import dcpgraph
 from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
 from dcpgraph.frontends.layer_kinds import check_layer_types
+from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers
 from dcpgraph.mesh import Mesh
 from dcpgraph.testing.generation import drain, hf_greedy
 
@@ -140,7 +141,8 @@ def tiny_config(model_type: str):
         return (f"composite model ({', '.join(sorted(subs))}), not a single text decoder; its text "
                 "model is walked under its own model type where transformers registers one")
     try:  # the model kind itself, before tiny values that its validators may reject
-        check_layer_types(default.get_text_config() if hasattr(default, "get_text_config") else default)
+        text_default = default.get_text_config() if hasattr(default, "get_text_config") else default
+        check_layer_types(text_default, declared_recurrent_layers(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
     mla = TINY_MLA if getattr(default, "kv_lora_rank", None) is not None else {}

@@ -25,6 +25,9 @@ from ..ops.short_conv_layer import short_conv_canonical
 from . import gated_delta_net, short_conv
 
 RECURRENT_LAYER_TYPES = {"linear_attention": "gated delta net", "conv": "short convolution"}
+# The config attribute that declares each recognised kind's dimensions (qwen3_next/qwen3_5's
+# ``linear_num_value_heads``, lfm2's ``conv_L_cache``): what a config-only check can go by.
+_DECLARED_BY = {"gated delta net": "linear_num_value_heads", "short convolution": "conv_L_cache"}
 _RECOGNISERS = {"gated delta net": gated_delta_net.is_gated_delta_net, "short convolution": short_conv.is_short_conv}
 
 
@@ -53,6 +56,15 @@ def unrecognised_recurrent_layers(model: torch.nn.Module, layer_types: list[str]
     found = recurrent_modules(model)
     return [i for i, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES
             and found.get(i, (None,))[0] != RECURRENT_LAYER_TYPES[kind]]
+
+
+def declared_recurrent_layers(config) -> list[int]:
+    """From the config alone (before a model exists): layers whose type keeps recurrent state of a
+    kind the config declares the dimensions of. The structural check on the built model
+    (:func:`unrecognised_recurrent_layers`) still decides at trace time."""
+    types = list(getattr(config, "layer_types", None) or ())
+    return [i for i, kind in enumerate(types) if kind in RECURRENT_LAYER_TYPES
+            and getattr(config, _DECLARED_BY[RECURRENT_LAYER_TYPES[kind]], None) is not None]
 
 
 def _canonical_gated_delta_net(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -23,7 +23,7 @@ from .memory import (
     size_for_utilization,
 )
 from .mesh import Mesh
-from .passes.pipeline import compile_program
+from .passes.pipeline import compile_program, describe_recurrent
 from .passes.shard_dcp_auto import compile_workload
 from .program import Program
 from .runtime.engine import Engine, blocks_for_budget
@@ -167,11 +167,25 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = _traced_program(model)
+    refuse_serving_recurrent_layers(program)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
+
+
+def refuse_serving_recurrent_layers(program: Program) -> None:
+    """Refuse by name to build an engine for a hybrid: its recurrent layers compile
+    (:func:`~dcpgraph.passes.pipeline.compile_program` at tp=1·dcp=1) but the engine does not yet
+    give each request a state slot, so its steps could not carry their state."""
+    recurrent = program.facts.extra.get("recurrent_layers") or {}
+    if recurrent:
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) compile to "
+            "programs with per-request state pools, but the engine does not yet allocate a state slot per "
+            "request, so models with them cannot be served (see the hybrid models page of the user guide)"
+        )
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

@@ -1,4 +1,5 @@
-"""A hybrid (qwen3_next: three gated delta net layers, one gated attention layer) compiled at
+"""Hybrids (qwen3_next: three gated delta net layers, one gated attention layer; lfm2: two
+short convolutions around an attention layer) compiled at
 tp=1·dcp=1 runs as a program with per-request state pools beside the paged KV cache: two
 requests, prompts split into prefill chunks, mixed prefill/decode steps and batched decode rows,
 fed HF's own greedy tokens, give HF's logits at every sampled row (so its greedy tokens). Meshes
@@ -21,8 +22,7 @@ BLOCK = 4
 NEW_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def model():
+def _qwen3_next():
     config = transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -30,6 +30,33 @@ def model():
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+def _lfm2():
+    config = transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+# The state pools each model's program must declare: (name, shape per slot, dtype).
+POOLS = {
+    "qwen3_next": [(f"conv_state_{i}", (2 * 2 * 8 + 4 * 8, 3), torch.float32) for i in range(3)]
+    + [(f"recurrent_state_{i}", (4, 8, 8), torch.float32) for i in range(3)],
+    "lfm2": [(f"conv_state_{i}", (32, 2), torch.float32) for i in (0, 2)],
+}
+
+
+@pytest.fixture(scope="module", params=[pytest.param("qwen3_next"), pytest.param("lfm2", marks=pytest.mark.slow)])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(arch):
+    return {"qwen3_next": _qwen3_next, "lfm2": _lfm2}[arch]()
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +69,9 @@ def program(traced):
     return compile_program(traced, Mesh(1, 1), block_size=BLOCK)
 
 
-def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(model, program):
-    assert [(s.name, s.shape, s.dtype) for s in program.recurrent_states[:1]] == [
-        ("conv_state_0", (2 * 2 * 8 + 4 * 8, 3), torch.float32)]
+@pytest.mark.slow  # ~50 s on 2 shared cores: trace, verified compile, HF generate, 6 steps
+def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(arch, model, program):
+    assert [(s.name, s.shape, s.dtype) for s in program.recurrent_states] == POOLS[arch]
     prompts = {0: [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], 1: [7, 7, 30, 2, 19, 44]}
     full = {}
     with torch.no_grad():
@@ -91,9 +118,9 @@ def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(model,
     assert all(torch.isnan(p[1]).all() for p in pools.values())  # the unused slot was never written
 
 
-def test_meshes_with_tp_or_dcp_and_serving_are_refused_by_name(model, traced):
-    with pytest.raises(UnsupportedModelError, match=r"gated delta net at layers \[0, 1, 2\]\) compile at "
-                                                    r"tp=1, dcp=1 only, got tp=2, dcp=1"):
+def test_meshes_with_tp_or_dcp_and_serving_are_refused_by_name(arch, traced):
+    layers = {"qwen3_next": r"gated delta net at layers \[0, 1, 2\]", "lfm2": r"short convolution at layers \[0, 2\]"}
+    with pytest.raises(UnsupportedModelError, match=layers[arch] + r"\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"):
         compile_program(traced, Mesh(2, 1))
     with pytest.raises(UnsupportedModelError, match="the engine does not yet allocate a state slot per request"):
-        dcpgraph.compile(model)
+        dcpgraph.compile(traced)

@@ -72,6 +72,8 @@ def program(traced):
 @pytest.mark.slow  # ~50 s on 2 shared cores: trace, verified compile, HF generate, 6 steps
 def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(arch, model, program):
     assert [(s.name, s.shape, s.dtype) for s in program.recurrent_states] == POOLS[arch]
+    shown = dcpgraph.explain(program)
+    assert f"%{POOLS[arch][0][0]}: layer" in shown and "one slot per request" in shown
     prompts = {0: [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], 1: [7, 7, 30, 2, 19, 44]}
     full = {}
     with torch.no_grad():

@@ -167,7 +167,7 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = _traced_program(model)
-    refuse_serving_recurrent_layers(program)
+    refuse_distributed_recurrent_layers(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
@@ -175,16 +175,15 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
                          _compiled_draft(config, comm_workload), config, sizing)
 
 
-def refuse_serving_recurrent_layers(program: Program) -> None:
-    """Refuse by name to build an engine for a hybrid: its recurrent layers compile
-    (:func:`~dcpgraph.passes.pipeline.compile_program` at tp=1·dcp=1) but the engine does not yet
-    give each request a state slot, so its steps could not carry their state."""
+def refuse_distributed_recurrent_layers(program: Program, config: _Configuration) -> None:
+    """Refuse by name, before any collective, a hybrid on the distributed executor: only the
+    emulated executor allocates the recurrent-state pools (and the pipeline compiles hybrids at
+    tp=1·dcp=1 only)."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if recurrent:
+    if recurrent and config.distributed:
         raise UnsupportedModelError(
-            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) compile to "
-            "programs with per-request state pools, but the engine does not yet allocate a state slot per "
-            "request, so models with them cannot be served (see the hybrid models page of the user guide)"
+            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) run on the "
+            "emulated executor only; use executor='emulated' (tp=1, dcp=1)"
         )
 
 

@@ -100,6 +100,7 @@ class Lowering:
     hidden_states_output: int | None = None  # return_hidden_states: the output holding them
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
+    state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RequestError
+from ..errors import RequestError, UnsupportedModelError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
 from .engine_client import EngineClient, run_rank_op
@@ -59,6 +59,9 @@ class Engine(EngineClient):
         kv_allocation: str = "on_demand",
         memory_sizing=None,
     ):
+        if program.recurrent_states:
+            _refuse_for_recurrent_state(program, enable_prefix_caching, speculative_config or speculative_tokens)
+            program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
         self.program = program
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
         self.mesh = program.mesh
@@ -74,7 +77,8 @@ class Engine(EngineClient):
         )
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
                                    eos_token_ids=program.facts.eos_token_id, speculative_tokens=k,
-                                   max_waiting=max_waiting, kv_allocation=kv_allocation)
+                                   max_waiting=max_waiting, kv_allocation=kv_allocation,
+                                   state_slots=program.lowering.state_slots or 0)
         buckets = verify_buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
@@ -404,3 +408,16 @@ class Engine(EngineClient):
             **backend,
         }
 
+
+
+def _refuse_for_recurrent_state(program, prefix_caching: bool, speculative) -> None:
+    """Features that would need a recurrent layer's state at a point it is not kept, refused by
+    name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
+    tokens)."""
+    layers = sorted({p.layer for p in program.recurrent_states})
+    if prefix_caching:
+        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
+                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
+    if speculative:
+        raise UnsupportedModelError(f"speculative decoding is not supported with recurrent layers ({layers}): "
+                                    "their state is not rolled back for rejected drafts")

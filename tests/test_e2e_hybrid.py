@@ -12,6 +12,7 @@ import torch
 
 import dcpgraph
 from dcpgraph.errors import RequestError, UnsupportedModelError
+from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
 from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -40,6 +41,12 @@ def _lfm2():
 
 
 MODELS = {"qwen3_next": _qwen3_next, "lfm2": _lfm2}
+# Per request, by the layouts' formulas: 3 GDN layers (Hk 2, Hv 4, Dk = Dv = 8, K 4), fp32 model;
+# 2 short convolutions (C 32, K 3).
+EXPECTED_STATE_BYTES = {
+    "Qwen3NextForCausalLM": 3 * GatedDeltaNetShape(2, 4, 8, 8, 4).state_bytes_per_request(torch.float32),
+    "Lfm2ForCausalLM": 2 * ShortConvShape(32, 3).state_bytes_per_request(torch.float32),
+}
 
 
 @pytest.fixture(scope="module", params=[pytest.param("qwen3_next"), pytest.param("lfm2", marks=pytest.mark.slow)])
@@ -67,6 +74,12 @@ def test_state_slots_follow_running_requests(case):
     engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=32, max_num_seqs=2)
     scheduler = engine.scheduler
     assert scheduler.state_slots == 2
+    report = engine.memory_report()
+    pools = engine.program.recurrent_states
+    allocated = sum(t.numel() * t.element_size() for name, t in engine.executor.caches[0].items()
+                    if name in {p.name for p in pools})
+    assert report["recurrent_state_bytes_per_rank"] == [allocated] == [2 * report["recurrent_state_bytes_per_request"]]
+    assert report["recurrent_state_bytes_per_request"] == EXPECTED_STATE_BYTES[program.facts.architecture]
     a = engine.add_request(PROMPTS[0], max_new_tokens=2)
     b = engine.add_request(PROMPTS[1], max_new_tokens=2)
     c = engine.add_request(PROMPTS[2], max_new_tokens=2)

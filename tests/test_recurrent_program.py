@@ -3,7 +3,7 @@ short convolutions around an attention layer) compiled at
 tp=1·dcp=1 runs as a program with per-request state pools beside the paged KV cache: two
 requests, prompts split into prefill chunks, mixed prefill/decode steps and batched decode rows,
 fed HF's own greedy tokens, give HF's logits at every sampled row (so its greedy tokens). Meshes
-with TP or DCP, and serving (no engine state slots yet), are refused by name."""
+with TP or DCP are refused by name. (The engine on top: tests/test_e2e_hybrid.py.)"""
 
 import pytest
 import torch
@@ -120,9 +120,7 @@ def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(arch, 
     assert all(torch.isnan(p[1]).all() for p in pools.values())  # the unused slot was never written
 
 
-def test_meshes_with_tp_or_dcp_and_serving_are_refused_by_name(arch, traced):
+def test_meshes_with_tp_or_dcp_are_refused_by_name(arch, traced):
     layers = {"qwen3_next": r"gated delta net at layers \[0, 1, 2\]", "lfm2": r"short convolution at layers \[0, 2\]"}
     with pytest.raises(UnsupportedModelError, match=layers[arch] + r"\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"):
         compile_program(traced, Mesh(2, 1))
-    with pytest.raises(UnsupportedModelError, match="the engine does not yet allocate a state slot per request"):
-        dcpgraph.compile(traced)

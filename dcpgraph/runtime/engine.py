@@ -327,8 +327,20 @@ class Engine(EngineClient):
             "prefix_cache": self.prefix_cache_report(),
             "weight_bytes_per_rank": weight_bytes_per_rank(self.program),
             "kv_sizing": self.kv_sizing_report(),
+            **self._recurrent_state_memory(),
             **self._draft_memory(),
         }
+
+    def _recurrent_state_memory(self) -> dict:
+        """A hybrid's recurrent-state pools: ``Σ_pools Π(shape per slot) · element_bytes`` per
+        request (the formulas of :mod:`dcpgraph.recurrent_state`), times one slot per sequence."""
+        pools = self.program.recurrent_states
+        if not pools:
+            return {}
+        per_request = sum(p.bytes_per_slot for p in pools)
+        slots = int(self.program.lowering.state_slots)
+        return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
+                "recurrent_state_bytes_per_rank": [per_request * slots for _ in self.mesh.ranks]}
 
     def kv_sizing_report(self) -> dict:
         """How ``num_blocks`` was chosen: ``policy`` "gpu_memory_utilization" with the figures of

@@ -26,7 +26,7 @@ from .mesh import Mesh
 from .passes.pipeline import compile_program, describe_recurrent
 from .passes.shard_dcp_auto import compile_workload
 from .program import Program
-from .runtime.engine import Engine, blocks_for_budget
+from .runtime.engine import Engine, blocks_for_budget, refuse_recurrent_state_features
 from .runtime.executors import DistributedExecutor, EmulatedExecutor
 from .runtime.layer_groups import check_hybrid_options
 from .speculative.draft_model import check_draft
@@ -176,15 +176,16 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
 
 
 def refuse_distributed_recurrent_layers(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any collective, a hybrid on the distributed executor: only the
-    emulated executor allocates the recurrent-state pools (and the pipeline compiles hybrids at
-    tp=1·dcp=1 only)."""
+    """Refuse by name, before any pass or collective, a hybrid on the distributed executor (only
+    the emulated executor allocates the recurrent-state pools; the pipeline compiles hybrids at
+    tp=1·dcp=1 only), with prefix caching or with speculative decoding."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if recurrent and config.distributed:
-        raise UnsupportedModelError(
-            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) run on the "
-            "emulated executor only; use executor='emulated' (tp=1, dcp=1)"
-        )
+    if not recurrent:
+        return
+    where = f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)})"
+    if config.distributed:
+        raise UnsupportedModelError(f"{where} run on the emulated executor only; use executor='emulated' (tp=1, dcp=1)")
+    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

@@ -69,6 +69,7 @@ def test_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case):
     assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
 
 
+@pytest.mark.slow  # ~25 s: a verified compile and a few steps
 def test_state_slots_follow_running_requests(case):
     _, program = case
     engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=32, max_num_seqs=2)

@@ -60,7 +60,8 @@ class Engine(EngineClient):
         memory_sizing=None,
     ):
         if program.recurrent_states:
-            _refuse_for_recurrent_state(program, enable_prefix_caching, speculative_config or speculative_tokens)
+            refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
+                                            speculative_config or speculative_tokens)
             program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
         self.program = program
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
@@ -422,11 +423,10 @@ class Engine(EngineClient):
 
 
 
-def _refuse_for_recurrent_state(program, prefix_caching: bool, speculative) -> None:
-    """Features that would need a recurrent layer's state at a point it is not kept, refused by
+def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
+    """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
     name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
     tokens)."""
-    layers = sorted({p.layer for p in program.recurrent_states})
     if prefix_caching:
         raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
                                     "their state after a cached prefix is not kept; use enable_prefix_caching=False")

@@ -23,10 +23,10 @@ from .memory import (
     size_for_utilization,
 )
 from .mesh import Mesh
-from .passes.pipeline import compile_program
+from .passes.pipeline import compile_program, describe_recurrent
 from .passes.shard_dcp_auto import compile_workload
 from .program import Program
-from .runtime.engine import Engine, blocks_for_budget
+from .runtime.engine import Engine, blocks_for_budget, refuse_recurrent_state_features
 from .runtime.executors import DistributedExecutor, EmulatedExecutor
 from .runtime.layer_groups import check_hybrid_options
 from .speculative.draft_model import check_draft
@@ -53,6 +53,7 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
         if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
                                                     torch.ops.dcpgraph.sparse_attention.default)
     )
+    count += len(program.facts.extra.get("recurrent_layers") or {})
     if count == 0:
         raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
     if count != program.facts.num_layers:
@@ -166,11 +167,25 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = _traced_program(model)
+    refuse_distributed_recurrent_layers(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
+
+
+def refuse_distributed_recurrent_layers(program: Program, config: _Configuration) -> None:
+    """Refuse by name, before any pass or collective, a hybrid on the distributed executor (only
+    the emulated executor allocates the recurrent-state pools; the pipeline compiles hybrids at
+    tp=1·dcp=1 only), with prefix caching or with speculative decoding."""
+    recurrent = program.facts.extra.get("recurrent_layers") or {}
+    if not recurrent:
+        return
+    where = f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)})"
+    if config.distributed:
+        raise UnsupportedModelError(f"{where} run on the emulated executor only; use executor='emulated' (tp=1, dcp=1)")
+    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

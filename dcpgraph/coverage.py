@@ -31,6 +31,7 @@ import torch
 import dcpgraph
 from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
 from dcpgraph.frontends.layer_kinds import check_layer_types
+from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers
 from dcpgraph.mesh import Mesh
 from dcpgraph.testing.generation import drain, hf_greedy
 
@@ -59,6 +60,11 @@ OVERRIDES: dict[str, dict] = {
     "diffllama": dict(num_key_value_heads=2),  # its differential attention needs an even count
     "dots1": dict(n_shared_experts=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # the default leaves it None
+    # Hybrids with gated delta nets: the default interval of 4 leaves two layers without attention,
+    # which HF's own cache cannot generate with; small linear-attention heads.
+    **{arch: dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+       for arch in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"]),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -140,7 +146,8 @@ def tiny_config(model_type: str):
         return (f"composite model ({', '.join(sorted(subs))}), not a single text decoder; its text "
                 "model is walked under its own model type where transformers registers one")
     try:  # the model kind itself, before tiny values that its validators may reject
-        check_layer_types(default.get_text_config() if hasattr(default, "get_text_config") else default)
+        text_default = default.get_text_config() if hasattr(default, "get_text_config") else default
+        check_layer_types(text_default, declared_recurrent_layers(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
     mla = TINY_MLA if getattr(default, "kv_lora_rank", None) is not None else {}

@@ -152,6 +152,13 @@ def _inputs(program: Program) -> list[str]:
                     f"    %{c.name}: layer {c.layer} {c.role}, "
                     f"[blocks, {block}, {c.heads}, {c.dim}] {_dtype(c.dtype)}"
                 )
+    pools = program.recurrent_states
+    if pools:
+        lines.append(f"  recurrent state pools ({len(pools)}), one slot per request:")
+        for p in pools:
+            shape = ", ".join(str(d) for d in p.shape)
+            lines.append(f"    %{p.name}: layer {p.layer} {p.role}, [slots, {shape}] {_dtype(p.dtype)} "
+                         f"({_bytes(p.bytes_per_slot)} a slot)")
     for kind, label in ((META, "meta"), (RANK, "rank")):
         specs = program.inputs_of(kind)
         if specs:

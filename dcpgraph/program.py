@@ -30,6 +30,7 @@ from .mesh import Mesh
 PARAM, BUFFER, CONSTANT, USER, CACHE, META, RANK = (
     "param", "buffer", "constant", "user", "cache", "meta", "rank",
 )
+RECURRENT = "recurrent"  # a recurrent layer's per-request state pool, indexed by state slot
 STATE_KINDS = (PARAM, BUFFER, CONSTANT)
 
 
@@ -99,6 +100,7 @@ class Lowering:
     hidden_states_output: int | None = None  # return_hidden_states: the output holding them
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
+    state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""
@@ -148,6 +150,25 @@ class CacheSpec:
 
 
 @dataclass(frozen=True)
+class RecurrentStateSpec:
+    """One recurrent layer's state pool per rank: ``[slots, *shape]``, one slot per request
+    (see :mod:`dcpgraph.recurrent_state` for the layouts and their byte formulas)."""
+
+    name: str  # placeholder name
+    layer: int  # decoder layer index
+    role: str  # "conv_state" or "recurrent_state"
+    shape: tuple[int, ...]  # per slot
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the compiler knows about the model, read from its config and graph."""
 
@@ -186,6 +207,7 @@ class Program:
     state: Mapping[str, torch.Tensor]
     mesh: Mesh = Mesh(1, 1)
     caches: tuple[CacheSpec, ...] = ()
+    recurrent_states: tuple[RecurrentStateSpec, ...] = ()
     lowering: Lowering = field(default_factory=lambda: Lowering())
     provenance: tuple[Provenance, ...] = ()
     # (pass name, the Program right after that pass): graph *and* its input specs, caches, mesh…
@@ -253,6 +275,7 @@ EXAMPLE_TOKENS = 6
 EXAMPLE_REQUESTS = 2
 EXAMPLE_BLOCKS = 8
 EXAMPLE_TABLE_WIDTH = 4
+EXAMPLE_STATE_SLOTS = EXAMPLE_REQUESTS + 1
 
 def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of user/meta/rank inputs, by role (``InputSpec.target``), for a step of
@@ -269,6 +292,7 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "block_table_sliding": ((r, w), torch.int32),  # hybrid_kv_cache
         "slot_mapping_sliding": ((t,), torch.int64),
         "logits_indices": ((r,), torch.int64),
+        "state_slots": ((r,), torch.int64),  # recurrent layers' per-request slot (−1: padding)
         "tp_rank": ((), torch.int64),
         "dcp_rank": ((), torch.int64),
     }
@@ -279,10 +303,12 @@ def example_specs(program: Program, *, tokens: int = EXAMPLE_TOKENS, requests: i
     """(shape, dtype) of an example input for every entry of ``program.inputs``, in order.
 
     State: the full tensor's shape under its shard rule for rank 0 of ``program.mesh.tp``;
-    caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; user/meta/rank inputs: by role, for a
+    caches: ``[EXAMPLE_BLOCKS, block_size, heads, dim]``; recurrent state pools
+    ``[EXAMPLE_STATE_SLOTS, *shape]``; user/meta/rank inputs: by role, for a
     step of ``tokens`` tokens in ``requests`` requests (default: the verifier's example step).
     """
     caches = {c.name: c for c in program.caches}
+    pools = {p.name: p for p in program.recurrent_states}
     block_size = int(program.lowering.block_size or 16)
     roles = role_shapes(tokens, requests, table_width)
     out = []
@@ -294,6 +320,9 @@ def example_specs(program: Program, *, tokens: int = EXAMPLE_TOKENS, requests: i
         elif spec.kind == CACHE:
             c = caches[spec.name]
             out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
+        elif spec.kind == RECURRENT:
+            pool = pools[spec.name]
+            out.append(((EXAMPLE_STATE_SLOTS, *pool.shape), pool.dtype))
         elif spec.kind == USER and spec.target == "hidden_states":  # an MTP layer's [1, T, H] input
             out.append(((1, tokens, program.facts.hidden_size), program.facts.dtype))
         elif spec.kind in (USER, META, RANK):

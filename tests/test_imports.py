@@ -30,7 +30,7 @@ PACKAGE_DIR = Path(dcpgraph.__file__).parent
 # layer). Top-level modules count as packages; "dcpgraph" is the root __init__.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "models"),
-    ("mesh", "layout", "capacity"),
+    ("mesh", "layout", "capacity", "recurrent_state"),
     ("program", "ops", "collectives"),
     ("kv_budget",),
     ("memory",),  # the KV cache sized from a memory fraction (vLLM's --gpu-memory-utilization)

@@ -11,6 +11,7 @@ and dims come from the config (MLA is recognised by ``kv_lora_rank``), the TP pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import torch
@@ -22,6 +23,11 @@ from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
 from .layer_kinds import check_layer_types, require_attention_in_every_layer
+from .recurrent_layers import (
+    canonical_recurrent_layers,
+    recurrent_modules,
+    unrecognised_recurrent_layers,
+)
 
 WRAPPER_PREFIX = "model."
 """The prefix :class:`LogitsForward` adds to every parameter and buffer name of the wrapped model
@@ -238,7 +244,9 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     (callers that rewrite the graph first, like the meta-device loader, finish it themselves).
     Layer kinds other than causal full/sliding attention are refused by name before anything runs."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    check_layer_types(config)
+    types = list(getattr(config, "layer_types", None) or ())
+    recognised = set(recurrent_modules(model)) - set(unrecognised_recurrent_layers(model, types))
+    check_layer_types(config, recognised)
     facts = model_facts(model)
     low = min_trace_tokens(model)
     tokens = torch.export.Dim("tokens", min=low, max=max(max_tokens, low + 1))
@@ -246,7 +254,7 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     model.eval()
     try:
         with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad(), \
-                recording_attention_callers() as callers:
+                recording_attention_callers() as callers, canonical_recurrent_layers(model) as recurrent:
             try:
                 exported, seconds = run_export(
                     LogitsForward(model).eval(), tuple(example_inputs),
@@ -254,10 +262,13 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
                 )
             except TokenShapeRefusal:  # the forward ran to its end: a layer without attention says why
                 if callers:
-                    require_attention_in_every_layer(facts.num_layers, callers.values(), facts.architecture)
+                    require_attention_in_every_layer(facts.num_layers, [*callers.values(), *recurrent],
+                                                     facts.architecture)
                 raise
     finally:
         model.train(was_training)
+    if recurrent:
+        facts = dataclasses.replace(facts, extra={**facts.extra, "recurrent_layers": dict(sorted(recurrent.items()))})
     return program_from_export(exported, facts, prefix=WRAPPER_PREFIX, seconds=seconds)
 
 
@@ -268,7 +279,8 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
         example_inputs = default_example_inputs(model_facts(model), tokens=max(8, min_trace_tokens(model) + 1))
     program = finish(export_program(model, example_inputs, max_tokens))
     facts = program.facts
-    kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default)
-    attention = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
-    require_attention_in_every_layer(facts.num_layers, [None] * len(attention), facts.architecture)
+    kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default,
+             torch.ops.dcpgraph.causal_conv1d.default)  # one conv per recurrent layer of either kind
+    layers = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
+    require_attention_in_every_layer(facts.num_layers, [None] * len(layers), facts.architecture)
     return program

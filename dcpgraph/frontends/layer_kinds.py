@@ -43,15 +43,18 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
 }
 
 
-def check_layer_types(text_config) -> None:
+def check_layer_types(text_config, recognised_recurrent: Iterable[int] = ()) -> None:
     """Raise :class:`UnsupportedModelError` naming the first unsupported feature in
-    ``layer_types`` (or a chunked-attention size), before any tracing."""
+    ``layer_types`` (or a chunked-attention size), before any tracing. Layers in
+    ``recognised_recurrent`` hold a recurrent module the front end traces in canonical form
+    (:mod:`.recurrent_layers`) and are not refused for their type."""
+    skip = set(recognised_recurrent)
     types = list(getattr(text_config, "layer_types", None) or ())
-    bad = [t for t in dict.fromkeys(types) if t not in SUPPORTED_LAYER_TYPES]
+    bad = [t for t in dict.fromkeys(t for i, t in enumerate(types) if i not in skip) if t not in SUPPORTED_LAYER_TYPES]
     if bad:
         kind = bad[0]
         what = REFUSED_LAYER_TYPES.get(kind, f"layer type {kind!r}")
-        layers = [i for i, t in enumerate(types) if t == kind]
+        layers = [i for i, t in enumerate(types) if t == kind and i not in skip]
         raise UnsupportedModelError(
             f"{what}: not supported (layer_types {kind!r} at layers {layers[:8]}"
             f"{'…' if len(layers) > 8 else ''}); dcpgraph compiles layer types {sorted(SUPPORTED_LAYER_TYPES)}"
@@ -65,9 +68,9 @@ def check_layer_types(text_config) -> None:
 
 
 def require_attention_in_every_layer(num_layers: int, attention_layers: Iterable[int | None], model_name: str) -> None:
-    """Raise unless there is an attention for each of the ``num_layers`` decoder layers
-    (``attention_layers``: the ``layer_idx`` of each attention, ``None`` where unknown; with any
-    ``None`` only their number is compared)."""
+    """Raise unless there is an attention or a recognised recurrent layer for each of the
+    ``num_layers`` decoder layers (``attention_layers``: the ``layer_idx`` of each, ``None`` where
+    unknown; with any ``None`` only their number is compared)."""
     seen = list(attention_layers)
     indexed = {i for i in seen if i is not None}
     count = len(indexed) if len(indexed) == len(seen) else len(seen)

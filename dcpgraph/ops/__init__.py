@@ -1,6 +1,6 @@
 """Canonical ops (``torch.ops.dcpgraph.*``) and their Python entry points."""
 
-from . import library
+from . import gated_delta, library
 from .library import (
     attention,
     kv_cache_write_,
@@ -13,6 +13,7 @@ from .merge import merge_weights, sanitize_lse
 
 __all__ = [
     "attention",
+    "gated_delta",
     "kv_cache_write_",
     "library",
     "merge_attention",

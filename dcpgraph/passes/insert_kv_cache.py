@@ -143,8 +143,9 @@ def _no_canonical_attention_left(program: Program) -> None:
     graph = program.graph_module.graph
     reads = nodes_calling(graph, dcp_ops.paged_attention.default) + nodes_calling(
         graph, dcp_ops.paged_sparse_attention.default)
-    if len(reads) != program.facts.num_layers:
-        raise VerificationError("expected one paged attention per layer")
+    recurrent = len(program.facts.extra.get("recurrent_layers") or {})
+    if len(reads) != program.facts.num_layers - recurrent:
+        raise VerificationError("expected one paged attention per attention layer")
 
 
 class _CacheRewrite:

@@ -30,6 +30,7 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
+from ..errors import UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
@@ -37,6 +38,7 @@ from .expert_parallel import expert_parallel
 from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
+from .insert_recurrent_state import insert_recurrent_state
 from .layer_group_tables import layer_group_tables, model_windows
 from .manager import ProgramPass, run_passes
 from .native_linear import native_linear
@@ -64,12 +66,13 @@ PIPELINE: tuple[ProgramPass, ...] = (
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cache_dtype: str = "auto",
                    mlapo: bool = True, return_hidden: bool = False, comm_workload=None,
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
-                   windows: tuple[int, ...] | None = None) -> list[ProgramPass]:
+                   windows: tuple[int, ...] | None = None, recurrent: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
     ``return_hidden_states`` with ``return_hidden``, ``layer_group_tables`` when ``windows`` (the
-    model's sliding windows) is given."""
+    model's sliding windows) is given, ``insert_recurrent_state`` after ``insert_kv_cache`` with
+    ``recurrent`` (a hybrid's recurrent layers)."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -84,7 +87,30 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
         passes.insert(0, expert_parallel)
     if windows is not None:
         passes.append(layer_group_tables.with_options(windows=windows))
+    if recurrent:
+        at = next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name)
+        passes.insert(at + 1, insert_recurrent_state)
     return passes
+
+
+def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
+    """Refuse by name a traced hybrid on a mesh other than tp=1·dcp=1: no pass yet splits the
+    recurrent layers' projections, conv channels and state over TP (the split itself is
+    :func:`dcpgraph.frontends.gated_delta_net.tp_shard`), nor keeps DCP from handing them a
+    rank's local context lengths."""
+    recurrent = program.facts.extra.get("recurrent_layers") or {}
+    if recurrent and (mesh.tp, mesh.dcp) != (1, 1):
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) compile at "
+            f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp}"
+        )
+
+
+def describe_recurrent(recurrent: dict[int, str]) -> str:
+    """``"gated delta net at layers [0, 1, 2]"``, for errors."""
+    layers = sorted(recurrent)
+    return (f"{', '.join(sorted(set(recurrent.values())))} at layers {layers[:8]}"
+            f"{'…' if len(layers) > 8 else ''}")
 
 
 def compile_program(
@@ -102,9 +128,11 @@ def compile_program(
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
+    refuse_recurrent_layers_on(program, mesh)
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,
                             fuse_new=fuse_new, expert_parallel_experts=expert_parallel_experts,
-                            windows=model_windows(program) if hybrid_kv_cache else None)
+                            windows=model_windows(program) if hybrid_kv_cache else None,
+                            recurrent=bool(program.facts.extra.get("recurrent_layers")))
     return run_passes(program, passes, verify=verify)

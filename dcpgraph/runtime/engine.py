@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RequestError
+from ..errors import RequestError, UnsupportedModelError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
 from .engine_client import EngineClient, run_rank_op
@@ -70,6 +70,10 @@ class Engine(EngineClient):
         memory_sizing=None,
         seed: int = 0,
     ):
+        if program.recurrent_states:
+            refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
+                                            speculative_config or speculative_tokens)
+            program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
@@ -86,7 +90,8 @@ class Engine(EngineClient):
         )
         self.scheduler = Scheduler(self.blocks, max_batched_tokens, max_num_seqs,
                                    eos_token_ids=program.facts.eos_token_id, speculative_tokens=k,
-                                   max_waiting=max_waiting, kv_allocation=kv_allocation)
+                                   max_waiting=max_waiting, kv_allocation=kv_allocation,
+                                   state_slots=program.lowering.state_slots or 0)
         buckets = verify_buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
@@ -371,8 +376,20 @@ class Engine(EngineClient):
             "prefix_cache": self.prefix_cache_report(),
             "weight_bytes_per_rank": weight_bytes_per_rank(self.program),
             "kv_sizing": self.kv_sizing_report(),
+            **self._recurrent_state_memory(),
             **self._draft_memory(),
         }
+
+    def _recurrent_state_memory(self) -> dict:
+        """A hybrid's recurrent-state pools: ``Σ_pools Π(shape per slot) · element_bytes`` per
+        request (the formulas of :mod:`dcpgraph.recurrent_state`), times one slot per sequence."""
+        pools = self.program.recurrent_states
+        if not pools:
+            return {}
+        per_request = sum(p.bytes_per_slot for p in pools)
+        slots = int(self.program.lowering.state_slots)
+        return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
+                "recurrent_state_bytes_per_rank": [per_request * slots for _ in self.mesh.ranks]}
 
     def kv_sizing_report(self) -> dict:
         """How ``num_blocks`` was chosen: ``policy`` "gpu_memory_utilization" with the figures of
@@ -452,3 +469,15 @@ class Engine(EngineClient):
             **backend,
         }
 
+
+
+def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
+    """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
+    name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
+    tokens)."""
+    if prefix_caching:
+        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
+                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
+    if speculative:
+        raise UnsupportedModelError(f"speculative decoding is not supported with recurrent layers ({layers}): "
+                                    "their state is not rolled back for rejected drafts")

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..program import CACHE, META, RANK, STATE_KINDS, USER, Program
+from ..program import CACHE, META, RANK, RECURRENT, STATE_KINDS, USER, Program
 from . import host_memory
 from .engine_client import RankState, run_on_rank
 
@@ -43,9 +43,16 @@ def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
     block = int(program.lowering.block_size)
     sliding = set(program.lowering.sliding_caches)
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
-    return {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim),
-                                      c.dtype, device)
-            for c in program.caches}
+    caches = {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim),
+                                        c.dtype, device)
+              for c in program.caches}
+    if program.recurrent_states:
+        slots = program.lowering.state_slots
+        if not slots:
+            raise ValueError("a program with recurrent state pools needs Lowering.state_slots (set by the Engine)")
+        caches.update({p.name: torch.zeros((slots, *p.shape), dtype=p.dtype, device=device)
+                       for p in program.recurrent_states})
+    return caches
 
 
 def on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -65,7 +72,7 @@ def rank_arguments(
     for spec in program.inputs:
         if spec.kind in STATE_KINDS:
             args.append(next(states))
-        elif spec.kind == CACHE:
+        elif spec.kind in (CACHE, RECURRENT):
             args.append(caches[spec.name])
         elif spec.kind in (USER, META):
             args.append(shared[spec.target] if spec.target in shared else own[spec.target])

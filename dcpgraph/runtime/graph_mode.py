@@ -58,6 +58,8 @@ class DecodeBuckets:
             sliding[:real, : shared["block_table_sliding"].shape[1]] = shared["block_table_sliding"]
             padded["block_table_sliding"] = sliding
         no_slot = torch.full((extra,), -1, dtype=torch.int64)
+        if "state_slots" in shared:  # recurrent layers: padding rows read and write no state
+            padded["state_slots"] = torch.cat([shared["state_slots"], no_slot])
         ranks = []
         for own in per_rank:
             ranks.append({

@@ -72,6 +72,7 @@ class Request:
     # filled as prefill chunks run; complete when it holds len(prompt) entries
     prompt_logprobs: list[dict | None] | None = None
     grammar: Any = None  # its RequestGrammar (runtime/grammar.py) when it has structured outputs
+    state_slot: int | None = None  # its recurrent-state slot while running (hybrid models)
     _joined: tuple = field(default=(None, None, 0, 0, None), init=False, repr=False, compare=False)
 
     @property
@@ -156,7 +157,7 @@ class Scheduler:
 
     def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int, *,
                  eos_token_ids: Iterable[int] = (), speculative_tokens: int = 0,
-                 max_waiting: int | None = None, kv_allocation: str = "on_demand"):
+                 max_waiting: int | None = None, kv_allocation: str = "on_demand", state_slots: int = 0):
         Scheduler.created += 1
         if max_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1")
@@ -164,7 +165,13 @@ class Scheduler:
             raise ValueError(f"max_waiting must be >= 1 (or None: unbounded), got {max_waiting}")
         if kv_allocation not in ("on_demand", "whole_request"):
             raise ValueError(f"kv_allocation must be 'on_demand' or 'whole_request', got {kv_allocation!r}")
+        if state_slots and state_slots < max_num_seqs:
+            raise ValueError(f"state_slots ({state_slots}) must cover max_num_seqs ({max_num_seqs}) running requests")
         self.max_waiting = max_waiting
+        # Recurrent-state slots (hybrid models): one per running request, taken when it starts
+        # running and given back when it stops (finish, abort, preemption: it restarts from 0).
+        self.state_slots = state_slots
+        self._free_state_slots = list(range(state_slots - 1, -1, -1))
         self.whole_request = kv_allocation == "whole_request"
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
@@ -198,6 +205,9 @@ class Scheduler:
         into :meth:`BlockManager.table` before the next step), bypassing the waiting queue but not
         the limits: raises ``RequestError`` if no sequence slot or not enough blocks are free now.
         ``prefix``: cached blocks (:meth:`BlockManager.match_prefix`) its table starts with."""
+        if self.state_slots:
+            raise RequestError("a request with recurrent-layer state cannot be adopted: its state does not travel "
+                               "with its KV (P/D with hybrid models is not supported)")
         if len(self.running) >= self.max_num_seqs:
             raise RequestError(f"no free sequence slot: max_num_seqs={self.max_num_seqs} requests are running")
         tokens = request.reserve_tokens if self.whole_request else len(request.tokens)
@@ -217,6 +227,7 @@ class Scheduler:
         if request is None or request not in self.running:
             raise RequestError(f"request {request_id} is not running")
         self.running.remove(request)
+        self._stop_running(request)
         self._drop(request)
         return request
 
@@ -300,6 +311,8 @@ class Scheduler:
         return True
 
     def _run(self, request: Request) -> None:
+        if self.state_slots:
+            request.state_slot = self._free_state_slots.pop()
         self.running.append(request)
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
 
@@ -317,6 +330,7 @@ class Scheduler:
         """Free ``request``'s blocks and queue it first for recomputation; it keeps its output."""
         plan[:] = [item for item in plan if item.request is not request]
         self.running.remove(request)
+        self._stop_running(request)
         self.blocks.release(request.id)
         self.stats["preemptions"] += 1
         self.stats["preempted_tokens"] += request.computed
@@ -330,7 +344,7 @@ class Scheduler:
         table = self.blocks.frozen_table(request.id)
         rows = n if request.needs_prompt_logprobs else 1  # every position's logits, or the last one's
         chunk = Chunk(request.id, tuple(tokens[start : start + n]), start, table, logits_rows=rows,
-                      sliding_table=self.blocks.frozen_group_table(request.id))
+                      sliding_table=self.blocks.frozen_group_table(request.id), state_slot=request.state_slot)
         samples = start + n == len(tokens)
         room = min(self._draft_room(request, n, samples), len(table) * self.blocks.tokens_per_block - start - n)
         plan.append(ScheduledChunk(request, chunk, samples, room))
@@ -397,8 +411,15 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._stop_running(request)
         self.blocks.release(request.id)
         self._drop(request)
+
+    def _stop_running(self, request: Request) -> None:
+        """Give back ``request``'s recurrent-state slot (a later run restarts its state at 0)."""
+        if request.state_slot is not None:
+            self._free_state_slots.append(request.state_slot)
+            request.state_slot = None
 
     def _drop(self, request: Request) -> None:
         request.finished = True

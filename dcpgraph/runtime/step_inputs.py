@@ -14,7 +14,8 @@ Every scheduled token of every request is flattened into one sequence. For reque
   ``k`` draft tokens are verified);
 - ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow);
 - with ``hybrid_kv_cache``: ``block_table_sliding`` and ``slot_mapping_sliding``, the same for
-  the sliding layers' own table (see :mod:`.layer_groups`).
+  the sliding layers' own table (see :mod:`.layer_groups`);
+- for a model with recurrent layers: ``state_slots`` ``[R]``, each request's state slot.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Chunk:
     block_table: tuple[int, ...]
     logits_rows: int = 1
     sliding_table: tuple[int, ...] | None = None  # the sliding layers' table (hybrid_kv_cache)
+    state_slot: int | None = None  # the request's recurrent-state slot (hybrid models)
 
 
 class TableRows:
@@ -115,6 +117,8 @@ def build_step_inputs(
     }
     if sliding is not None:
         shared["block_table_sliding"] = sliding
+    if chunks[0].state_slot is not None:
+        shared["state_slots"] = torch.tensor([c.state_slot for c in chunks], dtype=torch.int64)
     small = len(position_list) <= SMALL_STEP_TOKENS  # a few tokens: the same formulas on Python ints
     owner = None if small else torch.tensor(owner_list, dtype=torch.int64)
 

@@ -1,0 +1,105 @@
+"""``insert_recurrent_state``: canonical recurrent ops → in-place updates of per-request state pools.
+
+Per recurrent layer ``i`` (``facts.extra["recurrent_layers"]``, in graph order), the canonical ops
+a front end traced over one sequence from a zero state become their stateful forms over the
+step's varlen rows::
+
+    causal_conv1d(x, w, b, act)          → causal_conv1d_(x, w, b, conv_state_i, state_slots,
+                                                           cu_seqlens_q, context_lens, act)
+    gated_delta_rule(q, k, v, g, β, C)   → gated_delta_rule_(q, k, v, g, β, recurrent_state_i,
+                                                             state_slots, cu_seqlens_q, context_lens, C)
+
+``conv_state_i [slots, C, K−1]`` (model dtype) and ``recurrent_state_i [slots, Hv, Dk, Dv]``
+(fp32) are program state like the KV caches: placeholders of kind ``recurrent``, returned as
+outputs, written in place. ``state_slots [R]`` is a new per-step input (the request's slot, −1
+for padding rows); a row with ``context_lens == 0`` starts from a zero state, so a prompt split
+into prefill chunks and its decode steps carry the state, and a recomputed request restarts it.
+Runs after ``insert_kv_cache`` (whose ``cu_seqlens_q`` / ``context_lens`` it reads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import VerificationError
+from ..program import META, RECURRENT, InputSpec, Program, RecurrentStateSpec
+from ..recurrent_state import RECURRENT_STATE_DTYPE
+from .graph_edit import add_placeholders, nodes_calling, output_node
+from .manager import holds, program_pass
+
+dcp_ops = torch.ops.dcpgraph
+CANONICAL_RECURRENT = (dcp_ops.causal_conv1d.default, dcp_ops.gated_delta_rule.default)
+SLOTS_ROLE = "state_slots"
+
+
+def recurrent_layers(program: Program) -> dict[int, str]:
+    """Decoder layer → recurrent kind, as the front end recorded them."""
+    return dict(program.facts.extra.get("recurrent_layers") or {})
+
+
+def _canonical_recurrent(program: Program) -> list:
+    return [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in CANONICAL_RECURRENT]
+
+
+HAS_RECURRENT = holds("canonical causal_conv1d / gated_delta_rule nodes (traced recurrent layers)",
+                      lambda p: bool(_canonical_recurrent(p)))
+HAS_STEP_METADATA = holds("the 'cu_seqlens_q' and 'context_lens' inputs (insert_kv_cache)",
+                          lambda p: {"cu_seqlens_q", "context_lens"} <= {s.name for s in p.inputs})
+
+
+def _no_canonical_recurrent_left(program: Program) -> None:
+    left = _canonical_recurrent(program)
+    if left:
+        raise VerificationError(f"canonical recurrent ops left after insert_recurrent_state: {[n.name for n in left]}")
+
+
+@program_pass("insert_recurrent_state", requires=[HAS_RECURRENT, HAS_STEP_METADATA],
+              ensures=[_no_canonical_recurrent_left])
+def insert_recurrent_state(program: Program):
+    gm = program.copy_graph()
+    graph = gm.graph
+    layers = sorted(recurrent_layers(program))
+    convs = nodes_calling(graph, dcp_ops.causal_conv1d.default)
+    rules = nodes_calling(graph, dcp_ops.gated_delta_rule.default)
+    gdn_layers = [i for i in layers if recurrent_layers(program)[i] == "gated delta net"]
+    if len(convs) != len(layers) or len(rules) != len(gdn_layers):
+        raise VerificationError(
+            f"insert_recurrent_state: {len(convs)} convolutions and {len(rules)} delta rules for recurrent "
+            f"layers {recurrent_layers(program)} (one convolution per layer, one rule per gated delta net)")
+    specs: list[RecurrentStateSpec] = []
+    for layer, conv in zip(layers, convs):
+        channels, kernel = conv.args[1].meta["val"].shape
+        specs.append(RecurrentStateSpec(f"conv_state_{layer}", layer, "conv_state", (int(channels), int(kernel) - 1),
+                                        conv.args[1].meta["val"].dtype))
+    for layer, rule in zip(gdn_layers, rules):
+        k, v = rule.args[1].meta["val"], rule.args[2].meta["val"]
+        specs.append(RecurrentStateSpec(f"recurrent_state_{layer}", layer, "recurrent_state",
+                                        (int(v.shape[1]), int(k.shape[-1]), int(v.shape[-1])), RECURRENT_STATE_DTYPE))
+    pools = add_placeholders(graph, [s.name for s in specs] + [SLOTS_ROLE])
+    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    slots, cu, context = pools[-1], by_name["cu_seqlens_q"], by_name["context_lens"]
+    for layer, conv in zip(layers, convs):
+        x, weight, bias, activation = conv.args
+        with graph.inserting_before(conv):
+            new = graph.call_function(dcp_ops.causal_conv1d_.default,
+                                      (x, weight, bias, by_name[f"conv_state_{layer}"], slots, cu, context, activation))
+        new.meta = dict(conv.meta)
+        conv.replace_all_uses_with(new)
+        graph.erase_node(conv)
+    for layer, rule in zip(gdn_layers, rules):
+        q, k, v, g, beta, chunk = rule.args
+        with graph.inserting_before(rule):
+            new = graph.call_function(dcp_ops.gated_delta_rule_.default,
+                                      (q, k, v, g, beta, by_name[f"recurrent_state_{layer}"], slots, cu, context, chunk))
+        new.meta = dict(rule.meta)
+        rule.replace_all_uses_with(new)
+        graph.erase_node(rule)
+    out_node = output_node(graph)
+    outputs = out_node.args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    out_node.args = (tuple(outputs + list(pools[:-1])),)
+    gm.recompile()
+    inputs = [*program.inputs, *(InputSpec(s.name, RECURRENT, s.role) for s in specs),
+              InputSpec(SLOTS_ROLE, META, SLOTS_ROLE)]
+    result = program.replace(graph_module=gm, inputs=tuple(inputs), recurrent_states=tuple(specs))
+    return result, f"{len(layers)} recurrent layers -> state pools ({len(specs)} pools, one slot per request)"

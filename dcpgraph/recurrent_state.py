@@ -1,0 +1,128 @@
+"""Recurrent-state layout of a gated delta net (GDN) layer: shapes, TP split and bytes per request.
+
+A GDN layer (HF ``qwen3_next``'s ``Qwen3NextGatedDeltaNet``) keeps two tensors per request, in
+per-layer pools indexed by the request's state slot (``S`` slots):
+
+- conv state ``[S, C, K−1]`` in the model's dtype: the last ``K−1`` inputs of the depthwise causal
+  convolution over ``C = 2·Hk·Dk + Hv·Dv`` channels (query, key and value, in that order);
+- recurrent state ``[S, Hv, Dk, Dv]`` in fp32: the delta-rule memory of every value head.
+
+Per request, per GDN layer, on one rank of a TP group of ``tp``::
+
+    conv_bytes      = (K − 1) · C_r · model_bytes,      C_r = 2·(Hk/t)·Dk + (Hv/t)·Dv
+    recurrent_bytes = (Hv/t) · Dk · Dv · 4
+    t = tp  when tp divides Hk (the layer is split by key-head groups, each with its Hv/Hk
+            value heads, conv channels, gates and norm groups), else t = 1 (the whole layer
+            and its state are replicated on every rank).
+
+The state does not grow with context and does not depend on DCP: every rank of a DCP group runs
+the recurrent layers on all of the step's tokens for its TP share of heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+RECURRENT_STATE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """One GDN layer's head counts and dims (``key_heads`` Hk, ``value_heads`` Hv, ``key_dim`` Dk,
+    ``value_dim`` Dv, ``conv_kernel`` K), validated on construction."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"gated delta net {name} must be a positive int, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise ConfigError(f"gated delta net value_heads ({self.value_heads}) must be a multiple of "
+                              f"key_heads ({self.key_heads})")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"gated delta net conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    @classmethod
+    def from_config(cls, config) -> GatedDeltaNetShape:
+        """From HF's ``linear_num_key_heads``, ``linear_num_value_heads``, ``linear_key_head_dim``,
+        ``linear_value_head_dim`` and ``linear_conv_kernel_dim``."""
+        return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                   config.linear_value_head_dim, config.linear_conv_kernel_dim)
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def splits_over(self, tp: int) -> bool:
+        """Whether a TP group of ``tp`` splits the layer by heads (else it is replicated)."""
+        return self.key_heads % tp == 0
+
+    def on_rank(self, tp: int) -> GatedDeltaNetShape:
+        """The shape one rank holds: ``1/tp`` of the key and value heads where ``tp`` divides the
+        key heads, else the whole layer (replicated)."""
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        if not self.splits_over(tp):
+            return self
+        return GatedDeltaNetShape(self.key_heads // tp, self.value_heads // tp, self.key_dim, self.value_dim,
+                                  self.conv_kernel)
+
+    def conv_state_shape(self, slots: int) -> tuple[int, int, int]:
+        return (slots, self.conv_channels, self.conv_kernel - 1)
+
+    def recurrent_state_shape(self, slots: int) -> tuple[int, int, int, int]:
+        return (slots, self.value_heads, self.key_dim, self.value_dim)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes of one request's conv and recurrent state on one rank (the module's formula)."""
+        local = self.on_rank(tp)
+        conv = (local.conv_kernel - 1) * local.conv_channels * torch.empty((), dtype=model_dtype).element_size()
+        recurrent = local.value_heads * local.key_dim * local.value_dim * RECURRENT_STATE_DTYPE.itemsize
+        return conv + recurrent
+
+
+@dataclass(frozen=True)
+class ShortConvShape:
+    """One short-convolution layer (HF ``lfm2``'s ``Lfm2ShortConv``): ``channels`` C (the hidden
+    size) and ``conv_kernel`` K (``conv_L_cache``). Its state is the conv state ``[S, C_r, K−1]`` in
+    the model's dtype, ``C_r = C/tp`` where ``tp`` divides ``C`` (the layer is split by channels),
+    else ``C`` (replicated)::
+
+        conv_bytes = (K − 1) · C_r · model_bytes
+    """
+
+    channels: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for name in ("channels", "conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"short conv {name} must be a positive int, got {value!r}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"short conv conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    def splits_over(self, tp: int) -> bool:
+        return self.channels % tp == 0
+
+    def on_rank(self, tp: int) -> ShortConvShape:
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        return ShortConvShape(self.channels // tp, self.conv_kernel) if self.splits_over(tp) else self
+
+    def conv_state_shape(self, slots: int) -> tuple[int, int, int]:
+        return (slots, self.channels, self.conv_kernel - 1)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        local = self.on_rank(tp)
+        return (local.conv_kernel - 1) * local.channels * torch.empty((), dtype=model_dtype).element_size()

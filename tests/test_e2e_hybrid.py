@@ -1,0 +1,113 @@
+"""End to end, hybrid models through ``dcpgraph.compile`` and the engine at tp=1·dcp=1: qwen3_next
+(three gated delta net layers, one gated attention layer) and lfm2 (short convolutions around an
+attention layer) give HF's greedy tokens (``generate``, do_sample=False) for a batch whose longest
+prompt is longer than the prefill chunk (8 tokens), with a KV cache small enough to preempt (the
+preempted request restarts its recurrent state from a fresh slot). The scheduler's state slots:
+one per running request, given back at finish, abort and preemption. Refused by name: prefix
+caching, speculative decoding, TP/DCP meshes, adopting a request (P/D). (The distributed
+executor's refusal needs an initialised torch.distributed world, which these tests do not start.)"""
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.errors import RequestError, UnsupportedModelError
+from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
+from dcpgraph.testing.generation import drain, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
+NEW_TOKENS = 6
+
+
+def _qwen3_next():
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
+        initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+def _lfm2():
+    config = transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+MODELS = {"qwen3_next": _qwen3_next, "lfm2": _lfm2}
+# Per request, by the layouts' formulas: 3 GDN layers (Hk 2, Hv 4, Dk = Dv = 8, K 4), fp32 model;
+# 2 short convolutions (C 32, K 3).
+EXPECTED_STATE_BYTES = {
+    "Qwen3NextForCausalLM": 3 * GatedDeltaNetShape(2, 4, 8, 8, 4).state_bytes_per_request(torch.float32),
+    "Lfm2ForCausalLM": 2 * ShortConvShape(32, 3).state_bytes_per_request(torch.float32),
+}
+
+
+@pytest.fixture(scope="module", params=[pytest.param("qwen3_next"), pytest.param("lfm2", marks=pytest.mark.slow)])
+def case(request):
+    model = MODELS[request.param]()
+    return model, dcpgraph.trace(model)
+
+
+@pytest.mark.slow  # ~40 s a model on 2 shared cores (verified compile, HF generate, 20 steps)
+def test_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case):
+    model, program = case
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, num_blocks=7)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    got = drain(engine)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
+    assert any(name.startswith("decode[") for name in engine.runner.graph_steps)  # padded decode rows too
+    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+
+
+@pytest.mark.slow  # ~25 s: a verified compile and a few steps
+def test_state_slots_follow_running_requests(case):
+    _, program = case
+    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=32, max_num_seqs=2)
+    scheduler = engine.scheduler
+    assert scheduler.state_slots == 2
+    report = engine.memory_report()
+    pools = engine.program.recurrent_states
+    allocated = sum(t.numel() * t.element_size() for name, t in engine.executor.caches[0].items()
+                    if name in {p.name for p in pools})
+    assert report["recurrent_state_bytes_per_rank"] == [allocated] == [2 * report["recurrent_state_bytes_per_request"]]
+    assert report["recurrent_state_bytes_per_request"] == EXPECTED_STATE_BYTES[program.facts.architecture]
+    a = engine.add_request(PROMPTS[0], max_new_tokens=2)
+    b = engine.add_request(PROMPTS[1], max_new_tokens=2)
+    c = engine.add_request(PROMPTS[2], max_new_tokens=2)
+    engine.step()
+    running = {r.id: r.state_slot for r in scheduler.running}
+    assert sorted(running.values()) == [0, 1] and scheduler.get(c).state_slot is None  # c waits: no slot
+    engine.abort(a)
+    assert scheduler._free_state_slots == [running[a]]
+    drain(engine)
+    assert sorted(scheduler._free_state_slots) == [0, 1] and scheduler.get(b) is None
+    with pytest.raises(RequestError, match="P/D with hybrid models is not supported"):
+        scheduler.adopt(scheduler.get(b) or _request(), ())
+
+
+def _request():
+    from dcpgraph.runtime.sampling_params import SamplingParams
+    from dcpgraph.runtime.scheduler import Request
+    return Request(99, [1, 2], 2, SamplingParams())
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative decoding is not supported with recurrent layers"),
+    (dict(tp=2), r"compile at tp=1, dcp=1 only, got tp=2, dcp=1"),
+])
+def test_features_without_exact_state_are_refused_by_name(case, options, message):
+    _, program = case
+    with pytest.raises(UnsupportedModelError, match=message):
+        dcpgraph.compile(program, block_size=4, **options)

@@ -1,0 +1,81 @@
+"""Hybrid HF models trace with their recurrent layers as canonical ops: qwen3_next (gated delta
+net + gated attention, dense MLPs) and lfm2 (short convolution + attention). The traced program
+gives HF's own logits over a whole prompt (longer than the scan chunk); a recurrent layer kind the
+front end does not recognise (Mamba-2) stays refused by its layer type."""
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph.errors import UnsupportedModelError
+
+transformers = pytest.importorskip("transformers")
+
+DCP = torch.ops.dcpgraph
+
+
+def _qwen3_next():
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+def _lfm2():
+    config = transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+def _run(program, ids):
+    args = []
+    for spec in program.inputs:
+        if spec.kind == "user":
+            args.append(ids if spec.target == "input_ids" else torch.arange(ids.shape[1]).unsqueeze(0))
+        else:
+            args.append(program.state[spec.target])
+    with torch.no_grad():
+        out = program.graph_module(*args)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _count(program, op) -> int:
+    return sum(1 for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target == op)
+
+
+@pytest.mark.parametrize("build, kinds, convs, rules", [
+    pytest.param(_qwen3_next, {0: "gated delta net", 1: "gated delta net", 2: "gated delta net"}, 3, 3,
+                 marks=pytest.mark.slow),  # ~20 s; its trace also runs in test_recurrent_program's default tier
+    (_lfm2, {0: "short convolution", 2: "short convolution"}, 2, 0),
+])
+def test_hybrid_traces_to_canonical_ops_with_hf_logits(build, kinds, convs, rules):
+    model = build()
+    program = dcpgraph.trace(model)
+    assert program.facts.extra["recurrent_layers"] == kinds
+    assert _count(program, DCP.causal_conv1d.default) == convs
+    assert _count(program, DCP.gated_delta_rule.default) == rules
+    assert _count(program, DCP.attention.default) == len(model.config.layer_types) - len(kinds)
+    ids = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(1))  # > one 64-token scan chunk
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(_run(program, ids), ref, atol=1e-4, rtol=1e-4)
+    # HF's module is restored: its own forward runs again after the trace.
+    layer = next(iter(kinds))
+    assert "forward" not in vars(next(m for m in model.model.layers[layer].modules()
+                                      if m is not model.model.layers[layer] and hasattr(m, "out_proj")))
+
+
+def test_unrecognised_recurrent_layers_stay_refused_by_type():
+    config = transformers.BambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+        attn_layer_indices=[1])
+    model = transformers.BambaForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match=r"recurrent layers \(Mamba/SSM.*at layers \[0\]"):
+        dcpgraph.trace(model)

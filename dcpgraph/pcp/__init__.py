@@ -1,0 +1,8 @@
+"""Prefill context parallelism (PCP): a prompt's new tokens split over ``pcp`` ranks.
+
+:mod:`.split` is the head-tail (zigzag) split balanced for causal work, :mod:`.attention` the
+per-rank prefill attention over every earlier key (cached context plus the exchanged new K/V,
+merged by log-sum-exp), :mod:`.kv_placement` the write of the new K/V into the DCP layout,
+:mod:`.eager` an eager PCP prefill and DCP decode of a transformers Llama/Qwen3 model (tp=1), and
+:mod:`.support` what the compiled engine refuses.
+"""

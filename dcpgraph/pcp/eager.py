@@ -1,0 +1,172 @@
+"""Eager PCP prefill and DCP decode of a transformers Llama/Qwen3 model at tp = 1.
+
+Every rank holds the whole model (tp = 1) and, per layer, a DCP shard of the sequence's KV: the
+positions ``x`` with ``owner(x) = dcp_rank`` (:mod:`.kv_placement`). A rank is a generator that
+yields each collective it needs as ``(op, payload)`` and receives the result, so one rank program
+runs emulated (:func:`run_emulated`, every rank in this process, in lockstep) or on a real process
+group (:mod:`.gloo_driver`). The collectives:
+
+- ``"pcp_all_gather"``: a tensor from every rank of the PCP group, in PCP-rank order;
+- ``"dcp_all_gather"``: a tensor from every rank of the rank's DCP group, in DCP-rank order;
+- ``"dcp_all_to_all"``: a list whose entry ``j`` goes to DCP rank ``j``; returns what each sent.
+
+Prefill of ``n`` new tokens at positions ``c..c+n-1``, per layer: each rank computes Q/K/V of its
+zigzag tokens (:mod:`.split`), all-gathers the new K/V over the PCP group (one collective of
+``2·n_r·Hkv·D`` elements per rank), attends its chunks causally over the new keys, and over the
+cached context: with dcp = 1 every rank holds all of it; with dcp > 1 the queries are all-gathered
+over the DCP group, every rank attends them over its own shard, and the partials go back to the
+query's rank (all-to-all) to be merged by LSE. It then stores the new positions it owns.
+Decode is today's DCP decode: each rank of a DCP group attends the one new query over its shard,
+the ``(out, lse)`` pairs are all-gathered over the DCP group and merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, UnsupportedModelError
+from ..mesh import Mesh
+from ..ops.kernels import attend
+from .attention import in_prompt_order, merge_partials, new_token_attention
+from .kv_placement import owned_rows
+from .split import rank_chunks, rank_token_indices
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+RankProgram = Generator[tuple[str, Any], Any, Any]
+
+
+@dataclass
+class RankCache:
+    """One rank's DCP shard: per layer the positions it owns and their K/V ``[L, Hkv, D]``."""
+
+    positions: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def truncated(self, length: int) -> RankCache:
+        """The shard of the first ``length`` positions (a reused prompt prefix)."""
+        keep = [p < length for p in self.positions]
+        return RankCache([p[m] for p, m in zip(self.positions, keep)], [k[m] for k, m in zip(self.keys, keep)],
+                         [v[m] for v, m in zip(self.values, keep)])
+
+
+def check_eager_pcp(model: torch.nn.Module, mesh: Mesh) -> None:
+    """The eager path's limits, each refused by name: tp = 1 and a Llama/Qwen3 model without
+    sliding windows or logit soft-capping."""
+    config = model.config
+    if mesh.tp != 1:
+        raise ConfigError(f"the eager PCP path runs tensor_parallel_size=1 only, got tp={mesh.tp}")
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"the eager PCP path supports {list(SUPPORTED_MODEL_TYPES)} (GQA), "
+                                    f"not model_type={config.model_type!r}")
+    if getattr(config, "use_sliding_window", False) or getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("the eager PCP path has no sliding window or logit soft-capping")
+    mesh.validate(attention="gqa", num_q_heads=config.num_attention_heads,
+                  num_kv_heads=config.num_key_value_heads)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _qkv(model, layer, hidden: torch.Tensor, positions: torch.Tensor):
+    """Q ``[T, Hq, D]``, K/V ``[T, Hkv, D]`` of one layer, rotary applied at ``positions``."""
+    attn, rows = layer.self_attn, hidden.shape[0]
+    x = layer.input_layernorm(hidden)
+    d = attn.head_dim
+    q = attn.q_proj(x).view(rows, attn.q_proj.out_features // d, d)
+    k = attn.k_proj(x).view(rows, attn.k_proj.out_features // d, d)
+    v = attn.v_proj(x).view(rows, attn.v_proj.out_features // d, d)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = model.model.rotary_emb(x.unsqueeze(0), positions.unsqueeze(0))
+    cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def _finish_layer(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    hidden = hidden + layer.self_attn.o_proj(attn_out.flatten(1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _cached_context(q: torch.Tensor, cache: RankCache, layer: int, scale: float, dcp: int):
+    """Partial of ``q`` over the whole cached context: local when dcp = 1, else the DCP group's
+    shards via an all-gather of queries and an all-to-all of partials."""
+    k, v = cache.keys[layer], cache.values[layer]
+    if dcp == 1:
+        return attend(q, k, v, scale)
+    queries = yield ("dcp_all_gather", q)
+    back = yield ("dcp_all_to_all", [pack(*attend(qj, k, v, scale)) for qj in queries])
+    return merge_partials([unpack(p, q.dtype) for p in back])
+
+
+def pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``(out, lse)`` as one fp32 (or wider) tensor ``[..., Dv + 1]`` for a single collective."""
+    acc = torch.promote_types(out.dtype, torch.float32)
+    return torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)
+
+
+def unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack`: ``out`` back in ``dtype``, ``lse`` kept in fp32 or wider."""
+    return packed[..., :-1].to(dtype), packed[..., -1]
+
+
+def prefill_rank(model, mesh: Mesh, rank: int, new_ids: torch.Tensor, start: int, cache: RankCache,
+                 interleave: int = 1) -> RankProgram:
+    """Rank ``rank``'s PCP prefill of ``new_ids`` at positions ``start..`` (``start`` tokens already
+    in the DCP group's ``cache``); returns the last new token's logits on the rank that computes it
+    (None elsewhere) and extends ``cache`` by the new positions this rank owns."""
+    pcp, dcp, p = mesh.pcp, mesh.dcp, mesh.pcp_rank(rank)
+    n = int(new_ids.shape[0])
+    indices = torch.tensor(rank_token_indices(n, pcp, p), dtype=torch.long)
+    chunks = rank_chunks(n, pcp, p)
+    all_positions = torch.arange(start, start + n)
+    mine = owned_rows(all_positions, mesh.dcp_rank(rank), dcp, interleave)
+    hidden = model.model.embed_tokens(new_ids[indices])
+    for li, layer in enumerate(model.model.layers):
+        q, k, v = _qkv(model, layer, hidden, start + indices)
+        gathered = yield ("pcp_all_gather", torch.stack([k, v]))
+        kv_new = in_prompt_order([g.transpose(0, 1) for g in gathered], n, pcp).transpose(0, 1)
+        partials = [new_token_attention(q, kv_new[0], kv_new[1], chunks, layer.self_attn.scaling)]
+        if start:
+            partials.append((yield from _cached_context(q, cache, li, layer.self_attn.scaling, dcp)))
+        out, _ = merge_partials(partials)
+        hidden = _finish_layer(layer, hidden, out)
+        if li == len(cache.keys):
+            cache.positions.append(all_positions[mine])
+            cache.keys.append(kv_new[0][mine])
+            cache.values.append(kv_new[1][mine])
+        else:
+            cache.positions[li] = torch.cat([cache.positions[li], all_positions[mine]])
+            cache.keys[li] = torch.cat([cache.keys[li], kv_new[0][mine]])
+            cache.values[li] = torch.cat([cache.values[li], kv_new[1][mine]])
+    last = (indices == n - 1).nonzero().flatten()
+    if last.numel() == 0:
+        return None
+    return model.lm_head(model.model.norm(hidden[last]))[0]
+
+
+def decode_rank(model, mesh: Mesh, rank: int, token: int, position: int, cache: RankCache,
+                interleave: int = 1) -> RankProgram:
+    """Rank ``rank``'s DCP decode of one token at ``position``; returns its logits."""
+    dcp = mesh.dcp
+    positions = torch.tensor([position])
+    stores = int(owned_rows(positions, mesh.dcp_rank(rank), dcp, interleave).numel()) == 1
+    hidden = model.model.embed_tokens(torch.tensor([token]))
+    for li, layer in enumerate(model.model.layers):
+        q, k, v = _qkv(model, layer, hidden, positions)
+        if stores:
+            cache.positions[li] = torch.cat([cache.positions[li], positions])
+            cache.keys[li] = torch.cat([cache.keys[li], k])
+            cache.values[li] = torch.cat([cache.values[li], v])
+        o, lse = attend(q, cache.keys[li], cache.values[li], layer.self_attn.scaling)
+        if dcp > 1:
+            parts = yield ("dcp_all_gather", pack(o, lse))
+            o, _ = merge_partials([unpack(p, q.dtype) for p in parts])
+        hidden = _finish_layer(layer, hidden, o)
+    return model.lm_head(model.model.norm(hidden))[0]

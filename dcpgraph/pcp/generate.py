@@ -1,0 +1,44 @@
+"""Greedy generation with a PCP prefill (in chunks, after an optional reused prefix) and DCP
+decode, every rank emulated (:func:`.emulated.run_emulated`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..mesh import Mesh
+from .eager import RankCache, check_eager_pcp, decode_rank, prefill_rank
+from .emulated import run_emulated
+
+
+@torch.no_grad()
+def generate_greedy(model, mesh: Mesh, prompt: list[int], max_new_tokens: int, *, prefill_chunk: int | None = None,
+                    interleave: int = 1, reused: dict[int, RankCache] | None = None,
+                    reused_len: int = 0) -> tuple[list[int], dict[int, RankCache]]:
+    """``max_new_tokens`` greedy tokens after ``prompt`` and every rank's cache after them.
+
+    ``reused``/``reused_len``: rank caches holding the prompt's first ``reused_len`` positions
+    (a prefix-cache hit); the prefill then covers ``prompt[reused_len:]`` in pieces of at most
+    ``prefill_chunk`` tokens (chunked prefill), each one PCP prefill.
+    """
+    check_eager_pcp(model, mesh)
+    if not 0 <= reused_len < len(prompt):
+        raise ConfigError(f"reused_len must be in [0, {len(prompt)}) for a {len(prompt)}-token prompt, got {reused_len}")
+    chunk = prefill_chunk or len(prompt)
+    caches = reused if reused is not None else {r: RankCache() for r in mesh.ranks}
+    logits = None
+    for start in range(reused_len, len(prompt), chunk):
+        ids = torch.tensor(prompt[start:start + chunk])
+        out = run_emulated(mesh, {r: prefill_rank(model, mesh, r, ids, start, caches[r], interleave)
+                                  for r in mesh.ranks})
+        logits = next(v for v in out.values() if v is not None)
+    tokens = []
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        tokens.append(token)
+        if step + 1 == max_new_tokens:
+            break
+        out = run_emulated(mesh, {r: decode_rank(model, mesh, r, token, len(prompt) + step, caches[r], interleave)
+                                  for r in mesh.ranks})
+        logits = out[0]
+    return tokens, caches

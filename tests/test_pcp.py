@@ -153,3 +153,21 @@ def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
 def test_eager_path_refuses_what_it_does_not_run():
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
         generate_greedy(_model("llama"), Mesh(tp=2, dcp=1, pcp=2), [1, 2, 3], 1)
+
+
+def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_path):
+    import argparse
+
+    from dcpgraph.serving.cli_args import add_cli_args
+    from dcpgraph.serving.llm import LLM
+    from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+
+    parser = add_cli_args(argparse.ArgumentParser())
+    for flags in (["-pcp", "2"], ["--prefill-context-parallel-size", "2"]):
+        args = parser.parse_args(["/m", *flags, "-dcp", "2"])
+        assert DcpgraphConfig.from_cli_args(args).parallel.prefill_context_parallel_size == 2
+    path = save_tiny_checkpoint(tmp_path / "m", "qwen3", layers=1)
+    with pytest.raises(ConfigError, match=r"\(tp · pcp\) % dcp == 0 failed.*valid dcp: \[1, 2\]"):
+        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=4)
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 .*runs prefill_context_parallel_size=1"):
+        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2)

@@ -66,7 +66,7 @@ def require_model_dir(path: str) -> None:
 
 
 def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int = 1, block_size: int = 16,
-                       interleave: int = 1, tokenizer=None) -> CheckpointInfo:
+                       interleave: int = 1, tokenizer=None, pcp: int = 1) -> CheckpointInfo:
     """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -86,7 +86,7 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     mla = getattr(text, "kv_lora_rank", None) is not None
-    Mesh(tp, dcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
+    Mesh(tp, dcp, pcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
                            num_kv_heads=1 if mla else (getattr(text, "num_key_value_heads", None) or heads),
                            block_size=block_size, interleave=interleave)
     if tokenizer is not None and len(tokenizer) > text.vocab_size:

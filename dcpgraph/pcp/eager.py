@@ -3,8 +3,8 @@
 Every rank holds the whole model (tp = 1) and, per layer, a DCP shard of the sequence's KV: the
 positions ``x`` with ``owner(x) = dcp_rank`` (:mod:`.kv_placement`). A rank is a generator that
 yields each collective it needs as ``(op, payload)`` and receives the result, so one rank program
-runs emulated (:func:`run_emulated`, every rank in this process, in lockstep) or on a real process
-group (:mod:`.gloo_driver`). The collectives:
+runs emulated (:func:`.emulated.run_emulated`, every rank in this process, in lockstep) or on real
+process groups (:func:`.distributed.run_distributed`). The collectives:
 
 - ``"pcp_all_gather"``: a tensor from every rank of the PCP group, in PCP-rank order;
 - ``"dcp_all_gather"``: a tensor from every rank of the rank's DCP group, in DCP-rank order;
@@ -119,8 +119,8 @@ def unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 def prefill_rank(model, mesh: Mesh, rank: int, new_ids: torch.Tensor, start: int, cache: RankCache,
                  interleave: int = 1) -> RankProgram:
     """Rank ``rank``'s PCP prefill of ``new_ids`` at positions ``start..`` (``start`` tokens already
-    in the DCP group's ``cache``); returns the last new token's logits on the rank that computes it
-    (None elsewhere) and extends ``cache`` by the new positions this rank owns."""
+    in the DCP group's ``cache``); returns the last new token's logits (shared with every PCP rank
+    by the rank that computes them) and extends ``cache`` by the new positions this rank owns."""
     pcp, dcp, p = mesh.pcp, mesh.dcp, mesh.pcp_rank(rank)
     n = int(new_ids.shape[0])
     indices = torch.tensor(rank_token_indices(n, pcp, p), dtype=torch.long)
@@ -130,25 +130,26 @@ def prefill_rank(model, mesh: Mesh, rank: int, new_ids: torch.Tensor, start: int
     hidden = model.model.embed_tokens(new_ids[indices])
     for li, layer in enumerate(model.model.layers):
         q, k, v = _qkv(model, layer, hidden, start + indices)
-        gathered = yield ("pcp_all_gather", torch.stack([k, v]))
-        kv_new = in_prompt_order([g.transpose(0, 1) for g in gathered], n, pcp).transpose(0, 1)
-        partials = [new_token_attention(q, kv_new[0], kv_new[1], chunks, layer.self_attn.scaling)]
+        gathered = yield ("pcp_all_gather", torch.stack([k, v], dim=1))
+        kv_new = in_prompt_order(gathered, n, pcp)  # [n, 2, Hkv, D]
+        k_new, v_new = kv_new[:, 0], kv_new[:, 1]
+        partials = [new_token_attention(q, k_new, v_new, chunks, layer.self_attn.scaling)]
         if start:
             partials.append((yield from _cached_context(q, cache, li, layer.self_attn.scaling, dcp)))
         out, _ = merge_partials(partials)
         hidden = _finish_layer(layer, hidden, out)
         if li == len(cache.keys):
             cache.positions.append(all_positions[mine])
-            cache.keys.append(kv_new[0][mine])
-            cache.values.append(kv_new[1][mine])
+            cache.keys.append(k_new[mine])
+            cache.values.append(v_new[mine])
         else:
             cache.positions[li] = torch.cat([cache.positions[li], all_positions[mine]])
-            cache.keys[li] = torch.cat([cache.keys[li], kv_new[0][mine]])
-            cache.values[li] = torch.cat([cache.values[li], kv_new[1][mine]])
-    last = (indices == n - 1).nonzero().flatten()
-    if last.numel() == 0:
-        return None
-    return model.lm_head(model.model.norm(hidden[last]))[0]
+            cache.keys[li] = torch.cat([cache.keys[li], k_new[mine]])
+            cache.values[li] = torch.cat([cache.values[li], v_new[mine]])
+    last = (indices == n - 1).nonzero().flatten()  # one PCP rank computes the last new token
+    logits = model.lm_head(model.model.norm(hidden[last]))
+    shared = yield ("pcp_all_gather", logits)
+    return torch.cat(shared)[0]
 
 
 def decode_rank(model, mesh: Mesh, rank: int, token: int, position: int, cache: RankCache,

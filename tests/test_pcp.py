@@ -2,8 +2,8 @@
 dense causal attention, and greedy generation after an emulated PCP prefill against HF ``generate``.
 
 Models: tiny random fp64 Llama (1 KV head) and Qwen3 (2 KV heads, q/k norms), 2 layers, so that
-exchange/merge rounding cannot flip an argmax. Meshes are the valid tp=1 ones of the acceptance
-list: (tp, pcp, dcp) in {(1,2,1), (1,2,2), (1,4,2)} (tp > 1 is refused by the eager path).
+exchange/merge rounding cannot flip an argmax. Meshes: the acceptance list (tp, pcp, dcp) in
+{(1,2,1), (1,2,2), (2,2,1), (2,2,2), (2,2,4), (1,4,2)} where valid ((2,2,4) needs 1 KV head).
 """
 
 from __future__ import annotations
@@ -122,8 +122,12 @@ def _matches_hf(model, prompt, tokens) -> bool:
     return len(ref) >= 1 and tokens[:len(ref)] == ref
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 1), (1, 2, 2), (1, 4, 2)])
+GREEDY_CASES = [(name, *mesh) for name in ("llama", "qwen3")
+                for mesh in [(1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 2)]
+                if not (name == "qwen3" and mesh == (2, 2, 4))]  # 2 KV heads: each on 2 attention ranks
+
+
+@pytest.mark.parametrize("name, tp, pcp, dcp", GREEDY_CASES)
 def test_greedy_tokens_match_hf_generate(name, tp, pcp, dcp):
     model = _model(name)
     mesh = Mesh(tp=tp, dcp=dcp, pcp=pcp)
@@ -151,8 +155,13 @@ def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
 
 
 def test_eager_path_refuses_what_it_does_not_run():
-    with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
-        generate_greedy(_model("llama"), Mesh(tp=2, dcp=1, pcp=2), [1, 2, 3], 1)
+    with pytest.raises(ConfigError, match=r"max\(tp // num_kv_heads, 1\) · pcp"):
+        generate_greedy(_model("qwen3"), Mesh(tp=2, dcp=4, pcp=2), [1, 2, 3], 1)
+    gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=16))
+    with pytest.raises(dcpgraph.UnsupportedModelError, match=r"supports \['llama', 'qwen3'\]"):
+        generate_greedy(gemma, Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1)
 
 
 def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_path):

@@ -1,7 +1,8 @@
 """The eager PCP path on real gloo processes: every rank runs only its own rank program, the K/V
 exchange, the DCP query gather and all-to-all going through ``torch.distributed``.
 
-One spawn per mesh, (tp, pcp, dcp) in {(1,2,2), (1,4,2)} (world 2 and 4; ~5–15 s each on 2 cores):
+One spawn per mesh, (tp, pcp, dcp) in {(1,2,2), (2,2,2)} (world 2 and 4, the second with the TP
+all-reduce; ~15–60 s each on a loaded 2-core machine):
 each rank builds the same seeded fp64 Qwen3 of :mod:`test_pcp`, generates greedily with a chunked
 PCP prefill and a prefix reused from an earlier request, and every rank's tokens must equal HF
 ``generate`` on the same weights.
@@ -25,12 +26,12 @@ def _prompts():
             shared + torch.randint(0, 128, (SECOND,), generator=g).tolist())
 
 
-def _rank(rank: int, world: int, pcp: int, dcp: int):
+def _rank(rank: int, world: int, tp: int, pcp: int, dcp: int):
     from dcpgraph import Mesh
     from dcpgraph.pcp.distributed import new_rank_groups, run_distributed
     from dcpgraph.pcp.generate import generate_greedy
 
-    mesh = Mesh(tp=1, dcp=dcp, pcp=pcp)
+    mesh = Mesh(tp=tp, dcp=dcp, pcp=pcp)
     groups = new_rank_groups(mesh, rank)
 
     def run(programs):
@@ -46,9 +47,9 @@ def _rank(rank: int, world: int, pcp: int, dcp: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pcp, dcp", [(2, 2), (4, 2)])
-def test_pcp_on_gloo_matches_hf(pcp, dcp):
-    results = spawn(_rank, pcp, pcp, dcp, timeout_s=300)
+@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 2), (2, 2, 2)])
+def test_pcp_on_gloo_matches_hf(tp, pcp, dcp):
+    results = spawn(_rank, tp * pcp, tp, pcp, dcp, timeout_s=300)
     _, second = _prompts()
     assert all(tokens == results[0] for tokens in results)
     assert _matches_hf(_model("qwen3"), second, results[0])

@@ -4,7 +4,7 @@ with ``all_gather`` and ``gather``).
 ``pcp_all_gather``/``dcp_all_gather`` exchange the row counts first (one int per rank), pad every
 payload to the largest and trim after, since ranks hold different numbers of tokens;
 ``dcp_all_to_all`` is one ``gather`` per destination (every sender's entry for one destination has
-that destination's shape), as gloo has no all-to-all.
+that destination's shape), as gloo has no all-to-all; ``tp_all_reduce`` is ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -22,23 +22,25 @@ from .eager import RankProgram
 
 @dataclass(frozen=True)
 class RankGroups:
-    """This rank's PCP and DCP process groups and their global ranks."""
+    """This rank's PCP, DCP and TP process groups and their global ranks."""
 
     pcp: Any
     pcp_ranks: tuple[int, ...]
     dcp: Any
     dcp_ranks: tuple[int, ...]
+    tp: Any = None
+    tp_ranks: tuple[int, ...] = ()
 
 
 def new_rank_groups(mesh: Mesh, rank: int) -> RankGroups:
-    """Create every PCP and DCP group of ``mesh`` (a collective call: every rank makes them all, in
-    one order) and return ``rank``'s."""
-    pcp_groups = sorted({mesh.pcp_group(r) for r in mesh.ranks})
-    dcp_groups = mesh.dcp_groups()
-    made = {("pcp", g): dist.new_group(list(g)) for g in pcp_groups}
-    made.update({("dcp", g): dist.new_group(list(g)) for g in dcp_groups})
-    pcp, dcp = mesh.pcp_group(rank), mesh.dcp_group(rank)
-    return RankGroups(made[("pcp", pcp)], pcp, made[("dcp", dcp)], dcp)
+    """Create every PCP, DCP and TP group of ``mesh`` (a collective call: every rank makes them
+    all, in one order) and return ``rank``'s."""
+    made = {}
+    for kind in ("pcp", "dcp", "tp"):
+        for g in sorted({mesh.group(kind, r) for r in mesh.ranks}):
+            made[(kind, g)] = dist.new_group(list(g))
+    pcp, dcp, tp = mesh.pcp_group(rank), mesh.dcp_group(rank), mesh.tp_group(rank)
+    return RankGroups(made[("pcp", pcp)], pcp, made[("dcp", dcp)], dcp, made[("tp", tp)], tp)
 
 
 def run_distributed(program: RankProgram, groups: RankGroups) -> Any:
@@ -58,6 +60,10 @@ def _collective(op: str, payload: Any, groups: RankGroups) -> Any:
         return all_gather_rows(payload, groups.dcp, len(groups.dcp_ranks))
     if op == "dcp_all_to_all":
         return _all_to_all(payload, groups)
+    if op == "tp_all_reduce":
+        total = payload.clone()
+        dist.all_reduce(total, group=groups.tp)
+        return total
     raise CollectiveMismatchError(f"unknown collective {op!r}")
 
 

@@ -44,6 +44,12 @@ def _collective(mesh: Mesh, op: str, rank: int, pending: dict[int, tuple[str, An
         return [pending[r][1] for r in mesh.pcp_group(rank)]
     if op == "dcp_all_gather":
         return [pending[r][1] for r in mesh.dcp_group(rank)]
+    if op == "tp_all_reduce":
+        parts = [pending[r][1] for r in mesh.tp_group(rank)]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
     if op == "dcp_all_to_all":
         me = mesh.dcp_rank(rank)
         return [pending[r][1][me] for r in mesh.dcp_group(rank)]

@@ -180,3 +180,20 @@ def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_p
         LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=4)
     with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 .*runs prefill_context_parallel_size=1"):
         LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2)
+
+
+# -- planner: the TTFT estimate --------------------------------------------------------------------
+def test_prefill_estimate_splits_work_by_pcp_and_charges_the_exchange():
+    from dcpgraph.plan.hardware import PRESETS
+    from dcpgraph.plan.model_shape import from_config
+    from dcpgraph.plan.prefill_cost import prefill_estimate
+
+    shape = from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 8,
+                         "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+                         "intermediate_size": 1408, "vocab_size": 1024, "torch_dtype": "bfloat16"})
+    hw = PRESETS["h200"]
+    one, two = (prefill_estimate(shape, hw, tp=1, pcp=p, prompt_tokens=8192) for p in (1, 2))
+    assert two.tokens_per_rank == 4096 and two.dense_flops == one.dense_flops / 2
+    assert two.attention_flops == one.attention_flops / 2 == 4 * 8 * 64 * 8192 * 8193 // 4 * 8
+    assert one.exchange_bytes == 0 and two.exchange_bytes == 8192 / 2 * 2 * 2 * 64 * 2 * 8
+    assert two.exchange_s > 0 and two.ttft_s < 0.65 * one.ttft_s

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..pcp.split import causal_work
 from .hardware import Hardware
 from .model_shape import ModelShape
 
@@ -46,8 +47,6 @@ class PrefillEstimate:
 
 def causal_keys_busiest_rank(n: int, pcp: int) -> int:
     """``max_r Σ_{i in rank r's tokens} (i + 1)`` under the zigzag split."""
-    from ..pcp.split import causal_work
-
     return max(causal_work(n, pcp, r) for r in range(pcp))
 
 

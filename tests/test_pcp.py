@@ -162,6 +162,12 @@ def test_eager_path_refuses_what_it_does_not_run():
                                                  num_key_value_heads=1, head_dim=16))
     with pytest.raises(dcpgraph.UnsupportedModelError, match=r"supports \['llama', 'qwen3'\]"):
         generate_greedy(gemma, Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1)
+    for bad in (dict(prompt=[]), dict(max_new_tokens=0), dict(prefill_chunk=0)):
+        args = {"prompt": [1, 2, 3], "max_new_tokens": 1, **bad}
+        with pytest.raises(ConfigError, match="non-empty prompt, max_new_tokens >= 1"):
+            generate_greedy(_model("llama"), Mesh(tp=1, dcp=1, pcp=2), **args)
+    with pytest.raises(ConfigError, match=r"reused_len must be in \[0, 3\)"):
+        generate_greedy(_model("llama"), Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1, reused_len=3)
 
 
 def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_path):

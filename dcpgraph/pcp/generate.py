@@ -30,6 +30,10 @@ def generate_greedy(model, mesh: Mesh, prompt: list[int], max_new_tokens: int, *
     this process runs and how their programs are driven (default: all, emulated).
     """
     check_eager_pcp(model, mesh)
+    if not prompt or max_new_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
+        raise ConfigError(f"generate_greedy needs a non-empty prompt, max_new_tokens >= 1 and prefill_chunk None or "
+                          f">= 1; got {len(prompt)} prompt tokens, max_new_tokens={max_new_tokens}, "
+                          f"prefill_chunk={prefill_chunk}")
     if not 0 <= reused_len < len(prompt):
         raise ConfigError(f"reused_len must be in [0, {len(prompt)}) for a {len(prompt)}-token prompt, got {reused_len}")
     chunk = prefill_chunk or len(prompt)

@@ -25,6 +25,7 @@ from .memory import (
 from .mesh import Mesh
 from .passes.pipeline import compile_program, describe_recurrent
 from .passes.shard_dcp_auto import compile_workload
+from .pcp.support import refuse_pcp_execution
 from .program import Program
 from .runtime.engine import Engine, blocks_for_budget, refuse_recurrent_state_features
 from .runtime.executors import DistributedExecutor, EmulatedExecutor
@@ -79,6 +80,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     *,
     tp: int = 1,
     dcp: int = 1,
+    pcp: int = 1,
     interleave: int = 1,
     block_size: int = 16,
     max_model_len: int | None = None,
@@ -87,6 +89,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     **options: Any,
 ):
     """Compile ``model`` for ``tp`` ranks with DCP groups of ``dcp``; returns an :class:`Engine`.
+
+    ``pcp`` (prefill context parallel, vLLM's ``prefill_context_parallel_size``) is validated with
+    the mesh (:meth:`dcpgraph.mesh.Mesh.validate`); pcp > 1 is then refused by
+    :func:`dcpgraph.pcp.support.refuse_pcp_execution`, as the compiled engine runs pcp=1 only.
 
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
@@ -138,7 +144,7 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     model) before any tracing, pass or collective runs.
     """
 
-    return engine_for(compile_programs(model, tp=tp, dcp=dcp, interleave=interleave, block_size=block_size,
+    return engine_for(compile_programs(model, tp=tp, dcp=dcp, pcp=pcp, interleave=interleave, block_size=block_size,
                                        max_model_len=max_model_len, comm=comm, backend=backend, **options))
 
 
@@ -230,7 +236,9 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     """Checks the mesh against the model, the MTP target and the draft model, all before any
     tracing; ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 4096."""
 
-    mesh = Mesh(settings.parallel.tensor_parallel_size, settings.parallel.decode_context_parallel_size)
+    parallel = settings.parallel
+    mesh = Mesh(parallel.tensor_parallel_size, parallel.decode_context_parallel_size,
+                parallel.prefill_context_parallel_size)
     opts = settings.compile_options()
     executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
     spec = opts["speculative_config"]
@@ -239,6 +247,7 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
         attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
         block_size=opts["block_size"], interleave=opts["interleave"],
     )
+    refuse_pcp_execution(mesh)
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     if opts["hybrid_kv_cache"]:

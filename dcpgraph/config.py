@@ -135,6 +135,9 @@ class ParallelConfig(_Section):
                                         option="tp")
     decode_context_parallel_size: int = setting(1, "ranks of a decode-context-parallel group (divides tp)",
                                                 flags=("--decode-context-parallel-size", "-dcp"), option="dcp")
+    prefill_context_parallel_size: int = setting(
+        1, "prefill-context-parallel replicas of the TP group (the world is tp·pcp ranks); a prompt's tokens "
+           "are split over them", flags=("--prefill-context-parallel-size", "-pcp"), option="pcp")
     cp_kv_cache_interleave_size: int = setting(1, "tokens per rank in turn along a DCP group's KV cache",
                                                option="interleave", low=1)
     enable_expert_parallel: bool = setting(False, "partition a MoE model's routed experts over the tensor-parallel "
@@ -160,7 +163,8 @@ class ParallelConfig(_Section):
     plan: Any = setting(None, "TP plan for plain modules: module-path pattern -> rule name", cli=False)
 
     def _validate(self) -> None:
-        Mesh(self.tensor_parallel_size, self.decode_context_parallel_size)  # "tp must be a positive int, ..."
+        Mesh(self.tensor_parallel_size, self.decode_context_parallel_size,
+             self.prefill_context_parallel_size)  # "tp must be a positive int, ..."
         self._validate_nodes()
         if self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {self.executor!r}")
@@ -413,8 +417,8 @@ def compile_option_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     return {option_name(f): (s, f) for s, f in config_fields().values() if option_name(f) is not None}
 
 
-# every option compile takes besides tp and dcp (its explicit mesh arguments)
-VALID_OPTIONS = tuple(sorted(set(compile_option_fields()) - {"tp", "dcp"}))
+# every option compile takes besides tp, dcp and pcp (its explicit mesh arguments)
+VALID_OPTIONS = tuple(sorted(set(compile_option_fields()) - {"tp", "dcp", "pcp"}))
 
 
 @dataclass(frozen=True)
@@ -442,7 +446,7 @@ class DcpgraphConfig:
         return cls(**{section: SECTIONS[section](**kw) for section, kw in by_section.items()})
 
     @classmethod
-    def from_compile_options(cls, *, tp: int = 1, dcp: int = 1, **given: Any) -> DcpgraphConfig:
+    def from_compile_options(cls, *, tp: int = 1, dcp: int = 1, pcp: int = 1, **given: Any) -> DcpgraphConfig:
         """From :func:`dcpgraph.compile`'s keywords (the deprecated spellings warn)."""
         given = _renamed(given)
         unknown = sorted(set(given) - set(VALID_OPTIONS))
@@ -450,6 +454,7 @@ class DcpgraphConfig:
             raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
         options = compile_option_fields()
         return cls.from_fields(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                               prefill_context_parallel_size=pcp,
                                **{options[name][1].name: value for name, value in given.items()})
 
     @classmethod
@@ -481,7 +486,7 @@ class DcpgraphConfig:
         return {name: getattr(getattr(self, section), name) for name, (section, _) in config_fields().items()}
 
     def compile_options(self) -> dict[str, Any]:
-        """Every option of :func:`dcpgraph.compile` but tp and dcp, by compile's names, resolved:
+        """Every option of :func:`dcpgraph.compile` but tp, dcp and pcp, by compile's names, resolved:
         the effective backend, ``fuse_new_tokens`` decided, the checked speculative config."""
         out = {name: getattr(getattr(self, section), f.name)
                for name, (section, f) in compile_option_fields().items() if name in VALID_OPTIONS}

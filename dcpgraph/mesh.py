@@ -1,6 +1,10 @@
-"""The device mesh: a TP group of ``tp`` ranks, cut into DCP groups of ``dcp`` consecutive ranks.
+"""The device mesh: ``pcp`` TP groups of ``tp`` ranks, whose attention ranks are cut into DCP groups.
 
-DCP adds no ranks: the world *is* the TP group. With tp=8, dcp=2 the DCP groups are {0,1}, {2,3},
+DCP adds no ranks; PCP (prefill context parallel) does: the world is ``tp · pcp`` ranks, global
+rank ``p·tp + t`` being TP rank ``t`` of PCP replica ``p`` (TP innermost, as vLLM lays ranks out).
+Every PCP replica holds the same TP shard of the weights. DCP groups are consecutive runs of ``dcp``
+in *attention order* ``t·pcp + p`` (the PCP axis fastest, then TP), so with pcp=1 they are
+consecutive TP ranks. With tp=8, dcp=2 the DCP groups are {0,1}, {2,3},
 {4,5}, {6,7}. GQA replicates KV head ``k`` on the ``tp // n_kv`` consecutive ranks
 ``[k·tp/n_kv, (k+1)·tp/n_kv)``; a DCP group must sit inside one such replica set, which is why the
 groups are consecutive and why ``(tp // n_kv) % dcp == 0`` is required.
@@ -15,7 +19,8 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class Mesh:
-    """``tp`` ranks in one tensor-parallel group; DCP groups are consecutive runs of ``dcp``."""
+    """``pcp`` tensor-parallel groups of ``tp`` ranks; DCP groups are consecutive runs of ``dcp``
+    attention ranks in attention order (``t·pcp + p``)."""
 
     tp: int
     dcp: int = 1
@@ -29,47 +34,69 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.tp * self.pcp
 
     @property
     def ranks(self) -> range:
-        return range(self.tp)
+        return range(self.world_size)
+
+    # -- attention order: t·pcp + p ------------------------------------------------------------
+    def attention_index(self, rank: int) -> int:
+        """``tp_rank · pcp + pcp_rank``: the order DCP groups are cut from (PCP axis fastest)."""
+        return self.tp_rank(rank) * self.pcp + self.pcp_rank(rank)
+
+    def _rank_at(self, attention_index: int) -> int:
+        t, p = divmod(attention_index, self.pcp)
+        return p * self.tp + t
 
     # -- DCP groups -------------------------------------------------------------------------
     def dcp_group(self, rank: int) -> tuple[int, ...]:
-        """Global ranks of the DCP group that holds ``rank`` (consecutive)."""
-        self._check_rank(rank)
-        start = (rank // self.dcp) * self.dcp
-        return tuple(range(start, start + self.dcp))
+        """Global ranks of the DCP group that holds ``rank`` (consecutive in attention order;
+        consecutive global ranks when pcp=1)."""
+        start = (self.attention_index(rank) // self.dcp) * self.dcp
+        return tuple(self._rank_at(a) for a in range(start, start + self.dcp))
 
     def dcp_rank(self, rank: int) -> int:
         """Position of ``rank`` inside its DCP group: the rank that owns tokens with owner == this."""
-        self._check_rank(rank)
-        return rank % self.dcp
+        return self.attention_index(rank) % self.dcp
 
     def dcp_groups(self) -> list[tuple[int, ...]]:
-        return [self.dcp_group(r) for r in range(0, self.tp, self.dcp)]
+        return [self.dcp_group(self._rank_at(a)) for a in range(0, self.world_size, self.dcp)]
 
-    # -- TP group (the world) ----------------------------------------------------------------
+    # -- TP groups: one per PCP replica ----------------------------------------------------------
     def tp_group(self, rank: int) -> tuple[int, ...]:
-        self._check_rank(rank)
-        return tuple(range(self.tp))
+        """The ``tp`` ranks of ``rank``'s PCP replica (the whole world when pcp=1)."""
+        start = self.pcp_rank(rank) * self.tp
+        return tuple(range(start, start + self.tp))
 
     def tp_rank(self, rank: int) -> int:
         self._check_rank(rank)
-        return rank
+        return rank % self.tp
+
+    # -- PCP groups: the ranks that hold the same TP shard ---------------------------------------
+    def pcp_group(self, rank: int) -> tuple[int, ...]:
+        """The ``pcp`` ranks with ``rank``'s TP rank: the group a prefill's tokens are split over."""
+        t = self.tp_rank(rank)
+        return tuple(p * self.tp + t for p in range(self.pcp))
+
+    def pcp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.tp
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
-        """Ranks of the ``kind`` ("tp" or "dcp") group that holds ``rank``."""
+        """Ranks of the ``kind`` ("tp", "dcp" or "pcp") group that holds ``rank``."""
         if kind == "tp":
             return self.tp_group(rank)
         if kind == "dcp":
             return self.dcp_group(rank)
-        raise ValueError(f"unknown group kind {kind!r}; expected 'tp' or 'dcp'")
+        if kind == "pcp":
+            return self.pcp_group(rank)
+        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp' or 'pcp'")
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.tp:
-            raise ValueError(f"rank {rank} is outside the mesh (tp={self.tp})")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the mesh (tp={self.tp}, pcp={self.pcp}: "
+                             f"{self.world_size} ranks)")
 
     # -- validation ----------------------------------------------------------------------------
     def validate(
@@ -85,13 +112,12 @@ class Mesh:
 
         Rules (docs/architecture.md, Mesh and constraints; the vLLM Ascend guide; TP's own):
 
-        - ``pcp == 1`` (prefill context parallel is not supported);
-        - ``tp % dcp == 0``; ``block_size % interleave == 0``;
-        - ``num_q_heads % tp == 0``;
-        - MLA (one latent KV head): ``tp >= dcp`` and ``tp % dcp == 0``;
-        - GQA: ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0`` (TP), and for dcp > 1:
-          ``tp > num_kv_heads``, ``(tp // num_kv_heads) >= dcp`` and
-          ``(tp // num_kv_heads) % dcp == 0``.
+        - ``block_size % interleave == 0``; ``num_q_heads % tp == 0``;
+        - MLA (one latent KV head): ``(tp · pcp) % dcp == 0`` (with pcp=1: ``tp % dcp == 0``);
+        - GQA: ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0`` (TP), and for dcp > 1 a
+          DCP group sits inside one KV head's replica set of ``max(tp // num_kv_heads, 1) · pcp``
+          attention ranks: ``(max(tp // num_kv_heads, 1) · pcp) % dcp == 0``. With pcp=1 that is
+          ``tp > num_kv_heads``, ``(tp // num_kv_heads) >= dcp`` and ``(tp // num_kv_heads) % dcp == 0``.
         """
         self._check_any_attention(attention, num_q_heads, block_size, interleave)
         if attention == "gqa":
@@ -99,15 +125,10 @@ class Mesh:
         return self
 
     def _check_any_attention(self, attention: str, num_q_heads: int, block_size: int, interleave: int) -> None:
-        """The rules every model meets (MLA's are these alone): pcp, interleave, query heads, dcp | tp."""
-        tp, dcp = self.tp, self.dcp
+        """The rules every model meets (MLA's are these alone): interleave, query heads, dcp | tp·pcp."""
+        tp, dcp, pcp = self.tp, self.dcp, self.pcp
         if attention not in ("mla", "gqa"):
             raise ConfigError(f"attention must be 'mla' or 'gqa', got {attention!r}")
-        if self.pcp != 1:
-            raise ConfigError(
-                f"prefill context parallel is not supported: pcp must be 1, got {self.pcp} "
-                "(the guide's rule: prefill_context_parallel_size stays at its default of 1)"
-            )
         if block_size < 1 or interleave < 1 or block_size % interleave:
             good = [i for i in range(1, block_size + 1) if block_size % i == 0] if block_size > 0 else []
             raise ConfigError(
@@ -120,10 +141,16 @@ class Mesh:
                 f"num_q_heads % tp == 0 failed: {num_q_heads} query heads cannot be split over "
                 f"tp={tp}; valid tp: {valid}"
             )
-        if tp % dcp:
+        if pcp == 1 and tp % dcp:
             valid = [d for d in range(1, tp + 1) if tp % d == 0]
             raise ConfigError(
                 f"tp % dcp == 0 failed: dcp={dcp} does not divide tp={tp}; valid dcp: {valid}"
+            )
+        if (tp * pcp) % dcp:
+            valid = [d for d in range(1, tp * pcp + 1) if (tp * pcp) % d == 0]
+            raise ConfigError(
+                f"(tp · pcp) % dcp == 0 failed: dcp={dcp} does not divide the tp·pcp = {tp * pcp} "
+                f"attention ranks (tp={tp}, pcp={pcp}); valid dcp: {valid}"
             )
 
     def _check_gqa(self, num_q_heads: int, num_kv_heads: int | None) -> None:
@@ -145,6 +172,17 @@ class Mesh:
             )
         if dcp == 1:
             return
+        if self.pcp > 1:
+            replicas = max(tp // num_kv_heads, 1) * self.pcp
+            if replicas % dcp:
+                valid = [d for d in range(1, replicas + 1) if replicas % d == 0]
+                raise ConfigError(
+                    f"(max(tp // num_kv_heads, 1) · pcp) % dcp == 0 failed: each KV head is held by "
+                    f"max({tp} // {num_kv_heads}, 1) · {self.pcp} = {replicas} attention ranks, and a DCP "
+                    f"group must sit inside that set; dcp={dcp} does not. Valid dcp at tp={tp}, "
+                    f"pcp={self.pcp}: {valid}"
+                )
+            return
         if tp <= num_kv_heads:
             raise ConfigError(
                 f"dcp={dcp} with tp={tp} <= num_kv_heads={num_kv_heads}: every rank already holds "
@@ -162,7 +200,8 @@ class Mesh:
 
     def __str__(self) -> str:
         groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())
-        return f"Mesh(tp={self.tp}, dcp={self.dcp}; dcp groups {groups})"
+        pcp = f", pcp={self.pcp}" if self.pcp > 1 else ""
+        return f"Mesh(tp={self.tp}{pcp}, dcp={self.dcp}; dcp groups {groups})"
 
 
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "models"),
     ("mesh", "layout", "capacity", "recurrent_state"),
     ("program", "ops", "collectives"),
+    ("pcp",),  # prefill context parallel: the split, its attention and the eager PCP path
     ("kv_budget",),
     ("memory",),  # the KV cache sized from a memory fraction (vLLM's --gpu-memory-utilization)
     ("runtime",),  # the engine, and the speculative interface (proposer registry, rejection)

@@ -71,7 +71,7 @@ def test_rank_outside_the_mesh_is_refused(rank):
 
 
 def test_unknown_group_kind_is_refused():
-    with pytest.raises(ValueError, match="'tp' or 'dcp'"):
+    with pytest.raises(ValueError, match="'tp', 'dcp' or 'pcp'"):
         Mesh(tp=2).group("pp", 0)
 
 
@@ -153,9 +153,11 @@ INVALID = [
      [r"tp % dcp == 0", r"valid dcp: \[1, 2, 4\]"]),
     ("MLA tp2 dcp4: dcp > tp", (2, 4, 1), dict(MLA, num_q_heads=16),
      [r"tp % dcp == 0", r"valid dcp: \[1, 2\]"]),
-    ("pcp=2", (2, 2, 2), dict(MLA, num_q_heads=16),
-     [r"pcp must be 1", r"prefill_context_parallel_size"]),
-    ("pcp=2 with GQA", (8, 2, 2), QWEN3, [r"pcp must be 1"]),
+    ("MLA tp2 pcp2 dcp3", (2, 3, 2), dict(MLA, num_q_heads=16),
+     [r"\(tp · pcp\) % dcp == 0", r"tp·pcp = 4 attention ranks", r"valid dcp: \[1, 2, 4\]"]),
+    ("GQA kv=2 tp2 pcp2 dcp4", (2, 4, 2), {"attention": "gqa", "num_q_heads": 4, "num_kv_heads": 2},
+     [r"max\(tp // num_kv_heads, 1\) · pcp", r"Valid dcp at tp=2, pcp=2: \[1, 2\]"]),
+    ("Qwen3-235B tp8 pcp2 dcp8", (8, 8, 2), QWEN3, [r"= 4 attention ranks", r"\[1, 2, 4\]"]),
     ("block 16 interleave 3", (2, 2, 1), dict(MLA, num_q_heads=16, block_size=16, interleave=3),
      [r"block_size % interleave == 0", r"valid interleaves for this block size: \[1, 2, 4, 8, 16\]"]),
     ("block 128 interleave 256", (2, 2, 1), dict(MLA, num_q_heads=16, block_size=128, interleave=256),
@@ -196,14 +198,16 @@ def test_invalid_settings_are_refused_naming_the_rule(mesh_args, kwargs, pattern
 # -- validate against an independent statement of the rules -------------------------------------
 def guide_accepts(cfg: dst.AttentionConfig, tp, dcp, pcp, block_size, interleave) -> bool:
     """The rules written out once more, straight from the guide and docs/architecture.md (Mesh and constraints)."""
-    if pcp != 1 or block_size % interleave or cfg.num_q_heads % tp:
+    if block_size % interleave or cfg.num_q_heads % tp:
         return False
     if cfg.kind == "mla":
-        return tp >= dcp and tp % dcp == 0
+        return (tp * pcp) % dcp == 0 and (pcp > 1 or tp >= dcp)
     if cfg.num_q_heads % cfg.num_kv_heads:
         return False
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         return False
+    if pcp > 1:  # KV head k lives on its TP replica set times every PCP replica
+        return (max(tp // cfg.num_kv_heads, 1) * pcp) % dcp == 0
     if tp % dcp:
         return False
     n_kv = cfg.num_kv_heads

@@ -67,7 +67,7 @@ def require_model_dir(path: str) -> None:
 
 
 def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int = 1, block_size: int = 16,
-                       interleave: int = 1, tokenizer=None, load_format: str = "auto") -> CheckpointInfo:
+                       interleave: int = 1, tokenizer=None, load_format: str = "auto", pcp: int = 1) -> CheckpointInfo:
     """Check ``path`` (and ``tokenizer``, if given) as the module docstring says; cheap, no weights.
     ``load_format="dummy"``: the config alone (no weight file is looked for)."""
     import transformers as tf
@@ -91,7 +91,7 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     mla = getattr(text, "kv_lora_rank", None) is not None
-    Mesh(tp, dcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
+    Mesh(tp, dcp, pcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
                            num_kv_heads=1 if mla else (getattr(text, "num_key_value_heads", None) or heads),
                            block_size=block_size, interleave=interleave)
     if tokenizer is not None and len(tokenizer) > text.vocab_size:

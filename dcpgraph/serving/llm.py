@@ -32,6 +32,8 @@ from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_
 from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..config import DcpgraphConfig, config_fields, option_name
 from ..errors import ConfigError, RequestError
+from ..mesh import Mesh
+from ..pcp.support import refuse_pcp_execution
 from ..runtime.grammar import GrammarBackend
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
@@ -100,8 +102,10 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
     tokenizer = load_tokenizer(settings.model.tokenizer or model, trust_remote_code=settings.model.trust_remote_code)
     tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
     interleave = parallel.cp_kv_cache_interleave_size
+    pcp = parallel.prefill_context_parallel_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
-                              interleave=interleave, tokenizer=tokenizer, load_format=load_format)
+                              interleave=interleave, tokenizer=tokenizer, load_format=load_format, pcp=pcp)
+    refuse_pcp_execution(Mesh(tp, dcp, pcp))
     limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
     max_model_len = scheduler.max_model_len
     if max_model_len is None:
@@ -127,6 +131,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
 class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
+                 prefill_context_parallel_size: int = 1,
                  block_size: int = 16, max_model_len: int | None = None, dtype: str = "auto",
                  enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
@@ -137,6 +142,7 @@ class LLM:
         self.settings = settings = DcpgraphConfig.from_llm_kwargs(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
             decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
             max_model_len=max_model_len, dtype=dtype, enable_prefix_caching=enable_prefix_caching, seed=seed,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -1,0 +1,118 @@
+"""Time to first token of a long prompt with prefill context parallelism, pcp=1 vs pcp=2 (tp=1).
+
+Each rank is a real gloo process running the eager PCP prefill (:mod:`dcpgraph.pcp.eager`) of one
+``--tokens`` prompt through a seeded random Llama (``--layers`` layers, hidden 512, 8 query heads
+of 64, 2 KV heads, MLP 1408, ``--dtype``). TTFT is, per rep, the slowest rank's wall time from a
+barrier to the first token's logits (all K/V exchanges and the logits' share included). Variants,
+interleaved rep by rep:
+
+* ``pcp1_t{N}``: one process with N torch threads (N = the machine's cores: the baseline that uses
+  the whole machine; and 1 thread, for the per-core view);
+* ``pcp2``: two processes of one thread each (the same cores).
+
+Reported beside the times: prefill attention FLOPs (``4·Hq·D·Σ_i (i+1)`` per layer, the QKᵀ and PV
+products over causal keys; per rank under PCP, from the zigzag split), the bytes each rank receives
+in the per-layer K/V all-gather (``(pcp−1)/pcp·n·2·Hkv·D·itemsize`` per layer), and the load average
+before and after (the machine is shared). Target: TTFT at pcp=2 ≤ 0.65× pcp=1 (all cores) at 8K.
+
+    python benchmarks/pcp_ttft.py                       # 8K and 16K tokens, bf16, 8 layers
+    python benchmarks/pcp_ttft.py --tokens 2048 --dtype float32 --reps 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from common import record, with_target, write
+
+SHAPE = dict(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64)
+
+
+def _rank(rank: int, world: int, tokens: int, layers: int, dtype: str, threads: int, reps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    import transformers as tf
+
+    from dcpgraph import Mesh
+    from dcpgraph.pcp.distributed import new_rank_groups, run_distributed
+    from dcpgraph.pcp.eager import RankCache, prefill_rank
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max(tokens, 4096))
+    model = tf.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    mesh = Mesh(tp=1, dcp=1, pcp=world)
+    groups = new_rank_groups(mesh, rank)
+    ids = torch.randint(0, SHAPE["vocab_size"], (tokens,), generator=torch.Generator().manual_seed(1))
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            run_distributed(prefill_rank(model, mesh, rank, ids, 0, RankCache()), groups)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def attention_flops(tokens: int, pcp: int, rank: int, layers: int) -> int:
+    from dcpgraph.pcp.split import causal_work
+
+    return 4 * SHAPE["num_attention_heads"] * SHAPE["head_dim"] * causal_work(tokens, pcp, rank) * layers
+
+
+def exchange_bytes(tokens: int, pcp: int, layers: int, itemsize: int) -> float:
+    return (pcp - 1) / pcp * tokens * 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * itemsize * layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", default=None, help="results file (default benchmarks/results/pcp_ttft.json)")
+    args = parser.parse_args(argv)
+
+    from dcpgraph.runtime.distributed import spawn
+
+    cores = os.cpu_count() or 1
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    records, name = [], "pcp_ttft"
+    load_before = os.getloadavg()[0]
+    for n in args.tokens:
+        config = f"{n} tokens, {args.layers} layers, {args.dtype}"
+        ttft: dict[str, list[float]] = {}
+        variants = [(f"pcp1_t{cores}", 1, cores), ("pcp1_t1", 1, 1), ("pcp2", 2, 1)]
+        for _ in range(args.reps):  # interleaved: one rep of each variant in turn
+            for label, world, threads in variants:
+                per_rank = spawn(_rank, world, n, args.layers, args.dtype, threads, 1, timeout_s=3600)
+                ttft.setdefault(label, []).append(max(t[0] for t in per_rank))
+                print(f"{config}: {label} {ttft[label][-1]:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+        for label, _, _ in variants:
+            records.append(record(name, config, f"ttft_{label}", min(ttft[label]), "s"))
+        base, pcp2 = min(ttft[f"pcp1_t{cores}"]), min(ttft["pcp2"])
+        rec = record(name, config, "ttft_pcp2_over_pcp1", pcp2, "s", baseline=base)
+        if n == 8192:
+            rec = with_target(rec, "TTFT at pcp=2 <= 0.65x pcp=1 at 8K", pcp2 / base <= 0.65,
+                              f"ratio {pcp2 / base:.2f}")
+        records.append(rec)
+        records.append(record(name, config, "attention_flops_pcp1", attention_flops(n, 1, 0, args.layers), "FLOP"))
+        records.append(record(name, config, "attention_flops_pcp2_max_rank",
+                              max(attention_flops(n, 2, r, args.layers) for r in range(2)), "FLOP"))
+        records.append(record(name, config, "exchange_bytes_pcp2_per_rank",
+                              exchange_bytes(n, 2, args.layers, itemsize), "B"))
+    records.append(record(name, "machine", "load_average_1min_before", load_before, ""))
+    records.append(record(name, "machine", "load_average_1min_after", os.getloadavg()[0], ""))
+    records.append(record(name, "machine", "cores", cores, ""))
+    for rec in records:
+        print(rec)
+    print("wrote", write(name, records, args.out and __import__("pathlib").Path(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -91,6 +91,7 @@ def test_engine_caches_on_the_host_use_it():
     class Program:
         lowering = Lowering(block_size=16)
         caches = [Spec("k0"), Spec("v0")]
+        recurrent_states = ()  # an attention-only model
 
     caches = allocate_caches(Program(), 512)  # 4 MiB each
     for c in caches.values():

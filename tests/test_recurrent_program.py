@@ -5,6 +5,8 @@ requests, prompts split into prefill chunks, mixed prefill/decode steps and batc
 fed HF's own greedy tokens, give HF's logits at every sampled row (so its greedy tokens). Meshes
 with TP or DCP are refused by name. (The engine on top: tests/test_e2e_hybrid.py.)"""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,7 +86,8 @@ def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(arch, 
         reference = {r: model(input_ids=torch.tensor([seq])).logits[0] for r, seq in full.items()}
     slots = {0: 2, 1: 0}  # slot 1 stays unused
     tables = {0: tuple(range(0, 5)), 1: tuple(range(5, 8))}
-    caches = allocate_caches(program, 10, torch.device("cpu"))
+    with_slots = program.replace(lowering=dataclasses.replace(program.lowering, state_slots=3))
+    caches = allocate_caches(with_slots, 10, torch.device("cpu"))  # its zeroed pools are replaced just below
     pools = {s.name: torch.full((3, *s.shape), float("nan"), dtype=s.dtype) for s in program.recurrent_states}
     state = program.local_state(0)
     # (request, start, end) per row: prefill chunks, a mixed step, then batched decode rows.

@@ -17,30 +17,12 @@ from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_models import MODELS  # noqa: E402 - after the transformers check
+
 PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
 NEW_TOKENS = 6
 
 
-def _qwen3_next():
-    config = transformers.Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
-        initializer_range=0.2, eos_token_id=None)
-    torch.manual_seed(0)
-    return transformers.Qwen3NextForCausalLM(config).eval()
-
-
-def _lfm2():
-    config = transformers.Lfm2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
-        initializer_range=0.2, eos_token_id=None)
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config).eval()
-
-
-MODELS = {"qwen3_next": _qwen3_next, "lfm2": _lfm2}
 # Per request, by the layouts' formulas: 3 GDN layers (Hk 2, Hv 4, Dk = Dv = 8, K 4), fp32 model;
 # 2 short convolutions (C 32, K 3).
 EXPECTED_STATE_BYTES = {

@@ -11,26 +11,10 @@ from dcpgraph.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_models import lfm2 as _lfm2  # noqa: E402 - after the transformers check
+from hybrid_models import qwen3_next as _qwen3_next  # noqa: E402
+
 DCP = torch.ops.dcpgraph
-
-
-def _qwen3_next():
-    config = transformers.Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
-        initializer_range=0.2)
-    torch.manual_seed(0)
-    return transformers.Qwen3NextForCausalLM(config).eval()
-
-
-def _lfm2():
-    config = transformers.Lfm2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
-        initializer_range=0.2)
-    torch.manual_seed(0)
-    return transformers.Lfm2ForCausalLM(config).eval()
 
 
 def _run(program, ids):

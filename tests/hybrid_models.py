@@ -1,0 +1,34 @@
+"""Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
+``test_recurrent_program``, ``test_e2e_hybrid``), as transformers builds them by default.
+
+``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
+kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
+convolution (cache 3), full attention, short convolution. fp32, weights N(0, 0.2), no EOS (so a
+greedy run always emits every token asked)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def qwen3_next() -> torch.nn.Module:
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
+        initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(config).eval()
+
+
+def lfm2() -> torch.nn.Module:
+    config = transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(config).eval()
+
+
+MODELS = {"qwen3_next": qwen3_next, "lfm2": lfm2}

@@ -145,20 +145,29 @@ def dot_max_rows() -> int:
     return DOT_MAX_ROWS_AVX2 if _state.get("isa") == "avx2" else DOT_MAX_ROWS
 
 
-def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """``"amx"``, ``"dot"``, ``"fp32"`` or ``None`` (torch): which kernel :func:`linear_bf16` runs
-    ``x @ weight.T (+ bias)`` on (rules in the module docstring)."""
-    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"):
+def cpu_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+    """The rows of ``x`` (all leading dimensions together) where ``x``, ``weight`` and ``bias`` are
+    CPU tensors of ``dtype`` a native few-row linear can read (``weight`` 2-D with dense rows and
+    ``K > 0`` columns, ``x``'s last dimension ``K``, a bias of ``N`` elements or none); None otherwise."""
+    if not (x.dtype == weight.dtype == dtype and x.device.type == weight.device.type == "cpu"):
         return None
     if weight.dim() != 2 or weight.stride(1) != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1
+    if bias is not None and (bias.dtype != dtype or bias.device.type != "cpu" or bias.dim() != 1
                              or bias.numel() != weight.shape[0]):
         return None
     k = weight.shape[1]
     rows = x.numel() // max(1, k)
-    if not (0 < rows and k > 0 and native_enabled()):
+    return rows if rows > 0 and k > 0 else None
+
+
+def native_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """``"amx"``, ``"dot"``, ``"fp32"`` or ``None`` (torch): which kernel :func:`linear_bf16` runs
+    ``x @ weight.T (+ bias)`` on (rules in the module docstring)."""
+    rows = cpu_linear_rows(x, weight, bias, torch.bfloat16)
+    if rows is None or not native_enabled():
         return None
+    k = weight.shape[1]
     if rows > MAX_ROWS:
         return "fp32" if fp32_beyond() else None
     if k % 2 == 0 and _state.get("amx"):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .linear import cpu_linear_rows
 from .native_build import NativeExtension
 
 EXTENSION = NativeExtension(
@@ -95,16 +96,8 @@ def _check_kernel(run) -> str | None:
 
 def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear_f32` runs ``x @ weight.T (+ bias)`` natively (rules in the module docstring)."""
-    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
-        return False
-    if weight.dim() != 2 or weight.stride(1) != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
-                             or bias.numel() != weight.shape[0]):
-        return False
-    k = weight.shape[1]
-    rows = x.numel() // max(1, k)
-    return 0 < rows <= MAX_ROWS and k > 0 and native_enabled()
+    rows = cpu_linear_rows(x, weight, bias, torch.float32)
+    return rows is not None and rows <= MAX_ROWS and native_enabled()
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,8 @@ from .passes.pipeline import compile_program, describe_recurrent
 from .passes.shard_dcp_auto import compile_workload
 from .pcp.support import refuse_pcp_execution
 from .program import Program
-from .runtime.engine import Engine, blocks_for_budget, refuse_recurrent_state_features
+from .recurrent_state import refuse_recurrent_state_features
+from .runtime.engine import Engine, blocks_for_budget
 from .runtime.executors import DistributedExecutor, EmulatedExecutor
 from .runtime.layer_groups import check_hybrid_options
 from .speculative.draft_model import check_draft

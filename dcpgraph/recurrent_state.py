@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError
 
 RECURRENT_STATE_DTYPE = torch.float32
 
@@ -126,3 +126,15 @@ class ShortConvShape:
     def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
         local = self.on_rank(tp)
         return (local.conv_kernel - 1) * local.channels * torch.empty((), dtype=model_dtype).element_size()
+
+
+def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
+    """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
+    name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
+    tokens)."""
+    if prefix_caching:
+        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
+                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
+    if speculative:
+        raise UnsupportedModelError(f"speculative decoding is not supported with recurrent layers ({layers}): "
+                                    "their state is not rolled back for rejected drafts")

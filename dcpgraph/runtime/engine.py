@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from ..errors import RequestError, UnsupportedModelError
+from ..errors import RequestError
 from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
+from ..recurrent_state import refuse_recurrent_state_features
 from .engine_client import EngineClient, run_rank_op
 from .grammar import GrammarBackend
 from .graph_mode import DecodeBuckets, default_buckets
@@ -468,16 +469,3 @@ class Engine(EngineClient):
             "prefix_cache": self.prefix_cache_report(),
             **backend,
         }
-
-
-
-def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
-    """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
-    name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
-    tokens)."""
-    if prefix_caching:
-        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
-                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
-    if speculative:
-        raise UnsupportedModelError(f"speculative decoding is not supported with recurrent layers ({layers}): "
-                                    "their state is not rolled back for rejected drafts")

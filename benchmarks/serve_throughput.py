@@ -25,7 +25,7 @@ import random
 import tempfile
 import time
 
-from common import load_note, print_records, record, write
+from common import load_note, print_records, record, stop_servers_on_sigterm, write
 
 from dcpgraph import LLM, SamplingParams
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
@@ -89,6 +89,7 @@ async def client_load(url: str, requests: list[tuple[str, int]], clients: int) -
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: a tiny random Qwen3 checkpoint)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=2)

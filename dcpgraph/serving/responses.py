@@ -17,6 +17,7 @@ from .api_errors import ApiError, error_body
 from .engine_loop import Piece
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from .prompts import Prompt
+from .tool_call_stream import call_stream
 from .tool_parsers import PARSERS, AutoToolStream
 from .tools import tool_calls_of
 
@@ -56,7 +57,7 @@ class Reply:
         parser = getattr(getattr(server, "options", None), "auto_tool_parser", None)
         self.auto_tool_parser = parser if choice == "auto" else None
         self.auto_streams = {c: AutoToolStream(parser) for c in choices} if self.auto_tool_parser else {}
-        self.tool_texts = {c: "" for c in choices}  # a tool-call stream's content, sent as calls at its end
+        self.call_streams = {c: call_stream(self.tool_choice) for c in choices} if self.tool_choice else {}
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if not self.wants_logprobs:
@@ -163,8 +164,8 @@ class Reply:
     def delta(self, piece: Piece) -> tuple[dict, str | None]:
         """A chat chunk's delta and finish reason: the piece's text as content, or its reasoning
         and content parts (the parser's held-back text comes out with the last piece); under a
-        ``"required"`` or named ``tool_choice`` the content is held and sent as ``tool_calls``
-        with the last piece."""
+        ``"required"``, named or parsed ``"auto"`` ``tool_choice`` the calls go out as
+        ``tool_calls`` deltas, their arguments fragment by fragment (:mod:`.tool_call_stream`)."""
         stream = self.reasoning_streams.get(piece.choice)
         if stream is None:
             reasoning, content = "", piece.text
@@ -175,24 +176,23 @@ class Reply:
                 reasoning, content = reasoning + more_reasoning, content + more_content
         reason = piece.finish_reason
         delta = {"reasoning": reasoning} if reasoning else {}
-        if self.tool_choice:
-            self.tool_texts[piece.choice] += content
-            content = ""
-            if piece.finished:
-                whole = self.with_tool_calls({"content": self.tool_texts[piece.choice]}, reason)
-                calls, reason = whole["message"].get("tool_calls"), whole["finish_reason"]
-                content = "" if calls else self.tool_texts[piece.choice]
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        calls = self.call_streams.get(piece.choice)
+        if calls is not None:  # the constrained output is the calls, streamed as they are read
+            tool_deltas, content = calls.feed(content), ""
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
+            if piece.finished and calls.calls and self.tool_choice == "required" and reason == "stop":
+                reason = "tool_calls"
         auto = self.auto_streams.get(piece.choice)
         if auto is not None:
-            content = auto.feed(content)
+            content, tool_deltas = auto.feed(content)
             if piece.finished:
-                rest, calls = auto.finish()
+                rest, called = auto.finish()
                 content += rest
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                if called:
                     reason = "tool_calls"
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
         if content or (stream is None and not self.tool_choice and auto is None and not piece.finished):
             delta["content"] = content
         return delta, reason

@@ -25,10 +25,10 @@ parts (joined with newlines, as vLLM's string content format); other part types 
 ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g. Qwen3's
 ``enable_thinking``).
 
-Structured outputs: ``response_format`` (``{"type": "json_object"}`` or ``{"type":
-"json_schema", "json_schema": {"name", "schema"}}``; ``"text"`` asks nothing) and vLLM's
-``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
-``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
+Structured outputs: ``response_format`` (``{"type": "json_object"}``, ``{"type":
+"json_schema", "json_schema": {"name", "schema"}}`` or vLLM's ``{"type": "structural_tag", ...}``;
+``"text"`` asks nothing) and vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``, ``structural_tag``, ``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
 a ``response_format`` constraint replaces ``structured_outputs``' own, as in vLLM.
 
 Tools (chat): ``tools`` (function tools, passed to the chat template), ``tool_choice``
@@ -49,6 +49,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..runtime.sampling import MAX_LOGPROBS
+from ..runtime.structured_outputs import check_structural_tag
 from .params import SamplingParams
 from .tools import tool_call_schema
 
@@ -107,15 +108,22 @@ class JsonSchemaResponseFormat(LenientModel):
 
 
 class ResponseFormat(LenientModel):
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``, or vLLM's
+    ``{"type": "structural_tag", "format": {...}}`` / ``{"type": "structural_tag", "structures":
+    [...], "triggers": [...]}`` (:mod:`~dcpgraph.runtime.structured_outputs`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaResponseFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError('response_format type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if self.type == "structural_tag":
+            check_structural_tag(self.constraint()["structural_tag"])
         return self
 
     def constraint(self) -> dict | None:
@@ -124,6 +132,12 @@ class ResponseFormat(LenientModel):
             return {"json_object": True}
         if self.type == "json_schema":
             return {"json": self.json_schema.json_schema}
+        if self.type == "structural_tag":  # vLLM passes the whole object on as the tag's text
+            if self.structures is not None:
+                tag = {"type": "structural_tag", "structures": self.structures, "triggers": self.triggers}
+            else:
+                tag = {"type": "structural_tag", "format": self.format}
+            return {"structural_tag": json.dumps(tag)}
         return None
 
 

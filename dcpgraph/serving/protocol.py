@@ -49,7 +49,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..runtime.sampling import MAX_LOGPROBS
-from ..runtime.structured_outputs import check_structural_tag
+from ..runtime.structured_outputs import CONSTRAINTS, check_structural_tag
 from .params import SamplingParams
 from .tools import tool_call_schema
 
@@ -65,6 +65,16 @@ UNSUPPORTED = {
     "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
+    "prompt_embeds": "prompt embeddings are not supported (vLLM needs --enable-prompt-embeds for them too)",
+    "priority": "priority scheduling is not supported (the scheduler is first come, first served; vLLM refuses a "
+                "priority too unless started with --scheduling-policy priority)",
+    "logits_processors": "custom logits processors are not supported",
+    "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "cache_salt": "cache_salt is not supported (prefix-cache isolation per salt is not implemented)",
+    "chat_template": "a chat template per request is not supported; start the server with --chat-template "
+                     "(vLLM also refuses it unless started with --trust-request-chat-template)",
 }
 _ASKS_NOTHING = (None, False, [], {}, {"type": "text"}, "", "none", "auto")
 
@@ -185,8 +195,7 @@ class _Common(LenientModel):
         asked = self.response_format.constraint() if self.response_format is not None else None
         if asked is None:
             return self.structured_outputs
-        options = {k: v for k, v in (self.structured_outputs or {}).items()
-                   if k not in ("json", "regex", "choice", "grammar", "json_object")}
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k not in CONSTRAINTS}
         return {**options, **asked}
 
     @model_validator(mode="after")
@@ -353,6 +362,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for RAG chat templates, as vLLM
+    include_reasoning: bool = True  # False: a --reasoning-parser's reasoning is left out of the answer
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -415,5 +426,6 @@ class ChatCompletionRequest(_Common):
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template`` beyond the messages."""
         tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else {}
-        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
+        documents = {"documents": self.documents} if self.documents else {}
+        return {**(self.chat_template_kwargs or {}), **tools, **documents, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

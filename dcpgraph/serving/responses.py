@@ -52,6 +52,7 @@ class Reply:
         self.template_kwargs = getattr(body, "chat_template_kwargs", None)
         self.reasoning = parser  # vLLM's --reasoning-parser: <think>...</think> -> message.reasoning
         self.reasoning_streams = {c: parser.stream(self.template_kwargs) for c in choices} if parser else {}
+        self.include_reasoning = getattr(body, "include_reasoning", True)  # vLLM's: False leaves it out
         choice = getattr(body, "tool_choice", None) if chat and getattr(body, "tools", None) else None
         self.tool_choice = choice if choice not in (None, "none", "auto") else None
         parser = getattr(getattr(server, "options", None), "auto_tool_parser", None)
@@ -145,7 +146,8 @@ class Reply:
         message: dict = {"role": "assistant", "content": text}
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, self.template_kwargs)
-            message = {"role": "assistant", "content": content, "reasoning": reasoning}
+            message = {"role": "assistant", "content": content,
+                       "reasoning": reasoning if self.include_reasoning else None}
         return self.with_tool_calls(message, reason)
 
     def with_tool_calls(self, message: dict, reason: str | None) -> dict:
@@ -175,7 +177,7 @@ class Reply:
                 more_reasoning, more_content = stream.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
         reason = piece.finish_reason
-        delta = {"reasoning": reasoning} if reasoning else {}
+        delta = {"reasoning": reasoning} if reasoning and self.include_reasoning else {}
         calls = self.call_streams.get(piece.choice)
         if calls is not None:  # the constrained output is the calls, streamed as they are read
             tool_deltas, content = calls.feed(content), ""

@@ -96,3 +96,17 @@ def test_response_format_structural_tag_replaces_structured_outputs_constraint()
     constraint = body.sampling_params(4).structured_outputs
     assert json.loads(constraint.structural_tag) == tag and constraint.json is None
     assert constraint.disable_any_whitespace
+
+
+def test_min_tokens_with_a_constraint_is_refused_by_name():
+    """A complete constrained output allows only EOS, which ``min_tokens`` masks: no token would be
+    left, so the combination is refused (also through a tool choice that constrains the output)."""
+    from dcpgraph.serving.params import SamplingParams
+
+    with pytest.raises(ValueError, match=r"min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "w1"})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="required", min_tokens=2)
+    with pytest.raises(ValueError, match=r"min_tokens cannot be combined with structured_outputs"):
+        body.sampling_params(8)
+    assert SamplingParams(min_tokens=2).min_tokens == 2

@@ -27,7 +27,6 @@ MESSAGES = [{"role": "user", "content": "w1 w2"}]
     ("logits_processors", ["m.P"], "custom logits processors"),
     ("vllm_xargs", {"k": 1}, "vllm_xargs"),
     ("return_tokens_as_token_ids", True, "return_tokens_as_token_ids is not supported"),
-    ("return_token_ids", True, "return_token_ids is not supported"),
     ("cache_salt", "tenant-a", "cache_salt is not supported"),
     ("chat_template", "{{ messages }}", "--chat-template"),
 ])

@@ -71,7 +71,6 @@ UNSUPPORTED = {
     "logits_processors": "custom logits processors are not supported",
     "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
-    "return_token_ids": "return_token_ids is not supported",
     "cache_salt": "cache_salt is not supported (prefix-cache isolation per salt is not implemented)",
     "chat_template": "a chat template per request is not supported; start the server with --chat-template "
                      "(vLLM also refuses it unless started with --trust-request-chat-template)",
@@ -171,6 +170,7 @@ class _Common(LenientModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None

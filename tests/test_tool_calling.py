@@ -157,6 +157,9 @@ def test_call_stream_sends_arguments_as_they_come(cut):
     calls = joined_calls([d for p in pieces for d in p])
     assert names_and_arguments(calls) == [
         ("weather", {"city": 'O"s\\', "unit": "c", "n": [1, {"x": None}]}), ("now", 5), ("later", {})]
+    hermes = CallStream(call_depth=0, argument_keys=("arguments",))
+    text = '} ] <tool_call>{"name": "now", "arguments": {"a": [1]}}</tool_call>'  # stray closers first
+    assert names_and_arguments(joined_calls(hermes.feed(text))) == [("now", {"a": [1]})]
     if cut == 1:  # the first call's arguments arrive in many fragments, before the call's object ends
         weather = [d for p in pieces for d in p if d["index"] == 0 and "id" not in d]
         assert len(weather) > 10 and all(set(d) == {"index", "function"} for d in weather)

@@ -120,7 +120,7 @@ class CallStream:
                 if ch == "{" and self.depth == level:
                     self._reset_call()
             elif ch in "}]":
-                self.depth -= 1
+                self.depth = max(0, self.depth - 1)  # a stray closer in the text between calls
             elif ch == '"' and self.depth > 0:
                 self.in_string = True
             return

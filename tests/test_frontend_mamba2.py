@@ -2,14 +2,22 @@
 and ``mamba2_scan``) and give HF's own logits over a whole prompt longer than HF's scan chunk:
 bamba, nemotron_h (``M*-E``: its MLP and MoE layers are attention-free and stateless),
 granitemoehybrid and falcon_h1 (attention beside the mixer in every layer). An ``mlp`` layer that
-holds state is not taken as stateless."""
+holds state is not taken as stateless; the config-only check accepts ``mlp``/``moe`` layers only
+in a config that declares Mamba-2 mixers."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import dcpgraph
 from dcpgraph.errors import UnsupportedModelError
-from dcpgraph.frontends.recurrent_layers import stateless_layers
+from dcpgraph.frontends.layer_kinds import check_layer_types
+from dcpgraph.frontends.recurrent_layers import (
+    declared_recurrent_layers,
+    declared_stateless_layers,
+    stateless_layers,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,3 +58,14 @@ def test_an_mlp_layer_holding_state_is_not_stateless():
     assert stateless_layers(model, types) == [3]
     with pytest.raises(UnsupportedModelError, match=r"layer type 'mlp'.*at layers \[2\]"):
         dcpgraph.trace(model)
+
+
+def test_config_only_check_takes_mlp_and_moe_layers_of_a_mamba2_config_as_stateless():
+    config = transformers.NemotronHConfig(hybrid_override_pattern="M*-E")
+    assert declared_recurrent_layers(config) == [0]
+    assert declared_stateless_layers(config) == [2, 3]
+    check_layer_types(config, declared_recurrent_layers(config) + declared_stateless_layers(config))
+    no_mamba2 = SimpleNamespace(layer_types=["full_attention", "moe"])  # an attention-free MoE layer stays refused
+    assert declared_stateless_layers(no_mamba2) == []
+    with pytest.raises(UnsupportedModelError, match=r"attention-free MoE layers: not supported .*at layers \[1\]"):
+        check_layer_types(no_mamba2, declared_stateless_layers(no_mamba2))

@@ -95,6 +95,15 @@ def declared_recurrent_layers(config) -> list[int]:
                     for k in RECURRENT_LAYER_TYPES[kind] for name in _DECLARED_BY[k])]
 
 
+def declared_stateless_layers(config) -> list[int]:
+    """From the config alone: ``mlp``/``moe`` layers of a config that declares Mamba-2 mixers
+    (nemotron_h's pattern). :func:`stateless_layers` on the built model still decides at trace
+    time."""
+    if not any(getattr(config, name, None) is not None for name in _DECLARED_BY["mamba2"]):
+        return []
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind in STATELESS_LAYER_TYPES]
+
+
 def _canonical_gated_delta_net(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     weights = gated_delta_net.canonical_weights(self)
     return torch.stack([gated_delta_net_canonical(weights, row) for row in hidden_states])

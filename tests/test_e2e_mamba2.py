@@ -56,7 +56,7 @@ def test_mamba2_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding is not supported with recurrent layers"),
     (dict(tp=2), r"recurrent layers \(mamba2 at layers \[.*\]\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"),
-    (dict(tp=2, dcp=2), r"compile at tp=1, dcp=1 only, got tp=2, dcp=2"),
+    (dict(tp=4, dcp=2), r"compile at tp=1, dcp=1 only, got tp=4, dcp=2"),
 ])
 def test_mamba2_features_without_exact_state_are_refused_by_name(case, options, message):
     _, _, program = case

@@ -3,7 +3,8 @@ per-request state equals HF's own mixer module run on each request's whole seque
 nemotron_h, granitemoehybrid and falcon_h1 (its µP multipliers, with and without the gated norm,
 norm before or after the gate), across prefill chunks, decode steps and several requests in one
 step. The recogniser refuses another activation by name; the state layout's byte formula matches
-the tensors HF's own cache holds after a forward."""
+the tensors HF's own cache holds after a forward; the TP shards' partial outputs sum to the
+mixer's."""
 
 import pytest
 import torch
@@ -111,3 +112,30 @@ def test_tp_rule_names_every_split_parameter():
     head, group or channel dimension."""
     names = {name for key in mamba2_tp_rule() for name in key.split(", ")}
     assert {"w_z", "w_xbc", "w_dt", "conv_weight", "a_log", "d", "dt_bias", "norm_weight", "out_proj"} <= names
+
+
+@pytest.mark.parametrize("name", ["bamba", "nemotron_h", "falcon_h1_norm_before_gate", "falcon_h1_multipliers_no_norm"])
+def test_tp_shards_partial_outputs_sum_to_the_whole_mixer(name):
+    """Two ranks, each with its half of the heads and groups and its own state pools, over a
+    prefill chunk and a decode step: their outputs sum to the unsharded mixer's. A group of 4
+    does not divide the 2 groups: every rank holds the whole layer."""
+    module = _mixer(name)
+    full = mamba2.canonical_weights(module)
+    shape = mamba2.shape_of(module)
+    hidden = torch.randn(7, module.hidden_size, generator=torch.Generator().manual_seed(2))
+    steps = [(slice(0, 6), [0]), (slice(6, 7), [6])]
+
+    def run(weights, local):
+        conv = torch.zeros(local.conv_state_shape(1))
+        ssm = torch.zeros(local.ssm_state_shape(1))
+        return torch.cat([mamba2_mixer(weights, hidden[piece], conv, ssm, torch.tensor([0]),
+                                       torch.tensor([0, piece.stop - piece.start], dtype=torch.int32),
+                                       torch.tensor(context, dtype=torch.int32)) for piece, context in steps])
+
+    with torch.no_grad():
+        whole = run(full, shape)
+        parts = [run(mamba2.tp_shard(full, rank, 2), shape.on_rank(2)) for rank in range(2)]
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=2e-5, rtol=2e-5)
+    assert mamba2.tp_shard(full, 1, 4) is full and shape.on_rank(4) == shape
+    with pytest.raises(ValueError, match="rank 2 is outside a TP group of 2"):
+        mamba2.tp_shard(full, 2, 2)

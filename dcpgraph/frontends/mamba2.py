@@ -9,11 +9,14 @@ Recognised structurally, by the parameters every HF Mamba-2 mixer has (``in_proj
 
 Falcon-H1's layers run attention and the mixer in parallel on the same normed input; the
 decoder layer's own forward (traced as is) combines them, so the mixer alone is what is
-recognised here. The TP split of the canonical weights is described by
-:func:`~dcpgraph.ops.mamba2_layer.mamba2_tp_rule` (no pass applies it yet).
+recognised here. :func:`tp_shard` splits the canonical weights by
+:func:`~dcpgraph.ops.mamba2_layer.mamba2_tp_rule` (a tested function of the weights; no pass
+applies it to a graph yet).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -91,4 +94,42 @@ def canonical_weights(module: torch.nn.Module) -> Mamba2Weights:
         out_proj=module.out_proj.weight, out_bias=module.out_proj.bias,
         dt_min=dt_min, dt_max=dt_max, scan_chunk=int(module.chunk_size),
         in_multiplier=float(getattr(module, "ssm_in_multiplier", 1.0)), **scales,
+    )
+
+
+def tp_shard(full: Mamba2Weights, rank: int, tp: int) -> Mamba2Weights:
+    """Rank ``rank``'s share of ``full`` in a TP group of ``tp``, by
+    :func:`~dcpgraph.ops.mamba2_layer.mamba2_tp_rule`: heads ``[i·Hh/tp, (i+1)·Hh/tp)`` and groups
+    ``[i·G/tp, (i+1)·G/tp)``, so the ranks' outputs sum to the layer's. The whole layer where
+    ``tp`` does not divide both (as :meth:`~dcpgraph.recurrent_state.Mamba2Shape.on_rank` counts)."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside a TP group of {tp}")
+    if full.heads % tp or full.groups % tp:
+        return full
+    if full.norm_weight is not None and full.norm_groups % tp:
+        raise UnsupportedModelError(f"a TP group of {tp} would split one of the gated norm's {full.norm_groups} "
+                                    "groups; tp must divide the norm groups")
+    inner, gn = full.heads * full.head_dim, full.groups * full.state_size
+
+    def part(t, dim: int = 0):
+        if t is None or isinstance(t, (int, float)):
+            return t
+        return t.chunk(tp, dim)[rank].contiguous()
+
+    def xbc_part(t):  # each of the x, B, C segments: its own 1/tp
+        if t is None or isinstance(t, (int, float)):
+            return t
+        x, b, c = t.split([inner, gn, gn], dim=0)
+        return torch.cat([part(x), part(b), part(c)])
+
+    return dataclasses.replace(
+        full, heads=full.heads // tp, groups=full.groups // tp,
+        w_z=part(full.w_z), w_xbc=xbc_part(full.w_xbc), w_dt=part(full.w_dt),
+        bias_z=part(full.bias_z), bias_xbc=xbc_part(full.bias_xbc), bias_dt=part(full.bias_dt),
+        conv_weight=xbc_part(full.conv_weight), conv_bias=xbc_part(full.conv_bias),
+        a_log=part(full.a_log), d=part(full.d), dt_bias=part(full.dt_bias),
+        norm_weight=part(full.norm_weight),
+        norm_groups=full.norm_groups // tp if full.norm_weight is not None else full.norm_groups,
+        out_proj=part(full.out_proj, 1), out_bias=full.out_bias if rank == 0 else None,
+        z_scale=part(full.z_scale), xbc_scale=xbc_part(full.xbc_scale), dt_scale=part(full.dt_scale),
     )

@@ -19,7 +19,8 @@ with ``norm`` one of: ``rms_g(y ⊙ silu(z)) · w`` (gate then norm, HF's Mamba-
 fp32.
 
 TP split (for the pass that will apply it): a group of ``tp`` dividing both the heads ``Hh`` and
-the groups ``G`` splits the layer by head groups — see :func:`mamba2_tp_rule`.
+the groups ``G`` splits the layer by head groups — see :func:`mamba2_tp_rule` (applied to the
+weights by :func:`dcpgraph.frontends.mamba2.tp_shard`).
 """
 
 from __future__ import annotations

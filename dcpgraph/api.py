@@ -56,7 +56,9 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
         if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
                                                     torch.ops.dcpgraph.sparse_attention.default)
     )
-    count += len(program.facts.extra.get("recurrent_layers") or {})
+    extra = program.facts.extra
+    count += len(extra.get("recurrent_layers") or {}) + len(extra.get("stateless_layers") or [])
+    count -= len(extra.get("attention_beside_recurrent") or [])  # one layer holding both
     if count == 0:
         raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
     if count != program.facts.num_layers:

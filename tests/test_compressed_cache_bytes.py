@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import dsv4_models
 import pytest
 import torch
 
 from dcpgraph.ops.compressed_attention import ShardedCompressedCache
 from dcpgraph.ops.compressor import compress_stream, open_window
 from dcpgraph.plan.compressed_cache import compressed_cache_bytes
-from tests import dsv4_models
 
 DT = torch.float32  # 4 bytes per element
 

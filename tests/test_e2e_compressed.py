@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 
+import dsv4_models
 import pytest
 
-from tests import dsv4_models
+import dcpgraph
+from dcpgraph.errors import UnsupportedModelError
 
 NEW_TOKENS = 8
 
@@ -48,3 +50,10 @@ def test_greedy_matches_hf_generate(prompt, chunk, dcp, interleave):
 def test_greedy_matches_hf_generate_more_meshes(prompt, chunk, dcp, interleave):
     got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, dcp=dcp, interleave=interleave)
     assert got == _reference(prompt)
+
+
+def test_compiling_v4_is_refused_by_name():
+    """No compiled op exists for the compressed layers yet: compile (and with it the engine,
+    prefix caching, speculative decoding and P/D) refuses, naming what does run."""
+    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\): not supported .*dcpgraph.ops.compressed_attention"):
+        dcpgraph.compile(_model(), tp=1, dcp=1)

@@ -87,13 +87,16 @@ class ShardedV4Runner:
     emulated ranks, the compressors' open windows in :class:`OpenWindow` states. Projections,
     norms, rotary, hyper-connections and MoE are HF's own modules on the same weights; the
     attention itself, the compressor stream, the sharded top-k and the LSE merge are dcpgraph's.
-    Tokens go in steps of any size (chunked prefill, then one token per decode step)."""
+    With ``tp > dcp`` each DCP group holds its own copy and attends for its ranks' heads
+    (:func:`dcp_group_heads`). Tokens go in steps of any size (chunked prefill, then one token per
+    decode step)."""
 
-    def __init__(self, model, *, dcp: int = 1, interleave: int = 1):
-        from dcpgraph.ops.compressed_attention import ShardedCompressedCache
+    def __init__(self, model, *, tp: int = 1, dcp: int = 1, interleave: int = 1):
+        from dcpgraph.ops.compressed_attention import ShardedCompressedCache, dcp_group_heads
         from dcpgraph.ops.compressor import open_window
 
         self.model, cfg = model, model.config
+        self.groups = dcp_group_heads(cfg.num_attention_heads, tp, dcp)
         self.caches, self.states = {}, {}
         dtype = next(model.parameters()).dtype
         for i, layer in enumerate(model.model.layers):
@@ -101,9 +104,11 @@ class ShardedV4Runner:
             kind = cfg.layer_types[i]
             csa = kind == "compressed_sparse_attention"
             rate = cfg.compress_rates.get(kind, 1)
-            self.caches[i] = ShardedCompressedCache(
-                dcp=dcp, window=cfg.sliding_window, rate=rate, head_dim=cfg.head_dim,
-                index_dim=cfg.index_head_dim if csa else 0, interleave=interleave, dtype=dtype)
+            self.caches[i] = [  # one copy of the layer's cache per DCP group, each sharded over dcp ranks
+                ShardedCompressedCache(dcp=dcp, window=cfg.sliding_window, rate=rate, head_dim=cfg.head_dim,
+                                       index_dim=cfg.index_head_dim if csa else 0, interleave=interleave,
+                                       dtype=dtype)
+                for _ in self.groups]
             if attn.compressor is not None:
                 width = (2 if csa else 1) * cfg.head_dim
                 self.states[(i, "compressor")] = open_window(width, dtype=dtype)
@@ -148,34 +153,44 @@ class ShardedV4Runner:
         q = hf.apply_rotary_pos_emb(q, cos, sin)
         kv = attn.kv_norm(attn.kv_proj(hidden)).view(batch, seq, 1, attn.head_dim).transpose(1, 2)
         kv = hf.apply_rotary_pos_emb(kv, cos, sin)
-        cache, positions, selected = self.caches[attn.layer_idx], position_ids[0], None
-        cache.append_tokens(positions, kv[0, 0])
-        comp = attn.compressor
+        caches, positions = self.caches[attn.layer_idx], position_ids[0]
+        selected = [None] * len(caches)
+        for cache in caches:
+            cache.append_tokens(positions, kv[0, 0])
+        comp, rate = attn.compressor, caches[0].rate
         if comp is not None:
             overlap = attn.layer_type == "compressed_sparse_attention"
-            first, entries = self._compress(hf, comp, (attn.layer_idx, "compressor"), hidden, cache.rate, overlap)
+            first, entries = self._compress(hf, comp, (attn.layer_idx, "compressor"), hidden, rate, overlap)
+            keys = None
             if overlap:
                 ix = comp.indexer
-                _, keys = self._compress(hf, ix, (attn.layer_idx, "indexer"), hidden, cache.rate, True)
-                cache.append_entries(first, entries, keys)
+                _, keys = self._compress(hf, ix, (attn.layer_idx, "indexer"), hidden, rate, True)
                 cos_i, sin_i = ix.rotary_emb(hidden, position_ids=position_ids, layer_type="compress")
                 iq = ix.q_b_proj(q_residual).view(batch, seq, -1, ix.head_dim).transpose(1, 2)
                 iq = hf.apply_rotary_pos_emb(iq, cos_i, sin_i)[0].transpose(0, 1)
                 weights = ix.scorer.weights_proj(hidden).float()[0] * ix.scorer.weights_scaling
-                selected = cache.select(iq, weights, positions, topk=ix.index_topk, scale=ix.scorer.softmax_scale)
-            else:
-                cache.append_entries(first, entries)
-        out = cache.attend(q[0].transpose(0, 1), positions, attn.sinks, scale=attn.scaling, selected=selected)
-        cache.drop_unreachable(int(positions[-1]) + 1)
+            for g, cache in enumerate(caches):
+                cache.append_entries(first, entries, keys)
+                if overlap:
+                    selected[g] = cache.select(iq, weights, positions, topk=ix.index_topk,
+                                               scale=ix.scorer.softmax_scale)
+        q = q[0].transpose(0, 1)
+        out = torch.cat([
+            cache.attend(q[:, heads.start:heads.stop], positions, attn.sinks[heads.start:heads.stop],
+                         scale=attn.scaling, selected=chosen)
+            for heads, cache, chosen in zip(self.groups, caches, selected)], dim=1)
+        for cache in caches:
+            cache.drop_unreachable(int(positions[-1]) + 1)
         out = hf.apply_rotary_pos_emb(out.unsqueeze(0).transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = attn.o_a_proj(out.reshape(batch, seq, attn.config.o_groups, -1)).flatten(2)
         return attn.o_b_proj(grouped), None
 
 
-def sharded_greedy(model, prompt, max_new_tokens: int, *, chunk: int, dcp: int = 1, interleave: int = 1) -> list[int]:
+def sharded_greedy(model, prompt, max_new_tokens: int, *, chunk: int, tp: int = 1, dcp: int = 1,
+                   interleave: int = 1) -> list[int]:
     """Greedy tokens from :class:`ShardedV4Runner`: the prompt in steps of ``chunk`` tokens, then
     one token per step."""
-    runner = ShardedV4Runner(model, dcp=dcp, interleave=interleave)
+    runner = ShardedV4Runner(model, tp=tp, dcp=dcp, interleave=interleave)
     prompt = list(prompt)
     for start in range(0, len(prompt), chunk):
         logits = runner.step(prompt[start:start + chunk])

@@ -2,7 +2,8 @@
 attention layer's cache held by dcpgraph's compressed-attention ops (raw window and compressed
 entries sharded over emulated DCP ranks, compressor open windows as per-request state, sharded
 top-k for CSA) equal HF's own ``generate`` with its V4 cache, for prompts longer than the prefill
-step, so steps cross window, window-boundary and entry boundaries."""
+step, so steps cross window and entry boundaries; meshes tp·dcp with each DCP group attending for
+its ranks' heads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import dsv4_models
 import pytest
 
 import dcpgraph
-from dcpgraph.errors import UnsupportedModelError
+from dcpgraph.errors import ConfigError, UnsupportedModelError
+from dcpgraph.ops.compressed_attention import dcp_group_heads
 
 NEW_TOKENS = 8
 
@@ -37,19 +39,28 @@ def test_tiny_model_exercises_every_part():
     assert set(cfg.mlp_layer_types) == {"hash_moe", "moe"}
 
 
-@pytest.mark.parametrize(("chunk", "dcp", "interleave"), [(4, 1, 1), (5, 2, 1), (3, 4, 2)])
+@pytest.mark.parametrize(("chunk", "tp", "dcp", "interleave"), [(4, 1, 1, 1), (5, 2, 2, 1), (3, 4, 4, 2)])
 @pytest.mark.parametrize("prompt", dsv4_models.PROMPTS[2:], ids=lambda p: f"len{len(p)}")
-def test_greedy_matches_hf_generate(prompt, chunk, dcp, interleave):
-    got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, dcp=dcp, interleave=interleave)
+def test_greedy_matches_hf_generate(prompt, chunk, tp, dcp, interleave):
+    got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, tp=tp, dcp=dcp, interleave=interleave)
     assert got == _reference(prompt)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("chunk", "dcp", "interleave"), [(1, 1, 1), (2, 3, 1), (64, 2, 2), (7, 4, 1)])
+@pytest.mark.parametrize(("chunk", "tp", "dcp", "interleave"),
+                         [(1, 1, 1, 1), (2, 2, 1, 1), (64, 2, 2, 2), (7, 4, 2, 1), (6, 4, 4, 1)])
 @pytest.mark.parametrize("prompt", dsv4_models.PROMPTS, ids=lambda p: f"len{len(p)}")
-def test_greedy_matches_hf_generate_more_meshes(prompt, chunk, dcp, interleave):
-    got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, dcp=dcp, interleave=interleave)
+def test_greedy_matches_hf_generate_more_meshes(prompt, chunk, tp, dcp, interleave):
+    got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, tp=tp, dcp=dcp, interleave=interleave)
     assert got == _reference(prompt)
+
+
+def test_mesh_rule_is_named():
+    assert dcp_group_heads(4, 4, 2) == [range(0, 2), range(2, 4)]
+    with pytest.raises(ConfigError, match=r"tp % dcp == 0; valid tp for dcp=2: \[2, 4\]"):
+        dcp_group_heads(4, 1, 2)
+    with pytest.raises(ConfigError, match=r"num_heads \(4\) % tp == 0"):
+        dcp_group_heads(4, 3, 3)
 
 
 def test_compiling_v4_is_refused_by_name():

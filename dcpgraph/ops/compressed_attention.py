@@ -34,11 +34,29 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import layout
+from ..errors import ConfigError
 from .kernels import acc_dtype
 from .merge import merge_attention_reference
 from .sparse_kernels import attend_selected, index_scores, merge_topk, select_topk
 
 NEG_INF = float("-inf")
+
+
+def dcp_group_heads(num_heads: int, tp: int, dcp: int) -> list[range]:
+    """Query heads each DCP group attends for, group ``g`` being TP ranks ``[g·dcp, (g+1)·dcp)``.
+
+    TP splits the ``num_heads`` query heads in ``tp`` runs; the single KV head, and with it the
+    window and the entries, is the same for every head, so each DCP group shards one copy of the
+    cache over its ``dcp`` ranks and attends for the heads of all its ranks (queries gathered in
+    the group, outputs merged and handed back per rank). Needs ``num_heads % tp == 0`` and
+    ``tp % dcp == 0``."""
+    valid_tp = [t for t in range(1, num_heads + 1) if num_heads % t == 0 and t % dcp == 0]
+    if tp < 1 or dcp < 1 or num_heads % tp or tp % dcp:
+        raise ConfigError(
+            f"compressed attention over tp={tp}, dcp={dcp}: needs num_heads ({num_heads}) % tp == 0 and "
+            f"tp % dcp == 0; valid tp for dcp={dcp}: {valid_tp}")
+    per_group = num_heads // tp * dcp
+    return [range(g * per_group, (g + 1) * per_group) for g in range(tp // dcp)]
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

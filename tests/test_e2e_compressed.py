@@ -55,6 +55,18 @@ def test_greedy_matches_hf_generate_more_meshes(prompt, chunk, tp, dcp, interlea
     assert got == _reference(prompt)
 
 
+def test_fp32_greedy_matches_hf_generate():
+    """The same weights in fp32 (HF keeps its fp32 softmaxes; dcpgraph accumulates in fp32)."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(_model()).to(torch.float32)
+    prompt = dsv4_models.PROMPTS[3]
+    expected = dsv4_models.hf_greedy(model, prompt, NEW_TOKENS)
+    assert dsv4_models.sharded_greedy(model, prompt, NEW_TOKENS, chunk=5, tp=2, dcp=2) == expected
+
+
 def test_mesh_rule_is_named():
     assert dcp_group_heads(4, 4, 2) == [range(0, 2), range(2, 4)]
     with pytest.raises(ConfigError, match=r"tp % dcp == 0; valid tp for dcp=2: \[2, 4\]"):

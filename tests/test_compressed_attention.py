@@ -167,3 +167,28 @@ def test_cache_rejects_bad_settings():
         cache.append_entries(0, torch.zeros(1, 4), torch.zeros(1, 2))
     with pytest.raises(ValueError, match="no indexer"):
         cache.select(torch.zeros(1, 1, 2), torch.zeros(1, 1), torch.tensor([3]), topk=1, scale=1.0)
+
+
+@pytest.mark.parametrize(("dcp", "interleave", "block"), [(1, 1, 4), (2, 1, 2), (4, 2, 4), (3, 1, 3)])
+def test_entries_fit_a_paged_cache_by_the_slot_rule(dcp, interleave, block):
+    """Entries use the token slot rule on entry indices: written by ``layout.slot_mapping`` into a
+    paged cache with one block table per request (virtual blocks of ``block·dcp`` entries), rank
+    ``r``'s first ``local_len(E, r)`` slots read back exactly what the sharded cache holds."""
+    from dcpgraph.ops.paged import gather_paged
+
+    gen = torch.Generator().manual_seed(dcp * 100 + block)
+    dim, count = 5, 29
+    entries = torch.randn(count, dim, generator=gen, dtype=DT)
+    cache = _filled_cache(dcp, interleave, torch.zeros(0, dim, dtype=DT), entries, window=3, rate=2, steps=4)
+    virtual = -(-count // (block * dcp))
+    table = torch.randperm(virtual + 3, generator=gen)[:virtual]
+    indices = torch.arange(count)
+    for rank, shard in enumerate(cache.shards):
+        paged = torch.full((virtual + 3, block, 1, dim), float("nan"), dtype=DT)
+        slots = layout.slot_mapping(indices, table.expand(count, -1), rank, dcp, block, interleave)
+        mine = slots >= 0
+        paged.view(-1, 1, dim)[slots[mine]] = entries[mine].unsqueeze(1)
+        length = int(layout.local_len(count, rank, dcp, interleave))
+        assert length == shard.entry_indices.numel()
+        read = gather_paged(paged, table.tolist(), length)[:, 0]
+        assert torch.equal(read, shard.entry_kv)

@@ -73,6 +73,8 @@ def test_mesh_rule_is_named():
         dcp_group_heads(4, 1, 2)
     with pytest.raises(ConfigError, match=r"num_heads \(4\) % tp == 0"):
         dcp_group_heads(4, 3, 3)
+    with pytest.raises(ConfigError, match="positive ints"):
+        dcp_group_heads(4, 2, 0)
 
 
 def test_compiling_v4_is_refused_by_name():

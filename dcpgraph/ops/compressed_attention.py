@@ -50,8 +50,10 @@ def dcp_group_heads(num_heads: int, tp: int, dcp: int) -> list[range]:
     cache over its ``dcp`` ranks and attends for the heads of all its ranks (queries gathered in
     the group, outputs merged and handed back per rank). Needs ``num_heads % tp == 0`` and
     ``tp % dcp == 0``."""
+    if not (isinstance(tp, int) and isinstance(dcp, int) and tp >= 1 and dcp >= 1):
+        raise ConfigError(f"tp and dcp must be positive ints, got tp={tp!r}, dcp={dcp!r}")
     valid_tp = [t for t in range(1, num_heads + 1) if num_heads % t == 0 and t % dcp == 0]
-    if tp < 1 or dcp < 1 or num_heads % tp or tp % dcp:
+    if num_heads % tp or tp % dcp:
         raise ConfigError(
             f"compressed attention over tp={tp}, dcp={dcp}: needs num_heads ({num_heads}) % tp == 0 and "
             f"tp % dcp == 0; valid tp for dcp={dcp}: {valid_tp}")

@@ -8,7 +8,8 @@
     print(outputs[0].outputs[0].text)
 
 Where the ranks run: ``tensor_parallel_size == 1`` in this process; inside a ``torch.distributed``
-world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script;
+world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script
+(on an accelerator it takes its node's device ``LOCAL_RANK mod count``);
 otherwise one worker process per rank (:class:`~.workers.RemoteEngine`, real gloo collectives)
 driven from here over loopback sockets. ``distributed_executor_backend="emulated"`` runs every
 rank in this process instead (the SPMD emulator). Every check that can fail does so here, before
@@ -21,6 +22,7 @@ same tokens, and another seed gives other ones.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from inspect import signature
 from typing import Any
@@ -31,7 +33,7 @@ from ..checkpoints.loader import meta_model
 from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..config import DcpgraphConfig, config_fields, option_name
-from ..devices import resolve_device
+from ..devices import place_rank, resolve_device
 from ..errors import ConfigError, RequestError
 from ..mesh import Mesh
 from ..pcp.support import refuse_pcp_execution
@@ -165,6 +167,8 @@ class LLM:
         if parallel.data_parallel_size > 1:
             self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
         elif tp == 1 or in_world:
+            if self.config.device != "cpu":  # this process's rank: its node's device, LOCAL_RANK mod count
+                place_rank(resolve_device(self.config.device), int(os.environ.get("LOCAL_RANK", "0")))
             self.engine = build_engine(self.config, "auto")
         elif parallel.distributed_executor_backend == "emulated":
             self.engine = build_engine(self.config, "emulated")

@@ -30,7 +30,6 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
-from ..errors import UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
@@ -47,6 +46,7 @@ from .native_rotary import native_rotary
 from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
+from .shard_recurrent_tp import shard_recurrent_tp
 from .shard_tp import shard_tp
 
 PIPELINE: tuple[ProgramPass, ...] = (
@@ -90,20 +90,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     if recurrent:
         at = next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name)
         passes.insert(at + 1, insert_recurrent_state)
+        at = next(i for i, p in enumerate(passes) if p.name == shard_tp.name)
+        passes.insert(at + 1, shard_recurrent_tp)
     return passes
-
-
-def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
-    """Refuse by name a traced hybrid on a mesh other than tp=1·dcp=1: no pass yet splits the
-    recurrent layers' projections, conv channels and state over TP (the split itself is
-    :func:`dcpgraph.frontends.gated_delta_net.tp_shard`), nor keeps DCP from handing them a
-    rank's local context lengths."""
-    recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if recurrent and (mesh.tp, mesh.dcp) != (1, 1):
-        raise UnsupportedModelError(
-            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) compile at "
-            f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp}"
-        )
 
 
 def describe_recurrent(recurrent: dict[int, str]) -> str:
@@ -128,7 +117,6 @@ def compile_program(
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
-    refuse_recurrent_layers_on(program, mesh)
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,

@@ -95,13 +95,6 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     return passes
 
 
-def describe_recurrent(recurrent: dict[int, str]) -> str:
-    """``"gated delta net at layers [0, 1, 2]"``, for errors."""
-    layers = sorted(recurrent)
-    return (f"{', '.join(sorted(set(recurrent.values())))} at layers {layers[:8]}"
-            f"{'…' if len(layers) > 8 else ''}")
-
-
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,

@@ -1,0 +1,135 @@
+"""Hybrid models on TP and DCP meshes, emulated executor: the recurrent layers' heads/channels
+split over TP by ``shard_recurrent_tp`` (state pools 1/tp per rank, row-parallel output), the
+attention layers' KV sharded over DCP as for any model, and the recurrent ops reading the
+request's global context length (so a first chunk starts from a zero state on every rank).
+
+Exactness is against HF transformers' own greedy ``generate`` on the same weights: prompts
+longer than the prefill chunk (8 tokens), a KV cache small enough to preempt at dcp <= 2 (the
+preempted request restarts its state in a fresh slot). State bytes per rank are checked against
+``memory_report`` and the layouts' formulas (``dcpgraph.recurrent_state``)."""
+
+import pytest
+import torch
+
+import dcpgraph
+from dcpgraph import Mesh
+from dcpgraph.passes.collectives import collective_group
+from dcpgraph.passes.pipeline import compile_program
+from dcpgraph.passes.tp_styles import SectionShardRule
+from dcpgraph.program import ShardRule
+from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
+from dcpgraph.testing.generation import drain, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+from hybrid_models import MESH_MODELS, qwen3_next  # noqa: E402 - after the transformers check
+
+PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
+NEW_TOKENS = 6
+BLOCK = 4
+# Blocks per rank that hold the longest request alone (17 tokens over dcp ranks in blocks of 4)
+# but, at dcp <= 2, not the three at once (so one is preempted). At dcp=4 the smallest such cache
+# (2 blocks, 32 tokens) already runs the three without a preemption.
+PREEMPTING_BLOCKS = {1: 7, 2: 4, 4: 2}
+
+# The MESH_MODELS' recurrent layers: qwen3_next's 3 gated delta nets (Hk 4, Hv 8, Dk = Dv = 8,
+# K 4), lfm2's 2 short convolutions (C 32, K 3); fp32.
+LAYERS = {"qwen3_next": (3, GatedDeltaNetShape(4, 8, 8, 8, 4)), "lfm2": (2, ShortConvShape(32, 3))}
+
+
+def test_section_rule_keeps_each_sections_chunk():
+    full = torch.arange(10 * 3).reshape(10, 3)  # sections of 2, 2 and 6 rows
+    rule = SectionShardRule(0, sections=(2, 2, 6))
+    assert rule.local(full, 1, 2).tolist() == torch.cat([full[1:2], full[3:4], full[7:10]]).tolist()
+    assert rule.local_shape((10, 3), 2) == (5, 3) and rule.local(full, 0, 1) is full
+    with pytest.raises(ValueError, match=r"cannot split sections \[2, 2, 6\] over tp=4"):
+        rule.local(full, 0, 4)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("lfm2", marks=pytest.mark.slow)])
+def traced(request):
+    model = MESH_MODELS[request.param]()
+    return request.param, model, dcpgraph.trace(model)
+
+
+def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_lengths(traced):
+    arch, _, program = traced
+    count, shape = LAYERS[arch]
+    compiled = compile_program(program, Mesh(2, 2), block_size=BLOCK)
+    stateful = [n for n in compiled.graph_module.graph.nodes
+                if n.target in (torch.ops.dcpgraph.causal_conv1d_.default, torch.ops.dcpgraph.gated_delta_rule_.default)]
+    assert stateful and all("context_lens" in [a.name for a in n.all_input_nodes] for n in stateful)
+    assert not any("local_context_lens" in [a.name for a in n.all_input_nodes] for n in stateful)
+    local = shape.on_rank(2)
+    want = {"conv_state": local.conv_state_shape(1)[1:]}
+    if isinstance(shape, GatedDeltaNetShape):
+        want["recurrent_state"] = local.recurrent_state_shape(1)[1:]
+    assert {(p.role, p.shape) for p in compiled.recurrent_states} == set(want.items())
+    rules = {s.target: s.shard for s in compiled.inputs}
+    conv, sections = (("conv1d", (32, 32, 64)) if arch == "qwen3_next" else ("conv", None))
+    module = "linear_attn" if arch == "qwen3_next" else "conv"
+    assert rules[f"model.layers.0.{module}.out_proj.weight"] == ShardRule(1)
+    assert rules[f"model.layers.0.{module}.{conv}.weight"] == (SectionShardRule(0, sections=sections)
+                                                               if sections else ShardRule(0))
+    pool_bytes = sum(torch.Size(p.shape).numel() * p.dtype.itemsize for p in compiled.recurrent_states)
+    assert pool_bytes == count * shape.state_bytes_per_request(torch.float32, tp=2)
+    assert 2 * pool_bytes == count * shape.state_bytes_per_request(torch.float32)
+    step = next(p for p in compiled.provenance if p.name == "shard_recurrent_tp")
+    assert "split by heads/channels" in step.summary and "replicated" not in step.summary
+    reduces = [n for n in compiled.graph_module.graph.nodes if (collective_group(n) or ("",))[0] == "tp"]
+    outs = [n for n in compiled.graph_module.graph.nodes if n.op == "call_function"
+            and any(a.op == "placeholder" and a.name.endswith("out_proj_weight") for a in n.all_input_nodes)]
+    assert len(outs) == count and all(any(r in outs[i].users or _reaches(outs[i], r) for r in reduces)
+                                      for i in range(count))
+
+
+def _reaches(node, target, depth: int = 4) -> bool:
+    frontier = {node}
+    for _ in range(depth):
+        frontier = {u for n in frontier for u in n.users}
+        if target in frontier:
+            return True
+    return False
+
+
+@pytest.mark.slow  # ~15 s: two verified compiles
+def test_state_bytes_per_rank_halve_at_tp2(traced):
+    arch, _, program = traced
+    count, shape = LAYERS[arch]
+    reports = {tp: dcpgraph.compile(program, tp=tp, block_size=BLOCK, max_num_seqs=2).memory_report()
+               for tp in (1, 2)}
+    per_request = {tp: r["recurrent_state_bytes_per_request"] for tp, r in reports.items()}
+    assert per_request[2] * 2 == per_request[1] == count * shape.state_bytes_per_request(torch.float32)
+    assert per_request[2] == count * shape.state_bytes_per_request(torch.float32, tp=2)
+    assert reports[2]["recurrent_state_bytes_per_rank"] == [2 * per_request[2]] * 2
+
+
+def _run(model, program, tp: int, dcp: int, interleave: int = 1):
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, interleave=interleave, block_size=BLOCK,
+                              max_num_batched_tokens=8, num_blocks=PREEMPTING_BLOCKS[dcp])
+    for prompt in PROMPTS:
+        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    got = drain(engine)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert engine.scheduler.stats["preemptions"] >= (1 if dcp <= 2 else 0)
+    return engine
+
+
+@pytest.mark.slow  # ~40 s a case on 2 shared cores (verified compile, HF generate, ~20 engine steps)
+@pytest.mark.parametrize("tp, dcp, interleave", [(2, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 2, 1), (4, 2, BLOCK),
+                                                 (4, 4, 1), (4, 4, BLOCK)])
+def test_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp, interleave):
+    _, model, program = traced
+    _run(model, program, tp, dcp, interleave)
+
+
+@pytest.mark.slow  # ~45 s: its own trace, a verified compile, HF generate
+def test_gated_delta_net_tp_does_not_divide_is_replicated():
+    model = qwen3_next()  # 2 key heads, 2 KV heads: tp=4 replicates the gated delta nets and the KV heads
+    program = dcpgraph.trace(model)
+    engine = _run(model, program, 4, 1)
+    step = next(p for p in engine.program.provenance if p.name == "shard_recurrent_tp")
+    assert "layers [0, 1, 2] replicated" in step.summary
+    full = 3 * GatedDeltaNetShape(2, 4, 8, 8, 4).state_bytes_per_request(torch.float32)
+    assert engine.memory_report()["recurrent_state_bytes_per_request"] == full

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dcpgraph
+import dcpgraph.memory as mem
 from dcpgraph import Mesh
 from dcpgraph.passes.collectives import collective_group
 from dcpgraph.passes.pipeline import compile_program
@@ -52,10 +53,14 @@ def traced(request):
     return request.param, model, dcpgraph.trace(model)
 
 
-def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_lengths(traced):
+@pytest.fixture(scope="module")
+def compiled(traced):
+    return compile_program(traced[2], Mesh(2, 2), block_size=BLOCK)
+
+
+def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_lengths(traced, compiled):
     arch, _, program = traced
     count, shape = LAYERS[arch]
-    compiled = compile_program(program, Mesh(2, 2), block_size=BLOCK)
     stateful = [n for n in compiled.graph_module.graph.nodes
                 if n.target in (torch.ops.dcpgraph.causal_conv1d_.default, torch.ops.dcpgraph.gated_delta_rule_.default)]
     assert stateful and all("context_lens" in [a.name for a in n.all_input_nodes] for n in stateful)
@@ -81,6 +86,20 @@ def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_leng
             and any(a.op == "placeholder" and a.name.endswith("out_proj_weight") for a in n.all_input_nodes)]
     assert len(outs) == count and all(any(r in outs[i].users or _reaches(outs[i], r) for r in reduces)
                                       for i in range(count))
+
+
+def test_memory_fraction_sizing_subtracts_the_state_pools(traced, compiled, monkeypatch):
+    """kv_bytes = F · M / ranks − weights − peak − max_num_seqs · state bytes per request (per rank)."""
+    arch, _, _ = traced
+    count, shape = LAYERS[arch]
+    monkeypatch.setattr(mem, "device_memory", lambda device: mem.DeviceMemory(1 << 30, 1 << 30))
+    sizing = mem.size_for_utilization(compiled.replace(lowering=compiled.lowering.decided(state_slots=16)), 0.5,
+                                      "cuda:0", ranks=2, max_num_batched_tokens=8, max_num_seqs=16, max_model_len=64)
+    state = 16 * count * shape.state_bytes_per_request(torch.float32, tp=2)
+    assert sizing.recurrent_state_bytes == state > 0
+    assert sizing.kv_bytes == (1 << 29) // 2 - sizing.weight_bytes - sizing.activation_peak_bytes - state
+    assert sizing.num_blocks == sizing.kv_bytes // sizing.bytes_per_block
+    assert "recurrent state" in sizing.describe()
 
 
 def _reaches(node, target, depth: int = 4) -> bool:

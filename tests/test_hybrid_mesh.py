@@ -1,4 +1,4 @@
-"""Hybrid models on TP and DCP meshes, emulated executor: the recurrent layers' heads/channels
+"""Hybrid models (qwen3_next, qwen3_5_text, lfm2) on TP and DCP meshes, emulated executor: the recurrent layers' heads/channels
 split over TP by ``shard_recurrent_tp`` (state pools 1/tp per rank, row-parallel output), the
 attention layers' KV sharded over DCP as for any model, and the recurrent ops reading the
 request's global context length (so a first chunk starts from a zero state on every rank).
@@ -35,7 +35,8 @@ PREEMPTING_BLOCKS = {1: 7, 2: 4, 4: 2}
 
 # The MESH_MODELS' recurrent layers: qwen3_next's 3 gated delta nets (Hk 4, Hv 8, Dk = Dv = 8,
 # K 4), lfm2's 2 short convolutions (C 32, K 3); fp32.
-LAYERS = {"qwen3_next": (3, GatedDeltaNetShape(4, 8, 8, 8, 4)), "lfm2": (2, ShortConvShape(32, 3))}
+LAYERS = {"qwen3_next": (3, GatedDeltaNetShape(4, 8, 8, 8, 4)), "lfm2": (2, ShortConvShape(32, 3)),
+          "qwen3_5": (3, GatedDeltaNetShape(4, 8, 8, 8, 4))}
 
 
 def test_section_rule_keeps_each_sections_chunk():
@@ -47,7 +48,8 @@ def test_section_rule_keeps_each_sections_chunk():
         rule.local(full, 0, 4)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("lfm2", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("lfm2", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def traced(request):
     model = MESH_MODELS[request.param]()
     return request.param, model, dcpgraph.trace(model)
@@ -71,8 +73,10 @@ def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_leng
         want["recurrent_state"] = local.recurrent_state_shape(1)[1:]
     assert {(p.role, p.shape) for p in compiled.recurrent_states} == set(want.items())
     rules = {s.target: s.shard for s in compiled.inputs}
-    conv, sections = (("conv1d", (32, 32, 64)) if arch == "qwen3_next" else ("conv", None))
-    module = "linear_attn" if arch == "qwen3_next" else "conv"
+    conv, sections = (("conv", None) if arch == "lfm2" else ("conv1d", (32, 32, 64)))
+    module = "conv" if arch == "lfm2" else "linear_attn"
+    if arch == "qwen3_5":  # the split layout's fused [q | k | v] projection, by section
+        assert rules["model.layers.0.linear_attn.in_proj_qkv.weight"] == SectionShardRule(0, sections=sections)
     assert rules[f"model.layers.0.{module}.out_proj.weight"] == ShardRule(1)
     assert rules[f"model.layers.0.{module}.{conv}.weight"] == (SectionShardRule(0, sections=sections)
                                                                if sections else ShardRule(0))

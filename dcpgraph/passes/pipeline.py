@@ -15,14 +15,17 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
 10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 
-The configuration adds three passes where it asks for them (:func:`default_passes`):
+The configuration adds passes where it asks for them (:func:`default_passes`):
 
 - ``expert_parallel`` (``enable_expert_parallel``) first: the plan's routed experts become
   expert-parallel before ``shard_tp`` reads the plan;
 - ``return_hidden_states`` (MTP speculation) right after ``select_logits``: the program also
   returns the final hidden states of every token (output 1);
 - ``layer_group_tables`` (``hybrid_kv_cache``) last: sliding-window layers get their own block
-  table and slot mapping, sized by the windows of the traced program's attention.
+  table and slot mapping, sized by the windows of the traced program's attention;
+- for a hybrid's recurrent layers, ``insert_recurrent_state`` right after ``insert_kv_cache``
+  (canonical recurrent ops → state pools) and ``shard_recurrent_tp`` right after ``shard_tp``
+  (their heads/channels and pools split over TP by kind).
 
 :func:`compile_program` is the one way a traced Program becomes a per-rank program: the target,
 a draft model and an MTP layer all go through it.
@@ -71,8 +74,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
     ``return_hidden_states`` with ``return_hidden``, ``layer_group_tables`` when ``windows`` (the
-    model's sliding windows) is given, ``insert_recurrent_state`` after ``insert_kv_cache`` with
-    ``recurrent`` (a hybrid's recurrent layers)."""
+    model's sliding windows) is given, and with ``recurrent`` (a hybrid's recurrent layers)
+    ``insert_recurrent_state`` after ``insert_kv_cache`` and ``shard_recurrent_tp`` after
+    ``shard_tp``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},

@@ -15,7 +15,7 @@ import dcpgraph
 import dcpgraph.memory as mem
 from dcpgraph import Mesh
 from dcpgraph.passes.collectives import collective_group
-from dcpgraph.passes.pipeline import compile_program
+from dcpgraph.passes.pipeline import compile_program, default_passes
 from dcpgraph.passes.tp_styles import SectionShardRule
 from dcpgraph.program import ShardRule
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
@@ -46,6 +46,15 @@ def test_section_rule_keeps_each_sections_chunk():
     assert rule.local_shape((10, 3), 2) == (5, 3) and rule.local(full, 0, 1) is full
     with pytest.raises(ValueError, match=r"cannot split sections \[2, 2, 6\] over tp=4"):
         rule.local(full, 0, 4)
+
+
+def test_recurrent_passes_sit_after_the_passes_they_resize():
+    """insert_recurrent_state right after insert_kv_cache (it reads its step metadata),
+    shard_recurrent_tp right after shard_tp (the mesh is set; it resizes the pools)."""
+    names = [p.name for p in default_passes(Mesh(2, 2), block_size=4, comm="auto", recurrent=True)]
+    assert names[names.index("insert_kv_cache") + 1] == "insert_recurrent_state"
+    assert names[names.index("shard_tp") + 1] == "shard_recurrent_tp"
+    assert "shard_recurrent_tp" not in [p.name for p in default_passes(Mesh(2, 2), block_size=4, comm="auto")]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", pytest.param("lfm2", marks=pytest.mark.slow),

@@ -178,8 +178,8 @@ def _row_parallel(graph: torch.fx.Graph, linear: torch.fx.Node) -> None:
     reduced.args[0].args = (linear, *reduced.args[0].args[1:])
 
 
-def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTPRule, shape, tp: int,
-                 specs: dict[str, InputSpec]) -> dict[str, ShardRule]:
+def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTPRule, shape,
+                 tp: int) -> dict[str, ShardRule]:
     """Rewrite one layer for a split over ``tp``; returns its parameters' rules by input name."""
     wanted = rule.param_rules(shape)
     unknown = sorted(set(layer.params) - set(wanted))
@@ -206,30 +206,46 @@ def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTP
     return {spec.name: wanted[suffix] for suffix, spec in layer.params.items()}
 
 
+def _pools_fit_their_ops(program: Program) -> None:
+    """Every state pool's per-slot shape is what its op reads on this rank: a conv state
+    ``[C_r, K−1]`` for the conv's local weight ``[C_r, K]``, a delta-rule state ``[Hv_r, Dk, Dv]``
+    for its local ``k [T, Hk_r, Dk]`` and ``v [T, Hv_r, Dv]``."""
+    pools = {p.name: tuple(p.shape) for p in program.recurrent_states}
+    graph = program.graph_module.graph
+    for conv in nodes_calling(graph, dcp_ops.causal_conv1d_.default):
+        channels, kernel = conv.args[1].meta["val"].shape
+        want = (int(channels), int(kernel) - 1)
+        if pools.get(conv.args[CONV_ARGS_POOL].name) != want:
+            raise VerificationError(f"{conv.args[CONV_ARGS_POOL].name} holds {pools.get(conv.args[CONV_ARGS_POOL].name)} "
+                                    f"per slot, its conv reads {want}")
+    for rule in nodes_calling(graph, dcp_ops.gated_delta_rule_.default):
+        k, v = rule.args[1].meta["val"], rule.args[2].meta["val"]
+        want = (int(v.shape[1]), int(k.shape[2]), int(v.shape[2]))
+        if pools.get(rule.args[RULE_ARGS_POOL].name) != want:
+            raise VerificationError(f"{rule.args[RULE_ARGS_POOL].name} holds {pools.get(rule.args[RULE_ARGS_POOL].name)} "
+                                    f"per slot, its delta rule reads {want}")
+
+
 @program_pass("shard_recurrent_tp", requires=[
     ran("shard_tp", "the mesh's TP size is set, and shard_tp leaves the recurrent layers to this pass"),
     ran("insert_recurrent_state", "its state pools are resized to the rank's heads/channels"),
-])
+], ensures=[_pools_fit_their_ops])
 def shard_recurrent_tp(program: Program):
     tp = program.mesh.tp
-    layers = recurrent_layers_of(program)
-    if tp == 1 or not layers:
-        return program, "tp=1: nothing to shard" if tp == 1 else "no recurrent layers"
+    if tp == 1:
+        return program, "tp=1: nothing to shard"
     gm = program.copy_graph()
     graph = gm.graph
-    copied = program.replace(graph_module=gm)
-    layers = recurrent_layers_of(copied)
-    specs = {s.name: s for s in program.inputs}
     rules: dict[str, ShardRule] = {}
     pool_shapes: dict[str, tuple[int, ...]] = {}
     split, replicated = [], []
-    for layer in layers:
+    for layer in recurrent_layers_of(program.replace(graph_module=gm)):
         rule = TP_RULES[layer.kind]
         shape = rule.shape(layer, program)
         if rule.units(shape) % tp:
             replicated.append(layer.index)
             continue
-        rules.update(_split_layer(graph, layer, rule, shape, tp, specs))
+        rules.update(_split_layer(graph, layer, rule, shape, tp))
         for role, local in rule.pools(shape.on_rank(tp)).items():
             pool_shapes[f"{role}_{layer.index}"] = tuple(local)
         split.append(layer.index)

@@ -14,6 +14,7 @@ import torch
 import dcpgraph
 import dcpgraph.memory as mem
 from dcpgraph import Mesh
+from dcpgraph.checkpoints.tensor_sources import InMemory, read_local
 from dcpgraph.passes.collectives import collective_group
 from dcpgraph.passes.pipeline import compile_program, default_passes
 from dcpgraph.passes.tp_styles import SectionShardRule
@@ -44,6 +45,8 @@ def test_section_rule_keeps_each_sections_chunk():
     rule = SectionShardRule(0, sections=(2, 2, 6))
     assert rule.local(full, 1, 2).tolist() == torch.cat([full[1:2], full[3:4], full[7:10]]).tolist()
     assert rule.local_shape((10, 3), 2) == (5, 3) and rule.local(full, 0, 1) is full
+    # a checkpoint loader reads only those rows, with the same result
+    assert torch.equal(read_local(InMemory(full, "full"), rule, 1, 2), rule.local(full, 1, 2))
     with pytest.raises(ValueError, match=r"cannot split sections \[2, 2, 6\] over tp=4"):
         rule.local(full, 0, 4)
 

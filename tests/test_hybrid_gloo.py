@@ -4,7 +4,8 @@ gloo ranks at tp=2·dcp=2, rank 0 drives (schedules, ships each step with its st
 follows; each rank holds its own state pools for its half of the heads. The tokens must equal HF
 transformers' greedy ``generate`` on the same weights, through prefill chunks and a preemption.
 
-One spawn of two ranks (~60 s on 2 shared cores: each rank traces and compiles)."""
+One spawn of two ranks (~75 s on 2 shared cores: each rank traces and compiles), and the same
+mesh through `LLM` from a saved checkpoint (two worker processes, ~50 s)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_hybrid_on_gloo_ranks_gives_hf_greedy_tokens():
     assert results[0]["pools"]["recurrent_state_0"] == local.recurrent_state_shape(1)[1:]
     per_request = 3 * local.state_bytes_per_request(__import__("torch").float32)
     assert results[0]["memory"]["recurrent_state_bytes_per_rank"] == [4 * per_request] * 2
+
+
+@pytest.mark.slow  # ~50 s: two worker processes loading the checkpoint, tracing and compiling
+def test_llm_workers_serve_a_hybrid_checkpoint_at_tp2_dcp2(tmp_path):
+    """``LLM`` at tp=2·dcp=2 from a saved checkpoint: the loader reads each rank's sections of the
+    fused conv/projection tensors (the section rule's rows), the two worker processes hold their
+    halves of the state, and the tokens equal HF's."""
+    from hybrid_models import MESH_MODELS
+
+    from dcpgraph import LLM
+    from dcpgraph.testing.checkpoints import tiny_tokenizer
+    from dcpgraph.testing.generation import hf_greedy
+
+    model = MESH_MODELS["qwen3_next"]()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    with LLM(model=str(tmp_path), dtype="float32", block_size=4, tensor_parallel_size=2,
+             decode_context_parallel_size=2, max_num_batched_tokens=8, worker_timeout_s=300) as llm:
+        assert llm.engine.generate(PROMPTS, NEW_TOKENS) == want
+        assert llm.engine.report()["executor"] == "driver"

@@ -33,6 +33,7 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
+from ..errors import UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
@@ -49,7 +50,7 @@ from .native_rotary import native_rotary
 from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
-from .shard_recurrent_tp import shard_recurrent_tp
+from .shard_recurrent_tp import TP_RULES, shard_recurrent_tp
 from .shard_tp import shard_tp
 
 PIPELINE: tuple[ProgramPass, ...] = (
@@ -99,6 +100,25 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     return passes
 
 
+def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
+    """Refuse by name a hybrid on a mesh other than tp=1·dcp=1 where a recurrent layer's kind has
+    no TP rule (:data:`~dcpgraph.passes.shard_recurrent_tp.TP_RULES`), before any pass runs."""
+    recurrent = program.facts.extra.get("recurrent_layers") or {}
+    without_rule = {i: kind for i, kind in recurrent.items() if kind not in TP_RULES}
+    if without_rule and (mesh.tp, mesh.dcp) != (1, 1):
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(without_rule)}) compile at "
+            f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp} (kinds split over TP: {sorted(TP_RULES)})"
+        )
+
+
+def describe_recurrent(recurrent: dict[int, str]) -> str:
+    """``"mamba2 at layers [0, 2]"``, for errors."""
+    layers = sorted(recurrent)
+    return (f"{', '.join(sorted(set(recurrent.values())))} at layers {layers[:8]}"
+            f"{'…' if len(layers) > 8 else ''}")
+
+
 def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
@@ -114,6 +134,7 @@ def compile_program(
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
+    refuse_recurrent_layers_on(program, mesh)
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,

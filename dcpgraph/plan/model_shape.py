@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 
 from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
+from ..errors import UnsupportedModelError
 from ..mesh import local_kv_heads
 from .architectures import named_config
 
@@ -172,6 +173,11 @@ def _moe_layers(c: dict, layers: int) -> int:
 def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelShape:
     """A :class:`ModelShape` from an HF config dict (``dtype``: override the stored dtype)."""
     c = config
+    if c.get("model_type") == "deepseek_v4":
+        raise UnsupportedModelError(
+            "deepseek_v4: the planner models paged per-token KV caches, not DeepSeek-V4's compressed "
+            "attention (raw window + compressed entries + indexer keys + per-request compressor state); "
+            "its per-rank bytes come from dcpgraph.plan.compressed_cache.compressed_cache_bytes")
     layers, hid, hq = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
     common = dict(
         name=name or c.get("name") or c.get("model_type", "model"), num_layers=layers, hidden_size=hid,

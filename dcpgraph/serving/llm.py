@@ -31,6 +31,7 @@ from ..checkpoints.loader import meta_model
 from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..config import DcpgraphConfig, config_fields, option_name
+from ..devices import resolve_device
 from ..errors import ConfigError, RequestError
 from ..mesh import Mesh
 from ..pcp.support import refuse_pcp_execution
@@ -114,6 +115,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                           f"got {max_model_len}")
     engine_options = _engine_options(settings)
+    engine_options["device"] = resolve_device(parallel.device).name  # every rank runs the front end's choice
     if spec.speculative_config is not None:
         engine_options["speculative_config"] = check_speculative_config(
             spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,

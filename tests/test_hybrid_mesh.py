@@ -15,10 +15,12 @@ import dcpgraph
 import dcpgraph.memory as mem
 from dcpgraph import Mesh
 from dcpgraph.checkpoints.tensor_sources import InMemory, read_local
+from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.passes.collectives import collective_group
 from dcpgraph.passes.pipeline import compile_program, default_passes
+from dcpgraph.passes.shard_recurrent_tp import shard_recurrent_tp
 from dcpgraph.passes.tp_styles import SectionShardRule
-from dcpgraph.program import ShardRule
+from dcpgraph.program import PARAM, InputSpec, ShardRule
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
 from dcpgraph.testing.generation import drain, hf_greedy
 
@@ -168,3 +170,18 @@ def test_gated_delta_net_tp_does_not_divide_is_replicated():
     assert "layers [0, 1, 2] replicated" in step.summary
     full = 3 * GatedDeltaNetShape(2, 4, 8, 8, 4).state_bytes_per_request(torch.float32)
     assert engine.memory_report()["recurrent_state_bytes_per_request"] == full
+
+
+@pytest.mark.slow  # ~10 s: a verified tp=1 compile
+def test_a_recurrent_parameter_without_a_tp_rule_is_refused_by_name(traced):
+    """A parameter under a recurrent module that its kind's rule does not name would be left
+    replicated beside split neighbours: refused, naming it and the known suffixes."""
+    arch, _, program = traced
+    module = "conv" if arch == "lfm2" else "linear_attn"
+    at_tp1 = compile_program(program, Mesh(1, 1), block_size=BLOCK)
+    target = f"model.layers.0.{module}.extra_scale"
+    widened = at_tp1.replace(mesh=Mesh(2, 1), state={**at_tp1.state, target: torch.ones(4)},
+                             inputs=(*at_tp1.inputs, InputSpec("p_extra_scale", PARAM, target)))
+    with pytest.raises(UnsupportedModelError, match=r"parameters \['extra_scale'\] under "
+                                                    rf"model\.layers\.0\.{module}\. have no TP rule; known: \["):
+        shard_recurrent_tp(widened)

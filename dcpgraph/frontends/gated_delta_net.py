@@ -47,7 +47,8 @@ def shape_of(module: torch.nn.Module) -> GatedDeltaNetShape:
 
 def canonical_weights(module: torch.nn.Module) -> GatedDeltaNetWeights:
     """The full (unsharded) canonical weights of an HF GDN module; refuses by name a layout or
-    activation it does not know."""
+    activation it does not know. Per-key-head layouts are viewed with ``-1`` heads, so a traced
+    layer's only head-dependent sizes are the ``[q | k | v]`` section splits."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
     if not is_gated_delta_net(module):
         raise UnsupportedModelError(

@@ -27,7 +27,8 @@ def shape_of(module: torch.nn.Module) -> ShortConvShape:
 
 
 def canonical_weights(module: torch.nn.Module) -> ShortConvWeights:
-    """The full canonical weights of an HF short-conv module; refuses another layout by name."""
+    """The full canonical weights of an HF short-conv module; refuses another layout by name.
+    ``in_proj`` is viewed as ``[3, -1, H]``, so the traced parts hold no channel count."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
     if not is_short_conv(module):
         raise UnsupportedModelError(f"{where}: not a recognised short-convolution layout (needs {list(REQUIRED)})")

@@ -85,7 +85,9 @@ def gated_delta_net_canonical(w: GatedDeltaNetWeights, hidden: torch.Tensor,
 
 def gated_delta_net_with(w: GatedDeltaNetWeights, hidden: torch.Tensor, conv, rule) -> torch.Tensor:
     """The layer's formula (module docstring) with ``conv(mixed [T, C])`` and
-    ``rule(q, k, v, g, beta)`` supplied: stateful or canonical."""
+    ``rule(q, k, v, g, beta)`` supplied: stateful or canonical. Head counts are ``-1`` in every
+    reshape, so in a traced layer the only sizes that depend on the rank's heads are the
+    ``[q | k | v]`` split's (what ``shard_recurrent_tp`` rescales)."""
     tokens = hidden.shape[0]
     mixed = conv(torch.cat([F.linear(hidden, w.w_q), F.linear(hidden, w.w_k), F.linear(hidden, w.w_v)], dim=-1))
     qk = w.key_heads * w.key_dim

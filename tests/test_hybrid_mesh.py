@@ -153,7 +153,7 @@ def _run(model, program, tp: int, dcp: int, interleave: int = 1):
     return engine
 
 
-@pytest.mark.slow  # ~40 s a case on 2 shared cores (verified compile, HF generate, ~20 engine steps)
+@pytest.mark.slow  # 2-30 s a case by load (verified compile, HF generate, ~20 engine steps); 21 cases
 @pytest.mark.parametrize("tp, dcp, interleave", [(2, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 2, 1), (4, 2, BLOCK),
                                                  (4, 4, 1), (4, 4, BLOCK)])
 def test_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp, interleave):

@@ -24,7 +24,7 @@ from .memory import (
     size_for_utilization,
 )
 from .mesh import Mesh
-from .passes.pipeline import compile_program, describe_recurrent
+from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
 from .pcp.support import refuse_pcp_execution
 from .program import Program
@@ -177,25 +177,22 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = placed(_traced_program(model), config.opts["device"])
-    refuse_distributed_recurrent_layers(program, config)
+    refuse_recurrent_state_options(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
+    if program.recurrent_states:  # every rank (a distributed world's followers too) sizes the same pools
+        program = program.replace(lowering=program.lowering.decided(state_slots=config.opts["max_num_seqs"]))
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
 
 
-def refuse_distributed_recurrent_layers(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any pass or collective, a hybrid on the distributed executor (only
-    the emulated executor allocates the recurrent-state pools; the pipeline compiles hybrids at
-    tp=1·dcp=1 only), with prefix caching or with speculative decoding."""
+def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
+    """Refuse by name, before any pass or collective, a hybrid with prefix caching or with
+    speculative decoding (options whose state it does not keep)."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if not recurrent:
-        return
-    where = f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)})"
-    if config.distributed:
-        raise UnsupportedModelError(f"{where} run on the emulated executor only; use executor='emulated' (tp=1, dcp=1)")
-    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
+    if recurrent:
+        refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

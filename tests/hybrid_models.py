@@ -13,26 +13,42 @@ import torch
 import transformers
 
 
-def qwen3_next() -> torch.nn.Module:
+def qwen3_next(kv_heads: int = 2, key_heads: int = 2) -> torch.nn.Module:
     config = transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Qwen3NextForCausalLM(config).eval()
 
 
-def lfm2() -> torch.nn.Module:
+def lfm2(kv_heads: int = 2) -> torch.nn.Module:
     config = transformers.Lfm2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        num_key_value_heads=kv_heads, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Lfm2ForCausalLM(config).eval()
 
 
+def qwen3_5(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
+    """qwen3_5_text: the split projection layout (``in_proj_qkv``, ``in_proj_z/b/a``); 3 gated delta
+    net layers and one gated attention layer, as :func:`qwen3_next`'s dims."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(config).eval()
+
+
 MODELS = {"qwen3_next": qwen3_next, "lfm2": lfm2}
+MESH_MODELS = {"qwen3_next": lambda: qwen3_next(kv_heads=1, key_heads=4), "lfm2": lambda: lfm2(kv_heads=1),
+               "qwen3_5": qwen3_5}
+"""The same architectures with one KV head (so DCP has KV replication to remove up to dcp = tp)
+and, for the gated delta nets (qwen3_next, qwen3_5_text), 4 key heads / 8 value heads (so tp=4 splits the gated delta nets)."""
 
 
 # Mamba-2 hybrids: 8 heads of 8 channels (I = 64 = 2·hidden), 2 groups of B/C with state 8, conv

@@ -75,7 +75,8 @@ class Engine(EngineClient):
         if program.recurrent_states:
             refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
                                             speculative_config or speculative_tokens)
-            program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
+            if program.lowering.state_slots != max_num_seqs:  # compile() sets it on every rank's program
+                program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks

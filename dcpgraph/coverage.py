@@ -259,7 +259,8 @@ def _largest_valid_mesh(facts) -> list[tuple[int, int]]:
     for tp, dcp in (*DCP_MESHES, *TP_MESHES):
         try:
             Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
-                                   num_kv_heads=facts.num_kv_heads, block_size=4)
+                                   num_kv_heads=facts.num_kv_heads, block_size=4,
+                                   layer_kv_heads=facts.layer_kv_heads)
         except DcpGraphError:
             continue
         return [(tp, dcp)]

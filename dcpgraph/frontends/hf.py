@@ -23,6 +23,7 @@ from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
 from .layer_kinds import check_layer_types, require_attention_in_every_layer
+from .layer_shapes import config_per_layer, differing
 from .recurrent_layers import (
     canonical_recurrent_layers,
     recurrent_modules,
@@ -62,8 +63,9 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
             "(recurrent architectures such as RWKV or xLSTM are not supported)"
         )
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     mla = getattr(text, "kv_lora_rank", None) is not None
+    layer_kv = None if mla else config_per_layer(text, "num_key_value_heads")
+    kv_heads = (layer_kv[0] if layer_kv else getattr(text, "num_key_value_heads", None)) or heads
     if mla:
         head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
         v_head_dim = text.v_head_dim
@@ -74,7 +76,8 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
             "q_lora_rank": getattr(text, "q_lora_rank", None),
         }
     else:
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layer_dims = config_per_layer(text, "head_dim")
+        head_dim = layer_dims[0] if layer_dims else (getattr(text, "head_dim", None) or text.hidden_size // heads)
         v_head_dim = head_dim
         extra = {}
     extra["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
@@ -100,6 +103,8 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         eos_token_id=eos_ids,
         tp_plan=plan,
         extra=extra,
+        layer_kv_heads=differing(layer_kv or ()),
+        layer_head_dims=() if mla else differing(layer_dims or ()),
     )
 
 

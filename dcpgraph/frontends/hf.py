@@ -29,6 +29,7 @@ from .recurrent_layers import (
     recurrent_modules,
     unrecognised_recurrent_layers,
 )
+from .score_scaled_experts import traceable_score_scaled_experts
 
 WRAPPER_PREFIX = "model."
 """The prefix :class:`LogitsForward` adds to every parameter and buffer name of the wrapped model
@@ -136,10 +137,21 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     input embeddings; attention with q/k/v and output projections is sharded by head whatever
     the config plans for it (:func:`~.head_sharding.head_sharded_attention`)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    prefix = getattr(model, "base_model_prefix", "model")
+    prefix = base_model_path(model)
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
     return {**head_sharded_attention(model, plan), **tensor_parallel_experts(model, plan)}
+
+
+def base_model_path(model: torch.nn.Module) -> str:
+    """The attribute holding the base model, which the config's plans are relative to: the class's
+    ``base_model_prefix`` where the model has it, else ``model`` (Llama-4's causal LM declares
+    ``language_model`` but keeps its decoder at ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    if not isinstance(getattr(model, prefix, None), torch.nn.Module) and isinstance(
+            getattr(model, "model", None), torch.nn.Module):
+        return "model"
+    return prefix
 
 
 ROUTED_EXPERTS_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"}
@@ -173,7 +185,7 @@ def tensor_parallel_experts(model: torch.nn.Module, plan: dict[str, str]) -> dic
 def ep_plan(model: torch.nn.Module) -> dict[str, str]:
     """The config's ``base_model_ep_plan`` (expert parallelism) under the base model's prefix."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    prefix = getattr(model, "base_model_prefix", "model")
+    prefix = base_model_path(model)
     return {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_ep_plan", None) or {}).items()}
 
 
@@ -258,8 +270,9 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     was_training = model.training
     model.eval()
     try:
-        with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad(), \
-                recording_attention_callers() as callers, canonical_recurrent_layers(model) as recurrent:
+        with using_dcpgraph_attention(model), traceable_experts(model), traceable_score_scaled_experts(model), \
+                torch.no_grad(), recording_attention_callers() as callers, \
+                canonical_recurrent_layers(model) as recurrent:
             try:
                 exported, seconds = run_export(
                     LogitsForward(model).eval(), tuple(example_inputs),

@@ -111,8 +111,8 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
 
 class _GlobalAttributes:
     """Read-through view of a config that refuses by name an attribute transformers declares
-    per-layer (one value per decoder layer, e.g. gemma4's ``head_dim``): dcpgraph's facts and
-    caches need one value for the whole model."""
+    per-layer (one value per decoder layer) where dcpgraph needs one value for the whole model;
+    ``head_dim`` and ``num_key_value_heads`` are read per layer instead (:mod:`.layer_shapes`)."""
 
     def __init__(self, config):
         self._config = config
@@ -126,8 +126,9 @@ class _GlobalAttributes:
             if "per-layer" not in str(exc):
                 raise
             raise UnsupportedModelError(
-                f"per-layer {name} (it varies across decoder layers) is not supported: dcpgraph "
-                "needs one value for the whole model"
+                f"per-layer {name} (it varies across decoder layers) is not supported: dcpgraph takes "
+                "per-layer head_dim and num_key_value_heads of GQA layers; every other attribute (MLA ranks "
+                "and head dims, query heads) needs one value for the whole model"
             ) from exc
 
 

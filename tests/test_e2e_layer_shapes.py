@@ -116,3 +116,14 @@ def test_a_mesh_one_layer_cannot_take_is_refused_naming_it(mimo_model, gemma4_kv
     # Gemma-4's per-layer KV heads come from its config: refused before anything is traced.
     with pytest.raises(ConfigError, match=r"layer 0 \(2 KV heads.*Valid dcp at tp=4 for every layer: \[1, 2\]"):
         dcpgraph.compile(gemma4_kv_shared[0], tp=4, dcp=4, block_size=4)
+
+
+def test_the_planner_refuses_layers_of_different_shapes_by_name():
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.plan.model_shape import from_config
+
+    gemma = gemma4(k_eq_v=True).config.to_dict()
+    with pytest.raises(UnsupportedModelError, match=r"one KV head count and head dim.*per_layer_config"):
+        from_config(gemma)
+    with pytest.raises(UnsupportedModelError, match=r"twice the full layers' KV heads"):
+        from_config(mimo().config.to_dict())

@@ -1,6 +1,6 @@
 """Attention layers of different shapes in one model: Gemma-4 text (global layers with their own
 head dim, and with ``attention_k_eq_v`` their own KV head count and values computed from the key
-projection) and MiMo-V2-Flash (sliding layers with twice the full layers' KV heads, values of
+projection; with KV sharing, later layers reading earlier layers' K/V) and MiMo-V2-Flash (sliding layers with twice the full layers' KV heads, values of
 their own width, attention sinks, routed experts). Tiny random fp64 models with transformers'
 defaults give HF ``generate``'s greedy tokens at tp1 and on the DCP meshes valid for every layer
 (emulated ranks), for a prompt longer than the sliding window and the prefill chunk; a mesh one
@@ -23,18 +23,20 @@ PROMPT = (5, 9, 4, 77, 10, 11, 3, 40, 41, 42, 8)  # 11 tokens: past the window a
 NEW_TOKENS = 6
 
 
-def gemma4(k_eq_v: bool, kv_heads: int = 2) -> torch.nn.Module:
+def gemma4(k_eq_v: bool, kv_heads: int = 2, shared: int = 0) -> torch.nn.Module:
     """Sliding layers: head dim 8, ``kv_heads`` KV heads; global layers: head dim 16 and
     (``k_eq_v``) one KV head whose values are the key projection's output, else ``kv_heads`` KV
-    heads with their own values."""
+    heads with their own values; the last ``shared`` layers reuse the K/V of the last earlier
+    layer of their type (Gemma-4's KV sharing)."""
     import transformers
 
     config = transformers.Gemma4TextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=kv_heads, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
-        attention_k_eq_v=k_eq_v, layer_types=["sliding_attention", "full_attention"] * 2,
+        attention_k_eq_v=k_eq_v, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=shared,
         sliding_window=WINDOW, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
-        max_position_embeddings=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        tie_word_embeddings=False,  # tied, the √hidden-scaled input embedding dominates: tokens just repeat
     )
     torch.manual_seed(0)
     return transformers.Gemma4ForCausalLM(config).to(torch.float64).eval()
@@ -96,8 +98,9 @@ def test_gemma4_global_layers_with_their_own_kv_heads_match_hf(gemma4_kv_shared,
 
 
 @pytest.mark.slow  # a third model traced and compiled: ~20 s
-def test_gemma4_global_layers_with_their_own_head_dim_match_hf_at_tp2_dcp2():
-    model = gemma4(k_eq_v=False, kv_heads=1)
+def test_gemma4_global_layers_with_their_own_head_dim_and_shared_kv_match_hf_at_tp2_dcp2():
+    model = gemma4(k_eq_v=False, kv_heads=1, shared=2)
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     program = dcpgraph.trace(model)
     assert program.facts.layer_kv_heads == () and program.facts.layer_head_dims == (8, 16, 8, 16)
     assert greedy(program, 2, 2) == hf_greedy(model, PROMPT, NEW_TOKENS)

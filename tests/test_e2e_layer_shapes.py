@@ -95,6 +95,11 @@ def test_gemma4_global_layers_with_their_own_kv_heads_match_hf(gemma4_kv_shared,
     assert shapes[(0, "k")] == (local_sliding, 8) and shapes[(1, "k")] == shapes[(1, "v")] == (1, 16)
     # Sizing sums each layer's own shape (fp64): 2 sliding layers' K and V, 2 global layers'.
     assert bytes_per_block(cache_shapes(engine.program.caches), 4) == 4 * 8 * 2 * (2 * local_sliding * 8 + 2 * 16)
+    by_layer = engine.memory_report()["kv_bytes_per_block_by_layer"]
+    assert by_layer == {0: 4 * 8 * 2 * local_sliding * 8, 1: 4 * 8 * 2 * 16, 2: 4 * 8 * 2 * local_sliding * 8,
+                        3: 4 * 8 * 2 * 16}
+    report = engine.memory_report()
+    assert report["kv_bytes_per_rank"][0] == sum(by_layer.values()) * report["num_blocks"]
 
 
 @pytest.mark.slow  # a third model traced and compiled: ~20 s

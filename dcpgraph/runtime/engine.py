@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import RequestError
-from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
+from ..kv_budget import blocks_for_budget, kv_bytes_per_block, kv_bytes_per_block_by_layer  # noqa: F401  (re-exported)
 from ..program import Program, weight_bytes_per_rank
 from ..recurrent_state import refuse_recurrent_state_features
 from .engine_client import EngineClient, run_rank_op
@@ -369,6 +369,7 @@ class Engine(EngineClient):
             "kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
             "kv_bytes_per_token": per_rank / capacity,
             "kv_capacity_tokens": capacity,
+            "kv_bytes_per_block_by_layer": kv_bytes_per_block_by_layer(self.program),
             "num_blocks": self.blocks.num_blocks,
             "block_size": self.block_size,
             "virtual_block_tokens": self.block_size * self.mesh.dcp,

@@ -62,8 +62,8 @@ def greedy(program, tp: int, dcp: int) -> list[int]:
 
 
 def run(engine) -> list[int]:
-    engine.add_request(list(PROMPT), max_new_tokens=NEW_TOKENS)
-    return drain(engine)[0]
+    rid = engine.add_request(list(PROMPT), max_new_tokens=NEW_TOKENS)
+    return drain(engine)[rid]
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,15 @@ def test_the_planner_refuses_layers_of_different_shapes_by_name():
         from_config(gemma)
     with pytest.raises(UnsupportedModelError, match=r"twice the full layers' KV heads"):
         from_config(mimo().config.to_dict())
+
+
+@pytest.mark.slow  # two more engines per model: ~30 s
+@pytest.mark.parametrize("options", [{"hybrid_kv_cache": True}, {"enable_prefix_caching": True}])
+def test_sliding_layer_pools_and_prefix_hits_keep_each_layers_shape(gemma4_kv_shared, mimo_model, options):
+    for model, program in (gemma4_kv_shared, mimo_model):
+        engine = dcpgraph.compile(program, tp=4, dcp=2, block_size=4, max_num_batched_tokens=8, **options)
+        want = hf_greedy(model, PROMPT, NEW_TOKENS)
+        assert run(engine) == want
+        assert run(engine) == want  # with prefix caching: the second run starts from cached blocks
+        if options.get("enable_prefix_caching"):
+            assert engine.prefix_cache_report()["hit_tokens"] > 0

@@ -83,6 +83,8 @@ def test_facts_record_the_layers_that_differ(gemma4_kv_shared, mimo_model):
     assert gemma4_kv_shared[1].facts.layer_kv_heads == (2, 1, 2, 1)
     assert mimo_model[1].facts.layer_kv_heads == (1, 2, 2)
     assert mimo_model[1].facts.layer_head_dims == ()  # keys are 8 wide in every layer
+    assert "# per attention layer: kv heads [2, 1, 2, 1], head dims [8, 16, 8, 16]" in dcpgraph.explain(
+        gemma4_kv_shared[1])
 
 
 @pytest.mark.parametrize("tp, dcp", [pytest.param(1, 1, marks=pytest.mark.slow), (4, 2)])

@@ -149,3 +149,12 @@ def test_sliding_layer_pools_and_prefix_hits_keep_each_layers_shape(gemma4_kv_sh
         assert run(engine) == want  # with prefix caching: the second run starts from cached blocks
         if options.get("enable_prefix_caching"):
             assert engine.prefix_cache_report()["hit_tokens"] > 0
+
+
+def test_kv_transfer_refuses_layers_with_different_kv_heads_by_name(mimo_model):
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.serving.kv_connector.plan import KVSide
+
+    engine = dcpgraph.compile(mimo_model[1], block_size=4)
+    with pytest.raises(UnsupportedModelError, match=r"KV transfer between instances .* \[1, 2\]"):
+        KVSide.of_engine(engine)

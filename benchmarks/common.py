@@ -25,6 +25,15 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 
+def stop_servers_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so a benchmark killed by ``kill``/``pkill`` unwinds its
+    ``running_server``/``running_vllm`` contexts and stops the servers it started (Python's default
+    SIGTERM ends the process without running ``finally`` blocks, leaving them serving)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def record(benchmark: str, config: str, metric: str, value: float, unit: str, *, baseline: float | None = None,
            ratio: float | None = None, digits: int = 6, **extra) -> dict:
     rec = {"benchmark": benchmark, "config": config, "metric": metric, "value": _round(value, digits), "unit": unit}

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from common import load_note, record, write
+from common import load_note, record, stop_servers_on_sigterm, write
 
 NAME = "pd_transfer"
 BLOCK = 4
@@ -63,6 +63,7 @@ def first_token_s(url: str, prompt: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="prompts of 9, 33, 130 tokens, 2 reps")
     parser.add_argument("--reps", type=int, default=None)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import load_note, print_records, record, write
+from common import load_note, print_records, record, stop_servers_on_sigterm, write
 
 from dcpgraph.testing.server import running_server
 from dcpgraph.testing.vllm_bench import (
@@ -161,6 +161,7 @@ def print_table(ours: dict[int, dict], theirs: dict[int, dict]) -> None:
 
 def main() -> None:
     args = parse_args()
+    stop_servers_on_sigterm()
     tmp = tempfile.TemporaryDirectory(prefix="peer_vllm-")
     root = Path(tmp.name)
     shape = QUICK if args.quick else FULL

@@ -25,7 +25,7 @@ import random
 import tempfile
 import time
 
-from common import load_note, print_records, record, write
+from common import load_note, print_records, record, stop_servers_on_sigterm, write
 
 from dcpgraph import LLM, SamplingParams
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
@@ -89,6 +89,7 @@ async def client_load(url: str, requests: list[tuple[str, int]], clients: int) -
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: a tiny random Qwen3 checkpoint)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=2)
@@ -102,6 +103,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "npu"], help="where the ranks run")
     args = p.parse_args()
     if args.quick:
         args.requests, args.clients, args.output_len = 16, 8, (4, 24)
@@ -110,13 +112,14 @@ def main() -> None:
     requests = make_requests(args.requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
     flags = ["-tp", str(args.tensor_parallel_size), "-dcp", str(args.decode_context_parallel_size),
              "--block-size", str(args.block_size), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-             "--served-model-name", "bench"]
+             "--served-model-name", "bench", "--device", args.device]
     warmup = [(prompt, 4) for prompt, _ in requests[: args.clients]]  # first use of each batch size compiles
     with running_server(model, *flags, log_path=f"{tmp.name}/server.log") as server:
         asyncio.run(client_load(server.url, warmup, args.clients))
         results, wall = asyncio.run(client_load(server.url, requests, args.clients))
     tokens = sum(r["tokens"] for r in results)
-    config = (f"tp={args.tensor_parallel_size} dcp={args.decode_context_parallel_size} clients={args.clients} "
+    config = (f"tp={args.tensor_parallel_size} dcp={args.decode_context_parallel_size} device={args.device} "
+              f"clients={args.clients} "
               f"requests={args.requests} {args.dtype} {load_note()}")
     records = [record("serve_throughput", config, f"ttft_{k}", v, "s") for k, v in
                percentiles([r["ttft"] for r in results]).items()]
@@ -125,7 +128,7 @@ def main() -> None:
 
     llm = LLM(model=model, tensor_parallel_size=args.tensor_parallel_size,
               decode_context_parallel_size=args.decode_context_parallel_size, block_size=args.block_size,
-              dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+              dtype=args.dtype, max_num_seqs=args.max_num_seqs, device=args.device)
     try:
         llm.generate([p for p, _ in warmup], SamplingParams(temperature=0, max_tokens=4))
         start = time.perf_counter()

@@ -13,6 +13,7 @@ from .backends import compile_backend, use_compile_cache_dir
 from .checkpoints.files import DTYPES
 from .checkpoints.loader import load_program
 from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
+from .devices import resolve_device
 from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
 from .memory import (
@@ -23,7 +24,7 @@ from .memory import (
     size_for_utilization,
 )
 from .mesh import Mesh
-from .passes.pipeline import compile_program, describe_recurrent
+from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
 from .pcp.support import refuse_pcp_execution
 from .program import Program
@@ -55,7 +56,9 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
         if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
                                                     torch.ops.dcpgraph.sparse_attention.default)
     )
-    count += len(program.facts.extra.get("recurrent_layers") or {})
+    extra = program.facts.extra
+    count += len(extra.get("recurrent_layers") or {}) + len(extra.get("stateless_layers") or [])
+    count -= len(extra.get("attention_beside_recurrent") or [])  # one layer holding both
     if count == 0:
         raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
     if count != program.facts.num_layers:
@@ -173,27 +176,24 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
-    program = _traced_program(model)
+    program = placed(_traced_program(model), config.opts["device"])
     _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
-    refuse_distributed_recurrent_layers(program, config)
+    refuse_recurrent_state_options(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
+    if program.recurrent_states:  # every rank (a distributed world's followers too) sizes the same pools
+        program = program.replace(lowering=program.lowering.decided(state_slots=config.opts["max_num_seqs"]))
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
 
 
-def refuse_distributed_recurrent_layers(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any pass or collective, a hybrid on the distributed executor (only
-    the emulated executor allocates the recurrent-state pools; the pipeline compiles hybrids at
-    tp=1·dcp=1 only), with prefix caching or with speculative decoding."""
+def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
+    """Refuse by name, before any pass or collective, a hybrid with prefix caching or with
+    speculative decoding (options whose state it does not keep)."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if not recurrent:
-        return
-    where = f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)})"
-    if config.distributed:
-        raise UnsupportedModelError(f"{where} run on the emulated executor only; use executor='emulated' (tp=1, dcp=1)")
-    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
+    if recurrent:
+        refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec)
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
@@ -331,9 +331,26 @@ def _num_blocks(program: Program, config: _Configuration,
                              step_tokens=min(opts["max_num_batched_tokens"], config.max_model_len)), None
 
 
+def placed(program: Program, device: str) -> Program:
+    """``program`` with the device its ranks run on (:attr:`Program.device`): ``device`` resolved
+    (:func:`dcpgraph.devices.resolve_device`; a named accelerator the machine lacks is refused
+    here, before any pass or collective). ``"auto"`` keeps an in-memory model where its parameters
+    are and sends a checkpoint's (meta) state to the machine's accelerator, if any."""
+    concrete = {t.device.type for t in program.state.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    if device == "auto" and concrete:
+        return program
+    kind = resolve_device(device).name
+    if concrete == {kind} or (kind == "cpu" and not concrete):  # already there (a checkpoint is read to the host)
+        return program
+    return program.replace(device=kind)
+
+
 def program_device(program: Program) -> torch.device:
-    """Where ``program``'s ranks run: its state's device (the host when its state is on the meta
-    device, as a checkpoint's is until each rank reads its slices)."""
+    """Where ``program``'s ranks run: :attr:`Program.device` when set, else its state's device (the
+    host when its state is on the meta device, as a checkpoint's is until each rank reads its
+    slices)."""
+    if program.device is not None:
+        return torch.device(program.device)
     devices = {t.device for t in program.state.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
@@ -357,7 +374,7 @@ def _compiled_draft(config: _Configuration, comm_workload):
         return None
     opts = config.opts
     draft_program = compile_program(
-        draft_program, config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
+        placed(draft_program, opts["device"]), config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
         verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"],
     )

@@ -36,6 +36,7 @@ from typing import Any
 
 from .backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_backend
 from .capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from .devices import DEVICE_CHOICES
 from .errors import ConfigError
 from .mesh import Mesh
 from .runtime.sampling_params import MAX_LOGPROBS
@@ -158,6 +159,10 @@ class ParallelConfig(_Section):
                                       "head's worker connections listen on the next port", option=None, low=1)
     headless: bool = setting(False, "run this node's share of worker ranks only (every node but the head)",
                              option=None)
+    device: str = setting("auto", "where ranks run: auto (an Ascend NPU if torch_npu imports and sees one, else "
+                                  "CUDA, else the CPU; compile on an in-memory model: its parameters' device), cpu, "
+                                  "cuda or npu; a rank takes its node's device local_rank mod count, and "
+                                  "collectives use HCCL, NCCL or gloo", choices=DEVICE_CHOICES)
     executor: str = setting("auto", "compile's executor: auto, emulated or distributed (LLM picks it per process)",
                             cli=False)
     plan: Any = setting(None, "TP plan for plain modules: module-path pattern -> rule name", cli=False)
@@ -166,6 +171,8 @@ class ParallelConfig(_Section):
         Mesh(self.tensor_parallel_size, self.decode_context_parallel_size,
              self.prefill_context_parallel_size)  # "tp must be a positive int, ..."
         self._validate_nodes()
+        if self.device not in DEVICE_CHOICES:
+            raise ConfigError(f"device must be one of {list(DEVICE_CHOICES)}, got {self.device!r}")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {self.executor!r}")
         backend = self.distributed_executor_backend

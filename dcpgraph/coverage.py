@@ -31,7 +31,7 @@ import torch
 import dcpgraph
 from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
 from dcpgraph.frontends.layer_kinds import check_layer_types
-from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers
+from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers, declared_stateless_layers
 from dcpgraph.mesh import Mesh
 from dcpgraph.testing.generation import drain, hf_greedy
 
@@ -65,6 +65,17 @@ OVERRIDES: dict[str, dict] = {
     **{arch: dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
        for arch in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    # Mamba-2 hybrids: 16 heads of 8 (= mamba_expand·hidden), 2 groups of B/C with state 8, a scan
+    # chunk of 4 so that the prompt spans several; one Mamba-2 layer beside attention (nemotron_h
+    # also an MLP and a MoE layer).
+    **{arch: dict(mamba_n_heads=16, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                  **extra)
+       for arch, extra in (("bamba", dict(attn_layer_indices=[1])),
+                           ("granitemoehybrid", dict(layer_types=["mamba", "attention"])),
+                           ("falcon_h1", dict(mamba_d_ssm=128)))},
+    "nemotron_h": dict(hybrid_override_pattern="M*-E", num_hidden_layers=4, mamba_num_heads=16, mamba_head_dim=8,
+                       n_groups=2, ssm_state_size=8, chunk_size=4, n_group=1, topk_group=1,
+                       moe_shared_expert_intermediate_size=32),
     "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"]),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -147,7 +158,8 @@ def tiny_config(model_type: str):
                 "model is walked under its own model type where transformers registers one")
     try:  # the model kind itself, before tiny values that its validators may reject
         text_default = default.get_text_config() if hasattr(default, "get_text_config") else default
-        check_layer_types(text_default, declared_recurrent_layers(text_default))
+        check_layer_types(text_default, declared_recurrent_layers(text_default)
+                          + declared_stateless_layers(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
     mla = TINY_MLA if _declares(default, "kv_lora_rank") else {}

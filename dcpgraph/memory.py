@@ -5,12 +5,13 @@ device's total; ``cpu``: the host memory this process may still take, :func:`hos
 and ``S`` the ranks that share that memory (one per accelerator under a distributed world; every
 rank of the process with the emulated executor; on the host, the ranks on it)::
 
-    kv_bytes   = F · M / S − weights − peak
+    kv_bytes   = F · M / S − weights − peak − state
     num_blocks = kv_bytes // bytes_per_block
 
 ``weights`` are this rank's parameter shards (:func:`dcpgraph.program.weight_bytes_per_rank`),
 ``peak`` the activation peak of a dummy forward of ``max_num_batched_tokens`` tokens
-(:func:`activation_peak_bytes`) and ``bytes_per_block`` one block of every cache
+(:func:`activation_peak_bytes`), ``state`` a hybrid's recurrent-state pools on this rank
+(``max_num_seqs`` slots, :func:`recurrent_state_bytes`; 0 without recurrent layers) and ``bytes_per_block`` one block of every cache
 (:func:`dcpgraph.kv_budget.kv_bytes_per_block`; a hybrid cache splits ``kv_bytes`` with its
 sliding pool, :func:`dcpgraph.kv_budget.split_byte_budget`).
 
@@ -210,8 +211,9 @@ def activation_peak_bytes(program: Program, *, tokens: int, requests: int) -> in
 @dataclass(frozen=True)
 class MemorySizing:
     """How one rank's KV cache was sized from a memory fraction (every figure in bytes, per rank):
-    ``kv_bytes = utilization · device_memory / ranks_sharing − weight_bytes − activation_peak_bytes``,
-    ``num_blocks = kv_bytes // bytes_per_block`` (the full group's blocks for a hybrid cache)."""
+    ``kv_bytes = utilization · device_memory / ranks_sharing − weight_bytes − activation_peak_bytes
+    − recurrent_state_bytes``, ``num_blocks = kv_bytes // bytes_per_block`` (the full group's blocks
+    for a hybrid cache)."""
 
     utilization: float
     device: str
@@ -222,6 +224,7 @@ class MemorySizing:
     kv_bytes: int
     bytes_per_block: int
     num_blocks: int
+    recurrent_state_bytes: int = 0
 
     def report(self) -> dict:
         return {"policy": "gpu_memory_utilization", **asdict(self)}
@@ -229,7 +232,9 @@ class MemorySizing:
     def describe(self) -> str:
         return (f"KV cache {self.num_blocks} blocks per rank = ({self.utilization} x {size_text(self.device_memory)} "
                 f"{self.device} / {self.ranks_sharing} ranks - {size_text(self.weight_bytes)} weights - "
-                f"{size_text(self.activation_peak_bytes)} activation peak) / {self.bytes_per_block} B per block")
+                f"{size_text(self.activation_peak_bytes)} activation peak"
+                + (f" - {size_text(self.recurrent_state_bytes)} recurrent state" if self.recurrent_state_bytes else "")
+                + f") / {self.bytes_per_block} B per block")
 
 
 def size_text(nbytes: float) -> str:
@@ -273,22 +278,31 @@ def size_for_utilization(program: Program, utilization: float, device: torch.dev
     weights = max(weight_bytes_per_rank(program))
     tokens = min(max_num_batched_tokens, max_model_len)
     peak = activation_peak_bytes(program, tokens=tokens, requests=min(max_num_seqs, tokens))
-    kv_bytes = int(utilization * memory.total / ranks) - weights - peak
+    state = recurrent_state_bytes(program, max_num_seqs)
+    kv_bytes = int(utilization * memory.total / ranks) - weights - peak - state
     per_block = kv_bytes_per_block(program)
     if kv_bytes < per_block:
         raise ConfigError(
             f"gpu_memory_utilization={utilization}: {utilization} x {size_text(memory.total)} of {device} / "
-            f"{ranks} ranks leaves {size_text(kv_bytes)} for the KV cache after {size_text(weights)} of weights "
-            f"and a {size_text(peak)} activation peak, less than one {per_block}-byte block; raise it, lower "
-            "max_num_batched_tokens, or give the cache size (num_gpu_blocks_override / kv_cache_memory_bytes)")
-    needed = (kv_bytes + peak) * ranks
+            f"{ranks} ranks leaves {size_text(kv_bytes)} for the KV cache after {size_text(weights)} of weights, "
+            f"a {size_text(peak)} activation peak and {size_text(state)} of recurrent state, less than one "
+            f"{per_block}-byte block; raise it, lower max_num_batched_tokens, or give the cache size "
+            "(num_gpu_blocks_override / kv_cache_memory_bytes)")
+    needed = (kv_bytes + peak + state) * ranks
     if not on_host and needed > memory.free:
         raise ConfigError(
             f"gpu_memory_utilization={utilization} asks for {size_text(needed)} of KV cache and activations on "
             f"{device}, but only {size_text(memory.free)} are free (other processes hold the rest); lower it")
     blocks = blocks_for_budget(program, kv_cache_bytes_per_rank=kv_bytes, max_model_len=max_model_len,
                                max_num_seqs=max_num_seqs, decode_tokens=decode_tokens, step_tokens=tokens)
-    return MemorySizing(utilization, str(device), memory.total, ranks, weights, peak, kv_bytes, per_block, blocks)
+    return MemorySizing(utilization, str(device), memory.total, ranks, weights, peak, kv_bytes, per_block, blocks,
+                        state)
+
+
+def recurrent_state_bytes(program: Program, slots: int) -> int:
+    """Bytes of ``program``'s recurrent-state pools on one rank with ``slots`` slots:
+    ``slots · Σ_pools Π(shape per slot) · element_bytes`` (0 without recurrent layers)."""
+    return slots * sum(math.prod(p.shape) * p.dtype.itemsize for p in program.recurrent_states)
 
 
 def agreed_blocks(num_blocks: int, device: torch.device | str) -> int:

@@ -222,6 +222,9 @@ class Program:
     # When set, ``local_state`` reads rank ``r``'s tensors with ``state_reader(self, r)`` instead
     # of slicing ``state`` (which may then hold meta tensors: shapes and dtypes only).
     state_reader: Callable[[Program, int], list[torch.Tensor]] | None = None
+    # When set (a device kind: "cpu", "cuda", "npu"), ``local_state`` moves each rank's tensors
+    # there (for an accelerator: the process's current device of that kind); None: where they are.
+    device: str | None = None
 
     # -- construction helpers for passes -------------------------------------------------------
     def replace(self, **changes: Any) -> Program:
@@ -253,9 +256,13 @@ class Program:
     def local_state(self, rank: int) -> list[torch.Tensor]:
         """This rank's parameters/buffers/constants, in placeholder order."""
         if self.state_reader is not None:
-            return self.state_reader(self, rank)
-        tp = self.mesh.tp
-        return [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
+            tensors = self.state_reader(self, rank)
+        else:
+            tp = self.mesh.tp
+            tensors = [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
+        if self.device is None:
+            return tensors
+        return [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in tensors]
 
     def with_stage(self, name: str, gm: torch.fx.GraphModule, record: Provenance) -> Program:
         snapshot = self.replace(graph_module=gm, provenance=(*self.provenance, record), stages=())

@@ -128,6 +128,60 @@ class ShortConvShape:
         return (local.conv_kernel - 1) * local.channels * torch.empty((), dtype=model_dtype).element_size()
 
 
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """One Mamba-2 mixer: ``heads`` Hh of ``head_dim`` P channels (``I = Hh·P``), ``groups`` G of
+    B/C with ``state_size`` N, ``conv_kernel`` K. Per request it keeps, in the model's dtype, the
+    conv state ``[I + 2·G·N, K−1]`` (the last inputs of the conv over ``[x | B | C]``) and, in
+    fp32, the SSM state ``[Hh, P, N]`` (HF's cache holds the same two tensors per layer)::
+
+        conv_bytes = (K − 1) · (I_r + 2·G_r·N) · model_bytes
+        ssm_bytes  = Hh_r · P · N · 4
+        (Hh_r, G_r, I_r) = (Hh/t, G/t, I/t),  t = tp where tp divides Hh and G, else 1 (replicated)
+    """
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "groups", "state_size", "conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mamba2 {name} must be a positive int, got {value!r}")
+        if self.heads % self.groups:
+            raise ConfigError(f"mamba2 heads ({self.heads}) must be a multiple of groups ({self.groups})")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"mamba2 conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def conv_channels(self) -> int:
+        return self.heads * self.head_dim + 2 * self.groups * self.state_size
+
+    def splits_over(self, tp: int) -> bool:
+        return self.heads % tp == 0 and self.groups % tp == 0
+
+    def on_rank(self, tp: int) -> Mamba2Shape:
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        if not self.splits_over(tp):
+            return self
+        return Mamba2Shape(self.heads // tp, self.head_dim, self.groups // tp, self.state_size, self.conv_kernel)
+
+    def conv_state_shape(self, slots: int) -> tuple[int, int, int]:
+        return (slots, self.conv_channels, self.conv_kernel - 1)
+
+    def ssm_state_shape(self, slots: int) -> tuple[int, int, int, int]:
+        return (slots, self.heads, self.head_dim, self.state_size)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        local = self.on_rank(tp)
+        conv = (local.conv_kernel - 1) * local.conv_channels * torch.empty((), dtype=model_dtype).element_size()
+        return conv + local.heads * local.head_dim * local.state_size * RECURRENT_STATE_DTYPE.itemsize
+
 def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
     """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
     name: a prefix hit (the state after the cached prefix), drafts (the state before rejected

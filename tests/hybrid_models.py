@@ -1,5 +1,6 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
-``test_recurrent_program``, ``test_e2e_hybrid``), as transformers builds them by default.
+``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
+``test_mamba2_layer``, ``test_e2e_mamba2``), as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -12,23 +13,87 @@ import torch
 import transformers
 
 
-def qwen3_next() -> torch.nn.Module:
+def qwen3_next(kv_heads: int = 2, key_heads: int = 2) -> torch.nn.Module:
     config = transformers.Qwen3NextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Qwen3NextForCausalLM(config).eval()
 
 
-def lfm2() -> torch.nn.Module:
+def lfm2(kv_heads: int = 2) -> torch.nn.Module:
     config = transformers.Lfm2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
+        num_key_value_heads=kv_heads, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Lfm2ForCausalLM(config).eval()
 
 
+def qwen3_5(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
+    """qwen3_5_text: the split projection layout (``in_proj_qkv``, ``in_proj_z/b/a``); 3 gated delta
+    net layers and one gated attention layer, as :func:`qwen3_next`'s dims."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(config).eval()
+
+
 MODELS = {"qwen3_next": qwen3_next, "lfm2": lfm2}
+MESH_MODELS = {"qwen3_next": lambda: qwen3_next(kv_heads=1, key_heads=4), "lfm2": lambda: lfm2(kv_heads=1),
+               "qwen3_5": qwen3_5}
+"""The same architectures with one KV head (so DCP has KV replication to remove up to dcp = tp)
+and, for the gated delta nets (qwen3_next, qwen3_5_text), 4 key heads / 8 value heads (so tp=4 splits the gated delta nets)."""
+
+
+# Mamba-2 hybrids: 8 heads of 8 channels (I = 64 = 2·hidden), 2 groups of B/C with state 8, conv
+# kernel 4, HF's scan chunk 4 (so the reference itself runs several chunks).
+_MAMBA2 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+               initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+
+
+def bamba() -> torch.nn.Module:
+    """Mamba-2, attention, Mamba-2 (``attn_layer_indices=[1]``)."""
+    config = transformers.BambaConfig(
+        **_MAMBA2, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
+    torch.manual_seed(0)
+    return transformers.BambaForCausalLM(config).eval()
+
+
+def nemotron_h() -> torch.nn.Module:
+    """``hybrid_override_pattern`` ``M*-E``: Mamba-2, attention, MLP, MoE."""
+    config = transformers.NemotronHConfig(
+        **_MAMBA2, hybrid_override_pattern="M*-E", head_dim=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+        ssm_state_size=8, conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return transformers.NemotronHForCausalLM(config).eval()
+
+
+def granitemoehybrid() -> torch.nn.Module:
+    """Mamba-2, attention, Mamba-2 with 4 experts (top 2)."""
+    config = transformers.GraniteMoeHybridConfig(
+        **_MAMBA2, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, num_local_experts=4,
+        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return transformers.GraniteMoeHybridForCausalLM(config).eval()
+
+
+def falcon_h1() -> torch.nn.Module:
+    """Two layers of attention beside Mamba-2 (µP multipliers as transformers defaults them)."""
+    config = transformers.FalconH1Config(
+        **_MAMBA2, num_hidden_layers=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
+    torch.manual_seed(0)
+    return transformers.FalconH1ForCausalLM(config).eval()
+
+
+MAMBA2_MODELS = {"bamba": bamba, "nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid,
+                 "falcon_h1": falcon_h1}

@@ -97,3 +97,26 @@ def test_recurrent_text_layers_of_a_composite_config_are_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="recurrent layers"):
         check_layer_types(text)
     assert text_config_of(transformers.LlamaConfig()) is None  # a plain causal LM config stays as it is
+
+
+@pytest.mark.slow
+def test_dcpgraph_serve_answers_text_from_the_vl_checkpoint_and_refuses_images(checkpoint, tmp_path):
+    """``dcpgraph serve`` on the VL directory (a server process, so slow tier): a greedy completion
+    of the token-id prompt is the text of HF's VL model's tokens; a chat message with an image part
+    is a 400 naming the part type, and the server keeps answering."""
+    import openai
+
+    from dcpgraph.testing.server import running_server
+
+    path, want = checkpoint
+    with running_server(path, "--dtype", "float64", "--block-size", "4", "--served-model-name", "vl",
+                        log_path=str(tmp_path / "server.log")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.completions.create(model="vl", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+        assert out.choices[0].text == tiny_tokenizer(VOCAB).decode(want, skip_special_tokens=True)
+        assert out.usage.completion_tokens == len(want)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(openai.BadRequestError, match=r"content part type 'image_url' is not supported"):
+            client.chat.completions.create(model="vl", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
+        assert client.completions.create(model="vl", prompt=PROMPT, max_tokens=1, temperature=0).choices[0].text

@@ -27,7 +27,7 @@ def test_fast_subset_has_no_crash_and_no_silent_mismatch(tmp_path):
 
 @pytest.mark.parametrize("arch, reason", [
     ("mamba", "recurrent layers (Mamba/SSM"),
-    ("falcon_h1", "hybrid Mamba/SSM + attention layers"),
+    ("zaya", "hybrid Mamba/SSM + attention layers"),
     ("rwkv", "not an attention model"),
     ("bart", "encoder-decoder"),
     ("gemma3", "composite model"),

@@ -22,6 +22,7 @@ from dcpgraph.errors import ConfigError
 from dcpgraph.models import build_model
 from dcpgraph.serving.data_parallel import DataParallelEngine
 from dcpgraph.testing.generation import hf_greedy
+from dcpgraph.testing.prometheus import scrape
 from dcpgraph.testing.server import running_server
 
 PROMPTS = [[5, 9, 4, 77], [3, 4, 5], [11, 12, 13, 14, 15], [7], [21, 22], [8, 8, 8]]
@@ -86,6 +87,9 @@ def test_serve_with_two_replicas_answers_concurrent_clients(checkpoints, tmp_pat
 
         answers = asyncio.run(ask_all())
         assert len(server.worker_pids()) == 4
+        # each replica's share under its own engine label, summing to every request
+        served = [sum(scrape(server, "vllm:request_success_total", engine=e)) for e in "01"]
+        assert min(served) >= 1 and sum(served) == len(prompts)
     for prompt, answer in zip(prompts, answers):
         expected = tokenizer.decode(hf_greedy(hf, tokenizer(prompt)["input_ids"], 10), skip_special_tokens=True)
         assert answer.choices[0].text == expected, prompt

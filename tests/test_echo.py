@@ -125,3 +125,44 @@ def test_bad_echo_and_prompt_logprobs_requests_are_refused_by_name(served, path,
     client, _, _ = served
     reply = client.post(path, json={"model": "m", **body})
     assert reply.status_code == 400 and needle in reply.json()["error"]["message"], reply.text
+
+
+def stream_chunks(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={"model": "m", "temperature": 0, "stream": True, **body}) as reply:
+        assert reply.status_code == 200
+        lines = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_return_token_ids_are_hfs_greedy_tokens_whole_and_streamed(served):
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's generated ids, which for a
+    greedy request are HF's own ``generate`` on the same weights; a stream's chunks carry the same
+    ids piece by piece, the prompt's on a choice's first chunk only."""
+    from dcpgraph.testing.generation import hf_greedy
+
+    client, tokenizer, model = served
+    ids = tokenizer.encode(PROMPT)
+    want = hf_greedy(model, ids, 6)
+    whole = post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "return_token_ids": True})
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want
+    assert tokenizer.decode(want) == choice["text"]
+    chunks = stream_chunks(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "return_token_ids": True})
+    assert [c["choices"][0]["token_ids"] for c in chunks if c["choices"]] != [want]  # more than one piece
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == want
+    assert [("prompt_token_ids" in c["choices"][0]) for c in chunks if c["choices"]] == \
+        [True] + [False] * (len([c for c in chunks if c["choices"]]) - 1)
+    echoed = post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True, "return_token_ids": True})
+    assert echoed["choices"][0]["token_ids"] == [] and echoed["choices"][0]["text"] == PROMPT
+    messages = [{"role": "user", "content": "hi"}]
+    chat = post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "return_token_ids": True})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert chat["prompt_token_ids"] == chat_ids and chat["choices"][0]["token_ids"] == hf_greedy(model, chat_ids, 4)
+    chunks = stream_chunks(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 4,
+                                                           "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == \
+        chat["choices"][0]["token_ids"]
+    plain = post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain

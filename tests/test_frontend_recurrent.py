@@ -1,7 +1,8 @@
 """Hybrid HF models trace with their recurrent layers as canonical ops: qwen3_next (gated delta
 net + gated attention, dense MLPs) and lfm2 (short convolution + attention). The traced program
 gives HF's own logits over a whole prompt (longer than the scan chunk); a recurrent layer kind the
-front end does not recognise (Mamba-2) stays refused by its layer type."""
+front end does not recognise (Jamba's Mamba-1) stays refused by its layer type. The Mamba-2
+hybrids' traces are checked in ``test_frontend_mamba2``."""
 
 import pytest
 import torch
@@ -56,10 +57,12 @@ def test_hybrid_traces_to_canonical_ops_with_hf_logits(build, kinds, convs, rule
 
 
 def test_unrecognised_recurrent_layers_stay_refused_by_type():
-    config = transformers.BambaConfig(
+    """Jamba's Mamba-1 mixer (``dt_proj``/``x_proj``, no ``dt_bias`` or gated norm) is no
+    recognised kind: its ``linear_attention`` layer is refused by type."""
+    config = transformers.JambaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
-        attn_layer_indices=[1])
-    model = transformers.BambaForCausalLM(config).eval()
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=1,
+        mamba_d_state=8)
+    model = transformers.JambaForCausalLM(config).eval()
     with pytest.raises(UnsupportedModelError, match=r"recurrent layers \(Mamba/SSM.*at layers \[0\]"):
         dcpgraph.trace(model)

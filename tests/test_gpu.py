@@ -78,3 +78,44 @@ def test_nccl_tp2_dcp2_equals_hf():
     results = spawn(_nccl_rank, 2, backend=backend_for("cuda"), timeout_s=600)
     model = build_model("qwen3", dtype=torch.float64).cuda()
     assert results[0] == results[1] == [hf_greedy(model, p, 6) for p in PROMPTS]
+
+
+def _checkpoint_and_reference(tmp_path):
+    from dcpgraph.testing.checkpoints import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    return path, [hf_greedy(model, p, 6) for p in PROMPTS]
+
+
+def test_llm_loads_a_checkpoint_onto_cuda_and_equals_hf(tmp_path):
+    """``LLM(device="cuda")`` at tp=1: the checkpoint's slices are read and moved to the GPU, the
+    KV cache is sized from 0.9 of the device's memory, and the tokens are HF's on the same GPU."""
+    from dcpgraph import LLM, SamplingParams
+
+    path, expected = _checkpoint_and_reference(tmp_path)
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=64)
+    caches = llm.engine.executor.rank_caches(0).values()
+    assert {c.device.type for c in caches} == {"cuda"}
+    assert llm.engine.memory_report()["kv_sizing"]["device"].startswith("cuda")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6))
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="worker processes on two GPUs need two CUDA devices")
+def test_llm_workers_on_two_gpus_use_nccl_and_equal_hf(tmp_path):
+    """``LLM(device="cuda", tensor_parallel_size=2, decode_context_parallel_size=2)``: two worker
+    processes on cuda:0 and cuda:1, an NCCL world, HF's tokens."""
+    from dcpgraph import LLM, SamplingParams
+
+    path, expected = _checkpoint_and_reference(tmp_path)
+    llm = LLM(path, device="cuda", tensor_parallel_size=2, decode_context_parallel_size=2, dtype="float32",
+              max_model_len=64)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6))
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert llm.engine.memory_report()["kv_sizing"]["device"].startswith("cuda")
+    finally:
+        llm.engine.close()

@@ -2,8 +2,8 @@
 short convolutions around an attention layer) compiled at
 tp=1·dcp=1 runs as a program with per-request state pools beside the paged KV cache: two
 requests, prompts split into prefill chunks, mixed prefill/decode steps and batched decode rows,
-fed HF's own greedy tokens, give HF's logits at every sampled row (so its greedy tokens). Meshes
-with TP or DCP are refused by name. (The engine on top: tests/test_e2e_hybrid.py.)"""
+fed HF's own greedy tokens, give HF's logits at every sampled row (so its greedy tokens). (Meshes
+with TP and DCP: tests/test_hybrid_mesh.py.) (The engine on top: tests/test_e2e_hybrid.py.)"""
 
 import dataclasses
 
@@ -12,7 +12,6 @@ import torch
 
 import dcpgraph
 from dcpgraph import Mesh
-from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.passes.pipeline import compile_program
 from dcpgraph.program import CACHE, RANK, RECURRENT, STATE_KINDS
 from dcpgraph.runtime.executors import allocate_caches
@@ -104,9 +103,3 @@ def test_state_pools_and_kv_cache_give_hf_logits_across_chunks_and_decode(arch, 
             checked += 1
     assert checked == 1 + 2 * (len(steps) - 1) and greedy == 2 * NEW_TOKENS
     assert all(torch.isnan(p[1]).all() for p in pools.values())  # the unused slot was never written
-
-
-def test_meshes_with_tp_or_dcp_are_refused_by_name(arch, traced):
-    layers = {"qwen3_next": r"gated delta net at layers \[0, 1, 2\]", "lfm2": r"short convolution at layers \[0, 2\]"}
-    with pytest.raises(UnsupportedModelError, match=layers[arch] + r"\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"):
-        compile_program(traced, Mesh(2, 1))

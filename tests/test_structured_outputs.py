@@ -143,8 +143,13 @@ def test_bad_constraints_are_refused_with_the_reason(llm):
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"grammar": "root ::= undefined_rule"}))
     with pytest.raises(ValueError, match=r"exactly one of"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
-    with pytest.raises(ValueError, match=r"structural_tag: structural tags are not supported"):
+    with pytest.raises(ValueError, match=r"structural_tag must have \"format\" .* or \"structures\" and \"triggers\""):
         SamplingParams(structured_outputs={"structural_tag": "{}"})
+    with pytest.raises(ValueError, match=r"\"triggers\" must be a non-empty list"):
+        SamplingParams(structured_outputs={"structural_tag": json.dumps({**LEGACY_TAG, "triggers": []})})
+    with pytest.raises(GrammarError, match=r"structured_outputs.structural_tag cannot be compiled"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"structural_tag": json.dumps(
+            {"type": "structural_tag", "format": {"type": "no_such_format"}})}))
     with pytest.raises(ValueError, match=r"needs json_schema"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_schema"})
 
@@ -189,3 +194,42 @@ def test_preempted_requests_keep_their_grammar_state(model_dir, llm):
              max_num_seqs=4) as small:
         assert texts(small, constraint, temperature=1.0, prompts=prompts) == roomy
         assert small.engine.report()["scheduler"]["preemptions"] > 0
+
+
+TAGGED = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                "content": {"type": "regex", "pattern": "[a-c]{2,4}"}}}
+OBJECT_A = {"type": "object", "properties": {"a": {"enum": [1]}}, "required": ["a"], "additionalProperties": False}
+LEGACY_TAG = {"structures": [{"begin": "<f>", "schema": OBJECT_A, "end": "</f>"}], "triggers": ["<f"]}
+
+
+def test_structural_tag_masks_with_a_real_tokenizer():
+    """vLLM's older shape: free text until the trigger, then the structure's schema; the newer
+    shape (xgrammar's format): exactly ``<f>``, the content, ``</f>``."""
+    tokenizer = byte_level_tokenizer(321)
+    backend = GrammarBackend.from_tokenizer(tokenizer, 321, [tokenizer.eos_token_id])
+    legacy = backend.matcher(StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG)))
+    assert legacy.allowed().all()  # nothing triggered yet
+    legacy.advance([ord(c) for c in "hi <f>"])
+    assert legacy.allowed().nonzero().flatten().tolist() == [ord("{")]
+    tagged = backend.matcher(StructuredOutputsParams(structural_tag=json.dumps(TAGGED)))
+    assert tagged.allowed().nonzero().flatten().tolist() == [ord("<")]
+    tagged.advance([ord(c) for c in "<f>"])
+    assert tagged.allowed().nonzero().flatten().tolist() == [ord("a"), ord("b"), ord("c")]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_llm_output_follows_a_structural_tag(llm, temperature):
+    for text, reason, _ in texts(llm, {"structural_tag": json.dumps(TAGGED)}, temperature):
+        assert reason == "stop" and re.fullmatch(r"<f>[a-c]{2,4}</f>", text), text
+
+
+def test_response_format_structural_tag_is_vllms():
+    """``response_format: {"type": "structural_tag", ...}`` in either shape becomes the request's
+    ``structured_outputs.structural_tag`` (the object's JSON text, as vLLM passes it on)."""
+    messages = [{"role": "user", "content": "hi"}]
+    for shape in (TAGGED, {"type": "structural_tag", **LEGACY_TAG}):
+        body = ChatCompletionRequest(messages=messages, response_format=shape)
+        assert json.loads(body.sampling_params(8).structured_outputs.structural_tag) == shape
+    with pytest.raises(ValueError, match=r"\"structures\" must be a non-empty list"):
+        ChatCompletionRequest(messages=messages, response_format={"type": "structural_tag", "structures": [{}],
+                                                                  "triggers": ["<f"]})

@@ -103,6 +103,16 @@ def test_bad_constraints_are_400s_with_the_reason(server):
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}]
 
 
+def streamed_calls(client: openai.OpenAI, **request):
+    """A streamed chat answer as the ``openai`` client's stream helper accumulates it (its first
+    choice), and the tool-call deltas that came, in order."""
+    with client.chat.completions.stream(**request) as stream:
+        deltas = [tc for event in stream if event.type == "chunk" and event.chunk.choices
+                  for tc in (event.chunk.choices[0].delta.tool_calls or [])]
+        final = stream.get_final_completion()
+    return final.choices[0], deltas
+
+
 def test_named_and_required_tool_calls_in_bodies_and_streams(server):
     client = api(server)
     common = {"model": "tiny", "messages": [{"role": "user", "content": "call it"}], "max_tokens": 200,
@@ -113,14 +123,19 @@ def test_named_and_required_tool_calls_in_bodies_and_streams(server):
     call = whole.choices[0].message.tool_calls[0]
     assert whole.choices[0].finish_reason == "stop" and call.function.name == "lookup" and call.id
     jsonschema.validate(json.loads(call.function.arguments, strict=False), SCHEMA)
-    chunks = list(client.chat.completions.create(**common, tool_choice=named, stream=True))
-    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [tc.function.arguments for tc in streamed] == [call.function.arguments]
+    final, deltas = streamed_calls(client, **common, tool_choice=named)
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [("lookup", call.function.arguments)]  # a named function's arguments are the output itself
+    assert len(deltas) > 2 and deltas[0].id and all(d.id is None for d in deltas[1:])  # fragment by fragment
     required = client.chat.completions.create(**common, tool_choice="required")
     assert required.choices[0].finish_reason == "tool_calls"
     for call in required.choices[0].message.tool_calls:
         assert call.function.name == "lookup"
         jsonschema.validate(json.loads(call.function.arguments, strict=False), SCHEMA)
+    final, deltas = streamed_calls(client, **common, tool_choice="required")
+    assert final.finish_reason == "tool_calls" and len(deltas) > 2
+    assert [(c.function.name, json.loads(c.function.arguments, strict=False)) for c in final.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments, strict=False)) for c in required.choices[0].message.tool_calls]
     history = [{"role": "user", "content": "call it"},
                {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function",
                                                                       "function": call.function.model_dump()}]},
@@ -138,10 +153,10 @@ def test_auto_tool_choice_reads_hermes_calls(server):
     message = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls" and message.content == "ok then"
     jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), SCHEMA)
-    chunks = [c for c in api(server).chat.completions.create(**common, stream=True) if c.choices]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "ok then"
-    streamed = [tc.function.arguments for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert streamed == [message.tool_calls[0].function.arguments] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    final, deltas = streamed_calls(api(server), **common)
+    assert final.message.content == "ok then" and final.finish_reason == "tool_calls" and len(deltas) > 2
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
+        [("lookup", json.loads(message.tool_calls[0].function.arguments))]
     plain = api(server).chat.completions.create(**{**common, "extra_body": {}, "max_tokens": 8,
                                                    "logit_bias": {str(server.think_end): -100}})
     assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason == "length"

@@ -21,6 +21,7 @@ from dcpgraph.serving.prompts import Prompt
 from dcpgraph.serving.protocol import ChatCompletionRequest
 from dcpgraph.serving.reasoning import ReasoningParser
 from dcpgraph.serving.responses import Reply
+from dcpgraph.serving.tool_call_stream import CallStream
 from dcpgraph.serving.tool_parsers import AutoToolStream, parse_hermes, parse_llama3_json
 from dcpgraph.serving.tools import tool_call_schema, tool_calls_of
 from dcpgraph.testing.checkpoints import save_tiny_checkpoint
@@ -124,10 +125,45 @@ def test_hermes_and_llama3_json_parsers():
 @pytest.mark.parametrize("cut", [1, 4, 7])
 def test_auto_stream_equals_the_whole_parse(parser, text, cut):
     stream = AutoToolStream(parser)
-    sent = "".join(stream.feed(text[i:i + cut]) for i in range(0, len(text), cut))
-    rest, calls = stream.finish()
+    fed = [stream.feed(text[i:i + cut]) for i in range(0, len(text), cut)]
+    rest, called = stream.finish()
     content, whole_calls = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}[parser](text)
-    assert sent + rest == (content or "") and names_and_arguments(calls) == names_and_arguments(whole_calls)
+    assert "".join(c for c, _ in fed) + rest == (content or "") and called == bool(whole_calls)
+    assert names_and_arguments(joined_calls([d for _, deltas in fed for d in deltas])) == \
+        names_and_arguments(whole_calls)
+
+
+def joined_calls(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined per index, as a client accumulates them (names from first deltas,
+    arguments concatenated)."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"function": {"name": None, "arguments": ""}})
+        if "id" in d:
+            assert call["function"]["name"] is None and d["type"] == "function", d  # one first delta per call
+            call["id"], call["function"]["name"] = d["id"], d["function"]["name"]
+        call["function"]["arguments"] += d["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+SPLIT = '[{"name": "weather", "parameters": {"city": "O\\"s\\\\", "unit": "c", "n": [1, {"x": null}]}}, ' \
+        '{"parameters": 5, "name": "now"}, {"name": "later"}]'
+
+
+@pytest.mark.parametrize("cut", [1, 3, 1000])
+def test_call_stream_sends_arguments_as_they_come(cut):
+    stream = CallStream(call_depth=1, argument_keys=("parameters",))
+    pieces = [stream.feed(SPLIT[i:i + cut]) for i in range(0, len(SPLIT), cut)]
+    calls = joined_calls([d for p in pieces for d in p])
+    assert names_and_arguments(calls) == [
+        ("weather", {"city": 'O"s\\', "unit": "c", "n": [1, {"x": None}]}), ("now", 5), ("later", {})]
+    hermes = CallStream(call_depth=0, argument_keys=("arguments",))
+    text = '} ] <tool_call>{"name": "now", "arguments": {"a": [1]}}</tool_call>'  # stray closers first
+    assert names_and_arguments(joined_calls(hermes.feed(text))) == [("now", {"a": [1]})]
+    if cut == 1:  # the first call's arguments arrive in many fragments, before the call's object ends
+        weather = [d for p in pieces for d in p if d["index"] == 0 and "id" not in d]
+        assert len(weather) > 10 and all(set(d) == {"index", "function"} for d in weather)
+        assert pieces.index([{"index": 0, "function": {"arguments": "{"}}]) < SPLIT.index("city")
 
 
 def test_tool_flags_are_checked_at_start_up():
@@ -142,6 +178,12 @@ def test_tool_flags_are_checked_at_start_up():
 def replies(text: str, cut: int, parser: str | None, **body) -> tuple[dict, list[dict]]:
     """The non-streamed choice and the streamed deltas (with the finish reason) of one output
     ``text`` cut into pieces of ``cut`` characters, under a deepseek_r1 reasoning parser."""
+    whole, chunks = reply_chunks(text, cut, parser, **body)
+    return whole, [{**c["choices"][0]["delta"], "finish": c["choices"][0]["finish_reason"]} for c in chunks]
+
+
+def reply_chunks(text: str, cut: int, parser: str | None, **body) -> tuple[dict, list[dict]]:
+    """The non-streamed choice and the stream's chunks (as JSON) of :func:`replies`."""
     server = SimpleNamespace(served_model_name="m", generated=0, llm=SimpleNamespace(tokenizer=None),
                              reasoning=ReasoningParser("deepseek_r1"), options=ServerOptions(auto_tool_parser=parser))
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS, **body})
@@ -157,8 +199,7 @@ def replies(text: str, cut: int, parser: str | None, **body) -> tuple[dict, list
 
     whole = asyncio.run(reply().whole(pieces()))["choices"][0]
     events = asyncio.run(_collect(reply().events(pieces())))
-    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    return whole, [{**c["choices"][0]["delta"], "finish": c["choices"][0]["finish_reason"]} for c in chunks]
+    return whole, [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
 
 async def _collect(events):
@@ -178,9 +219,32 @@ def test_streamed_deltas_carry_what_the_whole_body_does(cut, parser, choice, tex
     message = whole["message"]
     assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"] == "hm"
     assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
-    streamed = [(c["function"]["name"], c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])]
-    assert streamed == [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    streamed = joined_calls([c for d in deltas for c in d.get("tool_calls", [])])
+    assert names_and_arguments(streamed) == names_and_arguments(message.get("tool_calls", []))
     assert deltas[-1]["finish"] == whole["finish_reason"]
     assert bool(streamed) == (text != "hm</think>no call here")
     expected = "stop" if isinstance(choice, dict) or not streamed else "tool_calls"
     assert whole["finish_reason"] == expected
+
+
+def test_openai_stream_accumulation_rebuilds_the_calls():
+    """The ``openai`` client's own stream accumulation (``ChatCompletionStreamState``, what
+    ``client.chat.completions.stream`` uses) over the chunks of a streamed ``"required"`` answer
+    cut into one-character pieces: the calls it rebuilds are the non-streamed answer's, and
+    each call's arguments came in several deltas."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    text = 'hm</think>[{"name": "weather", "parameters": {"city": "Oslo", "unit": "c"}}, {"name": "now", "parameters": {}}]'
+    whole, chunks = reply_chunks(text, 1, None, tool_choice="required")
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == whole["finish_reason"] == "tool_calls"
+    rebuilt = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
+    assert rebuilt == names_and_arguments(whole["message"]["tool_calls"])
+    assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in final.message.tool_calls)
+    fragments = [c for ch in chunks for choice in ch["choices"] for c in choice["delta"].get("tool_calls") or []
+                 if c["index"] == 0 and "id" not in c]
+    assert len(fragments) > 5

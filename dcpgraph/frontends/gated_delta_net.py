@@ -47,7 +47,8 @@ def shape_of(module: torch.nn.Module) -> GatedDeltaNetShape:
 
 def canonical_weights(module: torch.nn.Module) -> GatedDeltaNetWeights:
     """The full (unsharded) canonical weights of an HF GDN module; refuses by name a layout or
-    activation it does not know."""
+    activation it does not know. Per-key-head layouts are viewed with ``-1`` heads, so a traced
+    layer's only head-dependent sizes are the ``[q | k | v]`` section splits."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
     if not is_gated_delta_net(module):
         raise UnsupportedModelError(
@@ -60,11 +61,11 @@ def canonical_weights(module: torch.nn.Module) -> GatedDeltaNetWeights:
     hk, hv, dk, dv, hidden = s.key_heads, s.value_heads, s.key_dim, s.value_dim, module.hidden_size
     r = hv // hk
     if hasattr(module, "in_proj_qkvz"):
-        qkvz = module.in_proj_qkvz.weight.view(hk, 2 * dk + 2 * r * dv, hidden)
+        qkvz = module.in_proj_qkvz.weight.view(-1, 2 * dk + 2 * r * dv, hidden)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
-        b, a = module.in_proj_ba.weight.view(hk, 2 * r, hidden).split([r, r], dim=1)
+        b, a = module.in_proj_ba.weight.view(-1, 2 * r, hidden).split([r, r], dim=1)
         w_q, w_k, w_v, w_z = (t.reshape(-1, hidden) for t in (q, k, v, z))
-        w_b, w_a = b.reshape(hv, hidden), a.reshape(hv, hidden)
+        w_b, w_a = b.reshape(-1, hidden), a.reshape(-1, hidden)
     else:
         w_q, w_k, w_v = module.in_proj_qkv.weight.split([hk * dk, hk * dk, hv * dv], dim=0)
         w_z, w_b, w_a = module.in_proj_z.weight, module.in_proj_b.weight, module.in_proj_a.weight

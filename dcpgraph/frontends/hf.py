@@ -27,6 +27,7 @@ from .layer_shapes import config_per_layer, differing
 from .recurrent_layers import (
     canonical_recurrent_layers,
     recurrent_modules,
+    stateless_layers,
     unrecognised_recurrent_layers,
 )
 from .score_scaled_experts import traceable_score_scaled_experts
@@ -264,7 +265,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = list(getattr(config, "layer_types", None) or ())
     recognised = set(recurrent_modules(model)) - set(unrecognised_recurrent_layers(model, types))
-    check_layer_types(config, recognised)
+    stateless = stateless_layers(model, types)
+    check_layer_types(config, recognised | set(stateless))
     facts = model_facts(model)
     low = min_trace_tokens(model)
     tokens = torch.export.Dim("tokens", min=low, max=max(max_tokens, low + 1))
@@ -281,13 +283,18 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
                 )
             except TokenShapeRefusal:  # the forward ran to its end: a layer without attention says why
                 if callers:
-                    require_attention_in_every_layer(facts.num_layers, [*callers.values(), *recurrent],
+                    require_attention_in_every_layer(facts.num_layers, [*callers.values(), *recurrent, *stateless],
                                                      facts.architecture)
                 raise
     finally:
         model.train(was_training)
     if recurrent:
         facts = dataclasses.replace(facts, extra={**facts.extra, "recurrent_layers": dict(sorted(recurrent.items()))})
+    if stateless:
+        facts = dataclasses.replace(facts, extra={**facts.extra, "stateless_layers": stateless})
+    beside = sorted(set(recurrent) & {i for i in callers.values() if i is not None})
+    if beside:  # falcon_h1: attention and a Mamba-2 mixer in parallel in one decoder layer
+        facts = dataclasses.replace(facts, extra={**facts.extra, "attention_beside_recurrent": beside})
     return program_from_export(exported, facts, prefix=WRAPPER_PREFIX, seconds=seconds)
 
 
@@ -301,5 +308,6 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
     kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default,
              torch.ops.dcpgraph.causal_conv1d.default)  # one conv per recurrent layer of either kind
     layers = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
+    layers += facts.extra.get("stateless_layers") or []  # attention-free MLP/MoE layers (nemotron_h)
     require_attention_in_every_layer(facts.num_layers, [None] * len(layers), facts.architecture)
     return program

@@ -30,8 +30,8 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     "window_attention": "non-overlapping window attention",
     "deepseek_sparse_attention": "indexer-selected sparse attention",
     "qwen_sparse_attention": "indexer-selected sparse attention",
-    "compressed_sparse_attention": "compressed sparse attention",
-    "heavily_compressed_attention": "compressed sparse attention",
+    "compressed_sparse_attention": "DeepSeek-V4 compressed attention (CSA/HCA)",
+    "heavily_compressed_attention": "DeepSeek-V4 compressed attention (CSA/HCA)",
     "minimax_m3_sparse": ("block-sparse indexed attention (MiniMax-M3: each KV head keeps the top key blocks of "
                           "index_block_size keys plus its local blocks, not DeepSeek-V3.2's per-token top-k)"),
     "reference_sliding_attention": "ring-buffered reference sliding attention",
@@ -41,6 +41,14 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     "hybrid": "hybrid Mamba/SSM + attention layers",
     "hybrid_sliding": "hybrid Mamba/SSM + attention layers",
     "moe": "attention-free MoE layers",
+}
+
+# What does run for a refused kind, appended to its refusal.
+REFUSED_LAYER_HINTS: dict[str, str] = {
+    kind: ("; no compiled op yet (so no engine, prefix caching, speculative decoding or P/D); its exact "
+           "DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention and dcpgraph.ops.compressor, "
+           "its per-rank cache bytes come from dcpgraph.plan.compressed_cache")
+    for kind in ("compressed_sparse_attention", "heavily_compressed_attention")
 }
 
 
@@ -59,6 +67,7 @@ def check_layer_types(text_config, recognised_recurrent: Iterable[int] = ()) -> 
         raise UnsupportedModelError(
             f"{what}: not supported (layer_types {kind!r} at layers {layers[:8]}"
             f"{'…' if len(layers) > 8 else ''}); dcpgraph compiles layer types {sorted(SUPPORTED_LAYER_TYPES)}"
+            f"{REFUSED_LAYER_HINTS.get(kind, '')}"
         )
     if "indexed_attention" in types and hasattr(text_config, "indexer_compress_ratio"):
         layers = [i for i, t in enumerate(types) if t == "indexed_attention"]

@@ -27,7 +27,8 @@ def shape_of(module: torch.nn.Module) -> ShortConvShape:
 
 
 def canonical_weights(module: torch.nn.Module) -> ShortConvWeights:
-    """The full canonical weights of an HF short-conv module; refuses another layout by name."""
+    """The full canonical weights of an HF short-conv module; refuses another layout by name.
+    ``in_proj`` is viewed as ``[3, -1, H]``, so the traced parts hold no channel count."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
     if not is_short_conv(module):
         raise UnsupportedModelError(f"{where}: not a recognised short-convolution layout (needs {list(REQUIRED)})")
@@ -35,9 +36,9 @@ def canonical_weights(module: torch.nn.Module) -> ShortConvWeights:
     if module.conv.groups != channels or module.in_proj.out_features != 3 * channels:
         raise UnsupportedModelError(f"{where}: the short convolution must be depthwise over in_proj's three "
                                     f"{channels}-channel parts")
-    w_b, w_c, w_x = module.in_proj.weight.chunk(3, dim=0)
+    w_b, w_c, w_x = module.in_proj.weight.view(3, -1, module.in_proj.in_features).unbind(0)
     bias = module.in_proj.bias
-    b_b, b_c, b_x = bias.chunk(3) if bias is not None else (None, None, None)
+    b_b, b_c, b_x = bias.view(3, -1).unbind(0) if bias is not None else (None, None, None)
     return ShortConvWeights(w_b=w_b, w_c=w_c, w_x=w_x, bias_b=b_b, bias_c=b_c, bias_x=b_x,
                             conv_weight=module.conv.weight.squeeze(1), conv_bias=module.conv.bias,
                             out_proj=module.out_proj.weight, out_bias=module.out_proj.bias)

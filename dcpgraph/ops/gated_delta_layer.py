@@ -85,16 +85,19 @@ def gated_delta_net_canonical(w: GatedDeltaNetWeights, hidden: torch.Tensor,
 
 def gated_delta_net_with(w: GatedDeltaNetWeights, hidden: torch.Tensor, conv, rule) -> torch.Tensor:
     """The layer's formula (module docstring) with ``conv(mixed [T, C])`` and
-    ``rule(q, k, v, g, beta)`` supplied: stateful or canonical."""
+    ``rule(q, k, v, g, beta)`` supplied: stateful or canonical. Head counts are ``-1`` in every
+    reshape, so in a traced layer the only sizes that depend on the rank's heads are the
+    ``[q | k | v]`` split's (what ``shard_recurrent_tp`` rescales)."""
     tokens = hidden.shape[0]
     mixed = conv(torch.cat([F.linear(hidden, w.w_q), F.linear(hidden, w.w_k), F.linear(hidden, w.w_v)], dim=-1))
     qk = w.key_heads * w.key_dim
-    q = mixed[:, :qk].reshape(tokens, w.key_heads, w.key_dim)
-    k = mixed[:, qk: 2 * qk].reshape(tokens, w.key_heads, w.key_dim)
-    v = mixed[:, 2 * qk:].reshape(tokens, w.value_heads, w.value_dim)
+    q, k, v = mixed.split([qk, qk, w.value_heads * w.value_dim], dim=-1)
+    q = q.reshape(tokens, -1, w.key_dim)
+    k = k.reshape(tokens, -1, w.key_dim)
+    v = v.reshape(tokens, -1, w.value_dim)
     beta = torch.sigmoid(F.linear(hidden, w.w_b))
     g = -w.a_log.float().exp() * F.softplus(F.linear(hidden, w.w_a).float() + w.dt_bias)
     o = rule(q, k, v, g, beta)
-    z = F.linear(hidden, w.w_z).reshape(tokens, w.value_heads, w.value_dim)
+    z = F.linear(hidden, w.w_z).reshape(tokens, -1, w.value_dim)
     o = gated_rms_norm(o, z, w.norm_weight, w.norm_eps)
     return F.linear(o.reshape(tokens, -1), w.out_proj)

@@ -143,8 +143,12 @@ def _no_canonical_attention_left(program: Program) -> None:
     graph = program.graph_module.graph
     reads = nodes_calling(graph, dcp_ops.paged_attention.default) + nodes_calling(
         graph, dcp_ops.paged_sparse_attention.default)
-    recurrent = len(program.facts.extra.get("recurrent_layers") or {})
-    if len(reads) != program.facts.num_layers - recurrent:
+    extra = program.facts.extra
+    # Decoder layers without attention: recurrent (unless attention runs beside the mixer, as in
+    # falcon_h1) and attention-free MLP/MoE layers (nemotron_h).
+    without = (len(extra.get("recurrent_layers") or {}) - len(extra.get("attention_beside_recurrent") or [])
+               + len(extra.get("stateless_layers") or []))
+    if len(reads) != program.facts.num_layers - without:
         raise VerificationError("expected one paged attention per attention layer")
 
 

@@ -8,9 +8,11 @@ step's varlen rows::
                                                            cu_seqlens_q, context_lens, act)
     gated_delta_rule(q, k, v, g, β, C)   → gated_delta_rule_(q, k, v, g, β, recurrent_state_i,
                                                              state_slots, cu_seqlens_q, context_lens, C)
+    mamba2_scan(x, dt, A, B, C, D, b, lo, hi, L) → mamba2_scan_(x, dt, A, B, C, D, b, ssm_state_i, state_slots,
+                                                                 cu_seqlens_q, context_lens, lo, hi, L)
 
-``conv_state_i [slots, C, K−1]`` (model dtype) and ``recurrent_state_i [slots, Hv, Dk, Dv]``
-(fp32) are program state like the KV caches: placeholders of kind ``recurrent``, returned as
+``conv_state_i [slots, C, K−1]`` (model dtype), ``recurrent_state_i [slots, Hv, Dk, Dv]`` and
+``ssm_state_i [slots, H, P, N]`` (fp32) are program state like the KV caches: placeholders of kind ``recurrent``, returned as
 outputs, written in place. ``state_slots [R]`` is a new per-step input (the request's slot, −1
 for padding rows); a row with ``context_lens == 0`` starts from a zero state, so a prompt split
 into prefill chunks and its decode steps carry the state, and a recomputed request restarts it.
@@ -22,13 +24,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import VerificationError
+from ..ops import mamba2 as _mamba2_ops  # noqa: F401  (registers dcpgraph.mamba2_scan)
 from ..program import META, RECURRENT, InputSpec, Program, RecurrentStateSpec
 from ..recurrent_state import RECURRENT_STATE_DTYPE
 from .graph_edit import add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
 
 dcp_ops = torch.ops.dcpgraph
-CANONICAL_RECURRENT = (dcp_ops.causal_conv1d.default, dcp_ops.gated_delta_rule.default)
+CANONICAL_RECURRENT = (dcp_ops.causal_conv1d.default, dcp_ops.gated_delta_rule.default, dcp_ops.mamba2_scan.default)
 SLOTS_ROLE = "state_slots"
 
 
@@ -41,7 +44,7 @@ def _canonical_recurrent(program: Program) -> list:
     return [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in CANONICAL_RECURRENT]
 
 
-HAS_RECURRENT = holds("canonical causal_conv1d / gated_delta_rule nodes (traced recurrent layers)",
+HAS_RECURRENT = holds("canonical causal_conv1d / gated_delta_rule / mamba2_scan nodes (traced recurrent layers)",
                       lambda p: bool(_canonical_recurrent(p)))
 HAS_STEP_METADATA = holds("the 'cu_seqlens_q' and 'context_lens' inputs (insert_kv_cache)",
                           lambda p: {"cu_seqlens_q", "context_lens"} <= {s.name for s in p.inputs})
@@ -62,10 +65,13 @@ def insert_recurrent_state(program: Program):
     convs = nodes_calling(graph, dcp_ops.causal_conv1d.default)
     rules = nodes_calling(graph, dcp_ops.gated_delta_rule.default)
     gdn_layers = [i for i in layers if recurrent_layers(program)[i] == "gated delta net"]
-    if len(convs) != len(layers) or len(rules) != len(gdn_layers):
+    scans = nodes_calling(graph, dcp_ops.mamba2_scan.default)
+    mamba2_layers = [i for i in layers if recurrent_layers(program)[i] == "mamba2"]
+    if len(convs) != len(layers) or len(rules) != len(gdn_layers) or len(scans) != len(mamba2_layers):
         raise VerificationError(
-            f"insert_recurrent_state: {len(convs)} convolutions and {len(rules)} delta rules for recurrent "
-            f"layers {recurrent_layers(program)} (one convolution per layer, one rule per gated delta net)")
+            f"insert_recurrent_state: {len(convs)} convolutions, {len(rules)} delta rules and {len(scans)} Mamba-2 "
+            f"scans for recurrent layers {recurrent_layers(program)} (one convolution per layer, one rule per "
+            "gated delta net, one scan per Mamba-2 mixer)")
     specs: list[RecurrentStateSpec] = []
     for layer, conv in zip(layers, convs):
         channels, kernel = conv.args[1].meta["val"].shape
@@ -75,6 +81,10 @@ def insert_recurrent_state(program: Program):
         k, v = rule.args[1].meta["val"], rule.args[2].meta["val"]
         specs.append(RecurrentStateSpec(f"recurrent_state_{layer}", layer, "recurrent_state",
                                         (int(v.shape[1]), int(k.shape[-1]), int(v.shape[-1])), RECURRENT_STATE_DTYPE))
+    for layer, scan in zip(mamba2_layers, scans):
+        x, b = scan.args[0].meta["val"], scan.args[3].meta["val"]
+        specs.append(RecurrentStateSpec(f"ssm_state_{layer}", layer, "ssm_state",
+                                        (int(x.shape[1]), int(x.shape[2]), int(b.shape[-1])), RECURRENT_STATE_DTYPE))
     pools = add_placeholders(graph, [s.name for s in specs] + [SLOTS_ROLE])
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     slots, cu, context = pools[-1], by_name["cu_seqlens_q"], by_name["context_lens"]
@@ -94,6 +104,15 @@ def insert_recurrent_state(program: Program):
         new.meta = dict(rule.meta)
         rule.replace_all_uses_with(new)
         graph.erase_node(rule)
+    for layer, scan in zip(mamba2_layers, scans):
+        x, dt, a, b, c, d, dt_bias, dt_min, dt_max, chunk = scan.args
+        with graph.inserting_before(scan):
+            new = graph.call_function(dcp_ops.mamba2_scan_.default,
+                                      (x, dt, a, b, c, d, dt_bias, by_name[f"ssm_state_{layer}"], slots, cu, context,
+                                       dt_min, dt_max, chunk))
+        new.meta = dict(scan.meta)
+        scan.replace_all_uses_with(new)
+        graph.erase_node(scan)
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

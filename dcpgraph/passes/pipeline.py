@@ -15,14 +15,17 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
 10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 
-The configuration adds three passes where it asks for them (:func:`default_passes`):
+The configuration adds passes where it asks for them (:func:`default_passes`):
 
 - ``expert_parallel`` (``enable_expert_parallel``) first: the plan's routed experts become
   expert-parallel before ``shard_tp`` reads the plan;
 - ``return_hidden_states`` (MTP speculation) right after ``select_logits``: the program also
   returns the final hidden states of every token (output 1);
 - ``layer_group_tables`` (``hybrid_kv_cache``) last: sliding-window layers get their own block
-  table and slot mapping, sized by the windows of the traced program's attention.
+  table and slot mapping, sized by the windows of the traced program's attention;
+- for a hybrid's recurrent layers, ``insert_recurrent_state`` right after ``insert_kv_cache``
+  (canonical recurrent ops → state pools) and ``shard_recurrent_tp`` right after ``shard_tp``
+  (their heads/channels and pools split over TP by kind).
 
 :func:`compile_program` is the one way a traced Program becomes a per-rank program: the target,
 a draft model and an MTP layer all go through it.
@@ -47,6 +50,7 @@ from .native_rotary import native_rotary
 from .return_hidden_states import return_hidden_states
 from .select_logits import select_logits
 from .shard_dcp import shard_dcp
+from .shard_recurrent_tp import TP_RULES, shard_recurrent_tp
 from .shard_tp import shard_tp
 
 PIPELINE: tuple[ProgramPass, ...] = (
@@ -71,8 +75,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
     ``return_hidden_states`` with ``return_hidden``, ``layer_group_tables`` when ``windows`` (the
-    model's sliding windows) is given, ``insert_recurrent_state`` after ``insert_kv_cache`` with
-    ``recurrent`` (a hybrid's recurrent layers)."""
+    model's sliding windows) is given, and with ``recurrent`` (a hybrid's recurrent layers)
+    ``insert_recurrent_state`` after ``insert_kv_cache`` and ``shard_recurrent_tp`` after
+    ``shard_tp``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -90,24 +95,25 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     if recurrent:
         at = next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name)
         passes.insert(at + 1, insert_recurrent_state)
+        at = next(i for i, p in enumerate(passes) if p.name == shard_tp.name)
+        passes.insert(at + 1, shard_recurrent_tp)
     return passes
 
 
 def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
-    """Refuse by name a traced hybrid on a mesh other than tp=1·dcp=1: no pass yet splits the
-    recurrent layers' projections, conv channels and state over TP (the split itself is
-    :func:`dcpgraph.frontends.gated_delta_net.tp_shard`), nor keeps DCP from handing them a
-    rank's local context lengths."""
+    """Refuse by name a hybrid on a mesh other than tp=1·dcp=1 where a recurrent layer's kind has
+    no TP rule (:data:`~dcpgraph.passes.shard_recurrent_tp.TP_RULES`), before any pass runs."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
-    if recurrent and (mesh.tp, mesh.dcp) != (1, 1):
+    without_rule = {i: kind for i, kind in recurrent.items() if kind not in TP_RULES}
+    if without_rule and (mesh.tp, mesh.dcp) != (1, 1):
         raise UnsupportedModelError(
-            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(recurrent)}) compile at "
-            f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp}"
+            f"{program.facts.architecture}: recurrent layers ({describe_recurrent(without_rule)}) compile at "
+            f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp} (kinds split over TP: {sorted(TP_RULES)})"
         )
 
 
 def describe_recurrent(recurrent: dict[int, str]) -> str:
-    """``"gated delta net at layers [0, 1, 2]"``, for errors."""
+    """``"mamba2 at layers [0, 2]"``, for errors."""
     layers = sorted(recurrent)
     return (f"{', '.join(sorted(set(recurrent.values())))} at layers {layers[:8]}"
             f"{'…' if len(layers) > 8 else ''}")

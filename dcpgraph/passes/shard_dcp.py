@@ -76,7 +76,8 @@ def _ensures_dcp(program: Program) -> None:
         return
     graph = program.graph_module.graph
     gathers = [x for x in nodes_calling(graph, ALL_GATHER.op) if coll.collective_group(x)[0] == "dcp"]
-    if len(gathers) < program.facts.num_layers:
+    recurrent = program.facts.extra.get("recurrent_layers") or {}  # a hybrid's layers without attention
+    if len(gathers) < program.facts.num_layers - len(recurrent):
         raise VerificationError("every layer's context attention must gather queries over the DCP group")
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):
         for i, what in ((KV_LENS, "key counts"), (KV_BOUND, "causal bounds")):

@@ -27,11 +27,21 @@ import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh, local_kv_heads
-from ..program import PARAM, RANK, CacheSpec, InputSpec, Program, ShardRule, example_specs
+from ..program import (
+    PARAM,
+    RANK,
+    REPLICATE,
+    CacheSpec,
+    InputSpec,
+    Program,
+    ShardRule,
+    example_specs,
+)
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
 from .manager import program_pass, ran
 from .respecialize import respecialize_shapes
+from .shard_recurrent_tp import recurrent_parameter_targets
 from .tp_modules import merge_summed_reductions, reduce_module_outputs, shard_parameters
 from .tp_norms import shard_norms
 from .tp_styles import (
@@ -139,6 +149,9 @@ class _TPSharding:
         self.rules: dict[str, ShardRule] = {}
         self.counts: dict[str, int] = {}
         self.rank_node: list[torch.fx.Node] = []
+        # Recurrent layers split by their own per-kind rules (shard_recurrent_tp), not the plan.
+        self.recurrent = recurrent_parameter_targets(program)
+        self.rules.update({s.name: REPLICATE for s in program.inputs if s.target in self.recurrent})
 
     def tp_rank(self) -> torch.fx.Node:
         if not self.rank_node:
@@ -224,7 +237,7 @@ class _TPSharding:
         weight = node.args[1]
         bias = node.args[2] if len(node.args) > 2 else None
         spec = self.specs.get(weight.name)
-        if spec is None or spec.kind != PARAM:
+        if spec is None or spec.kind != PARAM or spec.target in self.recurrent:
             return
         path = spec.target.removesuffix(".weight")
         rule = plan_rule(self.plan, path)

@@ -132,6 +132,40 @@ class QKVShardRule(ShardRule):
         return tuple(out)
 
 
+@dataclass(frozen=True)
+class SectionShardRule(ShardRule):
+    """A tensor whose ``dim`` concatenates ``sections`` of different sizes (a recurrent layer's
+    ``[q | k | v]`` conv channels, LFM2's ``[B | C | x]``): every section is split into ``tp``
+    equal chunks and rank ``r`` keeps its chunk of each, in order."""
+
+    sections: tuple[int, ...] = ()
+
+    def row_ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` rows of the full tensor that rank ``rank`` keeps, in order."""
+        if any(size % tp for size in self.sections):
+            raise ValueError(f"cannot split sections {list(self.sections)} over tp={tp}")
+        out, start = [], 0
+        for size in self.sections:
+            chunk = size // tp
+            out.append((start + rank * chunk, start + (rank + 1) * chunk))
+            start += size
+        return out
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if self.dim is None or tp == 1:
+            return full
+        if full.shape[self.dim] != sum(self.sections):
+            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} is not the sections {list(self.sections)}")
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.row_ranges(rank, tp)], self.dim).contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        if self.dim is None or tp == 1:
+            return tuple(shape)
+        out = list(shape)
+        out[self.dim] = sum(size // tp for size in self.sections)
+        return tuple(out)
+
+
 def param_rule(style: str, ndim: int, is_bias: bool) -> ShardRule:
     """The shard of a parameter under a linear / grouped-expert style (see the module table)."""
     if style in COLWISE:

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", default="sharded", choices=["sharded", "replicated"],
                    help="routed experts split over tp (tensor or expert parallel, as dcpgraph, vLLM and SGLang "
                         "compile them) or replicated on every rank (for comparison)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="add the prefill table: TTFT of one prompt of this many tokens per (tp, pcp) layout")
+    p.add_argument("--pcp", type=int, nargs="+", default=None, metavar="P",
+                   help="prefill context parallel sizes for the prefill table (default: every divisor of the "
+                        "world; implies --prompt-len = --context-len when --prompt-len is not given)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_dtype=canonical_kv_cache_dtype(args.kv_cache_dtype), max_model_len=args.max_model_len,
                       context_len=args.context_len, concurrency=args.concurrency,
                       weight_dtype_bytes=args.weight_dtype_bytes, experts=args.experts, nnodes=args.nnodes,
-                      gpus_per_node=args.gpus_per_node)
+                      gpus_per_node=args.gpus_per_node, prompt_len=args.prompt_len,
+                      pcp_sizes=tuple(args.pcp) if args.pcp else None)
     except (ConfigError, ValueError) as err:
         print(f"dcpgraph plan: {err}", file=sys.stderr)
         return 2

@@ -193,6 +193,11 @@ def _refuse_per_layer_shapes(c: dict) -> None:
 def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelShape:
     """A :class:`ModelShape` from an HF config dict (``dtype``: override the stored dtype)."""
     c = config
+    if c.get("model_type") == "deepseek_v4":
+        raise UnsupportedModelError(
+            "deepseek_v4: the planner models paged per-token KV caches, not DeepSeek-V4's compressed "
+            "attention (raw window + compressed entries + indexer keys + per-request compressor state); "
+            "its per-rank bytes come from dcpgraph.plan.compressed_cache.compressed_cache_bytes")
     layers, hid, hq = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
     common = dict(
         name=name or c.get("name") or c.get("model_type", "model"), num_layers=layers, hidden_size=hid,

@@ -27,6 +27,7 @@ from .calibration import get_hardware
 from .cost import StepCost, decode_step
 from .hardware import Hardware, nodes_spanned
 from .model_shape import ModelShape, load_model_shape
+from .prefill_plan import PrefillRow, fastest, prefill_rows
 
 TIE = 0.02  # throughputs within 2 % count as equal: the smaller dcp (fewer collectives) wins
 COMM_PREFERENCE = {"a2a": 0, "ag_rs": 1, "ag": 2}  # among equals: ag holds dcp× the query projection
@@ -83,6 +84,9 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     nnodes: int = 1
     gpus_per_node: int = 0  # devices per node (0: the whole world on one node)
+    prompt_len: int | None = None  # the prefill workload (TTFT of one prompt), when asked
+    prefill_rows: list[PrefillRow] = field(default_factory=list)
+    prefill_recommended: PrefillRow | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,7 +130,8 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
          kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None, block_size: int = 16,
          kv_cache_dtype: str = "auto", max_model_len: int, context_len: int | None = None,
          concurrency: int | None = None, weight_dtype_bytes: float | None = None, experts: str = "sharded",
-         nnodes: int = 1, gpus_per_node: int | None = None) -> Plan:
+         nnodes: int = 1, gpus_per_node: int | None = None, prompt_len: int | None = None,
+         pcp_sizes: tuple[int, ...] | None = None) -> Plan:
     """Every candidate layout of ``world_size`` ranks, evaluated; see the module docstring.
 
     The world: ``world_size`` ranks on one node, or ``nnodes`` nodes of ``gpus_per_node`` devices
@@ -134,6 +139,8 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
     ``kv_cache_memory_bytes`` (KV bytes per rank) and ``gpu_memory_utilization`` (fraction of
     device memory; KV gets what the weights leave) sizes the cache. ``context_len`` (default
     ``max_model_len``) and ``concurrency`` (default: as many as fit) are the workload.
+    ``prompt_len`` adds the prefill table (:mod:`.prefill_plan`): TTFT of one such prompt for
+    every ``(tp, pcp)`` layout, ``pcp`` among ``pcp_sizes`` (default: every divisor of the world).
     """
     world_size, per_node = world_of(world_size, nnodes, gpus_per_node)
     shape = load_model_shape(model)
@@ -181,8 +188,20 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
         assumptions.append(f"{nnodes} nodes x {per_node} devices, ranks numbered node by node; a group spanning "
                            f"nodes runs at the inter-node link, {hw.inter_node_bandwidth / 1e9:.0f} GB/s + "
                            f"{hw.inter_node_latency_s * 1e6:.0f} us per node hop")
-    return Plan(shape, hw, world_size, block_size, max_model_len, context, concurrency, rows, best, reason,
-                assumptions, nnodes, per_node)
+    result = Plan(shape, hw, world_size, block_size, max_model_len, context, concurrency, rows, best, reason,
+                  assumptions, nnodes, per_node)
+    if prompt_len is not None or pcp_sizes is not None:
+        result.prompt_len = prompt_len or context
+        result.prefill_rows = prefill_rows(shape, hw, world_size=world_size, per_node=per_node,
+                                           prompt_len=result.prompt_len, weight_bytes=wbytes, pcp_sizes=pcp_sizes,
+                                           weight_budget_bytes=(int(gpu_memory_utilization * hw.memory_bytes)
+                                                                if gpu_memory_utilization is not None
+                                                                else hw.memory_bytes - kv_cache_memory_bytes))
+        result.prefill_recommended = fastest(result.prefill_rows)
+        assumptions.append("prefill: TTFT of one prompt, no cached prefix, the busiest PCP rank of the zigzag split; "
+                           "(dense + attention FLOPs) / compute + one K/V all-gather per layer + TP all-reduces, "
+                           "no overlap (dcpgraph.plan.prefill_cost)")
+    return result
 
 
 def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size, max_model_len, context,

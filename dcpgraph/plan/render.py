@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .planner import Plan, PlanRow
+from .prefill_plan import PrefillRow
 
 GIB = 2**30
 
@@ -30,6 +31,28 @@ def _cells(row: PlanRow, recommended: PlanRow | None) -> list[str]:
     return cells + ["<- recommended" if row is recommended else ""]
 
 
+PREFILL_COLUMNS = ("tp", "pcp", "repl", "nodes", "tokens/rank", "compute ms", "K/V exchange ms", "all-reduce ms",
+                   "TTFT ms", "vs pcp=1", "note")
+
+
+def _prefill_cells(row: PrefillRow, recommended: PrefillRow | None) -> list[str]:
+    head = [f"{row.tp}", f"{row.pcp}", f"{row.replicas}", f"{row.nodes}"]
+    if not row.valid:
+        return head + [""] * 6 + [f"INVALID: {row.rule}"]
+    e = row.estimate
+    note = f"DOES NOT FIT: {row.rule}" if row.rule else "<- fastest first token" if row is recommended else ""
+    return head + [f"{e.tokens_per_rank:,}", f"{e.compute_s * 1e3:,.2f}", f"{e.exchange_s * 1e3:,.2f}",
+                   f"{e.allreduce_s * 1e3:,.2f}", f"{e.ttft_s * 1e3:,.2f}",
+                   f"{row.speedup:.2f}x" if row.speedup else "-",
+                   note]
+
+
+def _aligned(columns: tuple[str, ...], cells: list[list[str]]) -> list[str]:
+    rows = [list(columns)] + cells
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns) - 1)]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
 def _world(p: Plan) -> str:
     """``"8 x h200"``, or over nodes ``"16 = 2 nodes x 8 h200"``."""
     if p.nnodes > 1:
@@ -47,11 +70,12 @@ def render_table(p: Plan) -> str:
         + (f"{p.concurrency:,}" if p.concurrency else "as many as fit"),
         "",
     ]
-    rows = [list(COLUMNS)] + [_cells(r, p.recommended) for r in p.rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
-    for r in rows:
-        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    lines += ["", f"recommendation: {p.reason}", "", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
+    lines += _aligned(COLUMNS, [_cells(r, p.recommended) for r in p.rows])
+    lines += ["", f"recommendation: {p.reason}"]
+    if p.prefill_rows:
+        lines += ["", f"prefill: time to first token of one {p.prompt_len:,}-token prompt (tp x pcp ranks per replica)", ""]
+        lines += _aligned(PREFILL_COLUMNS, [_prefill_cells(r, p.prefill_recommended) for r in p.prefill_rows])
+    lines += ["", "assumptions:"] + [f"  - {a}" for a in p.assumptions]
     lines.append("  - attention time = max(KV bytes read per rank / memory bandwidth, FLOPs / compute) per layer"
                  if p.hardware.compute_overlaps_memory else
                  "  - attention time = KV bytes read per rank / bandwidth + FLOPs / compute rate (measured)")
@@ -66,6 +90,9 @@ def plan_dict(p: Plan) -> dict:
         "concurrency": p.concurrency, "rows": [r.as_dict() for r in p.rows],
         "recommended": p.rows.index(p.recommended) if p.recommended is not None else None,
         "reason": p.reason, "assumptions": p.assumptions,
+        "prompt_len": p.prompt_len, "prefill_rows": [r.as_dict() for r in p.prefill_rows],
+        "prefill_recommended": (p.prefill_rows.index(p.prefill_recommended)
+                                if p.prefill_recommended is not None else None),
     }
 
 

@@ -29,6 +29,7 @@ from torch._C._distributed_c10d import (
 )
 
 from ..collectives.groups import DCP_GROUP, TP_GROUP
+from ..devices import BACKENDS
 from ..mesh import Mesh
 from . import host_collectives
 from .ports import free_port
@@ -152,8 +153,10 @@ class RankFailedError(RuntimeError):
 
 
 def backend_for(device: str | torch.device) -> str:
-    """The collective backend for ranks on ``device``: NCCL for CUDA, gloo for the host."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """The collective backend for ranks on ``device``: NCCL for CUDA, HCCL for NPU, gloo for the
+    host (:data:`dcpgraph.devices.BACKENDS`)."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return BACKENDS.get(kind, "gloo")
 
 
 def _child(

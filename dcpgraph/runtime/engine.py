@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from ..errors import RequestError
-from ..kv_budget import blocks_for_budget, kv_bytes_per_block, kv_bytes_per_block_by_layer  # noqa: F401  (re-exported)
-from ..program import Program, weight_bytes_per_rank
+from ..kv_budget import blocks_for_budget, kv_bytes_per_block  # noqa: F401  (re-exported)
+from ..program import Program
 from ..recurrent_state import refuse_recurrent_state_features
+from . import engine_reports
 from .engine_client import EngineClient, run_rank_op
 from .grammar import GrammarBackend
 from .graph_mode import DecodeBuckets, default_buckets
-from .layer_groups import HybridBlockManager, layer_group_report, make_block_manager
+from .layer_groups import make_block_manager
 from .model_runner import ModelRunner
 from .proposer import make_proposer
 from .sampling_params import SamplingParams
@@ -74,7 +75,8 @@ class Engine(EngineClient):
         if program.recurrent_states:
             refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
                                             speculative_config or speculative_tokens)
-            program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
+            if program.lowering.state_slots != max_num_seqs:  # compile() sets it on every rank's program
+                program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
@@ -356,117 +358,21 @@ class Engine(EngineClient):
         used = self.blocks.num_blocks - self.blocks.free_blocks
         return [(used, self.blocks.num_blocks)] * self.mesh.tp
 
+    # -- reports (dcpgraph.runtime.engine_reports) --------------------------------------------
     def memory_report(self) -> dict:
-        per_block = kv_bytes_per_block(self.program)
-        per_rank = per_block * self.blocks.num_blocks
-        capacity = self.blocks.capacity_tokens
-        groups = {}
-        if isinstance(self.blocks, HybridBlockManager):  # hybrid_kv_cache: sliding layers hold their window
-            groups = {"kv_layer_groups": layer_group_report(self.program, self.blocks)}
-            per_rank = groups["kv_layer_groups"]["full"]["bytes_per_rank"] + groups["kv_layer_groups"]["sliding"]["bytes_per_rank"]
-        return {
-            **groups,
-            "kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
-            "kv_bytes_per_token": per_rank / capacity,
-            "kv_capacity_tokens": capacity,
-            "kv_bytes_per_block_by_layer": kv_bytes_per_block_by_layer(self.program),
-            "num_blocks": self.blocks.num_blocks,
-            "block_size": self.block_size,
-            "virtual_block_tokens": self.block_size * self.mesh.dcp,
-            "tp": self.mesh.tp,
-            "dcp": self.mesh.dcp,
-            "prefix_cache": self.prefix_cache_report(),
-            "weight_bytes_per_rank": weight_bytes_per_rank(self.program),
-            "kv_sizing": self.kv_sizing_report(),
-            **self._recurrent_state_memory(),
-            **self._draft_memory(),
-        }
-
-    def _recurrent_state_memory(self) -> dict:
-        """A hybrid's recurrent-state pools: ``Σ_pools Π(shape per slot) · element_bytes`` per
-        request (the formulas of :mod:`dcpgraph.recurrent_state`), times one slot per sequence."""
-        pools = self.program.recurrent_states
-        if not pools:
-            return {}
-        per_request = sum(p.bytes_per_slot for p in pools)
-        slots = int(self.program.lowering.state_slots)
-        return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
-                "recurrent_state_bytes_per_rank": [per_request * slots for _ in self.mesh.ranks]}
+        return engine_reports.memory_report(self)
 
     def kv_sizing_report(self) -> dict:
-        """How ``num_blocks`` was chosen: ``policy`` "gpu_memory_utilization" with the figures of
-        :class:`~dcpgraph.memory.MemorySizing` (fraction, memory, ranks sharing it, weights,
-        activation peak, KV bytes per rank), else ``"cache_size"`` (an explicit or default size)."""
-        if self.memory_sizing is None:
-            return {"policy": "cache_size", "num_blocks": self.blocks.num_blocks}
-        return self.memory_sizing.report()
-
-    def _draft_memory(self) -> dict:
-        """A draft model's own KV cache (same blocks, its own per-block bytes) and weights."""
-        runner = getattr(self.runner.proposer, "runner", None)
-        if runner is None:
-            return {}
-        per_rank = kv_bytes_per_block(runner.program) * self.blocks.num_blocks
-        return {"draft_kv_bytes_per_rank": [per_rank for _ in self.mesh.ranks],
-                "draft_weight_bytes_per_rank": weight_bytes_per_rank(runner.program)}
+        return engine_reports.kv_sizing_report(self)
 
     def prefix_cache_report(self) -> dict:
-        """Prefix-cache counters (vLLM's meaning, counted at every admission while caching is on):
-        ``queries`` (new requests looked up) and ``query_tokens`` (their prompt tokens),
-        ``hit_requests``/``hit_tokens`` (requests with a hit, prompt tokens served from the cache);
-        the same for re-admissions after a preemption, apart: ``preempted_queries``,
-        ``preempted_query_tokens`` (prompt + output so far) and ``preempted_hit_tokens``;
-        ``evictions``, ``cached_blocks`` (virtual blocks holding a hash, in use or free) and
-        ``prompt_tokens_computed`` (prompt tokens the ranks actually ran). A hit is one virtual
-        block on every DCP rank at once."""
-        return {
-            "enabled": self.blocks.enable_prefix_caching,
-            **self.blocks.stats,
-            "cached_blocks": self.blocks.cached_blocks,
-            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
-        }
+        return engine_reports.prefix_cache_report(self)
 
     def scheduler_report(self) -> dict:
-        """``running``/``waiting`` requests now, ``peak_running``, ``kv_blocks_used`` (virtual
-        blocks referenced by a request), ``preemptions`` and ``preempted_tokens`` (cached tokens
-        they discarded, recomputed on re-admission), the ``kv_allocation`` policy, ``max_waiting``."""
-        scheduler = self.scheduler
-        return {
-            "kv_allocation": "whole_request" if scheduler.whole_request else "on_demand",
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "max_waiting": scheduler.max_waiting,
-            "kv_blocks_used": self.blocks.used_blocks,
-            **scheduler.stats,
-        }
+        return engine_reports.scheduler_report(self)
 
     def speculative_report(self) -> dict:
-        """The configuration (``method``, ``tokens`` = k; ``None``/0 when off), the acceptance
-        statistics (:class:`~dcpgraph.runtime.acceptance.AcceptanceStats`) and, with a draft
-        model, the draft's steps per graph."""
-        out = {"method": self.speculative.method if self.speculative else None, "tokens": self.speculative_tokens,
-               **(self.speculative.describe() if self.speculative else {}), **self.scheduler.acceptance.report()}
-        draft_runner = getattr(self.runner.proposer, "runner", None)
-        if draft_runner is not None:
-            out["draft_graph_steps"] = dict(draft_runner.graph_steps)
-        return out
+        return engine_reports.speculative_report(self)
 
     def report(self) -> dict:
-        """What ran where: the DCP lowering (and, for ``comm="auto"``, the predicted costs it was
-        chosen by), per graph the backend used and any fallback with its reason, the decode
-        buckets, how many steps each graph served, speculation, the scheduler (preemptions) and the
-        prefix cache."""
-        backend = self.graphs.report() if self.graphs is not None else {"backend": "eager", "graphs": {}}
-        return {
-            "executor": self.executor.mode,
-            "mesh": str(self.mesh),
-            "comm": self.program.lowering.comm,
-            "comm_choice": self.program.lowering.comm_choice,  # why comm="auto" chose it (None: not auto)
-            "steps": self.steps,
-            "graph_steps": dict(self.runner.graph_steps),
-            "decode_buckets": list(self.runner.buckets.sizes) if self.runner.buckets else [],
-            "speculative": self.speculative_report(),
-            "scheduler": self.scheduler_report(),
-            "prefix_cache": self.prefix_cache_report(),
-            **backend,
-        }
+        return engine_reports.engine_report(self)

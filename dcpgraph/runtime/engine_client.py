@@ -136,6 +136,20 @@ class EngineClient(abc.ABC):
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         """``(blocks in use, blocks allocated)`` per rank (cached-free prefix blocks count as free)."""
 
+    # -- engines behind this client (data-parallel replicas; one otherwise) ----------------------
+    @property
+    def engine_count(self) -> int:
+        """How many engines (schedulers with their own KV cache) answer through this client."""
+        return 1
+
+    def engine_of(self, request_id: int) -> int:
+        """The index of the engine that runs live request ``request_id``."""
+        return 0
+
+    def engine_states(self) -> list[tuple[list[tuple[int, int]], dict]]:
+        """Per engine, in index order: its :meth:`kv_usage_per_rank` and its :meth:`report`."""
+        return [(self.kv_usage_per_rank(), self.report())]
+
     @abc.abstractmethod
     def enable_structured_outputs(self, backend) -> None:
         """Let requests carry ``structured_outputs`` (:meth:`Engine.enable_structured_outputs

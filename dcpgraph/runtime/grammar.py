@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import GrammarError, RequestError
-from .structured_outputs import StructuredOutputsParams
+from .structured_outputs import CONSTRAINTS, StructuredOutputsParams, check_structural_tag
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -84,8 +84,7 @@ class GrammarBackend:
             try:
                 self._compiled[key] = self._compile(params)
             except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
-                kind = next(name for name in ("json", "regex", "choice", "grammar", "json_object")
-                            if getattr(params, name) is not None)
+                kind = next(name for name in CONSTRAINTS if getattr(params, name) is not None)
                 raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {err}") from None
         return self._compiled[key]
 
@@ -100,7 +99,19 @@ class GrammarBackend:
             return c.compile_regex(params.regex)
         if params.choice is not None:
             return c.compile_grammar(choice_grammar(params.choice))
+        if params.structural_tag is not None:
+            return self._compile_structural_tag(params.structural_tag)
         return c.compile_grammar(params.grammar)
+
+    def _compile_structural_tag(self, text: str) -> Any:
+        """vLLM's two shapes (see :mod:`.structured_outputs`), as vLLM's xgrammar backend compiles them."""
+        tag = check_structural_tag(text)
+        if "structures" not in tag:
+            return self.compiler.compile_structural_tag(text)
+        xgr = _xgrammar()
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        return self.compiler.compile_structural_tag(items, tag["triggers"])
 
     def matcher(self, params: StructuredOutputsParams, after_token: int | None = None) -> RequestGrammar:
         return RequestGrammar(self, self.compile(params), after_token)

@@ -2,10 +2,13 @@
 
 Exactly one of the constraint fields is set: ``json`` (a JSON schema, as a dict or its JSON text),
 ``regex`` (the output fullmatches it), ``choice`` (the output is one of these strings),
-``grammar`` (an EBNF grammar, xgrammar's GBNF dialect with a ``root`` rule) or ``json_object``
-(any JSON object). ``disable_any_whitespace`` makes a ``json`` constraint emit compact JSON.
-vLLM's ``structural_tag``, ``whitespace_pattern`` and ``disable_additional_properties`` are
-refused by name. The constraint is applied as a logits mask by :mod:`.grammar`.
+``grammar`` (an EBNF grammar, xgrammar's GBNF dialect with a ``root`` rule), ``json_object``
+(any JSON object) or ``structural_tag`` (the JSON text of vLLM's structural tag, in one of its two
+shapes: ``{"type": "structural_tag", "format": {...}}``, xgrammar's structural-tag format, or the
+older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``, where text is free
+until a trigger starts one of the structures, whose content then follows its schema up to its
+``end``). ``disable_any_whitespace`` makes a ``json`` constraint emit compact JSON. vLLM's
+``whitespace_pattern`` and ``disable_additional_properties`` are refused by name. The constraint is applied as a logits mask by :mod:`.grammar`.
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
-_REFUSED = {"structural_tag": "structural tags are not supported",
-            "whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM too)",
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_REFUSED = {"whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM too)",
             "disable_additional_properties": "disable_additional_properties is not supported"}
 
 
@@ -27,6 +29,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class StructuredOutputsParams:
                              f"got {self.choice!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
+        if self.structural_tag is not None:
+            check_structural_tag(self.structural_tag)
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be true when given, got {self.json_object!r}")
 
@@ -82,3 +87,30 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """A stable text key of the constraint (compiled grammars are cached by it)."""
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def check_structural_tag(text: str) -> dict:
+    """``structural_tag``'s JSON text read and its shape checked (which of the two, see the module
+    docstring); what each structure's schema and format say is checked by xgrammar at compile
+    time. Returns the object."""
+    if not isinstance(text, str):
+        raise ValueError(f"structured_outputs.structural_tag must be the JSON text of a structural tag, got {text!r}")
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {err}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structured_outputs.structural_tag must be a JSON object, got {text!r}")
+    if "structures" in tag:
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if (not isinstance(structures, list) or not structures
+                or not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                           and isinstance(s.get("schema"), dict) for s in structures)):
+            raise ValueError('structured_outputs.structural_tag: "structures" must be a non-empty list of '
+                             '{"begin": str, "schema": {...}, "end": str}')
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise ValueError('structured_outputs.structural_tag: "triggers" must be a non-empty list of strings')
+    elif not isinstance(tag.get("format"), dict):
+        raise ValueError('structured_outputs.structural_tag must have "format" (xgrammar\'s structural tag) '
+                         'or "structures" and "triggers" (the older shape)')
+    return tag

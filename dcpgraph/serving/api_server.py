@@ -132,7 +132,7 @@ class OpenAIServer:
         self.sampling_defaults = generation_defaults(llm.settings.model.model, llm.settings.serving.generation_config)
         kv_sizing = llm.engine.memory_report().get("kv_sizing")
         self.metrics = Metrics(served_model_name, cache_config_info(llm.settings, llm.num_kv_blocks(), kv_sizing),
-                               max_model_len=llm.max_model_len)
+                               max_model_len=llm.max_model_len, engines=llm.engine.engine_count)
         self.engine_loop = EngineLoop(llm, self.metrics, kv_agent)
         parser = options.reasoning_parser
         self.reasoning = ReasoningParser.for_tokenizer(parser, llm.tokenizer) if parser else None
@@ -349,17 +349,19 @@ class OpenAIServer:
                       for p in prompts])
         return out, submitted
 
-    def _parent_done(self, prompt: int, n: int, open_choices: dict, generated: dict) -> None:
+    def _parent_done(self, prompt: int, n: int, open_choices: dict, generated: dict, engines: dict) -> None:
         """Report prompt ``prompt``'s request (choices ``prompt·n`` to ``prompt·n + n − 1``, vLLM's
-        parent request) to the metrics once all its choices have finished."""
+        parent request) to the metrics once all its choices have finished, under the engine of its
+        first choice."""
         group = range(prompt * n, prompt * n + n)
         if not any(c in open_choices for c in group):
-            self.metrics.parent_done(n, max(generated[c] for c in group))
+            self.metrics.parent_done(n, max(generated[c] for c in group), engines.get(group[0], 0))
 
     async def pieces(self, out: asyncio.Queue, submitted: list, log_id: str, n: int = 1):
         """Every piece of every choice until all finish; aborts what is left if the consumer stops."""
         open_choices = {choice: rid for rid, choice in submitted}
         generated = dict.fromkeys(open_choices, 0)
+        engines: dict[int, int] = {}  # choice -> the engine running it
         try:
             while open_choices:
                 piece: Piece = await out.get()
@@ -367,9 +369,10 @@ class OpenAIServer:
                     open_choices.clear()
                     raise ApiError(503, f"the engine failed: {piece.error}", "service_unavailable")
                 generated[piece.choice] += len(piece.token_ids)
+                engines[piece.choice] = piece.engine
                 if piece.finished:
                     open_choices.pop(piece.choice, None)
-                    self._parent_done(piece.choice // n, n, open_choices, generated)
+                    self._parent_done(piece.choice // n, n, open_choices, generated, engines)
                 yield piece
         finally:
             for rid in open_choices.values():

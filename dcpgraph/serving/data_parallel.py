@@ -12,8 +12,11 @@ Each replica is a worker group of ``tp`` ranks with its own scheduler, KV cache 
   their steps at the same time; its events are the replicas' events in replica order;
 - the group is healthy only while every replica is (one lost replica fails ``/health``).
 
+Each replica is one engine of the metrics (the ``engine`` label, ``"0"`` to ``"D-1"``):
+:meth:`engine_of` and :meth:`engine_states` give the serving layer what to label.
+
 Not here yet: routed experts partitioned across replicas (DP attention + EP, refused at
-configuration), P/D transfer (refused when the KV agent starts), and metrics per replica.
+configuration) and P/D transfer (refused when the KV agent starts).
 """
 
 from __future__ import annotations
@@ -137,6 +140,16 @@ class DataParallelEngine(EngineClient):
 
     def kv_usage_per_rank(self) -> list[tuple[int, int]]:
         return [u for r in self.replicas for u in r.kv_usage_per_rank()]
+
+    @property
+    def engine_count(self) -> int:
+        return len(self.replicas)
+
+    def engine_of(self, request_id: int) -> int:
+        return self._owner[request_id][0]
+
+    def engine_states(self) -> list[tuple[list[tuple[int, int]], dict]]:
+        return [(r.kv_usage_per_rank(), r.report()) for r in self.replicas]
 
     def healthy(self) -> bool:
         return all(r.healthy() for r in self.replicas)

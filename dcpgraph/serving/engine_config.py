@@ -27,6 +27,11 @@ class EngineConfig:
     ranks_on_host: int | None = None
     load_format: str = "auto"  # "dummy": random weights from the config (see checkpoints.loader.load_program)
 
+    @property
+    def device(self) -> str:
+        """The device kind every rank runs on, as the front end resolved it ("cpu" when not set)."""
+        return self.engine_options.get("device", "cpu")
+
     def to_json(self) -> dict:
         return asdict(self)
 

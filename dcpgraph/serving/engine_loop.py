@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..errors import DcpGraphError
@@ -46,6 +47,7 @@ class Piece:
     logprobs: list[dict] = field(default_factory=list)  # per token of token_ids, when requested
     prompt_logprobs: list | None = None  # per prompt token (None first), on a choice's first piece when requested
     kv_transfer_params: dict | None = None  # a producer's hand-over (P/D), on its final piece
+    engine: int = 0  # the engine (data-parallel replica) that runs the choice
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Live:
     first: float | None = None
     last: float | None = None
     produce: bool = False  # P/D producer: hold the KV after the first token instead of finishing
+    engine: int = 0  # the engine (data-parallel replica) that runs it: the metrics' ``engine`` label
 
 
 class EngineLoop:
@@ -74,7 +77,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}
         self._snapshot = {"running": 0, "waiting": 0, "kv_usage": [0.0] * llm.config.tensor_parallel_size,
-                          "kv_blocks": [], "prefix_cache": {}, "scheduler": {}}
+                          "kv_blocks": [], "prefix_cache": {}, "scheduler": {}, "engines": []}
         self._snapshot_at = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcpgraph-engine-loop", daemon=True)
@@ -171,14 +174,16 @@ class EngineLoop:
             loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(str(err)))
             raise
         live = _Live(choice, TextStream(self.llm.tokenizer, params, self.llm.eos_token_ids), loop, out,
-                     len(prompt_ids), log_id, time.monotonic(), max_tokens=max_tokens, produce=produce)
+                     len(prompt_ids), log_id, time.monotonic(), max_tokens=max_tokens, produce=produce,
+                     engine=self.engine.engine_of(rid))
         self._live[rid] = live
         loop.call_soon_threadsafe(_set_result, done, rid)
         if received:  # the producer's tokens are this response's first ones
             live.scheduled = live.first = live.last = time.monotonic()
-            self.metrics.first_token(live.first - live.arrived)
-            self.metrics.step_done(live.prompt_tokens, len(received))
-            piece = Piece(choice, "".join(live.stream.add(t, False) for t in received), list(received))
+            self.metrics.first_token(live.first - live.arrived, live.engine)
+            self.metrics.step_done(live.prompt_tokens, len(received), live.engine)
+            piece = Piece(choice, "".join(live.stream.add(t, False) for t in received), list(received),
+                          engine=live.engine)
             if live.stream.finished:  # only a stop condition the producer did not apply ends it here
                 piece.finished, piece.finish_reason = True, live.stream.finish_reason
                 del self._live[rid]
@@ -199,7 +204,7 @@ class EngineLoop:
                 continue
             if rid not in pieces:
                 self._timing(live, started, now)
-            _, piece = pieces.setdefault(rid, (live, Piece(live.choice)))
+            _, piece = pieces.setdefault(rid, (live, Piece(live.choice, engine=live.engine)))
             piece.text += live.stream.add(token, engine_finished or live.produce)
             piece.token_ids.append(token)
             if event.logprobs is not None:
@@ -214,9 +219,13 @@ class EngineLoop:
                 elif not engine_finished:
                     self.engine.abort(rid)
                 self._record(live, live.stream.finish_reason)
-        prompt_tokens = sum(live.prompt_tokens for live, piece in pieces.values()
-                            if len(live.stream.token_ids) == len(piece.token_ids))  # their first tokens
-        self.metrics.step_done(prompt_tokens, sum(len(p.token_ids) for _, p in pieces.values()))
+        tokens = defaultdict(lambda: [0, 0])  # engine -> [prompt tokens, generated tokens] of this step
+        for live, piece in pieces.values():
+            if len(live.stream.token_ids) == len(piece.token_ids):  # its first tokens: count its prompt
+                tokens[live.engine][0] += live.prompt_tokens
+            tokens[live.engine][1] += len(piece.token_ids)
+        for engine, (prompt, generated) in sorted(tokens.items()):
+            self.metrics.step_done(prompt, generated, engine)
         for live, piece in pieces.values():
             _post(live.loop, live.out, piece)
 
@@ -236,9 +245,9 @@ class EngineLoop:
         if live.first is None:
             live.scheduled = live.scheduled or started
             live.first = now
-            self.metrics.first_token(now - live.arrived)
+            self.metrics.first_token(now - live.arrived, live.engine)
         else:
-            self.metrics.inter_token(now - live.last)
+            self.metrics.inter_token(now - live.last, live.engine)
         live.last = now
 
     def _record(self, live: _Live, reason: str) -> None:
@@ -248,7 +257,7 @@ class EngineLoop:
             finish_reason=reason, prompt_tokens=live.prompt_tokens, generation_tokens=len(live.stream.token_ids),
             e2e=now - live.arrived, queued=None if live.scheduled is None else live.scheduled - live.arrived,
             prefill=None if first is None else first - live.scheduled,
-            decode=None if first is None else live.last - first, max_tokens=live.max_tokens))
+            decode=None if first is None else live.last - first, max_tokens=live.max_tokens, engine=live.engine))
         log.info("request %s: finished (%s), %d prompt + %d generated tokens", live.log_id, reason,
                  live.prompt_tokens, len(live.stream.token_ids))
 
@@ -257,13 +266,20 @@ class EngineLoop:
         idle_changed = not self._live and self._snapshot["running"] + self._snapshot["waiting"] > 0
         if self.error is not None or (now - self._snapshot_at < SNAPSHOT_EVERY_S and not idle_changed):
             return
-        running = sum(1 for v in self._live.values() if v.scheduled is not None)
-        blocks = [(int(u), int(t)) for u, t in self.engine.kv_usage_per_rank()]
-        report = self.engine.report()
-        self._snapshot = {"running": running, "waiting": len(self._live) - running, "kv_blocks": blocks,
-                          "kv_usage": [u / t if t else 0.0 for u, t in blocks],
-                          "prefix_cache": report["prefix_cache"], "scheduler": report["scheduler"],
-                          "speculative": report["speculative"] if self.llm.settings.speculative.checked else {}}
+        speculative = bool(self.llm.settings.speculative.checked)
+        engines = []
+        for e, (usage, report) in enumerate(self.engine.engine_states()):
+            blocks = [(int(u), int(t)) for u, t in usage]
+            lives = [v for v in self._live.values() if v.engine == e]
+            running = sum(1 for v in lives if v.scheduled is not None)
+            engines.append({"running": running, "waiting": len(lives) - running, "kv_blocks": blocks,
+                            "kv_usage": [u / t if t else 0.0 for u, t in blocks],
+                            "prefix_cache": report["prefix_cache"], "scheduler": report["scheduler"],
+                            "speculative": report["speculative"] if speculative else {}})
+        self._snapshot = {**engines[0], "running": sum(x["running"] for x in engines),
+                          "waiting": sum(x["waiting"] for x in engines),
+                          "kv_blocks": [b for x in engines for b in x["kv_blocks"]],
+                          "kv_usage": [u for x in engines for u in x["kv_usage"]], "engines": engines}
         self._snapshot_at = now
 
     def _fail(self, err: Exception) -> None:

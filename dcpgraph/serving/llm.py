@@ -8,7 +8,8 @@
     print(outputs[0].outputs[0].text)
 
 Where the ranks run: ``tensor_parallel_size == 1`` in this process; inside a ``torch.distributed``
-world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script;
+world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script
+(on an accelerator it takes its node's device ``LOCAL_RANK mod count``);
 otherwise one worker process per rank (:class:`~.workers.RemoteEngine`, real gloo collectives)
 driven from here over loopback sockets. ``distributed_executor_backend="emulated"`` runs every
 rank in this process instead (the SPMD emulator). Every check that can fail does so here, before
@@ -21,6 +22,7 @@ same tokens, and another seed gives other ones.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from inspect import signature
 from typing import Any
@@ -31,6 +33,7 @@ from ..checkpoints.loader import meta_model
 from ..checkpoints.model_dir import inspect_checkpoint, load_tokenizer, require_model_dir
 from ..checkpoints.tensor_sources import SafetensorsFiles
 from ..config import DcpgraphConfig, config_fields, option_name
+from ..devices import place_rank, resolve_device
 from ..errors import ConfigError, RequestError
 from ..mesh import Mesh
 from ..pcp.support import refuse_pcp_execution
@@ -114,6 +117,7 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                           f"got {max_model_len}")
     engine_options = _engine_options(settings)
+    engine_options["device"] = resolve_device(parallel.device).name  # every rank runs the front end's choice
     if spec.speculative_config is not None:
         engine_options["speculative_config"] = check_speculative_config(
             spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
@@ -163,6 +167,8 @@ class LLM:
         if parallel.data_parallel_size > 1:
             self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
         elif tp == 1 or in_world:
+            if self.config.device != "cpu":  # this process's rank: its node's device, LOCAL_RANK mod count
+                place_rank(resolve_device(self.config.device), int(os.environ.get("LOCAL_RANK", "0")))
             self.engine = build_engine(self.config, "auto")
         elif parallel.distributed_executor_backend == "emulated":
             self.engine = build_engine(self.config, "emulated")

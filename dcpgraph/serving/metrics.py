@@ -41,7 +41,8 @@ PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")  # pre-created at 0, as vLLM does
-ENGINE = "0"  # the ``engine`` label: one engine (its ranks are one engine) per server
+# The ``engine`` label: the engine's index, "0" to "D-1" with D data-parallel replicas (vLLM's
+# per-DP-rank label); the ranks of one replica are one engine.
 # Prometheus' classic text format, whatever the scrape's Accept says: prometheus_client's OpenMetrics
 # encoder rewrites ``vllm:x`` as ``vllm_x`` for scrapers that do not ask for UTF-8 names (Prometheus 2)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,6 +99,7 @@ class FinishedRequest:
     prefill: float | None
     decode: float | None
     max_tokens: int | None = None
+    engine: int = 0  # the data-parallel replica that ran it (the ``engine`` label)
 
 
 def kv_usage(snapshot: dict) -> float:
@@ -120,67 +122,82 @@ class _SnapshotCollector:
 
     def collect(self):
         m = self.metrics
-        snap, labels = m.snapshot, [m.model_name, ENGINE]
-        yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
-                     snap.get("running", 0))
-        yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
-                     snap.get("waiting", 0))
-        usage = kv_usage(snap)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, usage)
+        engines = m.snapshot.get("engines") or [m.snapshot]  # one snapshot per engine, in engine order
+        labelled = [([m.model_name, str(e)], snap) for e, snap in enumerate(engines)]
+        yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                     [(labels, snap.get("running", 0)) for labels, snap in labelled])
+        yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                     [(labels, snap.get("waiting", 0)) for labels, snap in labelled])
+        usage = [(labels, kv_usage(snap)) for labels, snap in labelled]
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield _gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name, which its sample Grafana "
-                     "dashboard reads). DEPRECATED: use vllm:kv_cache_usage_perc.", labels, usage)
+                     "dashboard reads). DEPRECATED: use vllm:kv_cache_usage_perc.", usage)
         per_rank = GaugeMetricFamily("dcpgraph:kv_cache_usage_perc_per_rank", "Fraction of KV blocks in use, per rank.",
                                      labels=["model_name", "engine", "rank"])
-        for rank, value in enumerate(snap.get("kv_usage") or []):
-            per_rank.add_metric([*labels, str(rank)], value)
+        for labels, snap in labelled:
+            for rank, value in enumerate(snap.get("kv_usage") or []):
+                per_rank.add_metric([*labels, str(rank)], value)
         yield per_rank
         if m.cache_info:
             keys = sorted(m.cache_info)
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                      labels=["model_name", "engine", *keys])
-            info.add_metric([*labels, *(m.cache_info[k] for k in keys)], 1)
+            for labels, _ in labelled:
+                info.add_metric([*labels, *(m.cache_info[k] for k in keys)], 1)
             yield info
-        yield from _engine_counters(labels, snap)
+        yield from _engine_counters(labelled)
 
 
-def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+def _gauge(name: str, doc: str, values: list[tuple[list[str], float]]) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
-    family.add_metric(labels, value)
+    for labels, value in values:
+        family.add_metric(labels, value)
     return family
 
 
-def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+def _counter(name: str, doc: str, values: list[tuple[list[str], float]]) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
-    family.add_metric(labels, value)
+    for labels, value in values:
+        family.add_metric(labels, value)
     return family
 
 
-def _engine_counters(labels: list[str], snap: dict) -> Iterable:
-    """Totals the engine keeps (``Engine.report()``): prefix cache in tokens, preemptions,
+def _engine_counters(labelled: list[tuple[list[str], dict]]) -> Iterable:
+    """Totals each engine keeps (``Engine.report()``): prefix cache in tokens, preemptions,
     speculative decoding (only with speculation on)."""
-    cache = snap.get("prefix_cache") or {}
+    def per_engine(read) -> list[tuple[list[str], float]]:
+        return [(labels, read(snap)) for labels, snap in labelled]
+
+    def cache(key: str):
+        return per_engine(lambda snap: (snap.get("prefix_cache") or {}).get(key, 0))
+
     yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                   labels, cache.get("query_tokens", 0))
-    yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
-                   cache.get("hit_tokens", 0))
+                   cache("query_tokens"))
+    yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                   cache("hit_tokens"))
     yield _counter("dcpgraph:prefix_cache_preempted_queries",
-                   "Tokens looked up in the prefix cache by requests re-admitted after a preemption.", labels,
-                   cache.get("preempted_query_tokens", 0))
+                   "Tokens looked up in the prefix cache by requests re-admitted after a preemption.",
+                   cache("preempted_query_tokens"))
     yield _counter("dcpgraph:prefix_cache_preempted_hits",
-                   "Tokens served from the prefix cache to requests re-admitted after a preemption.", labels,
-                   cache.get("preempted_hit_tokens", 0))
-    yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
-                   (snap.get("scheduler") or {}).get("preemptions", 0))
-    spec = snap.get("speculative") or {}
-    if not spec.get("method"):
+                   "Tokens served from the prefix cache to requests re-admitted after a preemption.",
+                   cache("preempted_hit_tokens"))
+    yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                   per_engine(lambda snap: (snap.get("scheduler") or {}).get("preemptions", 0)))
+    speculating = [(labels, snap["speculative"]) for labels, snap in labelled
+                   if (snap.get("speculative") or {}).get("method")]
+    if not speculating:
         return
-    yield _counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, spec["verified_rows"])
-    yield _counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, spec["drafted"])
-    yield _counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, spec["accepted"])
+    yield _counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                   [(labels, spec["verified_rows"]) for labels, spec in speculating])
+    yield _counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                   [(labels, spec["drafted"]) for labels, spec in speculating])
+    yield _counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                   [(labels, spec["accepted"]) for labels, spec in speculating])
     per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                   "Accepted tokens per draft position.", labels=["model_name", "engine", "position"])
-    for j, n in enumerate(spec["accepted_per_position"]):
-        per_pos.add_metric([*labels, str(j)], n)
+    for labels, spec in speculating:
+        for j, n in enumerate(spec["accepted_per_position"]):
+            per_pos.add_metric([*labels, str(j)], n)
     yield per_pos
 
 
@@ -190,8 +207,10 @@ class Metrics:
     HTTP layer reports finished client requests (:meth:`parent_done`); :meth:`render` writes
     everything with the latest engine snapshot."""
 
-    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None, max_model_len: int = 4096):
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None, max_model_len: int = 4096,
+                 engines: int = 1):
         self.model_name = model_name
+        self.engines = engines
         self.cache_info = dict(cache_info or {})
         self.snapshot: dict = {}
         self.lock = threading.Lock()
@@ -199,9 +218,10 @@ class Metrics:
         self.registry.register(_SnapshotCollector(self))
         self._build(max_model_len)
 
-    def _metric(self, cls, name: str, doc: str, **kwargs):
-        return cls(name, doc, ["model_name", "engine"], registry=self.registry, **kwargs).labels(
-            self.model_name, ENGINE)
+    def _metric(self, cls, name: str, doc: str, **kwargs) -> list:
+        """The metric's child for each engine, by engine index."""
+        family = cls(name, doc, ["model_name", "engine"], registry=self.registry, **kwargs)
+        return [family.labels(self.model_name, str(e)) for e in range(self.engines)]
 
     def _build(self, max_model_len: int) -> None:
         lengths = build_1_2_5_buckets(max_model_len)
@@ -210,7 +230,8 @@ class Metrics:
         self.generation_tokens = self._metric(c, "vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           ["model_name", "engine", "finished_reason"], registry=self.registry)
-        self.success = {r: success.labels(self.model_name, ENGINE, r) for r in FINISH_REASONS}
+        self.success = {(e, r): success.labels(self.model_name, str(e), r)
+                        for e in range(self.engines) for r in FINISH_REASONS}
         self._success_family = success
         self.request_prompt_tokens = self._metric(h, "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                   buckets=lengths)
@@ -255,50 +276,52 @@ class Metrics:
                        for k, (name, doc) in phases.items()}
 
     # -- reports from the engine loop and the HTTP layer ---------------------------------------------
-    def step_done(self, prompt_tokens: int, generation_tokens: int) -> None:
-        """One engine step: ``prompt_tokens`` of the requests that got their first token in it
-        (vLLM counts a prompt there), ``generation_tokens`` emitted by it."""
+    def step_done(self, prompt_tokens: int, generation_tokens: int, engine: int = 0) -> None:
+        """One step of ``engine``: ``prompt_tokens`` of the requests that got their first token in
+        it (vLLM counts a prompt there), ``generation_tokens`` emitted by it."""
         with self.lock:
-            self.prompt_tokens.inc(prompt_tokens)
-            self.generation_tokens.inc(generation_tokens)
+            self.prompt_tokens[engine].inc(prompt_tokens)
+            self.generation_tokens[engine].inc(generation_tokens)
             if prompt_tokens + generation_tokens:
-                self.iteration_tokens.observe(prompt_tokens + generation_tokens)
+                self.iteration_tokens[engine].observe(prompt_tokens + generation_tokens)
 
-    def first_token(self, ttft: float) -> None:
-        self.ttft.observe(ttft)
+    def first_token(self, ttft: float, engine: int = 0) -> None:
+        self.ttft[engine].observe(ttft)
 
-    def inter_token(self, gap: float) -> None:
+    def inter_token(self, gap: float, engine: int = 0) -> None:
         """The time between two steps that emitted tokens for one request (one observation per
         step, however many tokens a verified draft gave)."""
-        self.itl.observe(gap)
-        self.tpot.observe(gap)
+        self.itl[engine].observe(gap)
+        self.tpot[engine].observe(gap)
 
     def request_done(self, r: FinishedRequest) -> None:
+        e = r.engine
         with self.lock:
-            if r.finish_reason not in self.success:
-                self.success[r.finish_reason] = self._success_family.labels(self.model_name, ENGINE, r.finish_reason)
-            self.success[r.finish_reason].inc()
-        self.phases["e2e"].observe(r.e2e)
+            if (e, r.finish_reason) not in self.success:
+                self.success[e, r.finish_reason] = self._success_family.labels(self.model_name, str(e),
+                                                                               r.finish_reason)
+            self.success[e, r.finish_reason].inc()
+        self.phases["e2e"][e].observe(r.e2e)
         if r.queued is not None:
-            self.phases["queued"].observe(r.queued)
+            self.phases["queued"][e].observe(r.queued)
         if r.prefill is not None:
-            self.phases["prefill"].observe(r.prefill)
+            self.phases["prefill"][e].observe(r.prefill)
             if r.prompt_tokens > 0:
-                self.prefill_per_token.observe(r.prefill / r.prompt_tokens)
-            self.phases["decode"].observe(r.decode or 0.0)
-            self.phases["inference"].observe(r.prefill + (r.decode or 0.0))
+                self.prefill_per_token[e].observe(r.prefill / r.prompt_tokens)
+            self.phases["decode"][e].observe(r.decode or 0.0)
+            self.phases["inference"][e].observe(r.prefill + (r.decode or 0.0))
         if r.generation_tokens > 1 and r.decode is not None:
-            self.request_tpot.observe(r.decode / (r.generation_tokens - 1))
-        self.request_prompt_tokens.observe(r.prompt_tokens)
-        self.request_generation_tokens.observe(r.generation_tokens)
+            self.request_tpot[e].observe(r.decode / (r.generation_tokens - 1))
+        self.request_prompt_tokens[e].observe(r.prompt_tokens)
+        self.request_generation_tokens[e].observe(r.generation_tokens)
         if r.max_tokens:
-            self.params_max_tokens.observe(r.max_tokens)
+            self.params_max_tokens[e].observe(r.max_tokens)
 
-    def parent_done(self, n: int, max_generated: int) -> None:
+    def parent_done(self, n: int, max_generated: int, engine: int = 0) -> None:
         """A client request whose ``n`` choices all finished; ``max_generated``: the most tokens
-        one of them generated."""
-        self.params_n.observe(n)
-        self.max_generation_tokens.observe(max_generated)
+        one of them generated; ``engine``: its first choice's."""
+        self.params_n[engine].observe(n)
+        self.max_generation_tokens[engine].observe(max_generated)
 
     # -- exposition ----------------------------------------------------------------------------------
     def render(self, snapshot: dict) -> str:

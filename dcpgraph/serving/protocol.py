@@ -25,10 +25,10 @@ parts (joined with newlines, as vLLM's string content format); other part types 
 ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g. Qwen3's
 ``enable_thinking``).
 
-Structured outputs: ``response_format`` (``{"type": "json_object"}`` or ``{"type":
-"json_schema", "json_schema": {"name", "schema"}}``; ``"text"`` asks nothing) and vLLM's
-``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
-``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
+Structured outputs: ``response_format`` (``{"type": "json_object"}``, ``{"type":
+"json_schema", "json_schema": {"name", "schema"}}`` or vLLM's ``{"type": "structural_tag", ...}``;
+``"text"`` asks nothing) and vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``, ``structural_tag``, ``disable_any_whitespace``: :class:`~dcpgraph.runtime.structured_outputs.StructuredOutputsParams`);
 a ``response_format`` constraint replaces ``structured_outputs``' own, as in vLLM.
 
 Tools (chat): ``tools`` (function tools, passed to the chat template), ``tool_choice``
@@ -49,6 +49,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..runtime.sampling import MAX_LOGPROBS
+from ..runtime.structured_outputs import CONSTRAINTS, check_structural_tag
 from .params import SamplingParams
 from .tools import tool_call_schema
 
@@ -64,6 +65,15 @@ UNSUPPORTED = {
     "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
+    "prompt_embeds": "prompt embeddings are not supported (vLLM needs --enable-prompt-embeds for them too)",
+    "priority": "priority scheduling is not supported (the scheduler is first come, first served; vLLM refuses a "
+                "priority too unless started with --scheduling-policy priority)",
+    "logits_processors": "custom logits processors are not supported",
+    "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "cache_salt": "cache_salt is not supported (prefix-cache isolation per salt is not implemented)",
+    "chat_template": "a chat template per request is not supported; start the server with --chat-template "
+                     "(vLLM also refuses it unless started with --trust-request-chat-template)",
 }
 _ASKS_NOTHING = (None, False, [], {}, {"type": "text"}, "", "none", "auto")
 
@@ -107,15 +117,22 @@ class JsonSchemaResponseFormat(LenientModel):
 
 
 class ResponseFormat(LenientModel):
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``, or vLLM's
+    ``{"type": "structural_tag", "format": {...}}`` / ``{"type": "structural_tag", "structures":
+    [...], "triggers": [...]}`` (:mod:`~dcpgraph.runtime.structured_outputs`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaResponseFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError('response_format type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if self.type == "structural_tag":
+            check_structural_tag(self.constraint()["structural_tag"])
         return self
 
     def constraint(self) -> dict | None:
@@ -124,6 +141,12 @@ class ResponseFormat(LenientModel):
             return {"json_object": True}
         if self.type == "json_schema":
             return {"json": self.json_schema.json_schema}
+        if self.type == "structural_tag":  # vLLM passes the whole object on as the tag's text
+            if self.structures is not None:
+                tag = {"type": "structural_tag", "structures": self.structures, "triggers": self.triggers}
+            else:
+                tag = {"type": "structural_tag", "format": self.format}
+            return {"structural_tag": json.dumps(tag)}
         return None
 
 
@@ -147,6 +170,7 @@ class _Common(LenientModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -171,8 +195,7 @@ class _Common(LenientModel):
         asked = self.response_format.constraint() if self.response_format is not None else None
         if asked is None:
             return self.structured_outputs
-        options = {k: v for k, v in (self.structured_outputs or {}).items()
-                   if k not in ("json", "regex", "choice", "grammar", "json_object")}
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k not in CONSTRAINTS}
         return {**options, **asked}
 
     @model_validator(mode="after")
@@ -339,6 +362,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for RAG chat templates, as vLLM
+    include_reasoning: bool = True  # False: a --reasoning-parser's reasoning is left out of the answer
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -401,5 +426,6 @@ class ChatCompletionRequest(_Common):
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template`` beyond the messages."""
         tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else {}
-        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
+        documents = {"documents": self.documents} if self.documents else {}
+        return {**(self.chat_template_kwargs or {}), **tools, **documents, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

@@ -5,6 +5,11 @@ Echo (completions, vLLM's): a choice's first piece is shown with its prompt in f
 ids and, with ``logprobs``, the prompt tokens' entries, the first one ``null``); with
 ``max_tokens: 0`` the prompt alone replaces the one token the engine ran. ``prompt_logprobs``
 (vLLM's field) is on each completions choice, or on the chat body, of a non-streamed answer.
+
+``return_token_ids`` (vLLM's): each choice carries ``token_ids``, the ids it generated (in a
+stream, each chunk's own; with ``echo`` and ``max_tokens: 0`` none), and the prompt's ids come as
+``prompt_token_ids``: on each completions choice, on the chat body; in a stream on a choice's first
+completions chunk, on a chat stream's first chunk of each choice.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .api_errors import ApiError, error_body
 from .engine_loop import Piece
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from .prompts import Prompt
+from .tool_call_stream import call_stream
 from .tool_parsers import PARSERS, AutoToolStream
 from .tools import tool_calls_of
 
@@ -51,12 +57,15 @@ class Reply:
         self.template_kwargs = getattr(body, "chat_template_kwargs", None)
         self.reasoning = parser  # vLLM's --reasoning-parser: <think>...</think> -> message.reasoning
         self.reasoning_streams = {c: parser.stream(self.template_kwargs) for c in choices} if parser else {}
+        self.include_reasoning = getattr(body, "include_reasoning", True)  # vLLM's: False leaves it out
+        self.token_ids = bool(getattr(body, "return_token_ids", False))
+        self.prompt_ids_sent: set[int] = set()  # stream choices whose prompt_token_ids went out
         choice = getattr(body, "tool_choice", None) if chat and getattr(body, "tools", None) else None
         self.tool_choice = choice if choice not in (None, "none", "auto") else None
         parser = getattr(getattr(server, "options", None), "auto_tool_parser", None)
         self.auto_tool_parser = parser if choice == "auto" else None
         self.auto_streams = {c: AutoToolStream(parser) for c in choices} if self.auto_tool_parser else {}
-        self.tool_texts = {c: "" for c in choices}  # a tool-call stream's content, sent as calls at its end
+        self.call_streams = {c: call_stream(self.tool_choice) for c in choices} if self.tool_choice else {}
 
     def logprobs_of(self, choice: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if not self.wants_logprobs:
@@ -113,6 +122,7 @@ class Reply:
         """The non-streamed body: every choice's text, logprobs and finish reason, and the usage."""
         texts = {c: "" for c in self.choices}
         tokens: dict[int, tuple[list[int], list[dict]]] = {c: ([], []) for c in texts}
+        generated_ids: dict[int, list[int]] = {c: [] for c in texts}
         reasons: dict[int, str | None] = {}
         generated = 0
         handover = None
@@ -121,6 +131,7 @@ class Reply:
             texts[piece.choice] += text
             tokens[piece.choice][0].extend(token_ids)
             tokens[piece.choice][1].extend(entries)
+            generated_ids[piece.choice].extend(self.generated_ids_of(piece))
             generated += len(piece.token_ids)
             self.server.generated += len(piece.token_ids)
             handover = piece.kv_transfer_params or handover
@@ -128,15 +139,30 @@ class Reply:
                 reasons[piece.choice] = piece.finish_reason
         choices = [
             {"index": c, **self.message_and_reason(texts[c], reasons[c]),
-             "logprobs": self.logprobs_of(c, *tokens[c])} if self.chat else
+             "logprobs": self.logprobs_of(c, *tokens[c]), **self.token_ids_of(c, generated_ids[c])} if self.chat else
             {"index": c, "text": texts[c], "logprobs": self.logprobs_of(c, *tokens[c]), "finish_reason": reasons[c],
-             **self.prompt_logprobs_of(c)}
+             **self.prompt_logprobs_of(c), **self.token_ids_of(c, generated_ids[c], prompt=True)}
             for c in sorted(texts)
         ]
         return {"id": self.log_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.served_model_name, "choices": choices,
                 "usage": self.usage(generated), **({"kv_transfer_params": handover} if handover else {}),
-                **(self.prompt_logprobs_of(self.choices[0]) if self.chat else {})}
+                **(self.prompt_logprobs_of(self.choices[0]) if self.chat else {}),
+                **(self.prompt_token_ids_of(self.choices[0]) if self.chat else {})}
+
+    def generated_ids_of(self, piece: Piece) -> list[int]:
+        """The ids ``piece`` adds to its choice's ``token_ids`` (none for the one token an
+        echo-only request runs)."""
+        return [] if self.echo_only else list(piece.token_ids)
+
+    def token_ids_of(self, choice: int, ids: list[int], *, prompt: bool = False) -> dict:
+        """``{"token_ids": ids}`` (and, with ``prompt``, ``prompt_token_ids``) when asked."""
+        if not self.token_ids:
+            return {}
+        return {**(self.prompt_token_ids_of(choice) if prompt else {}), "token_ids": ids}
+
+    def prompt_token_ids_of(self, choice: int) -> dict:
+        return {"prompt_token_ids": list(self.prompt_of(choice).token_ids)} if self.token_ids else {}
 
     def message_and_reason(self, text: str, reason: str | None) -> dict:
         """A chat choice's ``message`` and ``finish_reason``: the text as content, split by the
@@ -144,7 +170,8 @@ class Reply:
         message: dict = {"role": "assistant", "content": text}
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, self.template_kwargs)
-            message = {"role": "assistant", "content": content, "reasoning": reasoning}
+            message = {"role": "assistant", "content": content,
+                       "reasoning": reasoning if self.include_reasoning else None}
         return self.with_tool_calls(message, reason)
 
     def with_tool_calls(self, message: dict, reason: str | None) -> dict:
@@ -163,8 +190,8 @@ class Reply:
     def delta(self, piece: Piece) -> tuple[dict, str | None]:
         """A chat chunk's delta and finish reason: the piece's text as content, or its reasoning
         and content parts (the parser's held-back text comes out with the last piece); under a
-        ``"required"`` or named ``tool_choice`` the content is held and sent as ``tool_calls``
-        with the last piece."""
+        ``"required"``, named or parsed ``"auto"`` ``tool_choice`` the calls go out as
+        ``tool_calls`` deltas, their arguments fragment by fragment (:mod:`.tool_call_stream`)."""
         stream = self.reasoning_streams.get(piece.choice)
         if stream is None:
             reasoning, content = "", piece.text
@@ -174,25 +201,24 @@ class Reply:
                 more_reasoning, more_content = stream.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
         reason = piece.finish_reason
-        delta = {"reasoning": reasoning} if reasoning else {}
-        if self.tool_choice:
-            self.tool_texts[piece.choice] += content
-            content = ""
-            if piece.finished:
-                whole = self.with_tool_calls({"content": self.tool_texts[piece.choice]}, reason)
-                calls, reason = whole["message"].get("tool_calls"), whole["finish_reason"]
-                content = "" if calls else self.tool_texts[piece.choice]
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        delta = {"reasoning": reasoning} if reasoning and self.include_reasoning else {}
+        calls = self.call_streams.get(piece.choice)
+        if calls is not None:  # the constrained output is the calls, streamed as they are read
+            tool_deltas, content = calls.feed(content), ""
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
+            if piece.finished and calls.calls and self.tool_choice == "required" and reason == "stop":
+                reason = "tool_calls"
         auto = self.auto_streams.get(piece.choice)
         if auto is not None:
-            content = auto.feed(content)
+            content, tool_deltas = auto.feed(content)
             if piece.finished:
-                rest, calls = auto.finish()
+                rest, called = auto.finish()
                 content += rest
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                if called:
                     reason = "tool_calls"
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
         if content or (stream is None and not self.tool_choice and auto is None and not piece.finished):
             delta["content"] = content
         return delta, reason
@@ -209,15 +235,20 @@ class Reply:
     def chunk_choice(self, piece: Piece) -> dict:
         text, token_ids, entries = self.shown(piece)
         logprobs = self.logprobs_of(piece.choice, token_ids, entries)
+        ids = self.token_ids_of(piece.choice, self.generated_ids_of(piece),
+                                prompt=not self.chat and piece.choice not in self.prompt_ids_sent)
+        self.prompt_ids_sent.add(piece.choice)
         if self.chat:
             delta, reason = self.delta(piece)
-            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return {"index": piece.choice, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            return {"index": piece.choice, "delta": delta, "logprobs": logprobs, "finish_reason": reason, **ids}
+        return {"index": piece.choice, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason,
+                **ids}
 
     def role_chunks(self) -> list[str]:
         """(chat) Each choice's first chunk, ``delta: {"role": "assistant", "content": ""}``."""
-        return [_sse(self.choice_chunk({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None})) for c in self.choices]
+        return [_sse({**self.choice_chunk({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                           "finish_reason": None}), **self.prompt_token_ids_of(c)})
+                for c in self.choices]
 
     async def events(self, pieces):
         """The stream: a chunk per piece, (chat) preceded by the role chunks once the first piece

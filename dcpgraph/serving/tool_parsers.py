@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 
+from .tool_call_stream import parser_call_stream
 from .tools import new_call
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # the ones dcpgraph implements
@@ -60,22 +61,31 @@ PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 class AutoToolStream:
     """A streamed output under ``tool_choice: "auto"``: content is sent as it comes until it may
     be the start of a call (``<tool_call>`` for hermes; a leading ``{`` or ``<|python_tag|>`` for
-    llama3_json), then held; :meth:`finish` parses the whole output as the non-streamed response
-    does and gives the rest of the content and the calls."""
+    llama3_json); from there the text goes to a :class:`~.tool_call_stream.CallStream`, whose
+    calls are sent argument fragment by fragment, as vLLM's. If no call was found by the end, the
+    held text is sent as content (:meth:`finish`)."""
 
     def __init__(self, parser: str):
         self.parser = parser
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = False
+        self.calls = parser_call_stream(parser)
+        self.fed = 0  # characters of text given to ``calls``
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The content and the tool-call deltas ``delta`` completes."""
         self.text += delta
-        if self.holding:
-            return ""
-        safe = self._safe_end()
-        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
-        return out
+        content = ""
+        if not self.holding:
+            safe = self._safe_end()
+            content, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+            if not self.holding:
+                return content, []
+            self.fed = self.sent
+        deltas = self.calls.feed(self.text[self.fed:])
+        self.fed = len(self.text)
+        return content, deltas
 
     def _safe_end(self) -> int:
         """How much of the text cannot be part of a call (setting ``holding`` once a call may start)."""
@@ -93,12 +103,11 @@ class AutoToolStream:
             return self.sent  # not decided yet
         return len(self.text)
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """The content not sent yet and the calls (none if the output holds no readable call)."""
-        content, calls = PARSERS[self.parser](self.text)
-        if not calls:
-            return self.text[self.sent:], []
-        return (content or "")[self.sent:], calls
+    def finish(self) -> tuple[str, bool]:
+        """The content not sent yet, and whether calls were sent (then nothing more is content)."""
+        if self.calls.calls:
+            return "", True
+        return self.text[self.sent:], False
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -15,8 +15,8 @@ outputs (vLLM's construction), and the ``tool_calls`` of the response.
   parser (:mod:`.tool_parsers`) reads its calls; ``finish_reason`` is ``"tool_calls"`` when it
   found any.
 
-Every call gets an id ``chatcmpl-tool-<32 hex>``. A stream sends the calls whole, in its last
-chunk's ``delta.tool_calls`` (each with its ``index``), once the output is complete.
+Every call gets an id ``chatcmpl-tool-<32 hex>``. A stream sends each call as vLLM does: a first
+delta with its id and name, then its arguments fragment by fragment (:mod:`.tool_call_stream`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The process that serves (the ``LLM`` or the server: the front end) listens on ``127.0.0.1`` (or
 the interface the operator names) and starts ``tp`` processes. Each rank connects back
-(:mod:`multiprocessing.connection`, authenticated with a fresh key), joins a gloo world and
+(:mod:`multiprocessing.connection`, authenticated with a fresh key), takes its device (the node's
+accelerator ``local_rank mod count``, or the host), joins the world (NCCL, HCCL or gloo) and
 compiles the checkpoint's programs (:func:`~.engine_config.compile_rank`: every rank the same).
 Rank 0 then builds the deployment's one :class:`~dcpgraph.Engine` (scheduler, block manager,
 prefix cache, proposer, sampling), whose executors broadcast each step's packed inputs to the
@@ -33,6 +34,7 @@ import torch
 
 from .. import errors
 from ..api import engine_for
+from ..devices import DeviceKind, DeviceProbe, RankPlacement, place_rank
 from ..runtime.engine_client import EngineClient
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
@@ -137,21 +139,34 @@ def _connect(front_end: tuple[str, int], authkey: bytes, timeout_s: float) -> Co
             time.sleep(0.5)
 
 
+def rank_placement(config: EngineConfig, local_rank: int, probe: DeviceProbe | None = None) -> RankPlacement:
+    """The rank's device (made current) and its process group's backend, from the device kind
+    the front end resolved (:mod:`dcpgraph.devices`)."""
+    probe = probe or DeviceProbe()
+    kind = config.device
+    count, why = probe.count(kind)
+    if not count:
+        raise errors.ConfigError(f"device={kind!r}: this node has no {kind} device ({why})")
+    return place_rank(DeviceKind(kind, count), local_rank, probe)
+
+
 def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end: tuple[str, int], authkey: bytes,
-                config: dict, timeout_s: float) -> None:
-    """A rank: connect to the front end, join the world, compile; then rank 0 builds the engine and
-    answers calls, the others follow it."""
+                config: dict, timeout_s: float, local_rank: int = 0) -> None:
+    """A rank: connect to the front end, take its device, join the world, compile; then rank 0
+    builds the engine and answers calls, the others follow it."""
     torch.set_num_threads(1)
     conn = _connect(front_end, authkey, timeout_s)
     conn.send({"rank": rank, "pid": os.getpid()})
     try:
         import torch.distributed as dist
 
+        engine_config = EngineConfig.from_json(config)
+        placement = rank_placement(engine_config, local_rank)
         host, port = world_address
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{host}:{port}",
+        dist.init_process_group(placement.backend, rank=rank, world_size=world, init_method=f"tcp://{host}:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
         control = ControlGroup(host)
-        compiled = compile_rank(EngineConfig.from_json(config), executor="distributed")
+        compiled = compile_rank(engine_config, executor="distributed")
         if rank == 0:
             programs = {"target": compiled.program, **({"draft": compiled.draft[0]} if compiled.draft else {})}
             engine = engine_for(compiled, driver_executors(control, programs))
@@ -177,8 +192,8 @@ def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: 
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
                          args=(rank, config.tensor_parallel_size, world_address, front_end, authkey,
-                               config.to_json(), timeout_s))
-             for rank in ranks]
+                               config.to_json(), timeout_s, local_rank))
+             for local_rank, rank in enumerate(ranks)]
     for proc in procs:
         proc.start()
     return procs

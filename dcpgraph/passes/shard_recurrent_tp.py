@@ -1,0 +1,259 @@
+"""``shard_recurrent_tp``: recurrent layers' heads/channels split over the TP group, per kind.
+
+Runs after ``shard_tp`` (which leaves every recurrent layer's parameters alone, see
+:func:`recurrent_parameter_targets`) and ``insert_recurrent_state`` (whose pools it resizes). Each
+recurrent kind has one row in :data:`TP_RULES`: the parameter suffix that names the layer's
+module (its conv weight), the layer's indivisible unit count, every parameter's
+:class:`~dcpgraph.program.ShardRule` by suffix, the ``[q | k | v]`` section sizes the traced
+graph splits by (rescaled to ``1/tp``), and its pools' local shapes. For a layer the TP group
+splits (``tp`` divides its units), rank ``r`` holds its ``1/tp`` of the heads/channels, the
+output projection becomes row-parallel (``y = all_reduce(x_r W_rᵀ) + b``, the bias added once
+after the sum) and its state pools hold ``1/tp`` of the state. A layer ``tp`` does not divide is
+replicated: full weights and state on every rank, complete output, no collective (as
+:meth:`~dcpgraph.recurrent_state.GatedDeltaNetShape.on_rank` counts it).
+
+The traced recurrent layers use ``-1`` for every head count (:mod:`dcpgraph.ops.gated_delta_layer`,
+:mod:`dcpgraph.frontends.gated_delta_net`, :mod:`dcpgraph.frontends.short_conv`), so the only
+literals that depend on the split are the section sizes rescaled here; shape propagation after
+the pass checks the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedModelError, VerificationError
+from ..program import PARAM, REPLICATE, InputSpec, Program, RecurrentStateSpec, ShardRule
+from ..recurrent_state import GatedDeltaNetShape, ShortConvShape
+from . import collectives as coll
+from .graph_edit import Emitter, nodes_calling
+from .manager import program_pass, ran
+from .tp_styles import SectionShardRule
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+CONV_ARGS_POOL, RULE_ARGS_POOL = 3, 5  # the pool argument of causal_conv1d_ / gated_delta_rule_
+
+
+@dataclass
+class RecurrentLayer:
+    """One traced recurrent layer: its decoder index, kind, module prefix (``model.layers.0.linear_attn.``),
+    parameter specs by suffix, and its stateful conv and (gated delta net) delta-rule nodes."""
+
+    index: int
+    kind: str
+    prefix: str
+    params: dict[str, InputSpec]
+    conv: torch.fx.Node
+    rule: torch.fx.Node | None
+
+
+@dataclass(frozen=True)
+class RecurrentTPRule:
+    """How one recurrent kind splits over TP. ``shape(layer, program)`` gives the layer's shape object
+    (``units``: what ``tp`` must divide; ``on_rank(tp)``; pool shapes); ``param_rules(shape)``
+    every parameter suffix's rule on a split layer (a suffix not listed is refused by name);
+    ``sections(shape)`` the section sizes of the traced ``split_with_sizes`` to rescale;
+    ``pools(local)`` pool role → per-slot shape on one rank."""
+
+    conv_weight: str
+    shape: Callable[[RecurrentLayer, Program], object]
+    units: Callable[[object], int]
+    param_rules: Callable[[object], dict[str, ShardRule]]
+    sections: Callable[[object], tuple[int, ...] | None]
+    pools: Callable[[object], dict[str, tuple[int, ...]]]
+    out_proj: str = "out_proj"
+
+
+def _gdn_shape(layer: RecurrentLayer, program: Program) -> GatedDeltaNetShape:
+    k, v = layer.rule.args[1].meta["val"], layer.rule.args[2].meta["val"]
+    kernel = int(program.state[layer.params["conv1d.weight"].target].shape[-1])
+    return GatedDeltaNetShape(int(k.shape[1]), int(v.shape[1]), int(k.shape[2]), int(v.shape[2]), kernel)
+
+
+def _gdn_sections(s: GatedDeltaNetShape) -> tuple[int, int, int]:
+    return (s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim)
+
+
+def _gdn_param_rules(s: GatedDeltaNetShape) -> dict[str, ShardRule]:
+    """Rows by key-head group: the fused ``in_proj_qkvz``/``in_proj_ba`` are laid out per key
+    head (a contiguous ``1/tp`` of rows is a group of whole heads); ``[q | k | v]`` tensors by
+    section; ``A_log``/``dt_bias`` per value head; the per-head norm weight replicated;
+    ``out_proj`` by input columns."""
+    qkv = SectionShardRule(0, sections=_gdn_sections(s))
+    rows = ShardRule(0)
+    return {"in_proj_qkvz.weight": rows, "in_proj_ba.weight": rows, "in_proj_qkv.weight": qkv,
+            "in_proj_z.weight": rows, "in_proj_b.weight": rows, "in_proj_a.weight": rows,
+            "conv1d.weight": qkv, "conv1d.bias": qkv, "A_log": rows, "dt_bias": rows,
+            "norm.weight": REPLICATE, "out_proj.weight": ShardRule(1)}
+
+
+def _short_conv_shape(layer: RecurrentLayer, program: Program) -> ShortConvShape:
+    channels, _, kernel = program.state[layer.params["conv.weight"].target].shape
+    return ShortConvShape(int(channels), int(kernel))
+
+
+def _short_conv_param_rules(s: ShortConvShape) -> dict[str, ShardRule]:
+    """``in_proj``'s ``[B | C | x]`` by section, the depthwise conv by channel, ``out_proj`` by
+    input columns (its bias added once, after the all-reduce)."""
+    parts = SectionShardRule(0, sections=(s.channels,) * 3)
+    return {"in_proj.weight": parts, "in_proj.bias": parts, "conv.weight": ShardRule(0), "conv.bias": ShardRule(0),
+            "out_proj.weight": ShardRule(1), "out_proj.bias": REPLICATE}
+
+
+TP_RULES: dict[str, RecurrentTPRule] = {
+    "gated delta net": RecurrentTPRule(
+        conv_weight="conv1d.weight", shape=_gdn_shape, units=lambda s: s.key_heads, param_rules=_gdn_param_rules,
+        sections=_gdn_sections,
+        pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "recurrent_state": s.recurrent_state_shape(1)[1:]}),
+    "short convolution": RecurrentTPRule(
+        conv_weight="conv.weight", shape=_short_conv_shape, units=lambda s: s.channels,
+        param_rules=_short_conv_param_rules, sections=lambda s: None,
+        pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:]}),
+}
+"""Recurrent kind (``facts.extra["recurrent_layers"]``'s values) → its TP rule; a new kind adds a row."""
+
+
+def _param_source(node: torch.fx.Node, specs: dict[str, InputSpec]) -> InputSpec | None:
+    """The parameter a weight argument is read from through view-like ops (``squeeze``, ``view``…)."""
+    while node.op == "call_function" and node.all_input_nodes:
+        node = node.args[0]
+    spec = specs.get(node.name)
+    return spec if spec is not None and spec.kind == PARAM else None
+
+
+def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
+    """The traced recurrent layers with their nodes and parameters, found from the state pools
+    ``insert_recurrent_state`` made (``conv_state_<layer>``, ``recurrent_state_<layer>``)."""
+    graph = program.graph_module.graph
+    specs = {s.name: s for s in program.inputs}
+    kinds = dict(program.facts.extra.get("recurrent_layers") or {})
+    convs = {n.args[CONV_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.causal_conv1d_.default)}
+    rules = {n.args[RULE_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.gated_delta_rule_.default)}
+    layers = []
+    for index, kind in sorted(kinds.items()):
+        if kind not in TP_RULES:
+            raise UnsupportedModelError(f"recurrent layer {index} ({kind}) has no TP rule; kinds with one: "
+                                        f"{sorted(TP_RULES)}")
+        conv = convs.get(f"conv_state_{index}")
+        weight = _param_source(conv.args[1], specs) if conv is not None else None
+        suffix = TP_RULES[kind].conv_weight
+        if weight is None or not weight.target.endswith(suffix):
+            raise VerificationError(f"recurrent layer {index} ({kind}): no stateful conv reading a '{suffix}' parameter")
+        prefix = weight.target.removesuffix(suffix)
+        params = {s.target.removeprefix(prefix): s for s in program.inputs
+                  if s.kind == PARAM and s.target.startswith(prefix)}
+        layers.append(RecurrentLayer(index, kind, prefix, params, conv, rules.get(f"recurrent_state_{index}")))
+    return layers
+
+
+def recurrent_parameter_targets(program: Program) -> set[str]:
+    """Parameter targets under a recurrent layer's module, found from the traced canonical ops or
+    their stateful forms: ``shard_tp`` leaves these to this pass."""
+    specs = {s.name: s for s in program.inputs}
+    graph = program.graph_module.graph
+    convs = [*nodes_calling(graph, dcp_ops.causal_conv1d.default), *nodes_calling(graph, dcp_ops.causal_conv1d_.default)]
+    suffixes = {r.conv_weight for r in TP_RULES.values()}
+    prefixes = set()
+    for conv in convs:
+        weight = _param_source(conv.args[1], specs)
+        suffix = next((x for x in suffixes if weight is not None and weight.target.endswith(x)), None)
+        if suffix is not None:
+            prefixes.add(weight.target.removesuffix(suffix))
+    return {s.target for s in program.inputs if s.kind == PARAM and any(s.target.startswith(p) for p in prefixes)}
+
+
+def _row_parallel(graph: torch.fx.Graph, linear: torch.fx.Node) -> None:
+    """``linear(x_r, W_r, b)`` → ``all_reduce(linear(x_r, W_r)) + b``."""
+    bias = linear.args[2] if len(linear.args) > 2 else None
+    linear.args = linear.args[:2]
+    with graph.inserting_before(linear.next):
+        reduced = coll.all_reduce(graph, linear, "tp")
+        result = Emitter(graph)(aten.add.Tensor, reduced, bias) if bias is not None else reduced
+    linear.replace_all_uses_with(result)
+    reduced.args[0].args = (linear, *reduced.args[0].args[1:])
+
+
+def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTPRule, shape,
+                 tp: int) -> dict[str, ShardRule]:
+    """Rewrite one layer for a split over ``tp``; returns its parameters' rules by input name."""
+    wanted = rule.param_rules(shape)
+    unknown = sorted(set(layer.params) - set(wanted))
+    if unknown:
+        raise UnsupportedModelError(f"recurrent layer {layer.index} ({layer.kind}): parameters {unknown} under "
+                                    f"{layer.prefix} have no TP rule; known: {sorted(wanted)}")
+    sections = rule.sections(shape)
+    if sections is not None:
+        names = {s.name for s in layer.params.values()}
+        sources = {layer.conv} | {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+        splits = [n for n in nodes_calling(graph, aten.split_with_sizes.default)
+                  if n.args[0] in sources and list(n.args[1]) == list(sections)]
+        for split in splits:
+            split.args = (split.args[0], [size // tp for size in sections], *split.args[2:])
+        if not any(n.args[0] is layer.conv for n in splits):
+            raise VerificationError(f"recurrent layer {layer.index}: no split of the conv output into sections "
+                                    f"{list(sections)}")
+    out_weight = layer.params.get(f"{rule.out_proj}.weight")
+    linears = [n for n in nodes_calling(graph, aten.linear.default)
+               if out_weight is not None and n.args[1].name == out_weight.name]
+    if len(linears) != 1:
+        raise VerificationError(f"recurrent layer {layer.index}: expected one {rule.out_proj} linear, found {len(linears)}")
+    _row_parallel(graph, linears[0])
+    return {spec.name: wanted[suffix] for suffix, spec in layer.params.items()}
+
+
+def _pools_fit_their_ops(program: Program) -> None:
+    """Every state pool's per-slot shape is what its op reads on this rank: a conv state
+    ``[C_r, K−1]`` for the conv's local weight ``[C_r, K]``, a delta-rule state ``[Hv_r, Dk, Dv]``
+    for its local ``k [T, Hk_r, Dk]`` and ``v [T, Hv_r, Dv]``."""
+    pools = {p.name: tuple(p.shape) for p in program.recurrent_states}
+    graph = program.graph_module.graph
+    for conv in nodes_calling(graph, dcp_ops.causal_conv1d_.default):
+        channels, kernel = conv.args[1].meta["val"].shape
+        want = (int(channels), int(kernel) - 1)
+        if pools.get(conv.args[CONV_ARGS_POOL].name) != want:
+            raise VerificationError(f"{conv.args[CONV_ARGS_POOL].name} holds {pools.get(conv.args[CONV_ARGS_POOL].name)} "
+                                    f"per slot, its conv reads {want}")
+    for rule in nodes_calling(graph, dcp_ops.gated_delta_rule_.default):
+        k, v = rule.args[1].meta["val"], rule.args[2].meta["val"]
+        want = (int(v.shape[1]), int(k.shape[2]), int(v.shape[2]))
+        if pools.get(rule.args[RULE_ARGS_POOL].name) != want:
+            raise VerificationError(f"{rule.args[RULE_ARGS_POOL].name} holds {pools.get(rule.args[RULE_ARGS_POOL].name)} "
+                                    f"per slot, its delta rule reads {want}")
+
+
+@program_pass("shard_recurrent_tp", requires=[
+    ran("shard_tp", "the mesh's TP size is set, and shard_tp leaves the recurrent layers to this pass"),
+    ran("insert_recurrent_state", "its state pools are resized to the rank's heads/channels"),
+], ensures=[_pools_fit_their_ops])
+def shard_recurrent_tp(program: Program):
+    tp = program.mesh.tp
+    if tp == 1:
+        return program, "tp=1: nothing to shard"
+    gm = program.copy_graph()
+    graph = gm.graph
+    rules: dict[str, ShardRule] = {}
+    pool_shapes: dict[str, tuple[int, ...]] = {}
+    split, replicated = [], []
+    for layer in recurrent_layers_of(program.replace(graph_module=gm)):
+        rule = TP_RULES[layer.kind]
+        shape = rule.shape(layer, program)
+        if rule.units(shape) % tp:
+            replicated.append(layer.index)
+            continue
+        rules.update(_split_layer(graph, layer, rule, shape, tp))
+        for role, local in rule.pools(shape.on_rank(tp)).items():
+            pool_shapes[f"{role}_{layer.index}"] = tuple(local)
+        split.append(layer.index)
+    gm.recompile()
+    inputs = tuple(InputSpec(s.name, s.kind, s.target, rules.get(s.name, s.shard)) for s in program.inputs)
+    pools = tuple(RecurrentStateSpec(p.name, p.layer, p.role, pool_shapes.get(p.name, p.shape), p.dtype)
+                  for p in program.recurrent_states)
+    result = program.replace(graph_module=gm, inputs=inputs, recurrent_states=pools)
+    return result, (f"tp={tp}: recurrent layers {split} split by heads/channels (row-parallel output, state 1/{tp})"
+                    + (f"; layers {replicated} replicated (tp does not divide their heads/channels)"
+                       if replicated else ""))

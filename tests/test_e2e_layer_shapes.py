@@ -158,3 +158,12 @@ def test_kv_transfer_refuses_layers_with_different_kv_heads_by_name(mimo_model):
     engine = dcpgraph.compile(mimo_model[1], block_size=4)
     with pytest.raises(UnsupportedModelError, match=r"KV transfer between instances .* \[1, 2\]"):
         KVSide.of_engine(engine)
+
+
+def test_a_checkpoint_directory_is_checked_per_layer_before_loading(tmp_path, gemma4_kv_shared):
+    from dcpgraph.checkpoints.model_dir import inspect_checkpoint
+
+    gemma4_kv_shared[0].save_pretrained(tmp_path)  # config.json names Gemma4ForCausalLM
+    inspect_checkpoint(str(tmp_path), tp=4, dcp=2, block_size=4, load_format="dummy")
+    with pytest.raises(ConfigError, match=r"layer 0 \(2 KV heads.*Valid dcp at tp=4 for every layer: \[1, 2\]"):
+        inspect_checkpoint(str(tmp_path), tp=4, dcp=4, block_size=4, load_format="dummy")

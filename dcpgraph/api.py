@@ -177,6 +177,7 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = placed(_traced_program(model), config.opts["device"])
+    _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
     refuse_recurrent_state_options(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
@@ -244,10 +245,7 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
     spec = opts["speculative_config"]
     facts = facts_of(model)
-    mesh.validate(
-        attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
-        block_size=opts["block_size"], interleave=opts["interleave"],
-    )
+    _validate_mesh(mesh, facts, opts)
     refuse_pcp_execution(mesh)
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
@@ -265,6 +263,14 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
         check_draft(facts, draft_program.facts, mesh, block_size=opts["block_size"], interleave=opts["interleave"],
                     max_model_len=max_model_len)
     return _Configuration(settings, mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
+
+
+def _validate_mesh(mesh: Mesh, facts, opts: dict[str, Any]) -> None:
+    """The mesh against the model, per attention layer where the layers' KV heads differ."""
+    mesh.validate(
+        attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
+        block_size=opts["block_size"], interleave=opts["interleave"], layer_kv_heads=facts.layer_kv_heads,
+    )
 
 
 def _traced_program(model: torch.nn.Module | Program) -> Program:

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dcpgraph.Mesh(args.tp, args.dcp).validate(
             attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
-            block_size=args.block_size, interleave=args.interleave)
+            block_size=args.block_size, interleave=args.interleave, layer_kv_heads=facts.layer_kv_heads)
     except dcpgraph.ConfigError as err:
         _say(f"configuration refused: {err}")
         return 2

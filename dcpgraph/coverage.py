@@ -162,13 +162,21 @@ def tiny_config(model_type: str):
                           + declared_stateless_layers(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
-    mla = TINY_MLA if getattr(default, "kv_lora_rank", None) is not None else {}
+    mla = TINY_MLA if _declares(default, "kv_lora_rank") else {}
     values = {**TINY, **mla, **OVERRIDES.get(model_type, {})}
     known = _known(config_class, values)
     text = getattr(default, "text_config", None)
     if text is not None and text is not default:  # a wrapper around a text config: shrink that one
         known["text_config"] = _tiny_text(type(text)(**_known(type(text), values)))
     return _tiny_text(tf.AutoConfig.for_model(model_type, **known))
+
+
+def _declares(config, name: str) -> bool:
+    """Whether ``config`` sets ``name``, globally or per layer (a heterogeneous config raises on
+    the global read of a per-layer attribute)."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return True
+    return getattr(config, name, None) is not None
 
 
 def _tiny_text(config):
@@ -271,7 +279,8 @@ def _largest_valid_mesh(facts) -> list[tuple[int, int]]:
     for tp, dcp in (*DCP_MESHES, *TP_MESHES):
         try:
             Mesh(tp, dcp).validate(attention=facts.attention, num_q_heads=facts.num_q_heads,
-                                   num_kv_heads=facts.num_kv_heads, block_size=4)
+                                   num_kv_heads=facts.num_kv_heads, block_size=4,
+                                   layer_kv_heads=facts.layer_kv_heads)
         except DcpGraphError:
             continue
         return [(tp, dcp)]

@@ -108,6 +108,10 @@ def _header(program: Program, stage: str | None) -> list[str]:
         f"(v {f.v_head_dim}), vocab {f.vocab_size}, hidden {f.hidden_size}, {_dtype(f.dtype)}"
     )
     lines = [head, f"# mesh: {program.mesh}"]
+    if f.layer_kv_heads or f.layer_head_dims:
+        per_layer = [f"kv heads {list(f.layer_kv_heads)}" if f.layer_kv_heads else "",
+                     f"head dims {list(f.layer_head_dims)}" if f.layer_head_dims else ""]
+        lines.insert(1, f"# per attention layer: {', '.join(p for p in per_layer if p)}")
     if program.lowering.items():
         decided = ", ".join(f"{k}={v}" for k, v in program.lowering.items())
         lines.append(f"# lowering: {decided}")

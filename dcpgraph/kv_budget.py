@@ -18,6 +18,16 @@ def kv_bytes_per_block(program: Program) -> int:
     return bytes_per_block(cache_shapes(program.caches), int(program.lowering.block_size))
 
 
+def kv_bytes_per_block_by_layer(program: Program) -> dict[int, int]:
+    """Layer -> bytes of one physical block of that layer's caches on one rank (fp8 scales
+    included); the values sum to :func:`kv_bytes_per_block`. Layers of different shapes (head dim,
+    KV heads) differ here."""
+    block = int(program.lowering.block_size)
+    layers = sorted({c.layer for c in program.caches})
+    return {layer: bytes_per_block(cache_shapes(c for c in program.caches if c.layer == layer), block)
+            for layer in layers}
+
+
 def group_bytes_per_block(program: Program) -> tuple[int, int]:
     """Bytes of one physical block of the full group's caches and of the sliding group's, per rank."""
     sliding = set(program.lowering.sliding_caches)

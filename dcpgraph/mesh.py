@@ -12,6 +12,7 @@ groups are consecutive and why ``(tp // n_kv) % dcp == 0`` is required.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -107,6 +108,7 @@ class Mesh:
         num_kv_heads: int | None = None,
         block_size: int = 16,
         interleave: int = 1,
+        layer_kv_heads: Sequence[int] = (),
     ) -> Mesh:
         """Check this mesh against a model; raise :class:`ConfigError` naming the failed rule.
 
@@ -118,11 +120,33 @@ class Mesh:
           DCP group sits inside one KV head's replica set of ``max(tp // num_kv_heads, 1) · pcp``
           attention ranks: ``(max(tp // num_kv_heads, 1) · pcp) % dcp == 0``. With pcp=1 that is
           ``tp > num_kv_heads``, ``(tp // num_kv_heads) >= dcp`` and ``(tp // num_kv_heads) % dcp == 0``.
+        - GQA with ``layer_kv_heads`` (one count per attention layer, for models whose layers
+          differ): the GQA rules hold for every layer's count; the error names the first layer
+          that breaks them and the dcp values valid for every layer.
         """
         self._check_any_attention(attention, num_q_heads, block_size, interleave)
-        if attention == "gqa":
+        if attention == "gqa" and layer_kv_heads:
+            self._check_layers(num_q_heads, tuple(layer_kv_heads))
+        elif attention == "gqa":
             self._check_gqa(num_q_heads, num_kv_heads)
         return self
+
+    def _check_layers(self, num_q_heads: int, layer_kv_heads: tuple[int, ...]) -> None:
+        """The GQA rules for each distinct per-layer KV head count, in layer order."""
+        first_layer = {}
+        for layer, heads in enumerate(layer_kv_heads):
+            first_layer.setdefault(heads, layer)
+        for heads, layer in first_layer.items():
+            try:
+                self._check_gqa(num_q_heads, heads)
+            except ConfigError as exc:
+                counts = sorted(first_layer)
+                valid = [d for d in range(1, self.tp * self.pcp + 1) if (self.tp * self.pcp) % d == 0
+                         and (self.pcp > 1 or self.tp % d == 0) and _gqa_valid(Mesh(self.tp, d, self.pcp), num_q_heads, counts)]
+                raise ConfigError(
+                    f"layer {layer} ({heads} KV heads; the model's layers have {counts}) breaks the mesh: "
+                    f"{exc}. Valid dcp at tp={self.tp} for every layer: {valid or 'none'}"
+                ) from exc
 
     def _check_any_attention(self, attention: str, num_q_heads: int, block_size: int, interleave: int) -> None:
         """The rules every model meets (MLA's are these alone): interleave, query heads, dcp | tp·pcp."""
@@ -202,6 +226,16 @@ class Mesh:
         groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())
         pcp = f", pcp={self.pcp}" if self.pcp > 1 else ""
         return f"Mesh(tp={self.tp}{pcp}, dcp={self.dcp}; dcp groups {groups})"
+
+
+def _gqa_valid(mesh: Mesh, num_q_heads: int, kv_head_counts: list[int]) -> bool:
+    """Whether ``mesh`` meets the GQA rules for every KV head count in ``kv_head_counts``."""
+    try:
+        for heads in kv_head_counts:
+            mesh._check_gqa(num_q_heads, heads)
+    except ConfigError:
+        return False
+    return True
 
 
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:

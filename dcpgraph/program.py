@@ -185,6 +185,10 @@ class ModelFacts:
     eos_token_id: tuple[int, ...] = ()
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Per attention layer (graph order), only where the model's layers differ (else empty):
+    # KV heads and query/key head dims. ``num_kv_heads``/``head_dim`` then hold layer 0's.
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

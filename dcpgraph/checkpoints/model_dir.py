@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..frontends.layer_shapes import config_per_layer, differing
 from ..mesh import Mesh
 from .composite import require_text_causal_lm, text_config_of
 from .files import DTYPES, weight_files  # noqa: F401 - DTYPES is re-exported
@@ -90,10 +91,12 @@ def inspect_checkpoint(path: str, *, dtype: str = "auto", tp: int = 1, dcp: int 
             f"(e.g. {', '.join(sorted(known & {'LlamaForCausalLM', 'Qwen3ForCausalLM', 'DeepseekV2ForCausalLM'}))})")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    mla = getattr(text, "kv_lora_rank", None) is not None
-    Mesh(tp, dcp, pcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads,
-                           num_kv_heads=1 if mla else (getattr(text, "num_key_value_heads", None) or heads),
-                           block_size=block_size, interleave=interleave)
+    per_layer = getattr(text, "per_layer_attributes", None) or set()
+    mla = "kv_lora_rank" in per_layer or getattr(text, "kv_lora_rank", None) is not None
+    layer_kv = () if mla else differing(config_per_layer(text, "num_key_value_heads") or ())
+    kv_heads = 1 if mla else (layer_kv[0] if layer_kv else getattr(text, "num_key_value_heads", None) or heads)
+    Mesh(tp, dcp, pcp).validate(attention="mla" if mla else "gqa", num_q_heads=heads, num_kv_heads=kv_heads,
+                                block_size=block_size, interleave=interleave, layer_kv_heads=layer_kv)
     if tokenizer is not None and len(tokenizer) > text.vocab_size:
         raise ConfigError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{text.vocab_size}; ids past it would index outside the embedding")

@@ -164,10 +164,15 @@ def _refuse_tensor_readback(graph: torch.fx.Graph) -> None:
 
 
 def finish(program: Program, *, verify: bool = True) -> Program:
-    """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass)."""
+    """Run ``canonicalize_attention`` on a freshly traced Program (verified like any pass), and
+    record the attention layers' KV heads and head dims where they differ across layers
+    (:mod:`.layer_shapes`)."""
     from .canonicalize import canonicalize_attention
+    from .layer_shapes import with_graph_layer_shapes
 
-    return run_passes(program, [canonicalize_attention], verify=verify)
+    program = run_passes(program, [canonicalize_attention], verify=verify)
+    facts = with_graph_layer_shapes(program.facts, program)
+    return program if facts is program.facts else with_facts(program, lambda _: facts)
 
 
 def with_facts(program: Program, make: Callable[[Program], ModelFacts]) -> Program:

@@ -37,8 +37,8 @@ def head_sharded_attention(model: torch.nn.Module, plan: dict[str, str]) -> dict
     heads = getattr(config, "num_attention_heads", None)
     if not heads or getattr(config, "kv_lora_rank", None) is not None:
         return plan
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = _global(config, "num_key_value_heads") or heads
+    head_dim = _global(config, "head_dim") or config.hidden_size // heads
     by_pattern: dict[str, dict[str, str] | None] = {}
     for name, module in model.named_modules():
         entries = _module_entries(module, heads, kv_heads, head_dim)
@@ -58,6 +58,34 @@ def head_sharded_attention(model: torch.nn.Module, plan: dict[str, str]) -> dict
 _NOT_ATTENTION: dict[str, str] = {}
 
 
+def _global(config, name: str):
+    """``config.name``, or None when absent or declared per layer (a heterogeneous config, whose
+    modules then say their own value)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def _keys_are_values(module: torch.nn.Module) -> bool:
+    """q and k projections and a ``v_proj`` that is declared but None: the values are computed
+    from ``k_proj``'s output."""
+    return (_linear(module, "q_proj") is not None and _linear(module, "k_proj") is not None
+            and hasattr(module, "v_proj") and module.v_proj is None)
+
+
+def _module_shape(module: torch.nn.Module, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(kv_heads, head_dim, v_head_dim)`` of one attention module: its own ``head_dim`` /
+    ``v_head_dim`` attributes where it has them (layers whose shapes differ: Gemma-4's global
+    layers, MiMo-V2-Flash's values), its KV heads from its ``k_proj`` width; else the config's."""
+    head_dim = int(getattr(module, "head_dim", None) or head_dim)
+    v_head_dim = int(getattr(module, "v_head_dim", None) or head_dim)
+    k = _linear(module, "k_proj")
+    if k is not None and k.out_features % head_dim == 0 and heads % max(k.out_features // head_dim, 1) == 0:
+        kv_heads = max(k.out_features // head_dim, 1)
+    return kv_heads, head_dim, v_head_dim
+
+
 def _linear(module: torch.nn.Module, name: str) -> torch.nn.Linear | None:
     child = getattr(module, name, None)
     return child if isinstance(child, torch.nn.Linear) else None
@@ -70,11 +98,16 @@ def _module_entries(module: torch.nn.Module, heads: int, kv_heads: int, head_dim
     output = next((n for n in OUTPUT_NAMES if _linear(module, n) is not None), None)
     if output is None:
         return _NOT_ATTENTION
+    kv_heads, head_dim, v_head_dim = _module_shape(module, heads, kv_heads, head_dim)
     q_width, kv_width = heads * head_dim, kv_heads * head_dim
     if all(_linear(module, n) is not None for n in QKV_NAMES):
         entries = {n: "colwise" for n in QKV_NAMES}
         widths = {n: _linear(module, n).out_features for n in QKV_NAMES}
-        if widths != {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}:
+        if widths != {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_heads * v_head_dim}:
+            return None
+    elif _keys_are_values(module):  # Gemma-4's attention_k_eq_v layers: values from k_proj
+        entries = {"q_proj": "colwise", "k_proj": "colwise"}
+        if (_linear(module, "q_proj").out_features, _linear(module, "k_proj").out_features) != (q_width, kv_width):
             return None
     elif (fused := _linear(module, "qkv_proj")) is not None:
         if fused.out_features != q_width + 2 * kv_width:

@@ -23,12 +23,14 @@ from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
 from .layer_kinds import check_layer_types, require_attention_in_every_layer
+from .layer_shapes import config_per_layer, differing
 from .recurrent_layers import (
     canonical_recurrent_layers,
     recurrent_modules,
     stateless_layers,
     unrecognised_recurrent_layers,
 )
+from .score_scaled_experts import traceable_score_scaled_experts
 
 WRAPPER_PREFIX = "model."
 """The prefix :class:`LogitsForward` adds to every parameter and buffer name of the wrapped model
@@ -63,8 +65,9 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
             "(recurrent architectures such as RWKV or xLSTM are not supported)"
         )
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     mla = getattr(text, "kv_lora_rank", None) is not None
+    layer_kv = None if mla else config_per_layer(text, "num_key_value_heads")
+    kv_heads = (layer_kv[0] if layer_kv else getattr(text, "num_key_value_heads", None)) or heads
     if mla:
         head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
         v_head_dim = text.v_head_dim
@@ -75,7 +78,8 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
             "q_lora_rank": getattr(text, "q_lora_rank", None),
         }
     else:
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layer_dims = config_per_layer(text, "head_dim")
+        head_dim = layer_dims[0] if layer_dims else (getattr(text, "head_dim", None) or text.hidden_size // heads)
         v_head_dim = head_dim
         extra = {}
     extra["max_position_embeddings"] = getattr(text, "max_position_embeddings", None)
@@ -101,13 +105,15 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         eos_token_id=eos_ids,
         tp_plan=plan,
         extra=extra,
+        layer_kv_heads=differing(layer_kv or ()),
+        layer_head_dims=() if mla else differing(layer_dims or ()),
     )
 
 
 class _GlobalAttributes:
     """Read-through view of a config that refuses by name an attribute transformers declares
-    per-layer (one value per decoder layer, e.g. gemma4's ``head_dim``): dcpgraph's facts and
-    caches need one value for the whole model."""
+    per-layer (one value per decoder layer) where dcpgraph needs one value for the whole model;
+    ``head_dim`` and ``num_key_value_heads`` are read per layer instead (:mod:`.layer_shapes`)."""
 
     def __init__(self, config):
         self._config = config
@@ -121,8 +127,9 @@ class _GlobalAttributes:
             if "per-layer" not in str(exc):
                 raise
             raise UnsupportedModelError(
-                f"per-layer {name} (it varies across decoder layers) is not supported: dcpgraph "
-                "needs one value for the whole model"
+                f"per-layer {name} (it varies across decoder layers) is not supported: dcpgraph takes "
+                "per-layer head_dim and num_key_value_heads of GQA layers; every other attribute (MLA ranks "
+                "and head dims, query heads) needs one value for the whole model"
             ) from exc
 
 
@@ -132,10 +139,21 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     input embeddings; attention with q/k/v and output projections is sharded by head whatever
     the config plans for it (:func:`~.head_sharding.head_sharded_attention`)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    prefix = getattr(model, "base_model_prefix", "model")
+    prefix = base_model_path(model)
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
     return {**head_sharded_attention(model, plan), **tensor_parallel_experts(model, plan)}
+
+
+def base_model_path(model: torch.nn.Module) -> str:
+    """The attribute holding the base model, which the config's plans are relative to: the class's
+    ``base_model_prefix`` where the model has it, else ``model`` (Llama-4's causal LM declares
+    ``language_model`` but keeps its decoder at ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    if not isinstance(getattr(model, prefix, None), torch.nn.Module) and isinstance(
+            getattr(model, "model", None), torch.nn.Module):
+        return "model"
+    return prefix
 
 
 ROUTED_EXPERTS_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"}
@@ -169,7 +187,7 @@ def tensor_parallel_experts(model: torch.nn.Module, plan: dict[str, str]) -> dic
 def ep_plan(model: torch.nn.Module) -> dict[str, str]:
     """The config's ``base_model_ep_plan`` (expert parallelism) under the base model's prefix."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    prefix = getattr(model, "base_model_prefix", "model")
+    prefix = base_model_path(model)
     return {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_ep_plan", None) or {}).items()}
 
 
@@ -255,8 +273,9 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     was_training = model.training
     model.eval()
     try:
-        with using_dcpgraph_attention(model), traceable_experts(model), torch.no_grad(), \
-                recording_attention_callers() as callers, canonical_recurrent_layers(model) as recurrent:
+        with using_dcpgraph_attention(model), traceable_experts(model), traceable_score_scaled_experts(model), \
+                torch.no_grad(), recording_attention_callers() as callers, \
+                canonical_recurrent_layers(model) as recurrent:
             try:
                 exported, seconds = run_export(
                     LogitsForward(model).eval(), tuple(example_inputs),

@@ -139,9 +139,12 @@ def dcpgraph_attention(
         raise UnsupportedModelError(f"{where}: chunked attention with a sliding window or sparse indices "
                                     "is not supported")
     if indices is not None:
-        if window or softcap or sinks is not None:
-            raise UnsupportedModelError(f"{where}: sparse (indexed) attention with a sliding window, "
-                                        "soft-cap or sinks is not supported")
+        present = [what for what, on in (("a sliding window", window), ("a soft-cap", softcap),
+                                          ("attention sinks", sinks is not None)) if on]
+        if present:
+            raise UnsupportedModelError(
+                f"{where}: sparse (indexed) attention with {' and '.join(present)} is not supported: the "
+                "lightning-indexer path (DeepSeek-V3.2's) merges only the selected keys' partials")
         out = torch.ops.dcpgraph.sparse_attention(query, key, value, indices, scale)
         return out.transpose(1, 2).contiguous(), None
     extra = (window, softcap, sinks) if (window or softcap or sinks is not None or chunk) else ()

@@ -32,7 +32,8 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
     "qwen_sparse_attention": "indexer-selected sparse attention",
     "compressed_sparse_attention": "DeepSeek-V4 compressed attention (CSA/HCA)",
     "heavily_compressed_attention": "DeepSeek-V4 compressed attention (CSA/HCA)",
-    "minimax_m3_sparse": "lightning-index sparse attention",
+    "minimax_m3_sparse": ("block-sparse indexed attention (MiniMax-M3: each KV head keeps the top key blocks of "
+                          "index_block_size keys plus its local blocks, not DeepSeek-V3.2's per-token top-k)"),
     "reference_sliding_attention": "ring-buffered reference sliding attention",
     "conv": "short-convolution layers (a recurrent state)",
     "linear_attention": "recurrent layers (Mamba/SSM, linear attention or gated delta net)",
@@ -67,6 +68,14 @@ def check_layer_types(text_config, recognised_recurrent: Iterable[int] = ()) -> 
             f"{what}: not supported (layer_types {kind!r} at layers {layers[:8]}"
             f"{'…' if len(layers) > 8 else ''}); dcpgraph compiles layer types {sorted(SUPPORTED_LAYER_TYPES)}"
             f"{REFUSED_LAYER_HINTS.get(kind, '')}"
+        )
+    if "indexed_attention" in types and hasattr(text_config, "indexer_compress_ratio"):
+        layers = [i for i, t in enumerate(types) if t == "indexed_attention"]
+        raise UnsupportedModelError(
+            f"compressed-block indexed attention (QSA): not supported (layer_types 'indexed_attention' at layers "
+            f"{layers[:8]}{'…' if len(layers) > 8 else ''}): its indexer scores keys compressed "
+            "indexer_compress_ratio:1 into blocks and keeps whole blocks within indexer_budget tokens, not "
+            "DeepSeek-V3.2's lightning indexer (per-token top-k over every key), which dcpgraph compiles"
         )
     chunk = getattr(text_config, "attention_chunk_size", None)
     if chunk and "chunked_attention" not in types:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..capacity import KV_CACHE_DTYPES, SCALE_SUFFIX, scale_groups
-from ..errors import ConfigError, UnsupportedModelError, VerificationError
+from ..errors import ConfigError, VerificationError
 from ..program import CACHE, META, CacheSpec, InputSpec, Program
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
@@ -328,7 +328,6 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
         for name in kind.cache_names(rw, layer):  # the order of cache_specs: each data cache, then its scales
             cache_names += [name, name + SCALE_SUFFIX] if fp8 else [name]
     rw.add_placeholders(cache_names)
-    _require_uniform_kv_heads(program, attn_nodes, latent)
     for layer, (node, kind) in enumerate(zip(attn_nodes, kinds)):
         with graph.inserting_before(node):
             out = kind.emit(rw, layer, node)
@@ -357,20 +356,6 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     modified = (f"; sliding windows {windows}" if windows else "") + (f"; chunks {chunks}" if chunks else "")
     return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "
                     f"{kv_cache_dtype}: {rw.cache_specs[0].dtype}){modified}")
-
-
-def _require_uniform_kv_heads(program: Program, attn_nodes, latent) -> None:
-    """Every GQA layer must have the model's KV head count: TP/DCP placement (``Mesh.validate``)
-    is decided from that one number, so a layer with its own count (e.g. separate sliding-layer
-    KV heads) would be placed wrongly."""
-    expected = program.facts.num_kv_heads
-    for layer, (node, dv) in enumerate(zip(attn_nodes, latent)):
-        heads = node.args[1].meta["val"].shape[1]
-        if not dv and program.facts.attention == "gqa" and heads != expected:
-            raise UnsupportedModelError(
-                f"layer {layer} has {heads} KV heads but the model's config says {expected}: "
-                "per-layer KV head counts are not supported"
-            )
 
 
 def lse_new_dtype(q) -> torch.dtype:

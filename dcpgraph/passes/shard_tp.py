@@ -102,11 +102,13 @@ def nearest_linears(start: torch.fx.Node) -> set[torch.fx.Node]:
     return found
 
 
-def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The linears that produce the K/V written to the caches. Raises
+def kv_projection_linears(graph: torch.fx.Graph, cache_heads: dict[str, int] | None = None) -> dict[torch.fx.Node, int]:
+    """The linears that produce the K/V written to the caches, each with the (global) KV head
+    count of the cache it feeds (``cache_heads``: cache placeholder name -> heads; 0 when not
+    given): layers may differ in KV heads, so each projection is split by its own layer's. Raises
     :class:`UnsupportedModelError` for a cache whose K/V no linear produces (a ``Conv1D``
     projection, as GPT-2's ``addmm``): no plan style could head-shard it."""
-    found: set[torch.fx.Node] = set()
+    found: dict[torch.fx.Node, int] = {}
     writes = [*nodes_calling(graph, dcp_ops.kv_cache_write_.default),
               *nodes_calling(graph, dcp_ops.kv_cache_write_fp8_.default)]
     for write in writes:  # both take (cache, new, slot_mapping, ...)
@@ -116,7 +118,8 @@ def kv_projection_linears(graph: torch.fx.Graph) -> set[torch.fx.Node]:
                 f"the K/V written to {write.args[0].name} come from no linear layer (a Conv1D / addmm "
                 "projection, as in GPT-2): TP cannot head-shard them for the KV cache layout; use tp=1"
             )
-        found |= linears
+        heads = (cache_heads or {}).get(write.args[0].name, 0)
+        found.update((linear, heads) for linear in linears)
     return found
 
 
@@ -228,7 +231,7 @@ class _TPSharding:
         node.args = (weight, safe, *node.args[2:])
         self.count("vocab_parallel")
 
-    def linear(self, node: torch.fx.Node, kv_linears: set[torch.fx.Node]) -> None:
+    def linear(self, node: torch.fx.Node, kv_linears: dict[torch.fx.Node, int]) -> None:
         """A planned linear: colwise splits the output features (a K/V projection with fewer KV
         heads than ranks in ``n_kv`` parts), rowwise the input features with an all-reduce after."""
         weight = node.args[1]
@@ -244,7 +247,7 @@ class _TPSharding:
         if rule in QKV:
             self.fused_qkv(node, weight, bias, path)
         elif rule in COLWISE:
-            n_kv = self.program.facts.num_kv_heads
+            n_kv = kv_linears.get(node) or self.program.facts.num_kv_heads
             parts = n_kv if (node in kv_linears and n_kv < self.tp) else None
             features = self.program.state[spec.target].shape[0]
             # Only a gathered output may be padded: the gather's slice drops the padding's columns.
@@ -264,6 +267,10 @@ class _TPSharding:
         slice the model takes of the output's last dim (its q, k and v sections at global
         offsets) re-pointed at the same section of the local ``[q_r; k_r; v_r]``."""
         facts = self.program.facts
+        if facts.layer_kv_heads or facts.layer_head_dims:
+            raise UnsupportedModelError(
+                f"{path}: a fused qkv projection in a model whose layers differ in KV heads or head dim "
+                "is not supported at tp > 1 (its rows are split by one model-wide shape); use tp=1")
         rule = QKVShardRule(0, q_rows=facts.num_q_heads * facts.head_dim,
                             kv_rows=facts.num_kv_heads * facts.head_dim, kv_heads=facts.num_kv_heads)
         self.assign(weight, rule, path)
@@ -325,7 +332,7 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     graph = gm.graph
     sharding = _TPSharding(program, graph, plan, tp)
     specs, rules = sharding.specs, sharding.rules
-    kv_linears = kv_projection_linears(graph)
+    kv_linears = kv_projection_linears(graph, {c.name: c.heads for c in program.caches})
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue

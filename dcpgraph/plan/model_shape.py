@@ -170,6 +170,26 @@ def _moe_layers(c: dict, layers: int) -> int:
     return 0
 
 
+PER_LAYER_SHAPE_KEYS = ("per_layer_config", "global_head_dim", "num_global_key_value_heads", "swa_num_key_value_heads")
+"""Config keys that give some attention layers their own head dim or KV head count (Gemma-4's
+global layers, a heterogeneous config's per-layer entries)."""
+PER_LAYER_SHAPE_MODELS = {"mimo_v2_flash": "its sliding layers have twice the full layers' KV heads"}
+"""Model types whose modeling code (not their config) gives layers different KV shapes."""
+
+
+def _refuse_per_layer_shapes(c: dict) -> None:
+    """The planner models one ``[kv_heads, head_dim]`` for every layer: refuse, by name, a config
+    whose layers differ (the compiled program sizes them per layer; ``Engine.memory_report``)."""
+    keys = [k for k in PER_LAYER_SHAPE_KEYS if c.get(k)]
+    why = PER_LAYER_SHAPE_MODELS.get(c.get("model_type", ""))
+    if keys or why:
+        raise UnsupportedModelError(
+            f"{c.get('model_type', 'model')}: the planner models one KV head count and head dim for every layer, and "
+            f"this model's layers differ ({why or 'config keys ' + ', '.join(keys)}); compile it and read "
+            "Engine.memory_report(), which sums each layer's cache"
+        )
+
+
 def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelShape:
     """A :class:`ModelShape` from an HF config dict (``dtype``: override the stored dtype)."""
     c = config
@@ -199,6 +219,7 @@ def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelSh
             index_head_dim=int(c.get("index_head_dim") or 0), index_heads=int(c.get("index_n_heads") or 0),
             index_topk=int(c.get("index_topk") or 0), **common,
         )
+    _refuse_per_layer_shapes(c)
     d = int(c.get("head_dim") or hid // hq)
     model_type = c.get("model_type", "")
     return ModelShape(

@@ -4,7 +4,7 @@ reads it (the engine's methods of the same names call these)."""
 
 from __future__ import annotations
 
-from ..kv_budget import kv_bytes_per_block
+from ..kv_budget import kv_bytes_per_block, kv_bytes_per_block_by_layer
 from ..program import weight_bytes_per_rank
 from .layer_groups import HybridBlockManager, layer_group_report
 
@@ -24,6 +24,7 @@ def memory_report(engine) -> dict:
         "kv_bytes_per_rank": [per_rank for _ in engine.mesh.ranks],
         "kv_bytes_per_token": per_rank / capacity,
         "kv_capacity_tokens": capacity,
+        "kv_bytes_per_block_by_layer": kv_bytes_per_block_by_layer(engine.program),
         "num_blocks": engine.blocks.num_blocks,
         "block_size": engine.block_size,
         "virtual_block_tokens": engine.block_size * engine.mesh.dcp,

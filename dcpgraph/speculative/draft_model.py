@@ -142,7 +142,8 @@ def check_draft(target_facts, draft_facts, mesh, *, block_size: int, interleave:
                           f"({max_model_len}): it could not draft for long requests")
     try:
         mesh.validate(attention=draft_facts.attention, num_q_heads=draft_facts.num_q_heads,
-                      num_kv_heads=draft_facts.num_kv_heads, block_size=block_size, interleave=interleave)
+                      num_kv_heads=draft_facts.num_kv_heads, block_size=block_size, interleave=interleave,
+                      layer_kv_heads=draft_facts.layer_kv_heads)
     except ConfigError as err:
         raise ConfigError(f"the draft model does not fit the mesh: {err}") from None
 

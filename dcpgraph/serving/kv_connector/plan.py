@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import layout
+from ...errors import UnsupportedModelError
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
 
@@ -47,6 +48,11 @@ class KVSide:
     def of_engine(cls, engine) -> KVSide:
         program = engine.program
         facts = program.facts
+        if facts.layer_kv_heads:
+            raise UnsupportedModelError(
+                f"{facts.architecture}: KV transfer between instances (P/D) places every cache's heads by one "
+                f"KV head count, and this model's layers have {sorted(set(facts.layer_kv_heads))}; serve it "
+                "without a KV connector")
         return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
                    int(facts.num_kv_heads),
                    tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches))

@@ -97,3 +97,26 @@ def falcon_h1() -> torch.nn.Module:
 
 MAMBA2_MODELS = {"bamba": bamba, "nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid,
                  "falcon_h1": falcon_h1}
+
+
+# -- one run through prefill chunks and a preemption --------------------------------------------
+PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
+NEW_TOKENS = 6
+
+
+def run_through_preemption(model: torch.nn.Module, program):
+    """Compile ``program`` with 8-token prefill chunks and 7 blocks of 4 (too few for all three
+    :data:`PROMPTS`), run them greedily, and check the tokens equal HF ``generate``'s, at least one
+    preemption happened and every state slot came back; the engine, for further checks."""
+    import dcpgraph
+    from dcpgraph.testing.generation import drain, hf_greedy
+
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, num_blocks=7)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    got = drain(engine)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
+    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+    return engine

@@ -14,15 +14,11 @@ import torch
 import dcpgraph
 from dcpgraph.errors import RequestError, UnsupportedModelError
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
-from dcpgraph.testing.generation import drain, hf_greedy
+from dcpgraph.testing.generation import drain
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_models import MODELS  # noqa: E402 - after the transformers check
-
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
-
+from hybrid_models import MODELS, PROMPTS, run_through_preemption  # noqa: E402 - after the transformers check
 
 # Per request, by the layouts' formulas: 3 GDN layers (Hk 2, Hv 4, Dk = Dv = 8, K 4), fp32 model;
 # 2 short convolutions (C 32, K 3).
@@ -40,16 +36,8 @@ def case(request):
 
 @pytest.mark.slow  # ~40 s a model on 2 shared cores (verified compile, HF generate, 20 steps)
 def test_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case):
-    model, program = case
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, num_blocks=7)
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
+    engine = run_through_preemption(*case)
     assert any(name.startswith("decode[") for name in engine.runner.graph_steps)  # padded decode rows too
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
 
 
 @pytest.mark.slow  # ~25 s: a verified compile and a few steps

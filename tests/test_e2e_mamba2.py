@@ -11,14 +11,11 @@ import torch
 import dcpgraph
 from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.recurrent_state import Mamba2Shape
-from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_models import MAMBA2_MODELS  # noqa: E402 - after the transformers check
+from hybrid_models import MAMBA2_MODELS, run_through_preemption  # noqa: E402 - after the transformers check
 
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
 # Mamba-2 layers per model; each 8 heads of 8, 2 groups of state 8, conv kernel 4, fp32.
 MAMBA2_LAYERS = {"bamba": 2, "nemotron_h": 1, "granitemoehybrid": 2, "falcon_h1": 2}
 LAYER_BYTES = Mamba2Shape(8, 8, 2, 8, 4).state_bytes_per_request(torch.float32)
@@ -33,14 +30,7 @@ def case(request):
 @pytest.mark.slow  # ~30-60 s a model on 2 shared cores (HF generate with its torch scan, compile, 20 steps)
 def test_mamba2_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case):
     name, model, program = case
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, num_blocks=7)
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+    engine = run_through_preemption(model, program)
     pools = {p.name: p for p in engine.program.recurrent_states}
     assert sorted(pools) == sorted([f"conv_state_{i}" for i in program.facts.extra["recurrent_layers"]]
                                    + [f"ssm_state_{i}" for i in program.facts.extra["recurrent_layers"]])

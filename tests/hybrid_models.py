@@ -86,11 +86,12 @@ def granitemoehybrid(kv_heads: int = 2, groups: int = 2) -> torch.nn.Module:
     return transformers.GraniteMoeHybridForCausalLM(config).eval()
 
 
-def falcon_h1(kv_heads: int = 2, groups: int = 2) -> torch.nn.Module:
-    """Two layers of attention beside Mamba-2 (µP multipliers as transformers defaults them)."""
+def falcon_h1(kv_heads: int = 2, groups: int = 2, ssm_multipliers: list[float] | None = None) -> torch.nn.Module:
+    """Two layers of attention beside Mamba-2 (µP multipliers as transformers defaults them, or the
+    ``[z, x, B, C, dt]`` ``ssm_multipliers`` given)."""
     config = transformers.FalconH1Config(
         **{**_MAMBA2, "num_key_value_heads": kv_heads}, num_hidden_layers=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=groups,
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, ssm_multipliers=ssm_multipliers)
     torch.manual_seed(0)
     return transformers.FalconH1ForCausalLM(config).eval()
 

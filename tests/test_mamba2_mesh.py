@@ -21,7 +21,7 @@ from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_models import MAMBA2_MESH_MODELS, bamba  # noqa: E402 - after the transformers check
+from hybrid_models import MAMBA2_MESH_MODELS, bamba, falcon_h1  # noqa: E402 - after the transformers check
 
 PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
 NEW_TOKENS = 6
@@ -105,3 +105,14 @@ def test_mamba2_groups_tp_does_not_divide_are_replicated():
     assert "layers [0, 2] replicated" in step.summary
     full = 2 * Mamba2Shape(8, 8, 2, 8, 4).state_bytes_per_request(torch.float32)
     assert engine.memory_report()["recurrent_state_bytes_per_request"] == full
+
+
+@pytest.mark.slow  # ~10 s: its own trace, a verified compile, HF generate
+def test_falcon_h1_mup_vector_splits_with_in_proj_sections():
+    """transformers' default multipliers make ``mup_vector`` all ones; distinct ones per
+    ``[z | x | B | C | dt]`` section show each rank scales its own rows of each section."""
+    model = falcon_h1(kv_heads=1, groups=4, ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0])
+    assert model.model.layers[0].mamba.mup_vector.unique().numel() == 5
+    engine = _run(model, dcpgraph.trace(model), 2, 2)
+    rules = {s.target: s.shard for s in engine.program.inputs}
+    assert rules["model.layers.0.mamba.mup_vector"] == SectionShardRule(2, sections=(64, 64, 32, 32, 8))

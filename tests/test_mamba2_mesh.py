@@ -116,3 +116,20 @@ def test_falcon_h1_mup_vector_splits_with_in_proj_sections():
     engine = _run(model, dcpgraph.trace(model), 2, 2)
     rules = {s.target: s.shard for s in engine.program.inputs}
     assert rules["model.layers.0.mamba.mup_vector"] == SectionShardRule(2, sections=(64, 64, 32, 32, 8))
+
+
+def test_a_recurrent_kind_without_a_tp_rule_stays_refused_off_tp1_dcp1():
+    """Every kind traced today has a TP rule; one added without a row compiles at tp=1·dcp=1 only."""
+    from types import SimpleNamespace
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.passes.pipeline import refuse_recurrent_layers_on
+    from dcpgraph.passes.shard_recurrent_tp import TP_RULES
+
+    assert {"mamba2", "gated delta net", "short convolution"} <= set(TP_RULES)
+    facts = SimpleNamespace(architecture="SomeHybrid", extra={"recurrent_layers": {0: "mamba2", 2: "new kind"}})
+    program = SimpleNamespace(facts=facts)
+    refuse_recurrent_layers_on(program, Mesh(1, 1))
+    with pytest.raises(UnsupportedModelError, match=r"SomeHybrid: recurrent layers \(new kind at layers \[2\]\) "
+                                                    r"compile at tp=1, dcp=1 only, got tp=2, dcp=1"):
+        refuse_recurrent_layers_on(program, Mesh(2, 1))

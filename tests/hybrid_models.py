@@ -57,46 +57,50 @@ _MAMBA2 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attentio
                initializer_range=0.2, eos_token_id=None, pad_token_id=0)
 
 
-def bamba() -> torch.nn.Module:
+def bamba(kv_heads: int = 2, groups: int = 2) -> torch.nn.Module:
     """Mamba-2, attention, Mamba-2 (``attn_layer_indices=[1]``)."""
     config = transformers.BambaConfig(
-        **_MAMBA2, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        **{**_MAMBA2, "num_key_value_heads": kv_heads}, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=groups,
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
     torch.manual_seed(0)
     return transformers.BambaForCausalLM(config).eval()
 
 
-def nemotron_h() -> torch.nn.Module:
+def nemotron_h(kv_heads: int = 2, groups: int = 2) -> torch.nn.Module:
     """``hybrid_override_pattern`` ``M*-E``: Mamba-2, attention, MLP, MoE."""
     config = transformers.NemotronHConfig(
-        **_MAMBA2, hybrid_override_pattern="M*-E", head_dim=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+        **{**_MAMBA2, "num_key_value_heads": kv_heads}, hybrid_override_pattern="M*-E", head_dim=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=groups,
         ssm_state_size=8, conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1)
     torch.manual_seed(0)
     return transformers.NemotronHForCausalLM(config).eval()
 
 
-def granitemoehybrid() -> torch.nn.Module:
+def granitemoehybrid(kv_heads: int = 2, groups: int = 2) -> torch.nn.Module:
     """Mamba-2, attention, Mamba-2 with 4 experts (top 2)."""
     config = transformers.GraniteMoeHybridConfig(
-        **_MAMBA2, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=8,
-        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, num_local_experts=4,
+        **{**_MAMBA2, "num_key_value_heads": kv_heads}, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=groups, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, num_local_experts=4,
         num_experts_per_tok=2)
     torch.manual_seed(0)
     return transformers.GraniteMoeHybridForCausalLM(config).eval()
 
 
-def falcon_h1() -> torch.nn.Module:
-    """Two layers of attention beside Mamba-2 (µP multipliers as transformers defaults them)."""
+def falcon_h1(kv_heads: int = 2, groups: int = 2, ssm_multipliers: list[float] | None = None) -> torch.nn.Module:
+    """Two layers of attention beside Mamba-2 (µP multipliers as transformers defaults them, or the
+    ``[z, x, B, C, dt]`` ``ssm_multipliers`` given)."""
     config = transformers.FalconH1Config(
-        **_MAMBA2, num_hidden_layers=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
+        **{**_MAMBA2, "num_key_value_heads": kv_heads}, num_hidden_layers=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=groups,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, ssm_multipliers=ssm_multipliers)
     torch.manual_seed(0)
     return transformers.FalconH1ForCausalLM(config).eval()
 
 
 MAMBA2_MODELS = {"bamba": bamba, "nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid,
                  "falcon_h1": falcon_h1}
+MAMBA2_MESH_MODELS = {name: (lambda build=build: build(kv_heads=1, groups=4)) for name, build in MAMBA2_MODELS.items()}
+"""The Mamba-2 hybrids with one KV head (DCP has KV replication to remove up to dcp = tp) and 4
+groups of B/C (so tp = 2 and tp = 4 both split the mixers by whole groups)."""
 
 
 # -- one run through prefill chunks and a preemption --------------------------------------------

@@ -2,8 +2,8 @@
 nemotron_h (Mamba-2, attention, MLP, MoE), granitemoehybrid (MoE) and falcon_h1 (attention beside
 the mixer) give HF's greedy tokens (``generate``, do_sample=False, eager experts) for a batch
 whose longest prompt is longer than the prefill chunk (8 tokens), with a KV cache small enough to
-preempt. ``memory_report`` counts the conv and SSM pools by the layout's formula. Other meshes
-and the state-dropping features stay refused by name."""
+preempt. ``memory_report`` counts the conv and SSM pools by the layout's formula. The
+state-dropping features stay refused by name (TP and DCP meshes: ``test_mamba2_mesh``)."""
 
 import pytest
 import torch
@@ -45,17 +45,8 @@ def test_mamba2_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case
     (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding is not supported with recurrent layers"),
-    (dict(tp=2), r"recurrent layers \(mamba2 at layers \[.*\]\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"),
-    (dict(tp=4, dcp=2), r"compile at tp=1, dcp=1 only, got tp=4, dcp=2"),
 ])
 def test_mamba2_features_without_exact_state_are_refused_by_name(case, options, message):
     _, _, program = case
     with pytest.raises(UnsupportedModelError, match=message):
         dcpgraph.compile(program, block_size=4, **options)
-
-
-def test_falcon_h1_meshes_beyond_one_rank_are_refused_by_name():
-    program = dcpgraph.trace(MAMBA2_MODELS["falcon_h1"]())
-    with pytest.raises(UnsupportedModelError, match=r"FalconH1ForCausalLM: recurrent layers \(mamba2 at layers "
-                                                    r"\[0, 1\]\) compile at tp=1, dcp=1 only, got tp=2, dcp=1"):
-        dcpgraph.compile(program, block_size=4, tp=2)

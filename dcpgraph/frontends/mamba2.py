@@ -10,8 +10,8 @@ Recognised structurally, by the parameters every HF Mamba-2 mixer has (``in_proj
 Falcon-H1's layers run attention and the mixer in parallel on the same normed input; the
 decoder layer's own forward (traced as is) combines them, so the mixer alone is what is
 recognised here. :func:`tp_shard` splits the canonical weights by
-:func:`~dcpgraph.ops.mamba2_layer.mamba2_tp_rule` (a tested function of the weights; no pass
-applies it to a graph yet).
+:func:`~dcpgraph.ops.mamba2_layer.mamba2_tp_rule`; :mod:`dcpgraph.passes.shard_recurrent_tp`
+applies the same split to a traced program's parameters.
 """
 
 from __future__ import annotations

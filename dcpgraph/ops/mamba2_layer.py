@@ -18,9 +18,10 @@ with ``norm`` one of: ``rms_g(y ⊙ silu(z)) · w`` (gate then norm, HF's Mamba-
 ``rms_g`` normalises each of ``norm_groups`` contiguous groups of ``I/norm_groups`` channels, in
 fp32.
 
-TP split (for the pass that will apply it): a group of ``tp`` dividing both the heads ``Hh`` and
-the groups ``G`` splits the layer by head groups — see :func:`mamba2_tp_rule` (applied to the
-weights by :func:`dcpgraph.frontends.mamba2.tp_shard`).
+TP split: a group of ``tp`` dividing both the heads ``Hh`` and the groups ``G`` splits the layer
+by head groups — see :func:`mamba2_tp_rule` (applied to canonical weights by
+:func:`dcpgraph.frontends.mamba2.tp_shard`, to a traced program by
+:mod:`dcpgraph.passes.shard_recurrent_tp`).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, w: Mamba2Weights) -> 
         return y32 * gate
     if not w.norm_before_gate:
         y32 = y32 * gate
-    grouped = y32.reshape(*y32.shape[:-1], w.norm_groups, -1)
-    normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + w.norm_eps)).reshape(y32.shape)
+    group_size = w.heads * w.head_dim // w.norm_groups  # the same on every TP rank: heads split by whole groups
+    grouped = y32.reshape(*y32.shape[:-1], -1, group_size)
+    normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + w.norm_eps)).flatten(-2)
     normed = normed * w.norm_weight.float()
     return normed * gate if w.norm_before_gate else normed
 
@@ -120,17 +122,19 @@ def mamba2_mixer_canonical(w: Mamba2Weights, hidden: torch.Tensor) -> torch.Tens
 
 def mamba2_mixer_with(w: Mamba2Weights, hidden: torch.Tensor, conv, scan) -> torch.Tensor:
     """The mixer's formula (module docstring) with ``conv(xbc [T, I+2GN])`` and
-    ``scan(x, dt, A, B, C)`` supplied: stateful or canonical."""
+    ``scan(x, dt, A, B, C)`` supplied: stateful or canonical. Head and group counts stay out of
+    traced shapes (``-1``; the norm reshapes by its group size, which a TP split keeps), so the
+    only literals a TP split changes are the ``[x | B | C]`` section sizes."""
     tokens, inner, gn = hidden.shape[0], w.heads * w.head_dim, w.groups * w.state_size
     h = _scaled(hidden, w.in_multiplier)
     z = _scaled(F.linear(h, w.w_z, w.bias_z), w.z_scale)
     xbc = conv(_scaled(F.linear(h, w.w_xbc, w.bias_xbc), w.xbc_scale))
     dt = _scaled(F.linear(h, w.w_dt, w.bias_dt), w.dt_scale)
-    x = xbc[:, :inner].reshape(tokens, w.heads, w.head_dim)
-    b = xbc[:, inner: inner + gn].reshape(tokens, w.groups, w.state_size)
-    c = xbc[:, inner + gn:].reshape(tokens, w.groups, w.state_size)
+    x, b, c = xbc.split([inner, gn, gn], dim=-1)
+    x = x.reshape(tokens, -1, w.head_dim)
+    b, c = b.reshape(tokens, -1, w.state_size), c.reshape(tokens, -1, w.state_size)
     y = scan(x, dt, -torch.exp(w.a_log.float()), b, c)
-    g = gated_group_rms_norm(y.reshape(tokens, inner), z, w).to(hidden.dtype)
+    g = gated_group_rms_norm(y.reshape(tokens, -1), z, w).to(hidden.dtype)
     return F.linear(g, w.out_proj, w.out_bias)
 
 

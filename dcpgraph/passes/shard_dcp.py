@@ -76,8 +76,10 @@ def _ensures_dcp(program: Program) -> None:
         return
     graph = program.graph_module.graph
     gathers = [x for x in nodes_calling(graph, ALL_GATHER.op) if coll.collective_group(x)[0] == "dcp"]
-    recurrent = program.facts.extra.get("recurrent_layers") or {}  # a hybrid's layers without attention
-    if len(gathers) < program.facts.num_layers - len(recurrent):
+    extra = program.facts.extra  # a hybrid's layers without attention (as insert_kv_cache counts them)
+    without_attention = (len(extra.get("recurrent_layers") or {}) - len(extra.get("attention_beside_recurrent") or [])
+                         + len(extra.get("stateless_layers") or []))
+    if len(gathers) < program.facts.num_layers - without_attention:
         raise VerificationError("every layer's context attention must gather queries over the DCP group")
     for node in nodes_calling(graph, dcp_ops.paged_attention.default):
         for i, what in ((KV_LENS, "key counts"), (KV_BOUND, "causal bounds")):

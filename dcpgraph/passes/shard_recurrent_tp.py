@@ -13,13 +13,15 @@ replicated: full weights and state on every rank, complete output, no collective
 :meth:`~dcpgraph.recurrent_state.GatedDeltaNetShape.on_rank` counts it).
 
 The traced recurrent layers use ``-1`` for every head count (:mod:`dcpgraph.ops.gated_delta_layer`,
-:mod:`dcpgraph.frontends.gated_delta_net`, :mod:`dcpgraph.frontends.short_conv`), so the only
+:mod:`dcpgraph.frontends.gated_delta_net`, :mod:`dcpgraph.frontends.short_conv`,
+:mod:`dcpgraph.ops.mamba2_layer`), so the only
 literals that depend on the split are the section sizes rescaled here; shape propagation after
 the pass checks the result.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,8 +29,8 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
-from ..program import PARAM, REPLICATE, InputSpec, Program, RecurrentStateSpec, ShardRule
-from ..recurrent_state import GatedDeltaNetShape, ShortConvShape
+from ..program import BUFFER, PARAM, REPLICATE, InputSpec, Program, RecurrentStateSpec, ShardRule
+from ..recurrent_state import GatedDeltaNetShape, Mamba2Shape, ShortConvShape
 from . import collectives as coll
 from .graph_edit import Emitter, nodes_calling
 from .manager import program_pass, ran
@@ -36,13 +38,14 @@ from .tp_styles import SectionShardRule
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
-CONV_ARGS_POOL, RULE_ARGS_POOL = 3, 5  # the pool argument of causal_conv1d_ / gated_delta_rule_
+CONV_ARGS_POOL, RULE_ARGS_POOL, SCAN_ARGS_POOL = 3, 5, 7  # the pool argument of causal_conv1d_ / gated_delta_rule_ / mamba2_scan_
 
 
 @dataclass
 class RecurrentLayer:
     """One traced recurrent layer: its decoder index, kind, module prefix (``model.layers.0.linear_attn.``),
-    parameter specs by suffix, and its stateful conv and (gated delta net) delta-rule nodes."""
+    parameter specs by suffix, its stateful conv node and its state-space node (a gated delta
+    net's delta rule, a Mamba-2 mixer's scan; ``None`` for a short convolution)."""
 
     index: int
     kind: str
@@ -57,7 +60,10 @@ class RecurrentTPRule:
     """How one recurrent kind splits over TP. ``shape(layer, program)`` gives the layer's shape object
     (``units``: what ``tp`` must divide; ``on_rank(tp)``; pool shapes); ``param_rules(shape)``
     every parameter suffix's rule on a split layer (a suffix not listed is refused by name);
-    ``sections(shape)`` the section sizes of the traced ``split_with_sizes`` to rescale;
+    ``sections(shape)`` the section sizes of the traced ``split_with_sizes`` of the conv output to
+    rescale; ``weight_splits(shape)`` further section sizes by which the traced graph splits a
+    layer parameter (Mamba-2's ``in_proj`` into ``[z | xBC | dt]``), rescaled alike; ``buffers``
+    the buffer suffixes split with the parameters (Falcon-H1's ``mup_vector``; others stay whole);
     ``pools(local)`` pool role → per-slot shape on one rank."""
 
     conv_weight: str
@@ -67,6 +73,8 @@ class RecurrentTPRule:
     sections: Callable[[object], tuple[int, ...] | None]
     pools: Callable[[object], dict[str, tuple[int, ...]]]
     out_proj: str = "out_proj"
+    weight_splits: Callable[[object], tuple[tuple[int, ...], ...]] = lambda s: ()
+    buffers: tuple[str, ...] = ()
 
 
 def _gdn_shape(layer: RecurrentLayer, program: Program) -> GatedDeltaNetShape:
@@ -105,6 +113,38 @@ def _short_conv_param_rules(s: ShortConvShape) -> dict[str, ShardRule]:
             "out_proj.weight": ShardRule(1), "out_proj.bias": REPLICATE}
 
 
+def _mamba2_shape(layer: RecurrentLayer, program: Program) -> Mamba2Shape:
+    x, b = layer.rule.args[0].meta["val"], layer.rule.args[3].meta["val"]
+    kernel = int(program.state[layer.params["conv1d.weight"].target].shape[-1])
+    return Mamba2Shape(int(x.shape[1]), int(x.shape[2]), int(b.shape[1]), int(b.shape[2]), kernel)
+
+
+def _mamba2_conv_sections(s: Mamba2Shape) -> tuple[int, int, int]:
+    gn = s.groups * s.state_size
+    return (s.heads * s.head_dim, gn, gn)
+
+
+def _mamba2_in_proj_parts(s: Mamba2Shape) -> tuple[int, int, int]:
+    """``in_proj``'s rows as the traced mixer splits them: ``[z (I) | xBC (I + 2GN) | dt (Hh)]``."""
+    return (s.heads * s.head_dim, s.conv_channels, s.heads)
+
+
+def _mamba2_param_rules(s: Mamba2Shape) -> dict[str, ShardRule]:
+    """``in_proj`` (and Falcon-H1's ``mup_vector`` scaling its outputs) by its ``[z | x | B | C | dt]``
+    sections (``x``, ``z`` by head, ``B``/``C`` by group, ``dt`` by head); the conv over
+    ``[x | B | C]`` by section; ``A_log``/``D``/``dt_bias`` by head; the gated norm's weight by
+    channel (its groups are the B/C groups, so a rank holds whole norm groups); ``out_proj`` by
+    input columns, its bias added once after the all-reduce."""
+    inner, gn = s.heads * s.head_dim, s.groups * s.state_size
+    in_proj = (inner, inner, gn, gn, s.heads)
+    conv = SectionShardRule(0, sections=_mamba2_conv_sections(s))
+    rows = ShardRule(0)
+    return {"in_proj.weight": SectionShardRule(0, sections=in_proj), "in_proj.bias": SectionShardRule(0, sections=in_proj),
+            "mup_vector": SectionShardRule(2, sections=in_proj), "conv1d.weight": conv, "conv1d.bias": conv,
+            "A_log": rows, "D": rows, "dt_bias": rows, "norm.weight": rows,
+            "out_proj.weight": ShardRule(1), "out_proj.bias": REPLICATE}
+
+
 TP_RULES: dict[str, RecurrentTPRule] = {
     "gated delta net": RecurrentTPRule(
         conv_weight="conv1d.weight", shape=_gdn_shape, units=lambda s: s.key_heads, param_rules=_gdn_param_rules,
@@ -114,16 +154,23 @@ TP_RULES: dict[str, RecurrentTPRule] = {
         conv_weight="conv.weight", shape=_short_conv_shape, units=lambda s: s.channels,
         param_rules=_short_conv_param_rules, sections=lambda s: None,
         pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:]}),
+    "mamba2": RecurrentTPRule(
+        conv_weight="conv1d.weight", shape=_mamba2_shape, units=lambda s: math.gcd(s.heads, s.groups),
+        param_rules=_mamba2_param_rules, sections=_mamba2_conv_sections,
+        pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "ssm_state": s.ssm_state_shape(1)[1:]},
+        weight_splits=lambda s: (_mamba2_in_proj_parts(s),), buffers=("mup_vector",)),
 }
 """Recurrent kind (``facts.extra["recurrent_layers"]``'s values) → its TP rule; a new kind adds a row."""
 
 
 def _param_source(node: torch.fx.Node, specs: dict[str, InputSpec]) -> InputSpec | None:
-    """The parameter a weight argument is read from through view-like ops (``squeeze``, ``view``…)."""
-    while node.op == "call_function" and node.all_input_nodes:
+    """The parameter (or buffer) a weight argument is read from through view-like ops (``squeeze``, ``view``…)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.all_input_nodes:
         node = node.args[0]
+    if not isinstance(node, torch.fx.Node):
+        return None
     spec = specs.get(node.name)
-    return spec if spec is not None and spec.kind == PARAM else None
+    return spec if spec is not None and spec.kind in (PARAM, BUFFER) else None
 
 
 def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
@@ -134,6 +181,7 @@ def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
     kinds = dict(program.facts.extra.get("recurrent_layers") or {})
     convs = {n.args[CONV_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.causal_conv1d_.default)}
     rules = {n.args[RULE_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.gated_delta_rule_.default)}
+    rules.update((n.args[SCAN_ARGS_POOL].name, n) for n in nodes_calling(graph, dcp_ops.mamba2_scan_.default))
     layers = []
     for index, kind in sorted(kinds.items()):
         if kind not in TP_RULES:
@@ -146,8 +194,10 @@ def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
             raise VerificationError(f"recurrent layer {index} ({kind}): no stateful conv reading a '{suffix}' parameter")
         prefix = weight.target.removesuffix(suffix)
         params = {s.target.removeprefix(prefix): s for s in program.inputs
-                  if s.kind == PARAM and s.target.startswith(prefix)}
-        layers.append(RecurrentLayer(index, kind, prefix, params, conv, rules.get(f"recurrent_state_{index}")))
+                  if s.target.startswith(prefix) and (s.kind == PARAM or (
+                      s.kind == BUFFER and s.target.removeprefix(prefix) in TP_RULES[kind].buffers))}
+        state_space = rules.get(f"recurrent_state_{index}") or rules.get(f"ssm_state_{index}")
+        layers.append(RecurrentLayer(index, kind, prefix, params, conv, state_space))
     return layers
 
 
@@ -188,12 +238,13 @@ def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTP
                                     f"{layer.prefix} have no TP rule; known: {sorted(wanted)}")
     sections = rule.sections(shape)
     if sections is not None:
-        names = {s.name for s in layer.params.values()}
-        sources = {layer.conv} | {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+        specs = {s.name: s for s in layer.params.values()}
+        wanted_sizes = [list(sections), *(list(parts) for parts in rule.weight_splits(shape))]
         splits = [n for n in nodes_calling(graph, aten.split_with_sizes.default)
-                  if n.args[0] in sources and list(n.args[1]) == list(sections)]
+                  if (n.args[0] is layer.conv or _param_source(n.args[0], specs) is not None)
+                  and list(n.args[1]) in wanted_sizes]
         for split in splits:
-            split.args = (split.args[0], [size // tp for size in sections], *split.args[2:])
+            split.args = (split.args[0], [size // tp for size in split.args[1]], *split.args[2:])
         if not any(n.args[0] is layer.conv for n in splits):
             raise VerificationError(f"recurrent layer {layer.index}: no split of the conv output into sections "
                                     f"{list(sections)}")
@@ -209,7 +260,8 @@ def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTP
 def _pools_fit_their_ops(program: Program) -> None:
     """Every state pool's per-slot shape is what its op reads on this rank: a conv state
     ``[C_r, K−1]`` for the conv's local weight ``[C_r, K]``, a delta-rule state ``[Hv_r, Dk, Dv]``
-    for its local ``k [T, Hk_r, Dk]`` and ``v [T, Hv_r, Dv]``."""
+    for its local ``k [T, Hk_r, Dk]`` and ``v [T, Hv_r, Dv]``, a Mamba-2 SSM state ``[Hh_r, P, N]``
+    for its scan's local ``x [T, Hh_r, P]`` and ``B [T, G_r, N]``."""
     pools = {p.name: tuple(p.shape) for p in program.recurrent_states}
     graph = program.graph_module.graph
     for conv in nodes_calling(graph, dcp_ops.causal_conv1d_.default):
@@ -224,6 +276,12 @@ def _pools_fit_their_ops(program: Program) -> None:
         if pools.get(rule.args[RULE_ARGS_POOL].name) != want:
             raise VerificationError(f"{rule.args[RULE_ARGS_POOL].name} holds {pools.get(rule.args[RULE_ARGS_POOL].name)} "
                                     f"per slot, its delta rule reads {want}")
+    for scan in nodes_calling(graph, dcp_ops.mamba2_scan_.default):
+        x, b = scan.args[0].meta["val"], scan.args[3].meta["val"]
+        want = (int(x.shape[1]), int(x.shape[2]), int(b.shape[2]))
+        if pools.get(scan.args[SCAN_ARGS_POOL].name) != want:
+            raise VerificationError(f"{scan.args[SCAN_ARGS_POOL].name} holds {pools.get(scan.args[SCAN_ARGS_POOL].name)} "
+                                    f"per slot, its Mamba-2 scan reads {want}")
 
 
 @program_pass("shard_recurrent_tp", requires=[

@@ -59,28 +59,40 @@ def _tied(model) -> dict[str, str]:
 
 
 def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]:
-    """Buffers the checkpoint does not store (rotary frequencies, Gemma's embedding scale),
-    computed on the CPU the way ``from_pretrained`` does: the missing buffers made real, then the
-    owning module's ``_init_weights``. The module's parameters stay on the meta device (an
-    embedding table is never allocated for this), so whatever ``_init_weights`` does to them is
-    a no-op; an initialiser that fails on that (one that would read a parameter's values) is
-    refused, naming the buffers."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
+    """Buffers the checkpoint does not store (rotary frequencies, Gemma's embedding scale,
+    Falcon-H1's µP vector), computed on the CPU the way ``from_pretrained`` does: the missing
+    buffers made real, then ``_init_weights`` of their modules and of those modules' ancestors,
+    descendants first (``nn.Module.apply``'s order: Falcon-H1 fills its mixers' buffers from the
+    model). The parameters stay on the meta device (an embedding table is never allocated for
+    this), so whatever ``_init_weights`` does to them is a no-op; an initialiser of a buffer's own
+    module that fails on that (one that would read a parameter's values) is refused, naming the
+    buffers."""
+    owners: dict[str, list[str]] = {}
+    modules = dict(model.named_modules())
+    for module_name, module in modules.items():
         missing = [b for b, v in module.named_buffers(recurse=False)
                    if v is not None and f"{module_name}.{b}".lstrip(".") not in files]
-        if not missing:
+        if missing:
+            owners[module_name] = missing
+            for b in missing:
+                module._buffers[b] = torch.empty_like(module._buffers[b], device="cpu")
+    if not owners:
+        return {}
+    ancestors = {name for owner in owners for name in modules
+                 if name == "" or owner == name or owner.startswith(name + ".")}
+    for module_name in reversed(list(modules)):  # descendants before their ancestors
+        if module_name not in ancestors:
             continue
-        for b in missing:
-            module._buffers[b] = torch.empty_like(module._buffers[b], device="cpu")
         try:
-            model._init_weights(module)
+            model._init_weights(modules[module_name])
         except (RuntimeError, NotImplementedError) as err:
-            raise ConfigError(f"{files.path}: buffers {missing} of {module_name} are not in the checkpoint and "
-                              f"cannot be computed from the config ({type(err).__name__}: {err})") from None
-        for b in missing:
-            out[f"{module_name}.{b}".lstrip(".")] = getattr(module, b).detach().clone()
-    return out
+            if module_name in owners:
+                raise ConfigError(f"{files.path}: buffers {owners[module_name]} of {module_name} are not in the "
+                                  f"checkpoint and cannot be computed from the config "
+                                  f"({type(err).__name__}: {err})") from None
+            # an ancestor's initialiser that reads meta parameters: its buffers' own modules decided
+    return {f"{module_name}.{b}".lstrip("."): getattr(modules[module_name], b).detach().clone()
+            for module_name, missing in owners.items() for b in missing}
 
 
 def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
@@ -222,11 +234,12 @@ def check_checkpoint(path: str, dtype: str) -> None:
     open_checkpoint(path, dtype)
 
 
-def load_program(path: str, dtype: str, load_format: str = "auto") -> Program:
+def load_program(path: str, dtype: str, load_format: str = "auto", device: str = "cpu") -> Program:
     """The traced Program of ``path`` with meta state and a :class:`ShardedReader`: compile it
     (``dcpgraph.compile(program, tp=...)``) and each rank's executor reads only its slices.
     ``load_format``: "auto"/"safetensors" (the directory's weight files) or "dummy" (random
-    weights, :func:`dummy_sources`: the config alone)."""
+    weights, :func:`dummy_sources`: the config alone). ``device``: the device kind the ranks run
+    on, which the devices the forward names (``.to(device)``, ``arange(device=...)``) become."""
     from .files import DTYPES
     from .meta_trace import trace_on_meta
 
@@ -237,5 +250,5 @@ def load_program(path: str, dtype: str, load_format: str = "auto") -> Program:
         model, sources = open_checkpoint(path, dtype)
     else:
         raise ConfigError(f"load_format must be one of ['auto', 'safetensors', 'dummy'], got {load_format!r}")
-    program = trace_on_meta(model)
+    program = trace_on_meta(model, device)
     return program.replace(state_reader=ShardedReader(sources, checkpoint=path))

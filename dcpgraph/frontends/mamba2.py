@@ -83,7 +83,9 @@ def canonical_weights(module: torch.nn.Module) -> Mamba2Weights:
     scales = {}
     mup = getattr(module, "mup_vector", None)
     if mup is not None:
-        z_scale, xbc_scale, dt_scale = mup.reshape(-1).split(sizes)
+        # a buffer computed from the config lives on the host while a checkpoint's parameters are
+        # on the meta device: moved to theirs, the trace records the move to the ranks' device
+        z_scale, xbc_scale, dt_scale = mup.to(module.in_proj.weight.device).reshape(-1).split(sizes)
         scales = dict(z_scale=z_scale, xbc_scale=xbc_scale, dt_scale=dt_scale)
     return Mamba2Weights(
         heads=s.heads, head_dim=s.head_dim, groups=s.groups, state_size=s.state_size,

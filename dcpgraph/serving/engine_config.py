@@ -45,7 +45,7 @@ def compile_rank(config: EngineConfig, executor: str = "auto") -> CompiledModel:
     an executor reads its ranks' slices, :func:`~dcpgraph.checkpoints.loader.load_program`).
     Inside an initialised world of size ``tp`` (a worker, or torchrun) every rank calls it, and
     "auto" picks the distributed executor."""
-    program = load_program(config.model, config.dtype, config.load_format)
+    program = load_program(config.model, config.dtype, config.load_format, config.device)
     return compile_programs(
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,

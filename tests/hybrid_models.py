@@ -124,3 +124,27 @@ def run_through_preemption(model: torch.nn.Module, program):
     assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
     assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
     return engine
+
+
+def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
+    """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
+    ``family`` (:data:`MESH_MODELS` or :data:`MAMBA2_MESH_MODELS`), as ``LLM``/``serve`` run it:
+    rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
+    of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
+    memory report; every rank returns its state pools' shapes."""
+    from dcpgraph.api import compile_programs, engine_for
+    from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
+
+    control = ControlGroup()
+    compiled = compile_programs(globals()[family][name](), tp=world, dcp=2, block_size=4, num_blocks=4,
+                                max_num_batched_tokens=8, max_num_seqs=4, executor="distributed")
+    pools = {p.name: p.shape for p in compiled.program.recurrent_states}
+    if rank != 0:
+        follow(control, {"target": (compiled.program, compiled.graphs)})
+        return {"pools": pools}
+    engine = engine_for(compiled, driver_executors(control, {"target": compiled.program}))
+    tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
+    result = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
+              "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report()}
+    control.broadcast(("stop",))
+    return result

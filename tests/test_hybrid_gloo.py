@@ -14,39 +14,14 @@ import pytest
 from dcpgraph.runtime.distributed import spawn
 
 pytestmark = pytest.mark.gloo
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
-
-
-def _rank(rank: int, world: int):
-    from hybrid_models import MESH_MODELS
-
-    from dcpgraph.api import compile_programs, engine_for
-    from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
-
-    control = ControlGroup()
-    compiled = compile_programs(MESH_MODELS["qwen3_next"](), tp=world, dcp=2, block_size=4, num_blocks=4,
-                                max_num_batched_tokens=8, max_num_seqs=4, executor="distributed")
-    pools = {p.name: p.shape for p in compiled.program.recurrent_states}
-    if rank != 0:
-        follow(control, {"target": (compiled.program, compiled.graphs)})
-        return {"pools": pools}
-    engine = engine_for(compiled, driver_executors(control, {"target": compiled.program}))
-    tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
-    result = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
-              "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report()}
-    control.broadcast(("stop",))
-    return result
-
-
 @pytest.mark.slow  # two gloo ranks tracing and compiling a hybrid on 2 shared cores
 def test_hybrid_on_gloo_ranks_gives_hf_greedy_tokens():
-    from hybrid_models import MESH_MODELS
+    from hybrid_models import MESH_MODELS, NEW_TOKENS, PROMPTS, drive_on_gloo
 
     from dcpgraph.recurrent_state import GatedDeltaNetShape
     from dcpgraph.testing.generation import hf_greedy
 
-    results = spawn(_rank, 2, timeout_s=300)
+    results = spawn(drive_on_gloo, 2, "MESH_MODELS", "qwen3_next", timeout_s=300)
     model = MESH_MODELS["qwen3_next"]()
     assert results[0]["tokens"] == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     assert results[0]["executor"] == "driver" and results[0]["preemptions"] >= 1
@@ -63,7 +38,7 @@ def test_llm_workers_serve_a_hybrid_checkpoint_at_tp2_dcp2(tmp_path):
     """``LLM`` at tp=2·dcp=2 from a saved checkpoint: the loader reads each rank's sections of the
     fused conv/projection tensors (the section rule's rows), the two worker processes hold their
     halves of the state, and the tokens equal HF's."""
-    from hybrid_models import MESH_MODELS
+    from hybrid_models import MESH_MODELS, NEW_TOKENS, PROMPTS
 
     from dcpgraph import LLM
     from dcpgraph.testing.checkpoints import tiny_tokenizer

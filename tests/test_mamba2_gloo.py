@@ -11,39 +11,14 @@ import pytest
 from dcpgraph.runtime.distributed import spawn
 
 pytestmark = pytest.mark.gloo
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
-
-
-def _rank(rank: int, world: int):
-    from hybrid_models import MAMBA2_MESH_MODELS
-
-    from dcpgraph.api import compile_programs, engine_for
-    from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
-
-    control = ControlGroup()
-    compiled = compile_programs(MAMBA2_MESH_MODELS["bamba"](), tp=world, dcp=2, block_size=4, num_blocks=4,
-                                max_num_batched_tokens=8, max_num_seqs=4, executor="distributed")
-    pools = {p.name: p.shape for p in compiled.program.recurrent_states}
-    if rank != 0:
-        follow(control, {"target": (compiled.program, compiled.graphs)})
-        return {"pools": pools}
-    engine = engine_for(compiled, driver_executors(control, {"target": compiled.program}))
-    tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
-    result = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
-              "preemptions": engine.scheduler.stats["preemptions"]}
-    control.broadcast(("stop",))
-    return result
-
-
 @pytest.mark.slow  # two gloo ranks tracing and compiling a hybrid on 2 shared cores
 def test_mamba2_hybrid_on_gloo_ranks_gives_hf_greedy_tokens():
-    from hybrid_models import MAMBA2_MESH_MODELS
+    from hybrid_models import MAMBA2_MESH_MODELS, NEW_TOKENS, PROMPTS, drive_on_gloo
 
     from dcpgraph.recurrent_state import Mamba2Shape
     from dcpgraph.testing.generation import hf_greedy
 
-    results = spawn(_rank, 2, timeout_s=300)
+    results = spawn(drive_on_gloo, 2, "MAMBA2_MESH_MODELS", "bamba", timeout_s=300)
     model = MAMBA2_MESH_MODELS["bamba"]()
     assert results[0]["tokens"] == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     assert results[0]["executor"] == "driver" and results[0]["preemptions"] >= 1

@@ -1,46 +1,26 @@
-"""The configuration, one tree of frozen dataclasses, validated once before any work.
-
-:class:`DcpgraphConfig` holds a section per concern: :class:`ModelConfig`, :class:`ParallelConfig`,
-:class:`CacheConfig`, :class:`SchedulerConfig`, :class:`CompilationConfig`,
-:class:`SpeculativeOptions` and :class:`ServingConfig`. :func:`dcpgraph.compile` builds it from its
-keyword options (:meth:`DcpgraphConfig.from_compile_options`), :class:`~dcpgraph.LLM` from its
-vLLM-named arguments (:meth:`DcpgraphConfig.from_llm_kwargs`) and ``dcpgraph serve`` from its flags
-(:meth:`DcpgraphConfig.from_cli_args`); each section checks itself in ``__post_init__``, so a
-config that exists is a valid one.
-
-Each field is vLLM's name where vLLM has one and carries, in ``dataclasses.field(metadata=...)``:
-``help``; ``flags`` (its CLI spellings, default ``--field-name``; ``cli=False`` for the two fields
-a command line cannot express); ``option``, the name :func:`dcpgraph.compile` takes it by (None:
-not a compile option), which is also the name its error messages use; ``low``, the smallest
-value of an int; ``choices``. :func:`dcpgraph.serving.cli_args.add_cli_args` generates ``dcpgraph serve``'s flags from these
-fields (booleans as ``argparse.BooleanOptionalAction``: ``--enable-prefix-caching`` /
-``--no-enable-prefix-caching``), so a flag without a field cannot exist.
-
-Errors: :class:`~dcpgraph.errors.ConfigError` for a value of the wrong type or out of range, or
-two cache sizes at once; ``TypeError`` for an option name ``compile`` does not take. Every
-message names the valid settings. Rules that depend on the model (head counts,
-``block_size % interleave``) are :meth:`dcpgraph.mesh.Mesh.validate`'s.
-"""
+"""The sections of :class:`~dcpgraph.config.DcpgraphConfig`, one concern each: the checkpoint
+(:class:`ModelConfig`), the mesh and where ranks run (:class:`ParallelConfig`), the paged KV cache
+(:class:`CacheConfig`), the scheduler's budgets (:class:`SchedulerConfig`), the backend
+(:class:`CompilationConfig`), speculative decoding (:class:`SpeculativeOptions`) and the server
+(:class:`ServingConfig`). Each validates its own fields in ``__post_init__``."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import numbers
 import os
-import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_backend
-from .capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
-from .devices import DEVICE_CHOICES
-from .errors import ConfigError
-from .mesh import Mesh
-from .runtime.sampling_params import MAX_LOGPROBS
-from .runtime.speculative_config import SpeculativeConfig, speculative_config
+from ..backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_backend
+from ..capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from ..devices import DEVICE_CHOICES
+from ..errors import ConfigError
+from ..mesh import Mesh
+from ..runtime.sampling_params import MAX_LOGPROBS
+from ..runtime.speculative_config import SpeculativeConfig, speculative_config
+from .fields import Section, option_name, setting
 
 COMMS = ("auto", "a2a", "ag_rs", "ag")
 EXECUTORS = ("auto", "emulated", "distributed")
@@ -55,58 +35,10 @@ IMPLEMENTED_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # serving/tool_parser
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
-DEPRECATED_OPTIONS = {"max_batched_tokens": "max_num_batched_tokens", "speculative_tokens": "speculative_config"}
-_SAME = object()  # metadata default: the compile option is spelled as the field
-
-
-def setting(default: Any = None, help: str = "", *, flags: tuple[str, ...] | None = None,  # noqa: A002
-            option: Any = _SAME, low: int | None = None, choices: Any = None, cli: bool = True,
-            env: str | None = None, parse: Any = None) -> Any:
-    """A config field: its default and what :func:`add_cli_args` and the compile mapping need.
-    ``choices`` may be a callable (evaluated when the parser is built); ``parse`` overrides the
-    argparse ``type`` the annotation gives; ``env`` names an environment variable that supplies
-    the CLI default (a tuple: the first one set, e.g. dcpgraph's then vLLM's name)."""
-    metadata = {"help": help, "flags": flags, "option": option, "low": low, "choices": choices, "cli": cli,
-                "env": env, "parse": parse}
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def option_name(field: dataclasses.Field) -> str | None:
-    """The name :func:`dcpgraph.compile` takes ``field`` by, None when it takes no such option."""
-    option = field.metadata["option"]
-    return field.name if option is _SAME else option
-
-
-class _Section:
-    """Checks every int and bool field by its annotation (``int`` with ``low``, ``int | None``,
-    ``bool``), normalising ints to ``int``; then the section's own :meth:`_validate`."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value, name = getattr(self, f.name), option_name(f) or f.name
-            low = f.metadata["low"]
-            if f.type == "int" and low is not None:
-                if not _is_int(value) or value < low:
-                    raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
-                object.__setattr__(self, f.name, int(value))
-            elif f.type == "int | None" and low is not None:
-                if value is not None and (not _is_int(value) or value < low):
-                    raise ConfigError(f"{name} must be None or an int >= {low}, got {value!r}")
-                object.__setattr__(self, f.name, None if value is None else int(value))
-            elif f.type == "bool" and not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}")
-        self._validate()
-
-    def _validate(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The checkpoint: its directory, tokenizer, weight dtype and seed."""
 
     model: str | None = setting(None, "local HF model directory (config.json, safetensors weights, tokenizer)",
@@ -129,7 +61,7 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """The mesh (TP, DCP and its interleave), expert parallelism and where ranks run."""
 
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp"),
@@ -218,7 +150,7 @@ class ParallelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """The paged KV cache: block size, element type, size, prefix caching, allocation."""
 
     block_size: int = setting(16, "tokens per KV block on each rank", low=1)
@@ -275,7 +207,7 @@ class CacheConfig(_Section):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     """Batching: requests and tokens per step, context length, waiting queue."""
 
     max_num_seqs: int = setting(8, "requests decoded together", low=1)
@@ -293,7 +225,7 @@ class SchedulerConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CompilationConfig(_Section):
+class CompilationConfig(Section):
     """The compiler backend, its cache and the pass pipeline's switches."""
 
     backend: Any = setting("auto", "dcpgraph's compiler backend (default auto: torchair on Ascend, inductor on CUDA, "
@@ -334,7 +266,7 @@ class CompilationConfig(_Section):
 
 
 @dataclass(frozen=True)
-class SpeculativeOptions(_Section):
+class SpeculativeOptions(Section):
     """Speculative decoding, vLLM's dict (checked into a SpeculativeConfig)."""
 
     speculative_config: Any = setting(
@@ -352,7 +284,7 @@ class SpeculativeOptions(_Section):
 
 
 @dataclass(frozen=True)
-class ServingConfig(_Section):
+class ServingConfig(Section):
     """The HTTP server and the front end's connections to its worker processes."""
 
     host: str = setting("127.0.0.1", "interface the HTTP server listens on", option=None)
@@ -412,139 +344,6 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "compilation": CompilationConfig, "speculative": SpeculativeOptions, "serving": ServingConfig,
 }
-
-
-def config_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Every field of the tree by name (names are unique across sections): ``(section, field)``."""
-    return {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-
-
-def compile_option_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Compile option name -> ``(section, field)``."""
-    return {option_name(f): (s, f) for s, f in config_fields().values() if option_name(f) is not None}
-
-
-# every option compile takes besides tp, dcp and pcp (its explicit mesh arguments)
-VALID_OPTIONS = tuple(sorted(set(compile_option_fields()) - {"tp", "dcp", "pcp"}))
-
-
-@dataclass(frozen=True)
-class DcpgraphConfig:
-    """The whole configuration; built (and so validated) once, before any work."""
-
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
-    speculative: SpeculativeOptions = dataclasses.field(default_factory=SpeculativeOptions)
-    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
-
-    @classmethod
-    def from_fields(cls, **values: Any) -> DcpgraphConfig:
-        """From field names (any section); the rest default."""
-        fields = config_fields()
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise TypeError(f"unknown config fields: {unknown}; the config has {sorted(fields)}")
-        by_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-        for name, value in values.items():
-            by_section[fields[name][0]][name] = value
-        return cls(**{section: SECTIONS[section](**kw) for section, kw in by_section.items()})
-
-    @classmethod
-    def from_compile_options(cls, *, tp: int = 1, dcp: int = 1, pcp: int = 1, **given: Any) -> DcpgraphConfig:
-        """From :func:`dcpgraph.compile`'s keywords (the deprecated spellings warn)."""
-        given = _renamed(given)
-        unknown = sorted(set(given) - set(VALID_OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
-        options = compile_option_fields()
-        return cls.from_fields(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                               prefill_context_parallel_size=pcp,
-                               **{options[name][1].name: value for name, value in given.items()})
-
-    @classmethod
-    def from_llm_kwargs(cls, **kwargs: Any) -> DcpgraphConfig:
-        """From :class:`~dcpgraph.LLM`'s arguments: its own (vLLM's names, which are the fields')
-        and the compile options it passes on (compile's names)."""
-        fields = config_fields()
-        kwargs = _renamed(kwargs)
-        own = {k: v for k, v in kwargs.items() if k in fields}
-        given = {k: v for k, v in kwargs.items() if k not in fields}
-        unknown = sorted(set(given) - set(VALID_OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")
-        options = compile_option_fields()
-        return cls.from_fields(**own, **{options[name][1].name: value for name, value in given.items()})
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> DcpgraphConfig:
-        """From the flags :func:`dcpgraph.serving.cli_args.add_cli_args` made."""
-        return cls.from_fields(**{name: getattr(args, name) for name, (_, f) in config_fields().items()
-                                  if f.metadata["cli"]})
-
-    def replace(self, **values: Any) -> DcpgraphConfig:
-        """A copy with some fields (by field name) changed, validated again."""
-        return type(self).from_fields(**{**self.values(), **values})
-
-    def values(self) -> dict[str, Any]:
-        """Field name -> value, over every section (``speculative_config`` as given)."""
-        return {name: getattr(getattr(self, section), name) for name, (section, _) in config_fields().items()}
-
-    def compile_options(self) -> dict[str, Any]:
-        """Every option of :func:`dcpgraph.compile` but tp, dcp and pcp, by compile's names, resolved:
-        the effective backend, ``fuse_new_tokens`` decided, the checked speculative config."""
-        out = {name: getattr(getattr(self, section), f.name)
-               for name, (section, f) in compile_option_fields().items() if name in VALID_OPTIONS}
-        out["backend"] = self.compilation.effective_backend
-        out["fuse_new_tokens"] = self.compilation.effective_fuse_new_tokens
-        out["speculative_config"] = self.speculative.checked
-        return out
-
-    def changed_compile_options(self) -> dict[str, Any]:
-        """The compile options (compile's names, values as given) that differ from their defaults;
-        the backend as it runs (``"eager"`` under ``enforce_eager``)."""
-        defaults = DcpgraphConfig().values()
-        values = self.values()
-        out = {option_name(f): values[name] for name, (_, f) in config_fields().items()
-               if option_name(f) in VALID_OPTIONS and values[name] != defaults[name]}
-        if self.compilation.enforce_eager:
-            out["backend"] = "eager"
-        return out
-
-
-def _renamed(given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` with the older spellings replaced by the options they stand for, each with a
-    ``DeprecationWarning``; both spellings of one option at once are refused."""
-    given = dict(given)
-    if "max_batched_tokens" in given:
-        _deprecated("max_batched_tokens is deprecated: use max_num_batched_tokens (vLLM's name), the same budget")
-        if "max_num_batched_tokens" in given:
-            raise ConfigError("give max_num_batched_tokens or its deprecated spelling max_batched_tokens, not both")
-        given["max_num_batched_tokens"] = given.pop("max_batched_tokens")
-    if "speculative_tokens" in given:
-        k = given.pop("speculative_tokens")
-        _deprecated(f"speculative_tokens={k!r} is deprecated: use "
-                    f"speculative_config={{\"method\": \"ngram\", \"num_speculative_tokens\": {k!r}}}")
-        if not _is_int(k) or k < 0:
-            raise ConfigError(f"speculative_tokens must be an int >= 0, got {k!r}")
-        if given.get("speculative_config") is not None:
-            raise ConfigError("give speculative_config or the older speculative_tokens (which means "
-                              "{'method': 'ngram', 'num_speculative_tokens': k}), not both")
-        if k:
-            given["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(k)}
-    return given
-
-
-def _deprecated(message: str) -> None:
-    """A ``DeprecationWarning`` attributed to the first caller outside dcpgraph (the line that
-    called ``dcpgraph.compile``, ``LLM``, ...), however deep inside the package it is raised."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, DeprecationWarning, stacklevel=level)
 
 
 def _flag_of(option: str) -> str:

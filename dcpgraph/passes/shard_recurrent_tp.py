@@ -264,24 +264,32 @@ def _pools_fit_their_ops(program: Program) -> None:
     for its scan's local ``x [T, Hh_r, P]`` and ``B [T, G_r, N]``."""
     pools = {p.name: tuple(p.shape) for p in program.recurrent_states}
     graph = program.graph_module.graph
-    for conv in nodes_calling(graph, dcp_ops.causal_conv1d_.default):
-        channels, kernel = conv.args[1].meta["val"].shape
-        want = (int(channels), int(kernel) - 1)
-        if pools.get(conv.args[CONV_ARGS_POOL].name) != want:
-            raise VerificationError(f"{conv.args[CONV_ARGS_POOL].name} holds {pools.get(conv.args[CONV_ARGS_POOL].name)} "
-                                    f"per slot, its conv reads {want}")
-    for rule in nodes_calling(graph, dcp_ops.gated_delta_rule_.default):
-        k, v = rule.args[1].meta["val"], rule.args[2].meta["val"]
-        want = (int(v.shape[1]), int(k.shape[2]), int(v.shape[2]))
-        if pools.get(rule.args[RULE_ARGS_POOL].name) != want:
-            raise VerificationError(f"{rule.args[RULE_ARGS_POOL].name} holds {pools.get(rule.args[RULE_ARGS_POOL].name)} "
-                                    f"per slot, its delta rule reads {want}")
-    for scan in nodes_calling(graph, dcp_ops.mamba2_scan_.default):
-        x, b = scan.args[0].meta["val"], scan.args[3].meta["val"]
-        want = (int(x.shape[1]), int(x.shape[2]), int(b.shape[2]))
-        if pools.get(scan.args[SCAN_ARGS_POOL].name) != want:
-            raise VerificationError(f"{scan.args[SCAN_ARGS_POOL].name} holds {pools.get(scan.args[SCAN_ARGS_POOL].name)} "
-                                    f"per slot, its Mamba-2 scan reads {want}")
+    for op, pool_arg, what, per_slot in _POOL_READERS:
+        for node in nodes_calling(graph, op):
+            pool, want = node.args[pool_arg].name, per_slot(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a
+                                                                for a in node.args))
+            if pools.get(pool) != want:
+                raise VerificationError(f"{pool} holds {pools.get(pool)} per slot, its {what} reads {want}")
+
+
+def _conv_slot(x, weight, *_) -> tuple[int, ...]:
+    return int(weight.shape[0]), int(weight.shape[1]) - 1
+
+
+def _delta_rule_slot(q, k, v, *_) -> tuple[int, ...]:
+    return int(v.shape[1]), int(k.shape[2]), int(v.shape[2])
+
+
+def _scan_slot(x, dt, a, b, *_) -> tuple[int, ...]:
+    return int(x.shape[1]), int(x.shape[2]), int(b.shape[2])
+
+
+# (stateful op, its pool's argument index, what it is, the per-slot state shape its inputs read)
+_POOL_READERS = (
+    (dcp_ops.causal_conv1d_.default, CONV_ARGS_POOL, "conv", _conv_slot),
+    (dcp_ops.gated_delta_rule_.default, RULE_ARGS_POOL, "delta rule", _delta_rule_slot),
+    (dcp_ops.mamba2_scan_.default, SCAN_ARGS_POOL, "Mamba-2 scan", _scan_slot),
+)
 
 
 @program_pass("shard_recurrent_tp", requires=[

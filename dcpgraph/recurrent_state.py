@@ -21,6 +21,7 @@ the recurrent layers on all of the step's tokens for its TP share of heads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,15 @@ from .errors import ConfigError, UnsupportedModelError
 
 RECURRENT_STATE_DTYPE = torch.float32
 
+
+
+def require_positive_ints(shape, kind: str) -> None:
+    """Every field of the dataclass ``shape`` is a positive int (not a bool), or a ConfigError
+    naming the ``kind`` of layer and the field."""
+    for f in dataclasses.fields(shape):
+        value = getattr(shape, f.name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{kind} {f.name} must be a positive int, got {value!r}")
 
 @dataclass(frozen=True)
 class GatedDeltaNetShape:
@@ -42,10 +52,7 @@ class GatedDeltaNetShape:
     conv_kernel: int
 
     def __post_init__(self) -> None:
-        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"gated delta net {name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "gated delta net")
         if self.value_heads % self.key_heads:
             raise ConfigError(f"gated delta net value_heads ({self.value_heads}) must be a multiple of "
                               f"key_heads ({self.key_heads})")
@@ -105,10 +112,7 @@ class ShortConvShape:
     conv_kernel: int
 
     def __post_init__(self) -> None:
-        for name in ("channels", "conv_kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"short conv {name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "short conv")
         if self.conv_kernel < 2:
             raise ConfigError(f"short conv conv_kernel must be >= 2, got {self.conv_kernel}")
 
@@ -148,10 +152,7 @@ class Mamba2Shape:
     conv_kernel: int
 
     def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "groups", "state_size", "conv_kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"mamba2 {name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "mamba2")
         if self.heads % self.groups:
             raise ConfigError(f"mamba2 heads ({self.heads}) must be a multiple of groups ({self.groups})")
         if self.conv_kernel < 2:

@@ -92,6 +92,17 @@ class PackedShardRule(ShardRule):
         return torch.cat([h.chunk(tp, self.dim)[rank] for h in halves], self.dim).contiguous()
 
 
+def _rows_kept(rule, full: torch.Tensor, rank: int, tp: int, rows: int, layout: str) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``full`` along ``rule.dim``: ``rule.row_ranges(rank, tp)``
+    concatenated in order; ``full`` itself when unsplit; ``rows`` and ``layout`` say what ``dim``
+    must hold."""
+    if rule.dim is None or tp == 1:
+        return full
+    if full.shape[rule.dim] != rows:
+        raise ValueError(f"dim {rule.dim} of {tuple(full.shape)} is not {layout}")
+    return torch.cat([full.narrow(rule.dim, a, b - a) for a, b in rule.row_ranges(rank, tp)], rule.dim).contiguous()
+
+
 @dataclass(frozen=True)
 class QKVShardRule(ShardRule):
     """A fused ``[q; k; v]`` projection's rows (``q_rows = heads·head_dim``, ``kv_rows`` each for
@@ -118,11 +129,8 @@ class QKVShardRule(ShardRule):
                 (v_start + kv_index * kv_chunk, v_start + (kv_index + 1) * kv_chunk)]
 
     def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-        if self.dim is None or tp == 1:
-            return full
-        if full.shape[self.dim] != self.q_rows + 2 * self.kv_rows:
-            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} is not q {self.q_rows} + 2 x kv {self.kv_rows}")
-        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.row_ranges(rank, tp)], self.dim).contiguous()
+        return _rows_kept(self, full, rank, tp, self.q_rows + 2 * self.kv_rows,
+                          f"q {self.q_rows} + 2 x kv {self.kv_rows}")
 
     def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
         if self.dim is None or tp == 1:
@@ -152,11 +160,7 @@ class SectionShardRule(ShardRule):
         return out
 
     def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-        if self.dim is None or tp == 1:
-            return full
-        if full.shape[self.dim] != sum(self.sections):
-            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} is not the sections {list(self.sections)}")
-        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.row_ranges(rank, tp)], self.dim).contiguous()
+        return _rows_kept(self, full, rank, tp, sum(self.sections), f"the sections {list(self.sections)}")
 
     def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
         if self.dim is None or tp == 1:

@@ -85,3 +85,15 @@ def test_compiling_v4_is_refused_by_name():
                        r"dcpgraph.trace gives HF's logits .* at any tp or dcp yet: the paged caches .*"
                        r"dcpgraph.ops.compressed_attention"):
         dcpgraph.compile(_model(), tp=1, dcp=1)
+
+
+def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
+    """The checkpoint path refuses from the config, before V4's tensors are looked up (its saved
+    names are not the modules' own)."""
+    from dcpgraph.testing.checkpoints import tiny_tokenizer
+
+    _model().save_pretrained(tmp_path)
+    tiny_tokenizer(96).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
+                                                     r"\[1, 2, 3\]: .*checkpoint loading"):
+        dcpgraph.LLM(model=str(tmp_path), dtype="float64")

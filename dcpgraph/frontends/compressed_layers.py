@@ -125,19 +125,23 @@ def canonical_compressed_layers(model: torch.nn.Module) -> Iterator[dict[int, st
 
 
 def refuse_compiling_compressed_layers(model) -> None:
-    """``dcpgraph.compile`` of a V4 model (an ``nn.Module``, before it is traced, or a traced
-    Program): refused by name, before any pass or collective, with what is missing (the trace
-    itself is exact; the cached layer is not built yet)."""
+    """``dcpgraph.compile`` of a V4 model (an ``nn.Module``, before it is traced, a traced
+    Program, or an HF config, before a checkpoint is opened): refused by name, before any pass
+    or collective, with what is missing (the trace itself is exact; the cached layer is not built
+    yet)."""
     if isinstance(model, torch.nn.Module):
         layers = sorted(compressed_modules(model))
-    else:
+    elif hasattr(model, "facts"):
         layers = sorted(model.facts.extra.get("compressed_layers") or {})
+    else:
+        types = getattr(model, "layer_types", None) or ()
+        layers = [i for i, kind in enumerate(types) if kind in COMPRESSED_LAYER_TYPES]
     if layers:
         raise UnsupportedModelError(
             f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}: "
             "dcpgraph.trace gives HF's logits with these layers as dcpgraph.compress_windows / compressed_topk / "
             "compressed_attention, but dcpgraph.compile does not compile them at any tp or dcp yet: the paged "
             "caches for the raw window, the compressed entries and the CSA indexer keys, the compressors' "
-            "open-window state slots and the cached forms of those ops are missing (so are the engine, prefix "
-            "caching, speculative decoding, P/D and fp8 caches with V4). The exact DCP-sharded reference runs "
-            "eagerly in dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")
+            "open-window state slots and the cached forms of those ops are missing (so are the engine, "
+            "checkpoint loading, prefix caching, speculative decoding, P/D and fp8 caches with V4). The exact "
+            "DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")

@@ -73,3 +73,28 @@ def test_a_compressor_missing_a_part_is_not_recognised():
     assert sorted(compressed_modules(model)) == [2, 3]
     with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\).*at layers \[1\]"):
         dcpgraph.trace(model)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9])  # no entry, no entry of the larger rate, several
+def test_fake_kernels_give_the_real_shapes(tokens):
+    """Export records the ops through their fake kernels: same shapes and dtypes as the kernels,
+    at token counts with and without closed windows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(0)
+
+    def args():
+        r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+        positions = torch.arange(tokens).unsqueeze(0)
+        pooled = DCP.compress_windows(r(1, tokens, 8), r(1, tokens, 8), r(4, 8), 4, True)
+        keys = DCP.compress_windows(r(1, tokens, 6), r(1, tokens, 6), r(2, 6), 2, False)
+        chosen = DCP.compressed_topk(r(1, tokens, 2, 6), r(1, tokens, 2), keys, positions, 0.5, 2, 3)
+        out = DCP.compressed_attention(r(1, 2, tokens, 4), r(1, 1, tokens, 4), pooled, positions, r(2), 0.5, 3, 4,
+                                       None)
+        return pooled, keys, chosen, out
+
+    real = args()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = args()
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+    assert tuple(real[0].shape) == (1, tokens // 4, 4) and tuple(real[2].shape) == (1, tokens, 3)

@@ -16,6 +16,7 @@ from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .devices import resolve_device
 from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
+from .frontends.compressed_layers import refuse_compiling_compressed_layers
 from .memory import (
     MemorySizing,
     agreed_blocks,
@@ -54,7 +55,8 @@ def trace(model: torch.nn.Module, example_inputs=None) -> Program:
     count = sum(
         1 for n in program.graph_module.graph.nodes
         if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
-                                                    torch.ops.dcpgraph.sparse_attention.default)
+                                                    torch.ops.dcpgraph.sparse_attention.default,
+                                                    torch.ops.dcpgraph.compressed_attention.default)
     )
     extra = program.facts.extra
     count += len(extra.get("recurrent_layers") or {}) + len(extra.get("stateless_layers") or [])
@@ -175,6 +177,7 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     (``dcpgraph serve``'s workers; see :func:`dcpgraph.memory.ranks_sharing`)."""
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
+    refuse_compiling_compressed_layers(model)
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
     program = placed(_traced_program(model), config.opts["device"])
     _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass

@@ -101,13 +101,3 @@ def test_formula_on_the_full_size_config():
 def test_rejects_a_negative_context():
     with pytest.raises(ValueError, match="context_tokens"):
         compressed_cache_bytes(dsv4_models.config(), context_tokens=-1)
-
-
-def test_planner_refuses_v4_and_names_the_formula():
-    """The planner's per-token paged-KV model would price V4 as full attention over one 512-wide
-    head per layer; it refuses instead, naming where V4's bytes come from."""
-    from dcpgraph.errors import UnsupportedModelError
-    from dcpgraph.plan import load_model_shape
-
-    with pytest.raises(UnsupportedModelError, match=r"deepseek_v4: .*dcpgraph.plan.compressed_cache"):
-        load_model_shape(dsv4_models.config())

@@ -78,7 +78,22 @@ def test_mesh_rule_is_named():
 
 
 def test_compiling_v4_is_refused_by_name():
-    """No compiled op exists for the compressed layers yet: compile (and with it the engine,
-    prefix caching, speculative decoding and P/D) refuses, naming what does run."""
-    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\): not supported .*dcpgraph.ops.compressed_attention"):
+    """The trace is exact (``test_frontend_compressed``) but no cached compiled layer exists yet:
+    compile (and with it the engine, prefix caching, speculative decoding and P/D) refuses, naming
+    what is missing and what does run."""
+    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers \[1, 2, 3\]: "
+                       r"dcpgraph.trace gives HF's logits .* at any tp or dcp yet: the paged caches .*"
+                       r"dcpgraph.ops.compressed_attention"):
         dcpgraph.compile(_model(), tp=1, dcp=1)
+
+
+def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
+    """The checkpoint path refuses from the config, before V4's tensors are looked up (its saved
+    names are not the modules' own)."""
+    from dcpgraph.testing.checkpoints import tiny_tokenizer
+
+    _model().save_pretrained(tmp_path)
+    tiny_tokenizer(96).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
+                                                     r"\[1, 2, 3\]: .*checkpoint loading"):
+        dcpgraph.LLM(model=str(tmp_path), dtype="float64")

@@ -19,6 +19,7 @@ import torch.fx
 
 from ..errors import UnsupportedModelError
 from ..program import ModelFacts, Program
+from .compressed_layers import canonical_compressed_layers, compressed_modules
 from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
@@ -249,10 +250,15 @@ def traceable_experts(model: torch.nn.Module):
 def min_trace_tokens(model: torch.nn.Module) -> int:
     """The fewest tokens the export's dynamic dim allows: 2, or a sparse-attention indexer's
     ``index_topk`` (HF's indexer takes ``topk(min(index_topk, T))``, a guard export cannot prove for
-    every ``T``; from ``index_topk`` tokens on it is the constant ``index_topk``). The traced graph
-    still runs at any token count: canonicalize replaces that top-k by ``dcpgraph.indexer_topk``."""
+    every ``T``; from ``index_topk`` tokens on it is the constant ``index_topk``), or twice
+    DeepSeek-V4's largest compress rate (export specialises an entry count ``T // m`` of 0 or 1;
+    from ``2m`` tokens on every layer has at least two entries). The traced graph still runs at any
+    token count: canonicalize replaces that top-k by ``dcpgraph.indexer_topk``, and the compressed
+    ops take any number of entries."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return max(2, int(getattr(text, "index_topk", 0) or 0))
+    rates = getattr(text, "compress_rates", None)
+    compressed = 2 * max(rates.values()) if isinstance(rates, dict) and rates else 0
+    return max(2, int(getattr(text, "index_topk", 0) or 0), compressed)
 
 
 def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor],
@@ -266,7 +272,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     types = list(getattr(config, "layer_types", None) or ())
     recognised = set(recurrent_modules(model)) - set(unrecognised_recurrent_layers(model, types))
     stateless = stateless_layers(model, types)
-    check_layer_types(config, recognised | set(stateless))
+    compressed_found = set(compressed_modules(model))
+    check_layer_types(config, recognised | set(stateless) | compressed_found)
     facts = model_facts(model)
     low = min_trace_tokens(model)
     tokens = torch.export.Dim("tokens", min=low, max=max(max_tokens, low + 1))
@@ -275,7 +282,7 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     try:
         with using_dcpgraph_attention(model), traceable_experts(model), traceable_score_scaled_experts(model), \
                 torch.no_grad(), recording_attention_callers() as callers, \
-                canonical_recurrent_layers(model) as recurrent:
+                canonical_recurrent_layers(model) as recurrent, canonical_compressed_layers(model) as compressed:
             try:
                 exported, seconds = run_export(
                     LogitsForward(model).eval(), tuple(example_inputs),
@@ -283,8 +290,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
                 )
             except TokenShapeRefusal:  # the forward ran to its end: a layer without attention says why
                 if callers:
-                    require_attention_in_every_layer(facts.num_layers, [*callers.values(), *recurrent, *stateless],
-                                                     facts.architecture)
+                    require_attention_in_every_layer(
+                        facts.num_layers, [*callers.values(), *recurrent, *stateless, *compressed], facts.architecture)
                 raise
     finally:
         model.train(was_training)
@@ -292,6 +299,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
         facts = dataclasses.replace(facts, extra={**facts.extra, "recurrent_layers": dict(sorted(recurrent.items()))})
     if stateless:
         facts = dataclasses.replace(facts, extra={**facts.extra, "stateless_layers": stateless})
+    if compressed:  # DeepSeek-V4's CSA/HCA layers (dcpgraph.compressed_attention)
+        facts = dataclasses.replace(facts, extra={**facts.extra, "compressed_layers": dict(sorted(compressed.items()))})
     beside = sorted(set(recurrent) & {i for i in callers.values() if i is not None})
     if beside:  # falcon_h1: attention and a Mamba-2 mixer in parallel in one decoder layer
         facts = dataclasses.replace(facts, extra={**facts.extra, "attention_beside_recurrent": beside})
@@ -306,7 +315,8 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
     program = finish(export_program(model, example_inputs, max_tokens))
     facts = program.facts
     kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default,
-             torch.ops.dcpgraph.causal_conv1d.default)  # one conv per recurrent layer of either kind
+             torch.ops.dcpgraph.causal_conv1d.default,  # one conv per recurrent layer of either kind
+             torch.ops.dcpgraph.compressed_attention.default)
     layers = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
     layers += facts.extra.get("stateless_layers") or []  # attention-free MLP/MoE layers (nemotron_h)
     require_attention_in_every_layer(facts.num_layers, [None] * len(layers), facts.architecture)

@@ -4,7 +4,9 @@ reads (no weights, nothing downloaded). ``NAME:key=value,...`` overrides keys, e
 
 Sources: the ``config.json`` files of moonshotai/Kimi-K2-Instruct, deepseek-ai/DeepSeek-V3,
 deepseek-ai/DeepSeek-V3.2-Exp, Qwen/Qwen3-235B-A22B and meta-llama/Llama-3.1-70B on the
-Hugging Face hub.
+Hugging Face hub; ``deepseek-v4-flash`` is transformers' ``DeepseekV4Config()`` defaults, which
+its docstring ties to deepseek-ai/DeepSeek-V4-Flash-Base (``layer_types`` left out: HF's default
+schedule, two HCA layers then CSA and HCA alternating, 20 CSA and 23 HCA of 43).
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ ARCHITECTURES: dict[str, dict] = {
     "deepseek-v3.2": {
         **_DEEPSEEK_V3, "model_type": "deepseek_v32", "index_n_heads": 64, "index_head_dim": 128,
         "index_topk": 2048,
+    },
+    # DeepSeek-V4: compressed attention (a 128-token raw window, CSA entries of 4 tokens with a
+    # lightning indexer keeping 512, HCA entries of 128 tokens) over one 512-wide K=V head.
+    "deepseek-v4-flash": {
+        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "q_lora_rank": 1024, "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "hc_mult": 4, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64,
+        "index_head_dim": 128, "index_topk": 512, "max_position_embeddings": 1048576,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     "qwen3-235b-a22b": {
         "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,

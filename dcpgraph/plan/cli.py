@@ -1,7 +1,7 @@
 """``dcpgraph plan MODEL_DIR_OR_ARCH --world-size N --hardware NAME ...``: print the plan.
 
 MODEL_DIR_OR_ARCH is a local HF model directory (its config.json; no weights are read) or a
-named architecture (``kimi-k2``, ``deepseek-v3``, ``deepseek-v3.2``, ``qwen3-235b-a22b``,
+named architecture (``kimi-k2``, ``deepseek-v3``, ``deepseek-v3.2``, ``deepseek-v4-flash``, ``qwen3-235b-a22b``,
 ``llama-3.1-70b``), optionally with overrides: ``deepseek-v3:num_hidden_layers=4``.
 """
 

@@ -143,12 +143,14 @@ class StepCost:
 
 def decode_step(shape: ModelShape, hw: Hardware, *, tp: int, dcp: int, comm: str, context: int, batch: int,
                 kv_bytes_per_token_layer: float, weight_bytes: int, tp_nodes: int = 1,
-                dcp_nodes: int = 1) -> StepCost:
+                dcp_nodes: int = 1, layer_read: tuple[float, float] | None = None) -> StepCost:
     """Predicted decode step of ``batch`` requests at ``context`` tokens (the sum of the parts:
     nothing is assumed to overlap across parts); ``tp_nodes``/``dcp_nodes``: the nodes a TP group
-    and a DCP group span (their collectives cross nodes when more than one)."""
+    and a DCP group span (their collectives cross nodes when more than one). ``layer_read``:
+    one layer's ``(bytes, flops)`` when the caller models the attention's reads itself
+    (DeepSeek-V4's compressed caches, :func:`~.compressed_capacity.attention_read`)."""
     layers = shape.num_layers
-    read, flops = attention_read(shape, tp, dcp, context, batch, kv_bytes_per_token_layer)
+    read, flops = layer_read or attention_read(shape, tp, dcp, context, batch, kv_bytes_per_token_layer)
     colls = dcp_collectives(shape, tp, dcp, comm, batch, shape.dtype_bytes)
     return StepCost(
         attention_s=layers * attention_seconds(read, flops, hw, layers * read + weight_bytes),

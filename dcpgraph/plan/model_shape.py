@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
 from ..errors import UnsupportedModelError
 from ..mesh import local_kv_heads
+from . import compressed_model
 from .architectures import named_config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -45,7 +46,7 @@ def fp8_scale_bytes(dim: int) -> int:
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    attention: str  # "gqa" | "mla"
+    attention: str  # "gqa" | "mla" | "compressed" (DeepSeek-V4: :mod:`.compressed_model`)
     num_layers: int
     hidden_size: int
     num_q_heads: int
@@ -72,6 +73,19 @@ class ModelShape:
     index_head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0  # DSA: attention reads this many tokens per query (0: dense attention)
+    # DeepSeek-V4 (attention == "compressed"): its raw window, layer kinds, rates, output groups
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    compress_rates: tuple[tuple[str, int], ...] = ()
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    hc_mult: int = 0
+
+    def compressed_config(self) -> dict:
+        """The fields :func:`~.compressed_cache.compressed_cache_bytes` reads (V4 only)."""
+        return {"head_dim": self.head_dim, "index_head_dim": self.index_head_dim,
+                "sliding_window": self.sliding_window, "compress_rates": dict(self.compress_rates),
+                "layer_types": list(self.layer_types)}
 
     # -- KV caches ---------------------------------------------------------------------------
     def kv_element_bytes(self, kv_cache_dtype: str) -> int:
@@ -80,10 +94,14 @@ class ModelShape:
         return self.dtype_bytes if kv_cache_dtype == "auto" else _DTYPE_BYTES[kv_cache_dtype]
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        return 1 if self.attention == "mla" else local_kv_heads(self.num_kv_heads, tp)
+        return 1 if self.attention in ("mla", "compressed") else local_kv_heads(self.num_kv_heads, tp)
 
     def cache_shapes(self, tp: int, kv_cache_dtype: str = "auto") -> list[CacheShape]:
         """Every cache of one rank, layer by layer (the compiled program's ``caches``)."""
+        if self.attention == "compressed":
+            raise UnsupportedModelError(
+                f"{self.name}: DeepSeek-V4's caches are not per-token paged caches; their bytes are "
+                "dcpgraph.plan.compressed_cache.compressed_cache_bytes(shape.compressed_config(), ...)")
         b = self.kv_element_bytes(kv_cache_dtype)
 
         def shape(heads: int, dim: int) -> CacheShape:
@@ -108,6 +126,8 @@ class ModelShape:
         """Parameters held by one rank at tensor parallel ``tp`` (sharding: module docstring).
         ``comm="ag"`` (GQA) holds the query projection of its DCP group's heads (``dcp`` times its
         TP shard) and, at ``dcp == tp``, the whole output projection."""
+        if self.attention == "compressed":
+            return compressed_model.weight_params_per_rank(self, tp, experts)
         if experts not in ("sharded", "replicated"):
             raise ValueError(f"experts must be 'sharded' or 'replicated', got {experts!r}")
         hid, hq = self.hidden_size, self.num_q_heads
@@ -193,11 +213,6 @@ def _refuse_per_layer_shapes(c: dict) -> None:
 def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelShape:
     """A :class:`ModelShape` from an HF config dict (``dtype``: override the stored dtype)."""
     c = config
-    if c.get("model_type") == "deepseek_v4":
-        raise UnsupportedModelError(
-            "deepseek_v4: the planner models paged per-token KV caches, not DeepSeek-V4's compressed "
-            "attention (raw window + compressed entries + indexer keys + per-request compressor state); "
-            "its per-rank bytes come from dcpgraph.plan.compressed_cache.compressed_cache_bytes")
     layers, hid, hq = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
     common = dict(
         name=name or c.get("name") or c.get("model_type", "model"), num_layers=layers, hidden_size=hid,
@@ -209,6 +224,8 @@ def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelSh
         n_shared_experts=int(c.get("n_shared_experts") or 0),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
+    if c.get("model_type") == "deepseek_v4":
+        return _deepseek_v4(c, common)
     if c.get("kv_lora_rank"):
         latent, rope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"])
         return ModelShape(
@@ -226,6 +243,17 @@ def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelSh
         attention="gqa", num_kv_heads=int(c.get("num_key_value_heads") or hq), head_dim=d, v_head_dim=d,
         attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type.startswith("qwen3"), **common,
+    )
+
+
+def _deepseek_v4(c: dict, common: dict) -> ModelShape:
+    """V4: one shared K=V head of ``head_dim`` per layer, every layer MoE (hash or learned routing)."""
+    common.update(moe_layers=common["num_layers"], intermediate_size=0)
+    d = int(c.get("head_dim") or 512)
+    return ModelShape(
+        attention="compressed", num_kv_heads=1, head_dim=d, v_head_dim=d, q_lora_rank=int(c.get("q_lora_rank") or 0),
+        index_head_dim=int(c.get("index_head_dim") or 128), index_heads=int(c.get("index_n_heads") or 64),
+        index_topk=int(c.get("index_topk") or 512), **compressed_model.compressed_fields(c), **common,
     )
 
 

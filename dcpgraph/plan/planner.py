@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from .. import capacity
 from ..errors import ConfigError
 from ..mesh import Mesh
+from . import compressed_capacity
 from .calibration import get_hardware
+from .compressed_model import check_output_groups
 from .cost import StepCost, decode_step
 from .hardware import Hardware, nodes_spanned
 from .model_shape import ModelShape, load_model_shape
@@ -50,6 +52,7 @@ class PlanRow:
     num_blocks: int = 0
     capacity_tokens: int = 0
     max_concurrency: int = 0  # per replica, at the workload's context
+    request_bytes: int = 0  # DeepSeek-V4: one request's cache bytes per rank at the workload's context
     batch: int = 0  # requests per replica in the predicted step
     cost: StepCost | None = None
     tokens_per_s: float = 0.0  # all replicas
@@ -157,6 +160,10 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
     if concurrency is not None and concurrency < 1:
         raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
     shape.kv_element_bytes(kv_cache_dtype)  # validates the name
+    if shape.attention == "compressed" and kv_cache_dtype == "fp8_e4m3":
+        raise ConfigError(f"{shape.name}: an fp8_e4m3 cache is not modelled for DeepSeek-V4's compressed caches "
+                          "(no compiled fp8 layer to take its scale layout from); use kv_cache_dtype "
+                          "'auto', 'bf16', 'fp16' or 'fp32'")
     wbytes = weight_dtype_bytes or shape.dtype_bytes
     rows: list[PlanRow] = []
     for tp in sorted(_divisors(world_size), reverse=True):
@@ -165,8 +172,12 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
             # comm="ag" replicates the query projection, which only GQA's lowering finds.
             comms = ("none",) if dcp == 1 else ("a2a", "ag_rs", "ag") if shape.attention == "gqa" else ("a2a", "ag_rs")
             try:
-                Mesh(tp, dcp).validate(attention=shape.attention, num_q_heads=shape.num_q_heads,
-                                       num_kv_heads=shape.num_kv_heads, block_size=block_size)
+                # V4's single K=V head is replicated over TP like MLA's latent: MLA's mesh rules.
+                Mesh(tp, dcp).validate(attention="mla" if shape.attention == "compressed" else shape.attention,
+                                       num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                                       block_size=block_size)
+                if shape.attention == "compressed":
+                    check_output_groups(shape, tp)
             except ConfigError as err:
                 rows.append(PlanRow(tp, dcp, 1, "-", kv_cache_dtype, world_size // tp, False, str(err)))
                 continue
@@ -184,6 +195,8 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
         f"hardware {hw.name}: {hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.compute_flops / 1e9:,.0f} GFLOP/s, "
         f"link {hw.link_bandwidth / 1e9:.0f} GB/s + {hw.link_latency_s * 1e6:.0f} us per collective ({hw.source})",
     ]
+    if shape.attention == "compressed":
+        assumptions += _compressed_assumptions(shape, rows, context)
     if nnodes > 1:
         assumptions.append(f"{nnodes} nodes x {per_node} devices, ranks numbered node by node; a group spanning "
                            f"nodes runs at the inter-node link, {hw.inter_node_bandwidth / 1e9:.0f} GB/s + "
@@ -208,6 +221,9 @@ def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size,
               concurrency, wbytes, experts, kv_bytes, utilization, per_node) -> PlanRow:
     row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True, nodes=nodes_spanned(tp, world, per_node))
     row.weight_bytes_per_rank = int(shape.weight_params_per_rank(tp, experts, dcp, comm) * wbytes)
+    if shape.attention == "compressed":
+        return _evaluate_compressed(row, shape, hw, kv_dtype, world, max_model_len, context, concurrency,
+                                    wbytes, experts, kv_bytes, utilization, per_node)
     caches = shape.cache_shapes(tp, kv_dtype)
     row.bytes_per_block = capacity.bytes_per_block(caches, block_size)
     row.kv_bytes_per_token = float(capacity.bytes_per_token(caches, block_size, dcp))
@@ -233,6 +249,67 @@ def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size,
     row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=comm, context=context, batch=row.batch,
                            kv_bytes_per_token_layer=per_layer,
                            weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, comm),
+                           tp_nodes=row.nodes, dcp_nodes=nodes_spanned(dcp, world, per_node))
+    row.tokens_per_s = row.replicas * row.batch / row.cost.step_s
+    return row
+
+
+def _compressed_assumptions(shape, rows: list[PlanRow], context: int) -> list[str]:
+    """What V4's rows assume, and one request's bytes per rank for each (dcp, interleave) listed."""
+    lines = [
+        "DeepSeek-V4 caches are not paged: per rank one request holds its raw window's share, its compressed "
+        "entries and CSA indexer keys (in the cache dtype) dealt by the interleave rule on entry indices, and "
+        "the compressors' open windows on every rank (dcpgraph.plan.compressed_cache); max conc = budget // "
+        "request bytes, KV tokens = the longest request that fits alone, KV B/token/rank = entry + indexer "
+        "bytes per token as the context grows",
+        "DeepSeek-V4 attention reads per layer the window, HCA's entries, CSA's indexer keys and its top-k "
+        "entries over the DCP group (dcpgraph.plan.compressed_capacity); CSA's top-k candidate all-gather "
+        "is not costed",
+    ]
+    seen = set()
+    for r in rows:
+        if not r.valid or (r.dcp, r.interleave) in seen:
+            continue
+        seen.add((r.dcp, r.interleave))
+        b = shape.kv_element_bytes(r.kv_cache_dtype)
+        got = compressed_capacity.request_bytes(shape, context, r.dcp, r.interleave, b)
+        lines.append(f"one {context:,}-token request per rank at dcp={r.dcp} interleave={r.interleave}: "
+                     f"{got.total / 2**20:,.1f} MiB = window {got.window / 2**20:,.1f} + entries "
+                     f"{got.compressed / 2**20:,.1f} + indexer keys {got.indexer / 2**20:,.1f} + open windows "
+                     f"{got.open_windows / 2**20:,.1f} MiB; {float(got.per_token):,.1f} B/token")
+    return lines
+
+
+def _evaluate_compressed(row, shape, hw, kv_dtype, world, max_model_len, context, concurrency, wbytes,
+                         experts, kv_bytes, utilization, per_node) -> PlanRow:
+    """DeepSeek-V4: capacity from one request's bytes per rank (:mod:`.compressed_capacity`), not
+    from blocks; ``capacity_tokens`` is the longest request that fits alone."""
+    tp, dcp, interleave = row.tp, row.dcp, row.interleave
+    b = shape.kv_element_bytes(kv_dtype)
+    budget = kv_bytes if kv_bytes is not None else int(utilization * hw.memory_bytes) - row.weight_bytes_per_rank
+    row.kv_budget_bytes_per_rank = budget
+    at_context = compressed_capacity.request_bytes(shape, context, dcp, interleave, b)
+    row.kv_bytes_per_token = float(at_context.per_token)
+    row.request_bytes = at_context.total
+    row.capacity_tokens = max(0, compressed_capacity.longest_request(shape, budget, dcp, interleave, b, max_model_len))
+    if row.capacity_tokens == 0:
+        row.rule = (f"no room for the caches: {row.weight_bytes_per_rank / 2**30:,.1f} GiB of weights per "
+                    f"rank leave {budget / 2**30:,.1f} GiB of the budget")
+        return row
+    if row.weight_bytes_per_rank + budget > hw.memory_bytes:
+        row.rule = (f"weights {row.weight_bytes_per_rank / 2**30:,.1f} GiB + KV {budget / 2**30:,.1f} GiB per rank "
+                    f"exceed {hw.name}'s {hw.memory_bytes / 2**30:,.1f} GiB")
+        return row
+    if row.capacity_tokens < max_model_len:
+        row.rule = f"capacity {row.capacity_tokens:,} tokens < max_model_len {max_model_len:,}"
+        return row
+    row.max_concurrency = compressed_capacity.max_requests(shape, budget, context, dcp, interleave, b)
+    wanted = math.ceil(concurrency / row.replicas) if concurrency else row.max_concurrency
+    row.batch = max(1, min(wanted, row.max_concurrency))
+    read = compressed_capacity.attention_read(shape, tp, dcp, interleave, context, row.batch, b)
+    row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=row.comm, context=context, batch=row.batch,
+                           kv_bytes_per_token_layer=0.0, layer_read=read,
+                           weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, row.comm),
                            tp_nodes=row.nodes, dcp_nodes=nodes_spanned(dcp, world, per_node))
     row.tokens_per_s = row.replicas * row.batch / row.cost.step_s
     return row

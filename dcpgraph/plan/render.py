@@ -22,10 +22,11 @@ def _cells(row: PlanRow, recommended: PlanRow | None) -> list[str]:
     cells = head + [f"{row.weight_bytes_per_rank / GIB:,.1f}", f"{row.kv_budget_bytes_per_rank / GIB:,.1f}",
                     f"{row.kv_bytes_per_token:,.0f}" if row.kv_bytes_per_token == int(row.kv_bytes_per_token)
                     else f"{row.kv_bytes_per_token:,.1f}"]
+    blocks = f"{row.num_blocks:,}" if row.bytes_per_block else "-"  # DeepSeek-V4's caches are not paged
     if row.rule:
-        return cells + [f"{row.num_blocks:,}", f"{row.capacity_tokens:,}"] + [""] * 7 + [f"DOES NOT FIT: {row.rule}"]
+        return cells + [blocks, f"{row.capacity_tokens:,}"] + [""] * 7 + [f"DOES NOT FIT: {row.rule}"]
     c = row.cost
-    cells += [f"{row.num_blocks:,}", f"{row.capacity_tokens:,}", f"{row.max_concurrency:,}", f"{row.batch:,}",
+    cells += [blocks, f"{row.capacity_tokens:,}", f"{row.max_concurrency:,}", f"{row.batch:,}",
               f"{c.attention_s * 1e3:,.2f}", f"{c.collective_s * 1e3:,.2f}", f"{c.collective_bytes_per_layer:,}",
               f"{c.step_s * 1e3:,.2f}", f"{row.tokens_per_s:,.0f}"]
     return cells + ["<- recommended" if row is recommended else ""]

@@ -1,0 +1,147 @@
+"""DeepSeek-V4's compressed attention layers (CSA/HCA), traced as canonical ops.
+
+While a model is exported, every attention module recognised structurally here (a per-head
+``sinks``, the grouped output projection ``o_a_proj``/``o_b_proj`` and a ``compressor`` with
+value/gate projections, a ``[m, ·]`` position bias, a norm and a rotary) runs this forward instead
+of its own. Everything but the cache-dependent parts stays HF's math on the module's own
+parameters: the low-rank query with its norms and partial RoPE, the single K=V head, the
+compressor's projections, the entries' norm and the compress RoPE at position ``w·m``, CSA's
+indexer queries and head weights, the conjugate rotation of the output and the grouped output
+projection. The parts that need the request's history become
+``dcpgraph.compress_windows`` (the pooling of each closed window of ``m`` source rows),
+``dcpgraph.compressed_topk`` (CSA's lightning-indexer selection) and
+``dcpgraph.compressed_attention`` (one softmax over the raw window, the visible or selected
+entries and the sink) from :mod:`dcpgraph.ops.compressed`. The traced forward is one whole
+sequence from position 0 (an empty open window), so this is the layer's exact function of it.
+
+V4's sliding-only layers hold no compressor and trace through the ordinary attention front end
+(``dcpgraph.attention`` with its window and sinks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..ops import compressed as _ops  # noqa: F401 - registers the ops the forward calls
+from .recurrent_layers import decoder_layers
+
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+_ATTENTION_PARTS = ("sinks", "o_a_proj", "o_b_proj", "q_a_proj", "q_a_norm", "q_b_proj", "q_b_norm",
+                    "kv_proj", "kv_norm", "compressor")
+_COMPRESSOR_PARTS = ("kv_proj", "gate_proj", "position_bias", "kv_norm", "rotary_emb", "compress_rate")
+_INDEXER_PARTS = (*_COMPRESSOR_PARTS, "q_b_proj", "scorer", "index_topk", "head_dim")
+
+
+def _has(module, names) -> bool:
+    return all(getattr(module, n, None) is not None for n in names)
+
+
+def is_compressed_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a V4 attention with a compressor (and, if it has an indexer, a
+    complete one)."""
+    if not _has(module, _ATTENTION_PARTS) or not _has(module.compressor, _COMPRESSOR_PARTS):
+        return False
+    indexer = getattr(module.compressor, "indexer", None)
+    return indexer is None or _has(indexer, _INDEXER_PARTS)
+
+
+def compressed_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:
+    """Layer index → (layer type, attention module) of every recognised compressed layer."""
+    found = {}
+    for i, layer in enumerate(decoder_layers(model) or ()):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and is_compressed_attention(attn):
+            csa = getattr(attn.compressor, "indexer", None) is not None
+            found[i] = ("compressed_sparse_attention" if csa else "heavily_compressed_attention", attn)
+    return found
+
+
+def _rotate(hf, x, cos, sin):
+    return hf.apply_rotary_pos_emb(x, cos, sin)
+
+
+def _entries(hf, module, hidden: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """The compressor's (or the indexer's) entries ``[B, T // m, D]``: pooled, normed, rotated
+    at position ``w·m``."""
+    rate = int(module.compress_rate)
+    pooled = torch.ops.dcpgraph.compress_windows(module.kv_proj(hidden), module.gate_proj(hidden),
+                                                 module.position_bias, rate, overlap)
+    entries = module.kv_norm(pooled)
+    where = torch.arange(entries.shape[1], device=entries.device) * rate
+    cos, sin = module.rotary_emb(entries, position_ids=where.unsqueeze(0).expand(entries.shape[0], -1),
+                                 layer_type="compress")
+    return _rotate(hf, entries.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _canonical_forward(self, hidden_states, position_embeddings, position_ids, attention_mask=None, **_):
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    batch, seq, _ = hidden_states.shape
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_norm(self.q_b_proj(q_residual).view(batch, seq, -1, self.head_dim).transpose(1, 2))
+    q = _rotate(hf, q, cos, sin)
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, seq, 1, self.head_dim).transpose(1, 2)
+    kv = _rotate(hf, kv, cos, sin)
+    comp = self.compressor
+    indexer = getattr(comp, "indexer", None)
+    entries = _entries(hf, comp, hidden_states, overlap=indexer is not None)
+    selected = None
+    if indexer is not None:
+        keys = _entries(hf, indexer, hidden_states, overlap=True)
+        cos_i, sin_i = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type="compress")
+        iq = indexer.q_b_proj(q_residual).view(batch, seq, -1, indexer.head_dim).transpose(1, 2)
+        iq = _rotate(hf, iq, cos_i, sin_i).transpose(1, 2)  # [B, T, Hi, Di]
+        weights = indexer.scorer.weights_proj(hidden_states).float() * indexer.scorer.weights_scaling
+        selected = torch.ops.dcpgraph.compressed_topk(iq, weights, keys, position_ids,
+                                                      float(indexer.scorer.softmax_scale), int(indexer.compress_rate),
+                                                      int(indexer.index_topk))
+    out = torch.ops.dcpgraph.compressed_attention(q, kv, entries, position_ids, self.sinks, float(self.scaling),
+                                                  int(self.sliding_window), int(comp.compress_rate), selected)
+    out = _rotate(hf, out, cos, -sin).transpose(1, 2)  # [B, T, H, D]
+    grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
+    return self.o_b_proj(grouped), None
+
+
+@contextlib.contextmanager
+def canonical_compressed_layers(model: torch.nn.Module) -> Iterator[dict[int, str]]:
+    """Inside the block, every recognised compressed attention computes its canonical form;
+    yields layer index → layer type. The modules' own forwards are restored on exit."""
+    found = compressed_modules(model)
+    patched = []
+    try:
+        for _, module in found.values():
+            patched.append(module)
+            module.forward = types.MethodType(_canonical_forward, module)
+        yield {i: kind for i, (kind, _) in found.items()}
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def refuse_compiling_compressed_layers(model) -> None:
+    """``dcpgraph.compile`` of a V4 model (an ``nn.Module``, before it is traced, a traced
+    Program, or an HF config, before a checkpoint is opened): refused by name, before any pass
+    or collective, with what is missing (the trace itself is exact; the cached layer is not built
+    yet)."""
+    if isinstance(model, torch.nn.Module):
+        layers = sorted(compressed_modules(model))
+    elif hasattr(model, "facts"):
+        layers = sorted(model.facts.extra.get("compressed_layers") or {})
+    else:
+        types = getattr(model, "layer_types", None) or ()
+        layers = [i for i, kind in enumerate(types) if kind in COMPRESSED_LAYER_TYPES]
+    if layers:
+        raise UnsupportedModelError(
+            f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}: "
+            "dcpgraph.trace gives HF's logits with these layers as dcpgraph.compress_windows / compressed_topk / "
+            "compressed_attention, but dcpgraph.compile does not compile them at any tp or dcp yet: the paged "
+            "caches for the raw window, the compressed entries and the CSA indexer keys, the compressors' "
+            "open-window state slots and the cached forms of those ops are missing (so are the engine, "
+            "checkpoint loading, prefix caching, speculative decoding, P/D and fp8 caches with V4). The exact "
+            "DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")

@@ -103,6 +103,27 @@ MAMBA2_MESH_MODELS = {name: (lambda build=build: build(kv_heads=1, groups=4)) fo
 groups of B/C (so tp = 2 and tp = 4 both split the mixers by whole groups)."""
 
 
+def minimax(kv_heads: int = 1, heads: int = 4, block_size: int = 4) -> torch.nn.Module:
+    """Lightning attention, full attention, lightning attention, full attention (HF's default
+    pattern shifted to start linear: ``layer_types``), 4 heads of 8 in both kinds, a sparse MoE of 4
+    experts (top 2), HF's prefill block of ``block_size`` (so a prompt spans several blocks) and
+    residual factors other than 1 (``*_alpha_factor``/``*_beta_factor``), so all are exercised."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"] * 2, block_size=block_size,
+        linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
+        full_attn_beta_factor=0.8, mlp_alpha_factor=0.7, mlp_beta_factor=1.3,
+        initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.MiniMaxForCausalLM(config).eval()
+
+
+LIGHTNING_MESH_MODELS = {"minimax": minimax}
+"""MiniMax with one KV head (DCP has KV replication to remove up to dcp = tp) and 4 lightning heads
+(so tp = 2 and tp = 4 both split the lightning layers by heads)."""
+
+
 # -- one run through prefill chunks and a preemption --------------------------------------------
 PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
 NEW_TOKENS = 6

@@ -44,9 +44,23 @@ def qwen3_5(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
     return transformers.Qwen3_5ForCausalLM(config).eval()
 
 
+def olmo_hybrid(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
+    """olmo_hybrid: the separate-projection layout (``q/k/v/g/b/a_proj``, ``o_norm``, ``o_proj``,
+    ``β`` doubled by transformers' default ``linear_allow_neg_eigval``); 3 gated delta net layers
+    and one attention layer, as :func:`qwen3_next`'s dims."""
+    config = transformers.OlmoHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=kv_heads, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None,
+        pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.OlmoHybridForCausalLM(config).eval()
+
+
 MODELS = {"qwen3_next": qwen3_next, "lfm2": lfm2}
 MESH_MODELS = {"qwen3_next": lambda: qwen3_next(kv_heads=1, key_heads=4), "lfm2": lambda: lfm2(kv_heads=1),
-               "qwen3_5": qwen3_5}
+               "qwen3_5": qwen3_5, "olmo_hybrid": olmo_hybrid}
 """The same architectures with one KV head (so DCP has KV replication to remove up to dcp = tp)
 and, for the gated delta nets (qwen3_next, qwen3_5_text), 4 key heads / 8 value heads (so tp=4 splits the gated delta nets)."""
 

@@ -85,7 +85,7 @@ class RecurrentTPRule:
     param_rules: Callable[[object], dict[str, ShardRule]]
     sections: Callable[[object], tuple[int, ...] | None]
     pools: Callable[[object], dict[str, tuple[int, ...]]]
-    out_proj: str = "out_proj"
+    out_proj: tuple[str, ...] = ("out_proj",)
     weight_splits: Callable[[object], tuple[tuple[int, ...], ...]] = lambda s: ()
     buffers: tuple[str, ...] = ()
     anchor: tuple = (dcp_ops.causal_conv1d_.default, dcp_ops.causal_conv1d.default, 1)
@@ -106,14 +106,17 @@ def _gdn_sections(s: GatedDeltaNetShape) -> tuple[int, int, int]:
 def _gdn_param_rules(s: GatedDeltaNetShape) -> dict[str, ShardRule]:
     """Rows by key-head group: the fused ``in_proj_qkvz``/``in_proj_ba`` are laid out per key
     head (a contiguous ``1/tp`` of rows is a group of whole heads); ``[q | k | v]`` tensors by
-    section; ``A_log``/``dt_bias`` per value head; the per-head norm weight replicated;
+    section; OLMo-Hybrid's separate ``q/k/v/g/b/a_proj`` by rows (per head, ``o_norm``/``o_proj`` as
+    ``norm``/``out_proj``); ``A_log``/``dt_bias`` per value head; the per-head norm weight replicated;
     ``out_proj`` by input columns."""
     qkv = SectionShardRule(0, sections=_gdn_sections(s))
     rows = ShardRule(0)
+    olmo = {f"{name}.weight": rows for name in ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")}
     return {"in_proj_qkvz.weight": rows, "in_proj_ba.weight": rows, "in_proj_qkv.weight": qkv,
-            "in_proj_z.weight": rows, "in_proj_b.weight": rows, "in_proj_a.weight": rows,
+            "in_proj_z.weight": rows, "in_proj_b.weight": rows, "in_proj_a.weight": rows, **olmo,
             "conv1d.weight": qkv, "conv1d.bias": qkv, "A_log": rows, "dt_bias": rows,
-            "norm.weight": REPLICATE, "out_proj.weight": ShardRule(1)}
+            "norm.weight": REPLICATE, "o_norm.weight": REPLICATE, "out_proj.weight": ShardRule(1),
+            "o_proj.weight": ShardRule(1)}
 
 
 def _short_conv_shape(layer: RecurrentLayer, program: Program) -> ShortConvShape:
@@ -203,7 +206,7 @@ def _average_norm_over_ranks(graph: torch.fx.Graph, layer: RecurrentLayer, tp: i
 TP_RULES: dict[str, RecurrentTPRule] = {
     "gated delta net": RecurrentTPRule(
         conv_weight="conv1d.weight", shape=_gdn_shape, units=lambda s: s.key_heads, param_rules=_gdn_param_rules,
-        sections=_gdn_sections,
+        sections=_gdn_sections, out_proj=("out_proj", "o_proj"),
         pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "recurrent_state": s.recurrent_state_shape(1)[1:]}),
     "short convolution": RecurrentTPRule(
         conv_weight="conv.weight", shape=_short_conv_shape, units=lambda s: s.channels,
@@ -317,11 +320,12 @@ def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTP
         if not any(n.args[0] is layer.conv for n in splits):
             raise VerificationError(f"recurrent layer {layer.index}: no split of the conv output into sections "
                                     f"{list(sections)}")
-    out_weight = layer.params.get(f"{rule.out_proj}.weight")
+    out_weight = next((layer.params[f"{name}.weight"] for name in rule.out_proj
+                       if f"{name}.weight" in layer.params), None)
     linears = [n for n in nodes_calling(graph, aten.linear.default)
                if out_weight is not None and n.args[1].name == out_weight.name]
     if len(linears) != 1:
-        raise VerificationError(f"recurrent layer {layer.index}: expected one {rule.out_proj} linear, found {len(linears)}")
+        raise VerificationError(f"recurrent layer {layer.index}: expected one {'/'.join(rule.out_proj)} linear, found {len(linears)}")
     _row_parallel(graph, linears[0])
     if rule.rewrite is not None:
         rule.rewrite(graph, layer, tp)

@@ -44,6 +44,7 @@ def test_trace_gives_hf_logits_and_names_the_lightning_layers(traced):
     torch.testing.assert_close(_run(program, ids), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # ~10 s; the default tier's tp2·dcp2 run also goes through a preemption
 def test_tp1_gives_hf_greedy_tokens_through_prefill_chunks_and_a_preemption(traced):
     model, program = traced
     engine = run_through_preemption(model, program)

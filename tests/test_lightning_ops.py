@@ -126,3 +126,17 @@ def test_an_unsupported_activation_is_refused_by_name():
     module.act_fn = torch.nn.GELU()
     with pytest.raises(Exception, match=r"qkv activation GELU is not supported; supported: silu"):
         canonical_weights(module)
+
+
+def test_kv_state_bytes_formula_by_hand():
+    """MiniMax-Text-01's lightning attention (H 64, D 128) at tp 8: 8·128·128·4 = 524,288 B per
+    request per layer per rank, fp32 whatever the model dtype; tp 3 does not divide 64 heads."""
+    from dcpgraph.errors import ConfigError
+    from dcpgraph.recurrent_state import LightningAttentionShape
+
+    shape = LightningAttentionShape(64, 128)
+    assert shape.state_bytes_per_request(torch.bfloat16, 8) == 524_288
+    assert shape.state_bytes_per_request(torch.bfloat16) == 8 * 524_288
+    assert shape.on_rank(3) is shape and shape.kv_state_shape(2) == (2, 64, 128, 128)
+    with pytest.raises(ConfigError, match="lightning attention head_dim must be a positive int, got 0"):
+        LightningAttentionShape(4, 0)

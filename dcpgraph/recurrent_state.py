@@ -1,4 +1,7 @@
-"""Recurrent-state layout of a gated delta net (GDN) layer: shapes, TP split and bytes per request.
+"""Recurrent-state layouts of hybrid layers: shapes, TP split and bytes per request.
+
+One shape class per recurrent kind: :class:`GatedDeltaNetShape` (below), :class:`ShortConvShape`,
+:class:`Mamba2Shape` and :class:`LightningAttentionShape`, each with its own byte formula.
 
 A GDN layer (HF ``qwen3_next``'s ``Qwen3NextGatedDeltaNet``) keeps two tensors per request, in
 per-layer pools indexed by the request's state slot (``S`` slots):

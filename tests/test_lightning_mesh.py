@@ -103,3 +103,31 @@ def test_minimax_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     report = engine.memory_report()
     assert report["recurrent_state_bytes_per_request"] == 2 * SHAPE.state_bytes_per_request(torch.float32, tp=tp)
     assert tp * report["recurrent_state_bytes_per_request"] == 2 * SHAPE.state_bytes_per_request(torch.float32)
+
+
+@pytest.mark.slow  # a checkpoint written, loaded, and served by two worker processes (~60-200 s)
+def test_minimax_checkpoint_served_by_llm_gives_hf_greedy_tokens(tmp_path):
+    """From ``save_pretrained``'s files: each lightning layer's ``slope_rate`` (whose layer factor
+    differs per layer) loads with HF's values, and ``LLM`` at tp=2·dcp=2 gives HF's tokens."""
+    from dcpgraph import LLM, SamplingParams
+    from dcpgraph.checkpoints.loader import load_program
+    from dcpgraph.program import STATE_KINDS
+    from dcpgraph.testing.checkpoints import tiny_tokenizer
+
+    model = minimax()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    program = load_program(str(tmp_path), "float32")
+    specs = [s for s in program.inputs if s.kind in STATE_KINDS]
+    loaded = dict(zip((s.target for s in specs), program.local_state(0)))
+    slopes = [f"model.layers.{i}.self_attn.slope_rate" for i in LIGHTNING_LAYERS]
+    buffers = dict(model.named_buffers())
+    assert all(torch.equal(loaded[name], buffers[name]) for name in slopes)
+    assert not torch.equal(buffers[slopes[0]], buffers[slopes[1]])
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    with LLM(str(tmp_path), dtype="float32", max_model_len=64, tensor_parallel_size=2, decode_context_parallel_size=2,
+             block_size=4, max_num_batched_tokens=8, worker_timeout_s=300) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert llm.engine.report()["executor"] == "driver"

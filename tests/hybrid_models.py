@@ -1,6 +1,7 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
-``test_mamba2_layer``, ``test_e2e_mamba2``), as transformers builds them by default.
+``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``),
+as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -163,7 +164,8 @@ def run_through_preemption(model: torch.nn.Module, program):
 
 def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
-    ``family`` (:data:`MESH_MODELS` or :data:`MAMBA2_MESH_MODELS`), as ``LLM``/``serve`` run it:
+    ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS` or :data:`LIGHTNING_MESH_MODELS`), as
+    ``LLM``/``serve`` run it:
     rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
     of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
     memory report; every rank returns its state pools' shapes."""

@@ -140,3 +140,43 @@ def test_kv_state_bytes_formula_by_hand():
     assert shape.on_rank(3) is shape and shape.kv_state_shape(2) == (2, 64, 128, 128)
     with pytest.raises(ConfigError, match="lightning attention head_dim must be a positive int, got 0"):
         LightningAttentionShape(4, 0)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16), first=st.integers(1, 9), second=st.integers(1, 9), chunk=st.integers(1, 6),
+       layer_idx=st.integers(0, 2))
+def test_layer_matches_hf_module_with_several_requests_in_one_step(seed, first, second, chunk, layer_idx):
+    """Two requests of ``first + 3`` and ``second + 3`` tokens share every step with a padding row
+    (slot −1): their prompts first (both new), then chunks of at most ``chunk`` tokens, until each
+    is done; each request's rows equal HF's block-wise forward over its whole sequence, and the
+    slots hold HF's final linear cache."""
+    module = _hf_module(layer_idx)
+    weights = canonical_weights(module)
+    gen = torch.Generator().manual_seed(seed)
+    xs = {2: torch.randn(first + 3, 16, generator=gen), 0: torch.randn(second + 3, 16, generator=gen)}
+    with torch.no_grad():
+        want, caches = {}, {}
+        for slot, x in xs.items():
+            caches[slot] = hf.MiniMaxCache()
+            want[slot] = module(x[None], None, None, cache=caches[slot])[0][0]
+        states = torch.full((3, 2, 4, 4), float("nan"))  # a new request must not read its slot's contents
+        done, got = {2: 0, 0: 0}, {2: [], 0: []}
+        sizes = {2: first, 0: second}
+        pad = torch.randn(2, 16, generator=gen)
+        while any(done[s] < len(xs[s]) for s in xs):
+            rows = [(s, done[s], xs[s][done[s]:done[s] + sizes[s]]) for s in xs if done[s] < len(xs[s])]
+            rows.append((-1, 0, pad))
+            cu = [0]
+            for _, _, x in rows:
+                cu.append(cu[-1] + x.shape[0])
+            out = lightning_attention_layer(weights, torch.cat([x for _, _, x in rows]), states,
+                                            torch.tensor([s for s, _, _ in rows]), torch.tensor(cu, dtype=torch.int32),
+                                            torch.tensor([c for _, c, _ in rows], dtype=torch.int32))
+            for i, (slot, _, x) in enumerate(rows[:-1]):
+                got[slot].append(out[cu[i]:cu[i + 1]])
+                done[slot] += x.shape[0]
+                sizes[slot] = chunk
+    for slot in xs:
+        torch.testing.assert_close(torch.cat(got[slot]), want[slot], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(states[slot], caches[slot].linear_cache[layer_idx][0], rtol=1e-4, atol=1e-5)
+    assert torch.isnan(states[1]).all()  # the unused slot, and padding wrote nothing

@@ -11,8 +11,8 @@ traced sequence, from a zero state. The traced forward is one causal sequence, s
 
 A config layer type that keeps recurrent state (``linear_attention``, ``conv``, ``hybrid``) is
 accepted only where the decoder layer holds a module recognised here
-(:func:`unrecognised_recurrent_layers`); any other (Mamba-1, Kimi delta attention, OLMo-Hybrid's
-gated delta net…) stays refused by name. Attention-free ``mlp``/``moe`` layers (nemotron_h) are
+(:func:`unrecognised_recurrent_layers`); any other (Mamba-1, Kimi delta attention…) stays
+refused by name. Attention-free ``mlp``/``moe`` layers (nemotron_h) are
 accepted where the decoder layer provably holds no state (:func:`stateless_layers`).
 """
 

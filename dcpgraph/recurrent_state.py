@@ -1,4 +1,7 @@
-"""Recurrent-state layout of a gated delta net (GDN) layer: shapes, TP split and bytes per request.
+"""Recurrent-state layouts of hybrid layers: shapes, TP split and bytes per request.
+
+One shape class per recurrent kind: :class:`GatedDeltaNetShape` (below), :class:`ShortConvShape`,
+:class:`Mamba2Shape` and :class:`LightningAttentionShape`, each with its own byte formula.
 
 A GDN layer (HF ``qwen3_next``'s ``Qwen3NextGatedDeltaNet``) keeps two tensors per request, in
 per-layer pools indexed by the request's state slot (``S`` slots):
@@ -182,6 +185,38 @@ class Mamba2Shape:
         local = self.on_rank(tp)
         conv = (local.conv_kernel - 1) * local.conv_channels * torch.empty((), dtype=model_dtype).element_size()
         return conv + local.heads * local.head_dim * local.state_size * RECURRENT_STATE_DTYPE.itemsize
+
+@dataclass(frozen=True)
+class LightningAttentionShape:
+    """One lightning-attention layer (HF ``minimax``'s ``MiniMaxLightningAttention``): ``heads`` H
+    of ``head_dim`` D. Per request it keeps only the fp32 kv state ``[H_r, D, D]`` (HF's linear
+    cache holds the same tensor), no conv state::
+
+        kv_bytes = H_r · D · D · 4,      H_r = H/tp where tp divides H, else H (replicated)
+    """
+
+    heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        require_positive_ints(self, "lightning attention")
+
+    def splits_over(self, tp: int) -> bool:
+        return self.heads % tp == 0
+
+    def on_rank(self, tp: int) -> LightningAttentionShape:
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        return LightningAttentionShape(self.heads // tp, self.head_dim) if self.splits_over(tp) else self
+
+    def kv_state_shape(self, slots: int) -> tuple[int, int, int, int]:
+        return (slots, self.heads, self.head_dim, self.head_dim)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes of one request's kv state on one rank (fp32 whatever ``model_dtype``)."""
+        local = self.on_rank(tp)
+        return local.heads * local.head_dim * local.head_dim * RECURRENT_STATE_DTYPE.itemsize
+
 
 def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
     """Features that would need recurrent ``layers``' state at a point it is not kept, refused by

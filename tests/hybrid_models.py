@@ -1,6 +1,7 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
-``test_mamba2_layer``, ``test_e2e_mamba2``), as transformers builds them by default.
+``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``),
+as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -44,9 +45,23 @@ def qwen3_5(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
     return transformers.Qwen3_5ForCausalLM(config).eval()
 
 
+def olmo_hybrid(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
+    """olmo_hybrid: the separate-projection layout (``q/k/v/g/b/a_proj``, ``o_norm``, ``o_proj``,
+    ``β`` doubled by transformers' default ``linear_allow_neg_eigval``); 3 gated delta net layers
+    and one attention layer, as :func:`qwen3_next`'s dims."""
+    config = transformers.OlmoHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=kv_heads, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None,
+        pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.OlmoHybridForCausalLM(config).eval()
+
+
 MODELS = {"qwen3_next": qwen3_next, "lfm2": lfm2}
 MESH_MODELS = {"qwen3_next": lambda: qwen3_next(kv_heads=1, key_heads=4), "lfm2": lambda: lfm2(kv_heads=1),
-               "qwen3_5": qwen3_5}
+               "qwen3_5": qwen3_5, "olmo_hybrid": olmo_hybrid}
 """The same architectures with one KV head (so DCP has KV replication to remove up to dcp = tp)
 and, for the gated delta nets (qwen3_next, qwen3_5_text), 4 key heads / 8 value heads (so tp=4 splits the gated delta nets)."""
 
@@ -103,6 +118,27 @@ MAMBA2_MESH_MODELS = {name: (lambda build=build: build(kv_heads=1, groups=4)) fo
 groups of B/C (so tp = 2 and tp = 4 both split the mixers by whole groups)."""
 
 
+def minimax(kv_heads: int = 1, heads: int = 4, block_size: int = 4) -> torch.nn.Module:
+    """Lightning attention, full attention, lightning attention, full attention (HF's default
+    pattern shifted to start linear: ``layer_types``), 4 heads of 8 in both kinds, a sparse MoE of 4
+    experts (top 2), HF's prefill block of ``block_size`` (so a prompt spans several blocks) and
+    residual factors other than 1 (``*_alpha_factor``/``*_beta_factor``), so all are exercised."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"] * 2, block_size=block_size,
+        linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
+        full_attn_beta_factor=0.8, mlp_alpha_factor=0.7, mlp_beta_factor=1.3,
+        initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.MiniMaxForCausalLM(config).eval()
+
+
+LIGHTNING_MESH_MODELS = {"minimax": minimax}
+"""MiniMax with one KV head (DCP has KV replication to remove up to dcp = tp) and 4 lightning heads
+(so tp = 2 and tp = 4 both split the lightning layers by heads)."""
+
+
 # -- one run through prefill chunks and a preemption --------------------------------------------
 PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
 NEW_TOKENS = 6
@@ -128,7 +164,8 @@ def run_through_preemption(model: torch.nn.Module, program):
 
 def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
-    ``family`` (:data:`MESH_MODELS` or :data:`MAMBA2_MESH_MODELS`), as ``LLM``/``serve`` run it:
+    ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS` or :data:`LIGHTNING_MESH_MODELS`), as
+    ``LLM``/``serve`` run it:
     rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
     of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
     memory report; every rank returns its state pools' shapes."""

@@ -1,5 +1,5 @@
 """A whole gated delta net layer (canonical weights + the state ops) against HF's own module
-(qwen3_next's fused and qwen3_5's split projections): prompts split into prefill chunks and
+(qwen3_next's fused, qwen3_5's split and olmo_hybrid's separate projections with β doubled): prompts split into prefill chunks and
 decode steps that carry the state, several requests in one step, and TP shares that sum to the
 layer's output with 1/tp of the state bytes (or the whole layer where tp does not divide the
 key heads)."""
@@ -14,7 +14,8 @@ from dcpgraph.recurrent_state import GatedDeltaNetShape
 
 next_modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 q35_modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-from transformers import Qwen3NextConfig  # noqa: E402
+olmo_modeling = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
+from transformers import OlmoHybridConfig, Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig  # noqa: E402
 
 DIMS = dict(hidden_size=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -26,11 +27,16 @@ def _module(layout: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if layout == "qwen3_next":
         module = next_modeling.Qwen3NextGatedDeltaNet(Qwen3NextConfig(**DIMS), layer_idx=0)
-    else:
+    elif layout == "qwen3_5":
         module = q35_modeling.Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**DIMS), layer_idx=0)
+    else:
+        config = OlmoHybridConfig(**{**DIMS, "num_hidden_layers": 2,  # it needs an attention layer
+                                     "layer_types": ["linear_attention", "full_attention"]})
+        module = olmo_modeling.OlmoHybridGatedDeltaNet(config, layer_idx=0)
+        assert module.allow_neg_eigval  # transformers' default: β doubled
     with torch.no_grad():  # HF's init leaves dt_bias and the norm at ones: make them count
         module.dt_bias.normal_()
-        module.norm.weight.normal_()
+        (module.o_norm if layout == "olmo_hybrid" else module.norm).weight.normal_()
     return module.eval()
 
 
@@ -55,7 +61,7 @@ def _step(w, pools, rows):
     return [out[cu[i]: cu[i + 1]] for i in range(len(rows))]
 
 
-@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5", "olmo_hybrid"])
 def test_layer_matches_hf_across_prefill_chunks_and_decode_steps(layout):
     """Two requests of 19 and 11 tokens: prefill chunks of at most 8 tokens, then decode steps,
     batched in shared steps; every output row equals HF's forward over the whole sequence."""
@@ -83,7 +89,7 @@ def test_layer_matches_hf_across_prefill_chunks_and_decode_steps(layout):
     assert torch.isnan(pools[0][1]).all() and torch.isnan(pools[1][1]).all()  # slot 1 never used
 
 
-@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5", "olmo_hybrid"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shares_sum_to_hf_with_state_bytes_per_formula(layout, tp):
     """tp=2 splits the 2 key heads (each rank: 1 key head, 2 value heads, its conv channels):

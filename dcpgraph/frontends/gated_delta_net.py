@@ -1,12 +1,15 @@
 """Gated delta net layers of HF models as canonical weights, and their TP split by head groups.
 
-Two HF layouts are recognised structurally (by their parameters, not their class names):
+Three HF layouts are recognised structurally (by their parameters, not their class names):
 
 - ``qwen3_next`` (``Qwen3NextGatedDeltaNet``): fused ``in_proj_qkvz [Hk·(2Dk + 2rDv), H]`` laid
   out per key head ``[q_h | k_h | v_h (r heads) | z_h (r heads)]`` and ``in_proj_ba [Hk·2r, H]``
   per key head ``[b_h (r) | a_h (r)]``, ``r = Hv/Hk``;
 - ``qwen3_5`` (``Qwen3_5GatedDeltaNet``): ``in_proj_qkv [2·Hk·Dk + Hv·Dv, H]`` as
-  ``[q | k | v]``, and separate ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+  ``[q | k | v]``, and separate ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
+- ``olmo_hybrid`` (``OlmoHybridGatedDeltaNet``): separate ``q_proj``, ``k_proj``, ``v_proj``, the
+  gate ``g_proj`` (qwen's ``z``), ``b_proj``, ``a_proj``, the output ``o_proj`` and its gated norm
+  ``o_norm``; with ``allow_neg_eigval`` it doubles ``β`` (range ``[0, 2]``).
 
 Both become :class:`~dcpgraph.ops.gated_delta_layer.GatedDeltaNetWeights`, whose value heads are
 numbered ``h = key_head·r + j`` in both layouts, so the split is the same: rank ``i`` of ``tp``
@@ -30,14 +33,18 @@ from ..recurrent_state import GatedDeltaNetShape
 FUSED_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")
 SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
+OLMO_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")
+OLMO_COMMON = ("conv1d", "A_log", "dt_bias", "o_norm", "o_proj")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def is_gated_delta_net(module: torch.nn.Module) -> bool:
     """Whether ``module`` has a recognised GDN layout's parameters."""
-    has = all(hasattr(module, name) for name in COMMON)
-    return has and (all(hasattr(module, n) for n in FUSED_PROJECTIONS)
-                    or all(hasattr(module, n) for n in SPLIT_PROJECTIONS))
+    def has(names) -> bool:
+        return all(hasattr(module, n) for n in names)
+
+    return (has(COMMON) and (has(FUSED_PROJECTIONS) or has(SPLIT_PROJECTIONS))
+            or has(OLMO_COMMON) and has(OLMO_PROJECTIONS))
 
 
 def shape_of(module: torch.nn.Module) -> GatedDeltaNetShape:
@@ -53,7 +60,7 @@ def canonical_weights(module: torch.nn.Module) -> GatedDeltaNetWeights:
     if not is_gated_delta_net(module):
         raise UnsupportedModelError(
             f"{where}: not a recognised gated delta net layout (needs {list(COMMON)} and either "
-            f"{list(FUSED_PROJECTIONS)} or {list(SPLIT_PROJECTIONS)})")
+            f"{list(FUSED_PROJECTIONS)} or {list(SPLIT_PROJECTIONS)}, or {list(OLMO_COMMON + OLMO_PROJECTIONS)})")
     if getattr(module, "activation", None) not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedModelError(f"{where}: conv activation {getattr(module, 'activation', None)!r} is not "
                                     f"supported; supported: {list(SUPPORTED_ACTIVATIONS)}")
@@ -66,20 +73,27 @@ def canonical_weights(module: torch.nn.Module) -> GatedDeltaNetWeights:
         b, a = module.in_proj_ba.weight.view(-1, 2 * r, hidden).split([r, r], dim=1)
         w_q, w_k, w_v, w_z = (t.reshape(-1, hidden) for t in (q, k, v, z))
         w_b, w_a = b.reshape(-1, hidden), a.reshape(-1, hidden)
-    else:
+        projections = (module.in_proj_qkvz, module.in_proj_ba)
+    elif hasattr(module, "in_proj_qkv"):
         w_q, w_k, w_v = module.in_proj_qkv.weight.split([hk * dk, hk * dk, hv * dv], dim=0)
         w_z, w_b, w_a = module.in_proj_z.weight, module.in_proj_b.weight, module.in_proj_a.weight
-    if getattr(module.in_proj_qkvz if hasattr(module, "in_proj_qkvz") else module.in_proj_qkv, "bias", None) is not None:
+        projections = (module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a)
+    else:
+        projections = tuple(getattr(module, name) for name in OLMO_PROJECTIONS)
+        w_q, w_k, w_v, w_z, w_b, w_a = (p.weight for p in projections)
+    if any(getattr(p, "bias", None) is not None for p in projections):
         raise UnsupportedModelError(f"{where}: projection biases are not supported")
     conv = module.conv1d
+    norm = module.norm if hasattr(module, "norm") else module.o_norm
+    out_proj = module.out_proj if hasattr(module, "out_proj") else module.o_proj
     return GatedDeltaNetWeights(
         key_heads=hk, value_heads=hv, key_dim=dk, value_dim=dv,
         w_q=w_q.contiguous(), w_k=w_k.contiguous(), w_v=w_v.contiguous(), w_z=w_z.contiguous(),
         w_b=w_b.contiguous(), w_a=w_a.contiguous(),
         conv_weight=conv.weight.squeeze(1), conv_bias=conv.bias,
         a_log=module.A_log, dt_bias=module.dt_bias,
-        norm_weight=module.norm.weight, norm_eps=float(module.norm.variance_epsilon),
-        out_proj=module.out_proj.weight,
+        norm_weight=norm.weight, norm_eps=float(norm.variance_epsilon), out_proj=out_proj.weight,
+        beta_scale=2.0 if getattr(module, "allow_neg_eigval", False) else 1.0,
     )
 
 

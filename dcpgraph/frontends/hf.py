@@ -315,7 +315,8 @@ def trace_hf(model: torch.nn.Module, example_inputs=None, max_tokens: int = 1 <<
     program = finish(export_program(model, example_inputs, max_tokens))
     facts = program.facts
     kinds = (torch.ops.dcpgraph.attention.default, torch.ops.dcpgraph.sparse_attention.default,
-             torch.ops.dcpgraph.causal_conv1d.default,  # one conv per recurrent layer of either kind
+             torch.ops.dcpgraph.causal_conv1d.default,  # one conv per conv-carrying recurrent layer
+             torch.ops.dcpgraph.lightning_attention.default,
              torch.ops.dcpgraph.compressed_attention.default)
     layers = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in kinds]
     layers += facts.extra.get("stateless_layers") or []  # attention-free MLP/MoE layers (nemotron_h)

@@ -1,6 +1,6 @@
 """Canonical ops (``torch.ops.dcpgraph.*``) and their Python entry points."""
 
-from . import gated_delta, library, mamba2
+from . import gated_delta, library, lightning_attention, mamba2
 from .library import (
     attention,
     kv_cache_write_,
@@ -16,6 +16,7 @@ __all__ = [
     "gated_delta",
     "kv_cache_write_",
     "library",
+    "lightning_attention",
     "mamba2",
     "merge_attention",
     "merge_weights",

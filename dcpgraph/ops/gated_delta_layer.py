@@ -3,10 +3,11 @@
 Canonical weights (:class:`GatedDeltaNetWeights`, one rank's share): separate projections
 ``w_q, w_k [Hk·Dk, H]``, ``w_v, w_z [Hv·Dv, H]``, ``w_b, w_a [Hv, H]``, the depthwise conv
 ``conv_weight [C, K]`` over channels ``[q | k | v]``, per value head ``a_log, dt_bias [Hv]``, the
-gated norm's ``norm_weight [Dv]`` and ``out_proj [H, Hv·Dv]``. For hidden states ``x [T, H]``::
+gated norm's ``norm_weight [Dv]``, ``out_proj [H, Hv·Dv]`` and ``beta_scale`` (2 where OLMo-Hybrid's
+``allow_neg_eigval`` lets ``β`` reach 2, else 1). For hidden states ``x [T, H]``::
 
     q, k, v = conv(x w_qᵀ | x w_kᵀ | x w_vᵀ)                      (causal_conv1d_, SiLU)
-    g = −exp(a_log) · softplus(x w_aᵀ + dt_bias),  β = σ(x w_bᵀ)
+    g = −exp(a_log) · softplus(x w_aᵀ + dt_bias),  β = beta_scale · σ(x w_bᵀ)
     o = gated_delta_rule_(q, k, v, g, β)                          (per value head)
     y = (rms_norm(o) · norm_weight · silu(x w_zᵀ)) out_projᵀ      (norm over Dv, per head)
 
@@ -47,6 +48,7 @@ class GatedDeltaNetWeights:
     norm_weight: torch.Tensor
     norm_eps: float
     out_proj: torch.Tensor
+    beta_scale: float = 1.0
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,6 +98,8 @@ def gated_delta_net_with(w: GatedDeltaNetWeights, hidden: torch.Tensor, conv, ru
     k = k.reshape(tokens, -1, w.key_dim)
     v = v.reshape(tokens, -1, w.value_dim)
     beta = torch.sigmoid(F.linear(hidden, w.w_b))
+    if w.beta_scale != 1.0:
+        beta = beta * w.beta_scale
     g = -w.a_log.float().exp() * F.softplus(F.linear(hidden, w.w_a).float() + w.dt_bias)
     o = rule(q, k, v, g, beta)
     z = F.linear(hidden, w.w_z).reshape(tokens, -1, w.value_dim)

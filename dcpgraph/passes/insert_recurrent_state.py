@@ -10,9 +10,11 @@ step's varlen rows::
                                                              state_slots, cu_seqlens_q, context_lens, C)
     mamba2_scan(x, dt, A, B, C, D, b, lo, hi, L) → mamba2_scan_(x, dt, A, B, C, D, b, ssm_state_i, state_slots,
                                                                  cu_seqlens_q, context_lens, lo, hi, L)
+    lightning_attention(q, k, v, s, L)   → lightning_attention_(q, k, v, s, kv_state_i, state_slots,
+                                                                 cu_seqlens_q, context_lens, L)
 
 ``conv_state_i [slots, C, K−1]`` (model dtype), ``recurrent_state_i [slots, Hv, Dk, Dv]`` and
-``ssm_state_i [slots, H, P, N]`` (fp32) are program state like the KV caches: placeholders of kind ``recurrent``, returned as
+``ssm_state_i [slots, H, P, N]``, ``kv_state_i [slots, H, D, D]`` (fp32) are program state like the KV caches: placeholders of kind ``recurrent``, returned as
 outputs, written in place. ``state_slots [R]`` is a new per-step input (the request's slot, −1
 for padding rows); a row with ``context_lens == 0`` starts from a zero state, so a prompt split
 into prefill chunks and its decode steps carry the state, and a recomputed request restarts it.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import VerificationError
+from ..ops import lightning_attention as _lightning_ops  # noqa: F401  (registers dcpgraph.lightning_attention)
 from ..ops import mamba2 as _mamba2_ops  # noqa: F401  (registers dcpgraph.mamba2_scan)
 from ..program import META, RECURRENT, InputSpec, Program, RecurrentStateSpec
 from ..recurrent_state import RECURRENT_STATE_DTYPE
@@ -31,7 +34,9 @@ from .graph_edit import add_placeholders, nodes_calling, output_node
 from .manager import holds, program_pass
 
 dcp_ops = torch.ops.dcpgraph
-CANONICAL_RECURRENT = (dcp_ops.causal_conv1d.default, dcp_ops.gated_delta_rule.default, dcp_ops.mamba2_scan.default)
+CANONICAL_RECURRENT = (dcp_ops.causal_conv1d.default, dcp_ops.gated_delta_rule.default, dcp_ops.mamba2_scan.default,
+                       dcp_ops.lightning_attention.default)
+CONV_FREE_KINDS = ("lightning attention",)  # recurrent kinds without a causal conv
 SLOTS_ROLE = "state_slots"
 
 
@@ -44,7 +49,8 @@ def _canonical_recurrent(program: Program) -> list:
     return [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in CANONICAL_RECURRENT]
 
 
-HAS_RECURRENT = holds("canonical causal_conv1d / gated_delta_rule / mamba2_scan nodes (traced recurrent layers)",
+HAS_RECURRENT = holds("canonical causal_conv1d / gated_delta_rule / mamba2_scan / lightning_attention nodes "
+                      "(traced recurrent layers)",
                       lambda p: bool(_canonical_recurrent(p)))
 HAS_STEP_METADATA = holds("the 'cu_seqlens_q' and 'context_lens' inputs (insert_kv_cache)",
                           lambda p: {"cu_seqlens_q", "context_lens"} <= {s.name for s in p.inputs})
@@ -61,17 +67,22 @@ def _no_canonical_recurrent_left(program: Program) -> None:
 def insert_recurrent_state(program: Program):
     gm = program.copy_graph()
     graph = gm.graph
-    layers = sorted(recurrent_layers(program))
+    kinds = recurrent_layers(program)
+    layers = sorted(i for i in kinds if kinds[i] not in CONV_FREE_KINDS)  # one conv each
     convs = nodes_calling(graph, dcp_ops.causal_conv1d.default)
     rules = nodes_calling(graph, dcp_ops.gated_delta_rule.default)
     gdn_layers = [i for i in layers if recurrent_layers(program)[i] == "gated delta net"]
     scans = nodes_calling(graph, dcp_ops.mamba2_scan.default)
     mamba2_layers = [i for i in layers if recurrent_layers(program)[i] == "mamba2"]
-    if len(convs) != len(layers) or len(rules) != len(gdn_layers) or len(scans) != len(mamba2_layers):
+    lightnings = nodes_calling(graph, dcp_ops.lightning_attention.default)
+    lightning_layers = sorted(i for i in kinds if kinds[i] == "lightning attention")
+    if (len(convs) != len(layers) or len(rules) != len(gdn_layers) or len(scans) != len(mamba2_layers)
+            or len(lightnings) != len(lightning_layers)):
         raise VerificationError(
-            f"insert_recurrent_state: {len(convs)} convolutions, {len(rules)} delta rules and {len(scans)} Mamba-2 "
-            f"scans for recurrent layers {recurrent_layers(program)} (one convolution per layer, one rule per "
-            "gated delta net, one scan per Mamba-2 mixer)")
+            f"insert_recurrent_state: {len(convs)} convolutions, {len(rules)} delta rules, {len(scans)} Mamba-2 "
+            f"scans and {len(lightnings)} lightning attentions for recurrent layers {kinds} (one convolution per "
+            "layer of a conv-carrying kind, one rule per gated delta net, one scan per Mamba-2 mixer, one "
+            "lightning attention per lightning layer)")
     specs: list[RecurrentStateSpec] = []
     for layer, conv in zip(layers, convs):
         channels, kernel = conv.args[1].meta["val"].shape
@@ -85,6 +96,10 @@ def insert_recurrent_state(program: Program):
         x, b = scan.args[0].meta["val"], scan.args[3].meta["val"]
         specs.append(RecurrentStateSpec(f"ssm_state_{layer}", layer, "ssm_state",
                                         (int(x.shape[1]), int(x.shape[2]), int(b.shape[-1])), RECURRENT_STATE_DTYPE))
+    for layer, node in zip(lightning_layers, lightnings):
+        q, v = node.args[0].meta["val"], node.args[2].meta["val"]
+        specs.append(RecurrentStateSpec(f"kv_state_{layer}", layer, "kv_state",
+                                        (int(q.shape[1]), int(q.shape[2]), int(v.shape[2])), RECURRENT_STATE_DTYPE))
     pools = add_placeholders(graph, [s.name for s in specs] + [SLOTS_ROLE])
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     slots, cu, context = pools[-1], by_name["cu_seqlens_q"], by_name["context_lens"]
@@ -113,6 +128,14 @@ def insert_recurrent_state(program: Program):
         new.meta = dict(scan.meta)
         scan.replace_all_uses_with(new)
         graph.erase_node(scan)
+    for layer, node in zip(lightning_layers, lightnings):
+        q, k, v, slope, block = node.args
+        with graph.inserting_before(node):
+            new = graph.call_function(dcp_ops.lightning_attention_.default,
+                                      (q, k, v, slope, by_name[f"kv_state_{layer}"], slots, cu, context, block))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
@@ -121,4 +144,4 @@ def insert_recurrent_state(program: Program):
     inputs = [*program.inputs, *(InputSpec(s.name, RECURRENT, s.role) for s in specs),
               InputSpec(SLOTS_ROLE, META, SLOTS_ROLE)]
     result = program.replace(graph_module=gm, inputs=tuple(inputs), recurrent_states=tuple(specs))
-    return result, f"{len(layers)} recurrent layers -> state pools ({len(specs)} pools, one slot per request)"
+    return result, f"{len(kinds)} recurrent layers -> state pools ({len(specs)} pools, one slot per request)"

@@ -29,8 +29,15 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
+from ..ops import gated_delta as _gated_delta_ops  # noqa: F401  (registers the anchors' ops)
+from ..ops import lightning_attention as _lightning_ops  # noqa: F401
 from ..program import BUFFER, PARAM, REPLICATE, InputSpec, Program, RecurrentStateSpec, ShardRule
-from ..recurrent_state import GatedDeltaNetShape, Mamba2Shape, ShortConvShape
+from ..recurrent_state import (
+    GatedDeltaNetShape,
+    LightningAttentionShape,
+    Mamba2Shape,
+    ShortConvShape,
+)
 from . import collectives as coll
 from .graph_edit import Emitter, nodes_calling
 from .manager import program_pass, ran
@@ -38,33 +45,39 @@ from .tp_styles import SectionShardRule
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
-CONV_ARGS_POOL, RULE_ARGS_POOL, SCAN_ARGS_POOL = 3, 5, 7  # the pool argument of causal_conv1d_ / gated_delta_rule_ / mamba2_scan_
+# the pool argument of causal_conv1d_ / gated_delta_rule_ / mamba2_scan_ / lightning_attention_
+CONV_ARGS_POOL, RULE_ARGS_POOL, SCAN_ARGS_POOL, LIGHTNING_ARGS_POOL = 3, 5, 7, 4
 
 
 @dataclass
 class RecurrentLayer:
     """One traced recurrent layer: its decoder index, kind, module prefix (``model.layers.0.linear_attn.``),
-    parameter specs by suffix, its stateful conv node and its state-space node (a gated delta
-    net's delta rule, a Mamba-2 mixer's scan; ``None`` for a short convolution)."""
+    parameter specs by suffix, its stateful conv node (``None`` for a kind without one: lightning
+    attention) and its state-space node (a gated delta net's delta rule, a Mamba-2 mixer's scan,
+    a lightning attention; ``None`` for a short convolution)."""
 
     index: int
     kind: str
     prefix: str
     params: dict[str, InputSpec]
-    conv: torch.fx.Node
+    conv: torch.fx.Node | None
     rule: torch.fx.Node | None
 
 
 @dataclass(frozen=True)
 class RecurrentTPRule:
-    """How one recurrent kind splits over TP. ``shape(layer, program)`` gives the layer's shape object
+    """How one recurrent kind splits over TP. ``conv_weight``: the parameter suffix that names the
+    layer's module, read by argument ``anchor[2]`` of its stateful op ``anchor[0]`` (its canonical
+    form ``anchor[1]``), whose pool is ``<anchor_pool>_<layer>``: the conv weight of a conv-carrying
+    kind, lightning attention's ``slope_rate``. ``shape(layer, program)`` gives the layer's shape object
     (``units``: what ``tp`` must divide; ``on_rank(tp)``; pool shapes); ``param_rules(shape)``
     every parameter suffix's rule on a split layer (a suffix not listed is refused by name);
     ``sections(shape)`` the section sizes of the traced ``split_with_sizes`` of the conv output to
     rescale; ``weight_splits(shape)`` further section sizes by which the traced graph splits a
     layer parameter (Mamba-2's ``in_proj`` into ``[z | xBC | dt]``), rescaled alike; ``buffers``
     the buffer suffixes split with the parameters (Falcon-H1's ``mup_vector``; others stay whole);
-    ``pools(local)`` pool role → per-slot shape on one rank."""
+    ``pools(local)`` pool role → per-slot shape on one rank; ``rewrite(graph, layer, tp)`` any
+    further graph change a split needs (a norm over all heads averaging its mean over ranks)."""
 
     conv_weight: str
     shape: Callable[[RecurrentLayer, Program], object]
@@ -72,9 +85,12 @@ class RecurrentTPRule:
     param_rules: Callable[[object], dict[str, ShardRule]]
     sections: Callable[[object], tuple[int, ...] | None]
     pools: Callable[[object], dict[str, tuple[int, ...]]]
-    out_proj: str = "out_proj"
+    out_proj: tuple[str, ...] = ("out_proj",)
     weight_splits: Callable[[object], tuple[tuple[int, ...], ...]] = lambda s: ()
     buffers: tuple[str, ...] = ()
+    anchor: tuple = (dcp_ops.causal_conv1d_.default, dcp_ops.causal_conv1d.default, 1)
+    anchor_pool: str = "conv_state"
+    rewrite: Callable[[torch.fx.Graph, RecurrentLayer, int], None] | None = None
 
 
 def _gdn_shape(layer: RecurrentLayer, program: Program) -> GatedDeltaNetShape:
@@ -90,14 +106,17 @@ def _gdn_sections(s: GatedDeltaNetShape) -> tuple[int, int, int]:
 def _gdn_param_rules(s: GatedDeltaNetShape) -> dict[str, ShardRule]:
     """Rows by key-head group: the fused ``in_proj_qkvz``/``in_proj_ba`` are laid out per key
     head (a contiguous ``1/tp`` of rows is a group of whole heads); ``[q | k | v]`` tensors by
-    section; ``A_log``/``dt_bias`` per value head; the per-head norm weight replicated;
+    section; OLMo-Hybrid's separate ``q/k/v/g/b/a_proj`` by rows (per head, ``o_norm``/``o_proj`` as
+    ``norm``/``out_proj``); ``A_log``/``dt_bias`` per value head; the per-head norm weight replicated;
     ``out_proj`` by input columns."""
     qkv = SectionShardRule(0, sections=_gdn_sections(s))
     rows = ShardRule(0)
+    olmo = {f"{name}.weight": rows for name in ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")}
     return {"in_proj_qkvz.weight": rows, "in_proj_ba.weight": rows, "in_proj_qkv.weight": qkv,
-            "in_proj_z.weight": rows, "in_proj_b.weight": rows, "in_proj_a.weight": rows,
+            "in_proj_z.weight": rows, "in_proj_b.weight": rows, "in_proj_a.weight": rows, **olmo,
             "conv1d.weight": qkv, "conv1d.bias": qkv, "A_log": rows, "dt_bias": rows,
-            "norm.weight": REPLICATE, "out_proj.weight": ShardRule(1)}
+            "norm.weight": REPLICATE, "o_norm.weight": REPLICATE, "out_proj.weight": ShardRule(1),
+            "o_proj.weight": ShardRule(1)}
 
 
 def _short_conv_shape(layer: RecurrentLayer, program: Program) -> ShortConvShape:
@@ -145,10 +164,49 @@ def _mamba2_param_rules(s: Mamba2Shape) -> dict[str, ShardRule]:
             "out_proj.weight": ShardRule(1), "out_proj.bias": REPLICATE}
 
 
+def _lightning_shape(layer: RecurrentLayer, program: Program) -> LightningAttentionShape:
+    q = layer.rule.args[0].meta["val"]
+    return LightningAttentionShape(int(q.shape[1]), int(q.shape[2]))
+
+
+def _lightning_param_rules(s: LightningAttentionShape) -> dict[str, ShardRule]:
+    """Rows by head: ``qkv_proj`` is laid out per head ``[q_h | k_h | v_h]`` (a contiguous ``1/tp``
+    of rows is whole heads), ``output_gate``, the norm weight (channel ``h·D + d``) and the decay
+    ``slope_rate [H, 1, 1]`` by head; ``out_proj`` by input columns."""
+    rows = ShardRule(0)
+    return {"qkv_proj.weight": rows, "output_gate.weight": rows, "norm.weight": rows, "slope_rate": rows,
+            "out_proj.weight": ShardRule(1)}
+
+
+def _average_norm_over_ranks(graph: torch.fx.Graph, layer: RecurrentLayer, tp: int) -> None:
+    """The output norm spans every head: its mean of squares over the rank's ``H·D/tp`` channels
+    becomes ``all_reduce(mean_r)/tp``, the mean over all channels (the ranks hold equal widths)."""
+    means, seen, queue = [], {layer.rule}, [layer.rule]
+    while queue:
+        node = queue.pop()
+        for user in node.users:
+            if user in seen or user.target is aten.linear.default:
+                continue
+            seen.add(user)
+            if user.target is aten.mean.dim:
+                means.append(user)
+            else:
+                queue.append(user)
+    if len(means) != 1:
+        raise VerificationError(f"recurrent layer {layer.index} ({layer.kind}): expected one mean of squares "
+                                f"(the output norm) before out_proj, found {len(means)}")
+    (mean,) = means
+    users = list(mean.users)
+    with graph.inserting_before(mean.next):
+        averaged = Emitter(graph)(aten.div.Tensor, coll.all_reduce(graph, mean, "tp"), tp)
+    for user in users:
+        user.replace_input_with(mean, averaged)
+
+
 TP_RULES: dict[str, RecurrentTPRule] = {
     "gated delta net": RecurrentTPRule(
         conv_weight="conv1d.weight", shape=_gdn_shape, units=lambda s: s.key_heads, param_rules=_gdn_param_rules,
-        sections=_gdn_sections,
+        sections=_gdn_sections, out_proj=("out_proj", "o_proj"),
         pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "recurrent_state": s.recurrent_state_shape(1)[1:]}),
     "short convolution": RecurrentTPRule(
         conv_weight="conv.weight", shape=_short_conv_shape, units=lambda s: s.channels,
@@ -159,6 +217,12 @@ TP_RULES: dict[str, RecurrentTPRule] = {
         param_rules=_mamba2_param_rules, sections=_mamba2_conv_sections,
         pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "ssm_state": s.ssm_state_shape(1)[1:]},
         weight_splits=lambda s: (_mamba2_in_proj_parts(s),), buffers=("mup_vector",)),
+    "lightning attention": RecurrentTPRule(
+        conv_weight="slope_rate", shape=_lightning_shape, units=lambda s: s.heads,
+        param_rules=_lightning_param_rules, sections=lambda s: None,
+        pools=lambda s: {"kv_state": s.kv_state_shape(1)[1:]}, buffers=("slope_rate",),
+        anchor=(dcp_ops.lightning_attention_.default, dcp_ops.lightning_attention.default, 3), anchor_pool="kv_state",
+        rewrite=_average_norm_over_ranks),
 }
 """Recurrent kind (``facts.extra["recurrent_layers"]``'s values) → its TP rule; a new kind adds a row."""
 
@@ -175,28 +239,35 @@ def _param_source(node: torch.fx.Node, specs: dict[str, InputSpec]) -> InputSpec
 
 def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
     """The traced recurrent layers with their nodes and parameters, found from the state pools
-    ``insert_recurrent_state`` made (``conv_state_<layer>``, ``recurrent_state_<layer>``)."""
+    ``insert_recurrent_state`` made (``conv_state_<layer>``, ``recurrent_state_<layer>``,
+    ``ssm_state_<layer>``, ``kv_state_<layer>``)."""
     graph = program.graph_module.graph
     specs = {s.name: s for s in program.inputs}
     kinds = dict(program.facts.extra.get("recurrent_layers") or {})
     convs = {n.args[CONV_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.causal_conv1d_.default)}
     rules = {n.args[RULE_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.gated_delta_rule_.default)}
     rules.update((n.args[SCAN_ARGS_POOL].name, n) for n in nodes_calling(graph, dcp_ops.mamba2_scan_.default))
+    rules.update((n.args[LIGHTNING_ARGS_POOL].name, n)
+                 for n in nodes_calling(graph, dcp_ops.lightning_attention_.default))
     layers = []
     for index, kind in sorted(kinds.items()):
         if kind not in TP_RULES:
             raise UnsupportedModelError(f"recurrent layer {index} ({kind}) has no TP rule; kinds with one: "
                                         f"{sorted(TP_RULES)}")
+        rule = TP_RULES[kind]
         conv = convs.get(f"conv_state_{index}")
-        weight = _param_source(conv.args[1], specs) if conv is not None else None
-        suffix = TP_RULES[kind].conv_weight
+        anchor = conv if rule.anchor_pool == "conv_state" else rules.get(f"{rule.anchor_pool}_{index}")
+        weight = _param_source(anchor.args[rule.anchor[2]], specs) if anchor is not None else None
+        suffix = rule.conv_weight
         if weight is None or not weight.target.endswith(suffix):
-            raise VerificationError(f"recurrent layer {index} ({kind}): no stateful conv reading a '{suffix}' parameter")
+            raise VerificationError(f"recurrent layer {index} ({kind}): no stateful {rule.anchor[0]} reading a "
+                                    f"'{suffix}' parameter")
         prefix = weight.target.removesuffix(suffix)
         params = {s.target.removeprefix(prefix): s for s in program.inputs
                   if s.target.startswith(prefix) and (s.kind == PARAM or (
                       s.kind == BUFFER and s.target.removeprefix(prefix) in TP_RULES[kind].buffers))}
-        state_space = rules.get(f"recurrent_state_{index}") or rules.get(f"ssm_state_{index}")
+        state_space = (rules.get(f"recurrent_state_{index}") or rules.get(f"ssm_state_{index}")
+                       or rules.get(f"kv_state_{index}"))
         layers.append(RecurrentLayer(index, kind, prefix, params, conv, state_space))
     return layers
 
@@ -206,11 +277,12 @@ def recurrent_parameter_targets(program: Program) -> set[str]:
     their stateful forms: ``shard_tp`` leaves these to this pass."""
     specs = {s.name: s for s in program.inputs}
     graph = program.graph_module.graph
-    convs = [*nodes_calling(graph, dcp_ops.causal_conv1d.default), *nodes_calling(graph, dcp_ops.causal_conv1d_.default)]
+    anchors = [(node, arg) for stateful, canonical, arg in {r.anchor for r in TP_RULES.values()}
+               for node in (*nodes_calling(graph, canonical), *nodes_calling(graph, stateful))]
     suffixes = {r.conv_weight for r in TP_RULES.values()}
     prefixes = set()
-    for conv in convs:
-        weight = _param_source(conv.args[1], specs)
+    for node, arg in anchors:
+        weight = _param_source(node.args[arg], specs)
         suffix = next((x for x in suffixes if weight is not None and weight.target.endswith(x)), None)
         if suffix is not None:
             prefixes.add(weight.target.removesuffix(suffix))
@@ -248,12 +320,15 @@ def _split_layer(graph: torch.fx.Graph, layer: RecurrentLayer, rule: RecurrentTP
         if not any(n.args[0] is layer.conv for n in splits):
             raise VerificationError(f"recurrent layer {layer.index}: no split of the conv output into sections "
                                     f"{list(sections)}")
-    out_weight = layer.params.get(f"{rule.out_proj}.weight")
+    out_weight = next((layer.params[f"{name}.weight"] for name in rule.out_proj
+                       if f"{name}.weight" in layer.params), None)
     linears = [n for n in nodes_calling(graph, aten.linear.default)
                if out_weight is not None and n.args[1].name == out_weight.name]
     if len(linears) != 1:
-        raise VerificationError(f"recurrent layer {layer.index}: expected one {rule.out_proj} linear, found {len(linears)}")
+        raise VerificationError(f"recurrent layer {layer.index}: expected one {'/'.join(rule.out_proj)} linear, found {len(linears)}")
     _row_parallel(graph, linears[0])
+    if rule.rewrite is not None:
+        rule.rewrite(graph, layer, tp)
     return {spec.name: wanted[suffix] for suffix, spec in layer.params.items()}
 
 
@@ -261,7 +336,8 @@ def _pools_fit_their_ops(program: Program) -> None:
     """Every state pool's per-slot shape is what its op reads on this rank: a conv state
     ``[C_r, K−1]`` for the conv's local weight ``[C_r, K]``, a delta-rule state ``[Hv_r, Dk, Dv]``
     for its local ``k [T, Hk_r, Dk]`` and ``v [T, Hv_r, Dv]``, a Mamba-2 SSM state ``[Hh_r, P, N]``
-    for its scan's local ``x [T, Hh_r, P]`` and ``B [T, G_r, N]``."""
+    for its scan's local ``x [T, Hh_r, P]`` and ``B [T, G_r, N]``, a lightning kv state
+    ``[H_r, D, Dv]`` for its local ``q [T, H_r, D]`` and ``v [T, H_r, Dv]``."""
     pools = {p.name: tuple(p.shape) for p in program.recurrent_states}
     graph = program.graph_module.graph
     for op, pool_arg, what, per_slot in _POOL_READERS:
@@ -284,11 +360,16 @@ def _scan_slot(x, dt, a, b, *_) -> tuple[int, ...]:
     return int(x.shape[1]), int(x.shape[2]), int(b.shape[2])
 
 
+def _lightning_slot(q, k, v, *_) -> tuple[int, ...]:
+    return int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
+
+
 # (stateful op, its pool's argument index, what it is, the per-slot state shape its inputs read)
 _POOL_READERS = (
     (dcp_ops.causal_conv1d_.default, CONV_ARGS_POOL, "conv", _conv_slot),
     (dcp_ops.gated_delta_rule_.default, RULE_ARGS_POOL, "delta rule", _delta_rule_slot),
     (dcp_ops.mamba2_scan_.default, SCAN_ARGS_POOL, "Mamba-2 scan", _scan_slot),
+    (dcp_ops.lightning_attention_.default, LIGHTNING_ARGS_POOL, "lightning attention", _lightning_slot),
 )
 
 

@@ -101,6 +101,8 @@ class Lowering:
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
     state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
+    expert_ranks: int | None = None  # experts_over_replicas: ranks of the EP group (replicas · tp)
+    replica: int | None = None  # experts_over_replicas: which data-parallel replica this program is
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""
@@ -306,6 +308,8 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "state_slots": ((r,), torch.int64),  # recurrent layers' per-request slot (−1: padding)
         "tp_rank": ((), torch.int64),
         "dcp_rank": ((), torch.int64),
+        "ep_rank": ((), torch.int64),  # data-parallel replicas with EP: replica·tp + tp_rank
+        "ep_rows": ((t,), torch.int64),  # its length: the rows every replica pads its tokens to
     }
 
 

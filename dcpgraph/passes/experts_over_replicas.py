@@ -98,22 +98,31 @@ def _token_dim(node: torch.fx.Node):
     return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
 
 
-class _Rewrite:
+class ReplicaDispatch:
+    """The dispatch/combine rewrite of one graph: ``ep`` EP ranks, this rank's EP index
+    ``ep_rank`` and the ``ep_rows`` input (its length ``C``) are graph nodes."""
+
     def __init__(self, graph: torch.fx.Graph, ep: int, ep_rank: torch.fx.Node, rows: torch.fx.Node):
         self.graph, self.e, self.ep, self.ep_rank, self.rows = graph, Emitter(graph), ep, ep_rank, rows
 
-    def gather(self, x: torch.fx.Node) -> torch.fx.Node:
-        """``x`` padded with zero rows to ``C = len(ep_rows)`` rows, all-gathered over EP."""
+    def gather(self, x: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+        """``x`` padded with zero rows to ``C = len(ep_rows)`` rows, all-gathered over EP
+        (inserted before ``before``, the module's first call)."""
         e = self.e
         rank = x.meta["val"].dim()
-        with self.graph.inserting_before(x.next):
+        with self.graph.inserting_before(before):
             count = e(aten.sym_size.int, x, 0)
             capacity = e(aten.sym_size.int, self.rows, 0)
+            e(aten._assert_scalar.default, e(operator.ge, capacity, count),
+              "ep_rows is shorter than this replica's tokens: it must be the largest replica's count")
             missing = e(operator.sub, capacity, count)
             padded = e(aten.constant_pad_nd.default, x, [0, 0] * (rank - 1) + [0, missing], 0.0)
             return coll.all_gather(self.graph, padded, self.ep, "ep")
 
     def module(self, path: str, nodes: list[torch.fx.Node], is_param) -> int:
+        """Rewrite the experts module at ``path`` (its call nodes ``nodes``): token inputs
+        gathered, output reduce-scattered and cut to this replica's rows. ``is_param(node)``:
+        whether an input from outside is a parameter (left alone). Returns how many there are."""
         members = set(nodes)
         outside = {a for n in nodes for a in n.all_input_nodes if a not in members}
         params = {a for a in outside if is_param(a)}
@@ -129,9 +138,9 @@ class _Rewrite:
             raise UnsupportedModelError(
                 f"{path}: the experts module reads sizes from outside other than the token count "
                 f"({[a.name for a in sizes]}); dispatching its tokens would leave them stale")
-        gathered = {a: self.gather(a) for a in sorted(tokens, key=lambda n: n.name)}
+        gathered = {a: self.gather(a, nodes[0]) for a in sorted(tokens, key=lambda n: n.name)}
         first = gathered[tokens[0]]
-        with self.graph.inserting_before(first.next):
+        with self.graph.inserting_before(nodes[0]):
             rows = self.e(aten.sym_size.int, first, 0)
         for node in nodes:
             node.args = torch.fx.node.map_arg(node.args, lambda a: gathered.get(a, rows if a in sizes else a))
@@ -172,7 +181,7 @@ def experts_over_replicas(program, mesh: Mesh, replicas: int, replica: int):
     expert_params = {s.name: s for s in program.inputs if s.kind == PARAM
                      and plan_rule({k: v for k, v in plan.items() if v in EXPERT_PARALLEL}, s.target)}
     ep_rank, rows = add_placeholders(graph, ["ep_rank", "ep_rows"])
-    rewrite = _Rewrite(graph, ep, ep_rank, rows)
+    rewrite = ReplicaDispatch(graph, ep, ep_rank, rows)
     inside: set[torch.fx.Node] = {n for nodes in modules.values() for n in nodes}
     for path, nodes in modules.items():
         rewrite.module(path, nodes, lambda a: a.op == "placeholder" and a.name in specs)

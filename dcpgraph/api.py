@@ -301,6 +301,7 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
         return_hidden=config.mtp_checkpoint is not None, comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"], expert_parallel_experts=opts["enable_expert_parallel"],
         hybrid_kv_cache=opts["hybrid_kv_cache"],
+        expert_replicas=tuple(opts["expert_replicas"]) if opts["expert_replicas"] is not None else None,
     )
 
 

@@ -87,6 +87,30 @@ REPLICATE = ShardRule()
 
 
 @dataclass(frozen=True)
+class ReplicaExpertShard(ShardRule):
+    """Rank ``t`` of replica ``replica`` holds chunk ``replica·(parts/replicas) + t`` of dim 0 cut
+    into ``parts = replicas·tp`` chunks (its experts in the EP group)."""
+
+    replicas: int = 1
+    replica: int = 0
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if full.shape[0] % self.parts:
+            raise ValueError(f"cannot split dim 0 of {tuple(full.shape)} into {self.parts}")
+        start, stop = self.rows(full.shape[0], rank)
+        return full[start:stop].contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        return (shape[0] // self.parts, *shape[1:])
+
+    def rows(self, total: int, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of dim 0 that rank ``rank`` of this replica holds, of ``total``."""
+        chunk = total // self.parts
+        index = self.replica * (self.parts // self.replicas) + rank
+        return index * chunk, (index + 1) * chunk
+
+
+@dataclass(frozen=True)
 class Lowering:
     """What the passes decided about a program, for later passes and the runtime to read: each
     field is written by the pass named beside it and unset (None, or empty) before that pass."""

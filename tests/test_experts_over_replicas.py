@@ -18,12 +18,12 @@ from dcpgraph import ConfigError
 from dcpgraph.mesh import Mesh, ReplicaMesh
 from dcpgraph.passes.experts_over_replicas import (
     ReplicaDispatch,
-    ReplicaExpertShard,
     check_experts_divide,
     valid_replica_counts,
 )
 from dcpgraph.passes.graph_edit import Emitter, add_placeholders
 from dcpgraph.passes.tp_modules import mask_foreign_experts, module_paths
+from dcpgraph.program import ReplicaExpertShard
 from dcpgraph.runtime.emulator import run_spmd
 
 EXPERTS, HIDDEN, INTER, TOP_K = 12, 8, 4, 2

@@ -30,14 +30,14 @@ for every replica.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.fx
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
-from ..program import META, PARAM, RANK, InputSpec, ShardRule
+from ..program import META, PARAM, RANK, InputSpec, ReplicaExpertShard
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders
 from .manager import not_yet_run, program_pass, ran
@@ -46,24 +46,6 @@ from .tp_styles import EXPERT_PARALLEL, plan_rule
 
 aten = torch.ops.aten
 DISPATCH_STYLE = "ep_dispatch_experts"
-
-
-@dataclass(frozen=True)
-class ReplicaExpertShard(ShardRule):
-    """Rank ``t`` of replica ``replica`` holds chunk ``replica·(parts/replicas) + t`` of dim 0 cut
-    into ``parts = replicas·tp`` chunks (its experts in the EP group)."""
-
-    replicas: int = 1
-    replica: int = 0
-
-    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-        parts = self.parts
-        if full.shape[0] % parts:
-            raise ValueError(f"cannot split dim 0 of {tuple(full.shape)} into {parts}")
-        return full.chunk(parts, 0)[self.replica * (parts // self.replicas) + rank].contiguous()
-
-    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-        return (shape[0] // self.parts, *shape[1:])
 
 
 def valid_replica_counts(num_experts: int, tp: int, limit: int = 16) -> list[int]:

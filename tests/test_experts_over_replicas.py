@@ -225,3 +225,14 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
     for rank in world.ranks:
         got = outs[rank][0][0]
         torch.testing.assert_close(got, wanted[world.replica_of(rank)[0]], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.slow
+def test_a_replica_program_is_refused_in_process(qwen3_moe):
+    """Its MoE layers wait for the other replicas' ranks: only worker processes can run it."""
+    import dcpgraph
+
+    _, traced = qwen3_moe
+    with pytest.raises(ConfigError, match="runs on the distributed executor"):
+        dcpgraph.compile(traced, block_size=BLOCK_SIZE, num_blocks=8, enable_expert_parallel=True,
+                         expert_replicas=(2, 0))

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import ConfigError
 from ..program import CACHE, META, RANK, RECURRENT, STATE_KINDS, USER, Program
 from . import host_memory
 from .engine_client import RankState, run_on_rank
@@ -114,6 +115,11 @@ class EmulatedExecutor:
     mode = "emulated"
 
     def __init__(self, program: Program, num_blocks: int, graphs=None):
+        if program.lowering.expert_ranks is not None:
+            raise ConfigError(
+                f"this program's routed experts are partitioned over {program.lowering.expert_ranks} ranks of "
+                "data-parallel replicas: it runs on the distributed executor, one worker process per rank "
+                "(LLM or dcpgraph serve with data_parallel_size and enable_expert_parallel), not emulated")
         self.program = program
         self.ranks = list(program.mesh.ranks)
         self.states = [program.local_state(r) for r in self.ranks]

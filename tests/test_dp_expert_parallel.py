@@ -36,6 +36,8 @@ def test_refusals_before_any_process_starts():
         check_expert_replicas(SimpleNamespace(), tp=1, replicas=2, speculative=False)
     with pytest.raises(ConfigError, match="speculative decoding's draft forwards"):
         check_expert_replicas(moe, tp=1, replicas=2, speculative=True)
+    with pytest.raises(ConfigError, match="built on gloo for host ranks only"):
+        check_expert_replicas(moe, tp=1, replicas=2, speculative=False, device="cuda")
     nested = SimpleNamespace(text_config=SimpleNamespace(n_routed_experts=16))
     assert routed_experts(nested) == 16
 

@@ -193,6 +193,7 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
     """Two replicas prefill prompts of 7 and 3 tokens in one emulated step over ``2·tp`` ranks
     (each rank 4/(2·tp) of the 4 routed experts): every rank's logits equal HF's forward of its
     replica's prompt."""
+    import dcpgraph
     from dcpgraph.passes.pipeline import compile_program
     from dcpgraph.program import STATE_KINDS
     from dcpgraph.runtime.executors import allocate_caches, rank_arguments
@@ -205,6 +206,8 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
     programs = [compile_program(traced, mesh, block_size=BLOCK_SIZE, expert_parallel_experts=True,
                                 expert_replicas=(replicas, d)) for d in range(replicas)]
     assert programs[1].lowering.expert_ranks == 2 * tp and programs[1].lowering.replica == 1
+    text = dcpgraph.explain(programs[0])  # two MoE layers, three gathered inputs each, one combine each
+    assert text.count(f"all_gather[ep, {2 * tp}]") == 6 and text.count(f"reduce_scatter[ep, {2 * tp}, sum]") == 2
     rows = torch.zeros(max(map(len, PROMPTS)), dtype=torch.int64)
     args = []
     for rank in world.ranks:

@@ -8,7 +8,8 @@ MoE layer dispatches and combines tokens (:mod:`dcpgraph.passes.experts_over_rep
 
 Refused before any process starts, each by a ``ConfigError`` naming what is valid: a model
 without routed experts; ``D·tp`` not dividing the routed experts; speculative decoding (its
-draft forwards would not be matched across replicas).
+draft forwards would not be matched across replicas); ranks on an accelerator (the EP group is a
+gloo group of host ranks so far).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ def routed_experts(hf_config) -> int | None:
     return None
 
 
-def check_expert_replicas(hf_config, *, tp: int, replicas: int, speculative: bool) -> None:
-    """Every refusal of DP attention + EP that the model's config decides."""
+def check_expert_replicas(hf_config, *, tp: int, replicas: int, speculative: bool, device: str = "cpu") -> None:
+    """Every refusal of DP attention + EP that the model's config and the deployment decide."""
+    if device != "cpu":
+        raise ConfigError(f"data_parallel_size={replicas} with enable_expert_parallel on device={device!r}: the EP "
+                          "group that spans the replicas is built on gloo for host ranks only so far; use "
+                          "device='cpu', or drop enable_expert_parallel (each replica then slices every expert)")
     experts = routed_experts(hf_config)
     if experts is None:
         raise ConfigError(f"data_parallel_size={replicas} with enable_expert_parallel: the model has no routed "

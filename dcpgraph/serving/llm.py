@@ -121,7 +121,8 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
         import transformers as tf
 
         check_expert_replicas(tf.AutoConfig.from_pretrained(model), tp=tp, replicas=parallel.data_parallel_size,
-                              speculative=spec.speculative_config is not None)
+                              speculative=spec.speculative_config is not None,
+                              device=resolve_device(parallel.device).name)
     engine_options = _engine_options(settings)
     engine_options["device"] = resolve_device(parallel.device).name  # every rank runs the front end's choice
     if spec.speculative_config is not None:

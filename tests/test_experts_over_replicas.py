@@ -239,3 +239,24 @@ def test_a_replica_program_is_refused_in_process(qwen3_moe):
     with pytest.raises(ConfigError, match="runs on the distributed executor"):
         dcpgraph.compile(traced, block_size=BLOCK_SIZE, num_blocks=8, enable_expert_parallel=True,
                          expert_replicas=(2, 0))
+
+
+def test_a_rank_reads_only_its_replica_slice_of_the_experts():
+    """The checkpoint reader and the in-memory rule give rank ``t`` of replica ``d`` rows
+    ``[(d·tp + t)·E/(D·tp), …)``, and nothing else is read."""
+    from dcpgraph.checkpoints.tensor_sources import read_local
+
+    full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+
+    class Source:
+        shape = tuple(full.shape)
+        reads: list = []
+
+        def read(self, dim, start=None, stop=None):
+            self.reads.append((dim, start, stop))
+            return full if dim is None else full.narrow(dim, start, stop - start)
+
+    rule = ReplicaExpertShard(0, 4, replicas=2, replica=1)
+    source = Source()
+    assert torch.equal(read_local(source, rule, 1, 2), full[6:8]) and source.reads == [(0, 6, 8)]
+    assert torch.equal(rule.local(full, 0, 2), full[4:6]) and rule.local_shape((8, 3), 2) == (2, 3)

@@ -74,7 +74,8 @@ class ParallelConfig(Section):
     cp_kv_cache_interleave_size: int = setting(1, "tokens per rank in turn along a DCP group's KV cache",
                                                option="interleave", low=1)
     enable_expert_parallel: bool = setting(False, "partition a MoE model's routed experts over the tensor-parallel "
-                                                  "ranks instead of slicing every expert")
+                                                  "ranks instead of slicing every expert (with data_parallel_size "
+                                                  "> 1: over every replica's ranks, DP attention + EP)")
     expert_replicas: Any = setting(
         None, "(D, d): compile replica d of D data-parallel replicas whose routed experts are partitioned over all "
               "of their ranks (set per replica by the serving front end for data_parallel_size with "

@@ -173,26 +173,35 @@ BLOCK_SIZE = 4
 PROMPTS = ((5, 9, 4, 77, 3, 8, 100), (11, 12, 13))
 
 
+class TracedMoE(dict):
+    """arch -> (HF model, dcpgraph trace), built on first use."""
+
+    def get(self, arch):
+        if arch not in self:
+            import transformers as tf
+
+            import dcpgraph
+            from dcpgraph.models import tiny_config
+
+            config = tiny_config(arch)
+            config.initializer_range = 0.2
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+            self[arch] = (model, dcpgraph.trace(model))
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
-def qwen3_moe():
-    import transformers as tf
-
-    import dcpgraph
-    from dcpgraph.models import tiny_config
-
-    config = tiny_config("qwen3_moe")
-    config.initializer_range = 0.2
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    return model, dcpgraph.trace(model)
+def traced_moe():
+    return TracedMoE()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "dcp"), [(1, 1), (2, 2)])
-def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
+@pytest.mark.parametrize(("arch", "tp", "dcp"), [("qwen3_moe", 1, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 1)])
+def test_replicas_sharing_experts_give_hf_logits(traced_moe, arch, tp, dcp):
     """Two replicas prefill prompts of 7 and 3 tokens in one emulated step over ``2·tp`` ranks
-    (each rank 4/(2·tp) of the 4 routed experts): every rank's logits equal HF's forward of its
-    replica's prompt."""
+    (each rank ``E/(2·tp)`` of the routed experts; DeepSeek-V3's MLA and shared experts stay
+    inside the replica): every rank's logits equal HF's forward of its replica's prompt."""
     import dcpgraph
     from dcpgraph.passes.pipeline import compile_program
     from dcpgraph.program import STATE_KINDS
@@ -200,14 +209,17 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
     from dcpgraph.runtime.step_inputs import Chunk, build_step_inputs
     from dcpgraph.testing.generation import hf_reference
 
-    model, traced = qwen3_moe
+    model, traced = traced_moe.get(arch)
     mesh, replicas = Mesh(tp, dcp), 2
     world = ReplicaMesh(mesh, replicas)
     programs = [compile_program(traced, mesh, block_size=BLOCK_SIZE, expert_parallel_experts=True,
                                 expert_replicas=(replicas, d)) for d in range(replicas)]
     assert programs[1].lowering.expert_ranks == 2 * tp and programs[1].lowering.replica == 1
-    text = dcpgraph.explain(programs[0])  # two MoE layers, three gathered inputs each, one combine each
-    assert text.count(f"all_gather[ep, {2 * tp}]") == 6 and text.count(f"reduce_scatter[ep, {2 * tp}, sum]") == 2
+    moe_layers = sum(isinstance(s.shard, ReplicaExpertShard) for s in programs[0].inputs) // 2  # gate_up, down
+    assert moe_layers >= 1
+    text = dcpgraph.explain(programs[0])  # per MoE layer: three gathered inputs, one combine
+    assert text.count(f"all_gather[ep, {2 * tp}]") == 3 * moe_layers
+    assert text.count(f"reduce_scatter[ep, {2 * tp}, sum]") == moe_layers
     rows = torch.zeros(max(map(len, PROMPTS)), dtype=torch.int64)
     args = []
     for rank in world.ranks:
@@ -218,8 +230,8 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
         own = {**own[local], "ep_rank": torch.tensor(replica * tp + local)}
         state = program.local_state(local)
         held = dict(zip([s for s in program.inputs if s.kind in STATE_KINDS], state))
-        experts = [t for s, t in held.items() if isinstance(s.shard, ReplicaExpertShard)]
-        assert len(experts) == 4 and all(t.shape[0] == 4 // (2 * tp) for t in experts)  # 2 layers x gate_up, down
+        experts = [(program.state[s.target].shape[0], t) for s, t in held.items() if isinstance(s.shard, ReplicaExpertShard)]
+        assert len(experts) == 2 * moe_layers and all(t.shape[0] == full // (2 * tp) for full, t in experts)
         caches = allocate_caches(program, 8, torch.device("cpu"))
         args.append(rank_arguments(program, state, caches, {**shared, "ep_rows": rows}, own))
     outs = run_spmd([programs[world.replica_of(r)[0]].graph_module for r in world.ranks], args, world)
@@ -231,11 +243,11 @@ def test_replicas_sharing_experts_give_hf_logits(qwen3_moe, tp, dcp):
 
 
 @pytest.mark.slow
-def test_a_replica_program_is_refused_in_process(qwen3_moe):
+def test_a_replica_program_is_refused_in_process(traced_moe):
     """Its MoE layers wait for the other replicas' ranks: only worker processes can run it."""
     import dcpgraph
 
-    _, traced = qwen3_moe
+    _, traced = traced_moe.get("qwen3_moe")
     with pytest.raises(ConfigError, match="runs on the distributed executor"):
         dcpgraph.compile(traced, block_size=BLOCK_SIZE, num_blocks=8, enable_expert_parallel=True,
                          expert_replicas=(2, 0))

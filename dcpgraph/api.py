@@ -121,7 +121,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``),
     ``enable_expert_parallel`` (default False: routed experts tensor-parallel, each rank a
     ``1/tp`` slice of every expert; True: experts partitioned over the TP ranks, see
-    :mod:`dcpgraph.passes.tp_modules`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
+    :mod:`dcpgraph.passes.tp_modules`), ``expert_replicas`` (default None; ``(D, d)`` with
+    ``enable_expert_parallel``: replica ``d`` of ``D`` data-parallel replicas whose routed experts
+    are partitioned over all ``D·tp`` ranks, run by worker processes that joined their EP group,
+    see :mod:`dcpgraph.passes.experts_over_replicas`), ``kv_cache_dtype`` (vLLM's name: ``"auto"``, the
     model's dtype, default; ``"bf16"``; ``"fp8_e4m3"``, fp8 with one fp32 scale per token, head and
     128 elements, see :mod:`dcpgraph.ops.quant`; vLLM's ``"fp8"`` and ``"bfloat16"`` are taken as
     ``"fp8_e4m3"`` and ``"bf16"``), ``mlapo`` (default True: an MLA model's query/KV
@@ -304,6 +307,7 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
         return_hidden=config.mtp_checkpoint is not None, comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"], expert_parallel_experts=opts["enable_expert_parallel"],
         hybrid_kv_cache=opts["hybrid_kv_cache"],
+        expert_replicas=tuple(opts["expert_replicas"]) if opts["expert_replicas"] is not None else None,
     )
 
 

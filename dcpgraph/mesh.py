@@ -85,14 +85,18 @@ class Mesh:
         return rank // self.tp
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
-        """Ranks of the ``kind`` ("tp", "dcp" or "pcp") group that holds ``rank``."""
+        """Ranks of the ``kind`` ("tp", "dcp", "pcp" or "ep") group that holds ``rank``; one
+        deployment's EP group is its whole world (:class:`ReplicaMesh` joins several)."""
         if kind == "tp":
             return self.tp_group(rank)
         if kind == "dcp":
             return self.dcp_group(rank)
         if kind == "pcp":
             return self.pcp_group(rank)
-        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp' or 'pcp'")
+        if kind == "ep":
+            self._check_rank(rank)
+            return tuple(self.ranks)
+        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp', 'pcp' or 'ep'")
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -226,6 +230,43 @@ class Mesh:
         groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in self.dcp_groups())
         pcp = f", pcp={self.pcp}" if self.pcp > 1 else ""
         return f"Mesh(tp={self.tp}{pcp}, dcp={self.dcp}; dcp groups {groups})"
+
+
+@dataclass(frozen=True)
+class ReplicaMesh:
+    """``replicas`` data-parallel copies of ``mesh`` joined by one EP group: global rank
+    ``d·W + r`` is rank ``r`` of replica ``d`` (``W = mesh.world_size``). TP, DCP and PCP groups
+    stay inside a replica; the EP group is all ``replicas·W`` ranks, in global-rank order, so EP
+    rank ``d·tp + t`` is TP rank ``t`` of replica ``d`` (with pcp=1)."""
+
+    mesh: Mesh
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise ConfigError(f"replicas must be a positive int, got {self.replicas!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size * self.replicas
+
+    @property
+    def ranks(self) -> range:
+        return range(self.world_size)
+
+    def replica_of(self, rank: int) -> tuple[int, int]:
+        """``(replica, rank inside it)``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside {self.replicas} replicas of {self.mesh.world_size} ranks")
+        return divmod(rank, self.mesh.world_size)
+
+    def group(self, kind: str, rank: int) -> tuple[int, ...]:
+        if kind == "ep":
+            self.replica_of(rank)
+            return tuple(self.ranks)
+        replica, local = self.replica_of(rank)
+        base = replica * self.mesh.world_size
+        return tuple(base + r for r in self.mesh.group(kind, local))
 
 
 def _gqa_valid(mesh: Mesh, num_q_heads: int, kv_head_counts: list[int]) -> bool:

@@ -87,6 +87,30 @@ REPLICATE = ShardRule()
 
 
 @dataclass(frozen=True)
+class ReplicaExpertShard(ShardRule):
+    """Rank ``t`` of replica ``replica`` holds chunk ``replica·(parts/replicas) + t`` of dim 0 cut
+    into ``parts = replicas·tp`` chunks (its experts in the EP group)."""
+
+    replicas: int = 1
+    replica: int = 0
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if full.shape[0] % self.parts:
+            raise ValueError(f"cannot split dim 0 of {tuple(full.shape)} into {self.parts}")
+        start, stop = self.rows(full.shape[0], rank)
+        return full[start:stop].contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        return (shape[0] // self.parts, *shape[1:])
+
+    def rows(self, total: int, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of dim 0 that rank ``rank`` of this replica holds, of ``total``."""
+        chunk = total // self.parts
+        index = self.replica * (self.parts // self.replicas) + rank
+        return index * chunk, (index + 1) * chunk
+
+
+@dataclass(frozen=True)
 class Lowering:
     """What the passes decided about a program, for later passes and the runtime to read: each
     field is written by the pass named beside it and unset (None, or empty) before that pass."""
@@ -101,6 +125,8 @@ class Lowering:
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
     state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
+    expert_ranks: int | None = None  # experts_over_replicas: ranks of the EP group (replicas · tp)
+    replica: int | None = None  # experts_over_replicas: which data-parallel replica this program is
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""
@@ -306,6 +332,8 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "state_slots": ((r,), torch.int64),  # recurrent layers' per-request slot (−1: padding)
         "tp_rank": ((), torch.int64),
         "dcp_rank": ((), torch.int64),
+        "ep_rank": ((), torch.int64),  # data-parallel replicas with EP: replica·tp + tp_rank
+        "ep_rows": ((t,), torch.int64),  # its length: the rows every replica pads its tokens to
     }
 
 

@@ -53,8 +53,10 @@ def test_replicas_share_requests_and_keep_their_ids_apart():
 def test_data_parallel_settings_are_checked():
     with pytest.raises(ConfigError, match="replicas over several machines"):
         DcpgraphConfig.from_fields(data_parallel_size=2, nnodes=2, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="DP attention"):
-        DcpgraphConfig.from_fields(data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="use prefill_context_parallel_size=1"):
+        DcpgraphConfig.from_fields(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2,
+                                   prefill_context_parallel_size=2)
+    assert DcpgraphConfig.from_fields(data_parallel_size=2, enable_expert_parallel=True).parallel.enable_expert_parallel
     assert DcpgraphConfig.from_fields(data_parallel_size=2).parallel.data_parallel_size == 2
 
 

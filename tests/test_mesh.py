@@ -71,7 +71,7 @@ def test_rank_outside_the_mesh_is_refused(rank):
 
 
 def test_unknown_group_kind_is_refused():
-    with pytest.raises(ValueError, match="'tp', 'dcp' or 'pcp'"):
+    with pytest.raises(ValueError, match="'tp', 'dcp', 'pcp' or 'ep'"):
         Mesh(tp=2).group("pp", 0)
 
 

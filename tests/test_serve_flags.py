@@ -129,10 +129,11 @@ def test_every_config_field_has_a_flag_and_every_flag_a_field():
 
     fields = config_fields()
     dests = _flag_dests(build_parser())
-    # the two fields a command line cannot express: compile's executor (LLM picks it per process)
-    # and a plain module's TP plan (a serve model is always a checkpoint with its own plan)
+    # the fields a command line cannot express: compile's executor (LLM picks it per process),
+    # a plain module's TP plan (a serve model is always a checkpoint with its own plan) and which
+    # replica's slice of the experts a worker compiles (set per replica by the front end)
     no_flag = {name for name, (_, f) in fields.items() if not f.metadata["cli"]}
-    assert no_flag == {"executor", "plan"}
+    assert no_flag == {"executor", "plan", "expert_replicas"}
     assert set(dests) == set(fields) - no_flag  # no flag without a field, no field without a flag
     assert dests["tensor_parallel_size"] == ["--tensor-parallel-size", "-tp"]
     assert dests["decode_context_parallel_size"] == ["--decode-context-parallel-size", "-dcp"]

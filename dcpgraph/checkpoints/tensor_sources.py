@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..passes.absorb_mla import absorbed
-from ..program import ShardRule, zero_padded
+from ..program import ReplicaExpertShard, ShardRule, zero_padded
 
 
 class SafetensorsFiles:
@@ -237,6 +237,8 @@ def read_local(source, rule: ShardRule, rank: int, tp: int) -> torch.Tensor:
     """``rule.local(full, rank, tp)`` where ``full`` is ``source``'s tensor, reading only the slices
     rank ``rank`` keeps."""
     shape = source.shape
+    if isinstance(rule, ReplicaExpertShard):  # experts partitioned over data-parallel replicas
+        return source.read(0, *rule.rows(shape[0], rank))
     if rule.dim is None or tp == 1:
         return source.read(None)
     dim = rule.dim % len(shape)

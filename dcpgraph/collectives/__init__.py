@@ -9,7 +9,7 @@ This package depends only on torch and :mod:`dcpgraph.mesh`, so :mod:`dcpgraph.p
 :mod:`dcpgraph.runtime` and :mod:`dcpgraph.explain` can all import it without importing each other.
 """
 
-from .groups import DCP_GROUP, TP_GROUP, group_kind, group_name, group_ranks
+from .groups import DCP_GROUP, EP_GROUP, TP_GROUP, group_kind, group_name, group_ranks
 from .registry import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -31,6 +31,7 @@ __all__ = [
     "ALL_TO_ALL",
     "COLLECTIVES",
     "DCP_GROUP",
+    "EP_GROUP",
     "REDUCE_OPS",
     "REDUCE_SCATTER",
     "TP_GROUP",

@@ -5,7 +5,9 @@ a concrete process group (which differs from rank to rank for the DCP groups). I
 ``group_name`` argument of ``torch.ops._c10d_functional.*`` is one of two logical names:
 
 - ``TP_GROUP = "dcpgraph.tp"``: the tensor-parallel group, which is the whole world;
-- ``DCP_GROUP = "dcpgraph.dcp"``: the DCP group *of the calling rank* (``mesh.dcp_group(rank)``).
+- ``DCP_GROUP = "dcpgraph.dcp"``: the DCP group *of the calling rank* (``mesh.dcp_group(rank)``);
+- ``EP_GROUP = "dcpgraph.ep"``: the expert-parallel group of data-parallel replicas, every rank of
+  every replica (:class:`~dcpgraph.mesh.ReplicaMesh`; a single replica's EP group is its world).
 
 How a name becomes a group of ranks, in the two execution modes:
 
@@ -27,33 +29,34 @@ from __future__ import annotations
 
 from ..mesh import Mesh
 
-__all__ = ["DCP_GROUP", "TP_GROUP", "group_kind", "group_name", "group_ranks"]
+__all__ = ["DCP_GROUP", "EP_GROUP", "TP_GROUP", "group_kind", "group_name", "group_ranks"]
 
 TP_GROUP = "dcpgraph.tp"
 DCP_GROUP = "dcpgraph.dcp"
+EP_GROUP = "dcpgraph.ep"
 
-_KIND_OF_NAME = {TP_GROUP: "tp", DCP_GROUP: "dcp"}
+_KIND_OF_NAME = {TP_GROUP: "tp", DCP_GROUP: "dcp", EP_GROUP: "ep"}
 _NAME_OF_KIND = {kind: name for name, kind in _KIND_OF_NAME.items()}
 
 
 def group_kind(group_name: object) -> str:
-    """``"tp"`` or ``"dcp"`` for a logical group name; ``ValueError`` for anything else."""
+    """``"tp"``, ``"dcp"`` or ``"ep"`` for a logical group name; ``ValueError`` for anything else."""
     kind = _KIND_OF_NAME.get(group_name) if isinstance(group_name, str) else None
     if kind is None:
         raise ValueError(
             f"unknown process-group name {group_name!r}: dcpgraph graphs must use the logical "
-            f"names {TP_GROUP!r} (the TP group, i.e. the world) or {DCP_GROUP!r} (the caller's "
-            "DCP group)"
+            f"names {TP_GROUP!r} (the TP group, i.e. the world), {DCP_GROUP!r} (the caller's "
+            f"DCP group) or {EP_GROUP!r} (every rank of the data-parallel replicas)"
         )
     return kind
 
 
 def group_name(kind: str) -> str:
-    """The logical name of group kind ``"tp"`` or ``"dcp"`` (inverse of :func:`group_kind`)."""
+    """The logical name of group kind ``"tp"``, ``"dcp"`` or ``"ep"`` (inverse of :func:`group_kind`)."""
     try:
         return _NAME_OF_KIND[kind]
     except KeyError:
-        raise ValueError(f"unknown group kind {kind!r}; expected 'tp' or 'dcp'") from None
+        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp' or 'ep'") from None
 
 
 def group_ranks(mesh: Mesh, name: object, rank: int) -> tuple[int, ...]:

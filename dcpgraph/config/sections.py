@@ -74,7 +74,12 @@ class ParallelConfig(Section):
     cp_kv_cache_interleave_size: int = setting(1, "tokens per rank in turn along a DCP group's KV cache",
                                                option="interleave", low=1)
     enable_expert_parallel: bool = setting(False, "partition a MoE model's routed experts over the tensor-parallel "
-                                                  "ranks instead of slicing every expert")
+                                                  "ranks instead of slicing every expert (with data_parallel_size "
+                                                  "> 1: over every replica's ranks, DP attention + EP)")
+    expert_replicas: Any = setting(
+        None, "(D, d): compile replica d of D data-parallel replicas whose routed experts are partitioned over all "
+              "of their ranks (set per replica by the serving front end for data_parallel_size with "
+              "enable_expert_parallel)", cli=False)
     distributed_executor_backend: str | None = setting(
         None, "where tp > 1 ranks run: worker processes (mp, the default) or emulated in this process",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS[1:], option=None)
@@ -111,11 +116,27 @@ class ParallelConfig(Section):
         if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
                               f"got {backend!r}")
+        self._validate_expert_replicas()
         plan = self.plan
         if plan is not None and not (
             isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items())
         ):
             raise ConfigError(f"plan must be None or a dict of module-path pattern -> rule name, got {plan!r}")
+
+    def _validate_expert_replicas(self) -> None:
+        value = self.expert_replicas
+        if value is None:
+            return
+        ok = (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)
+              and value[0] >= 2 and 0 <= value[1] < value[0])
+        if not ok:
+            raise ConfigError(f"expert_replicas must be None or (D, d) with D >= 2 and 0 <= d < D, got {value!r}")
+        if not self.enable_expert_parallel:
+            raise ConfigError("expert_replicas partitions the routed experts over data-parallel replicas: it needs "
+                              "enable_expert_parallel=True")
+        if self.prefill_context_parallel_size > 1:
+            raise ConfigError("expert_replicas with prefill_context_parallel_size > 1 is not supported: experts are "
+                              "partitioned over replicas of one TP group each")
 
     def _validate_data_parallel(self) -> None:
         dp = self.data_parallel_size
@@ -125,10 +146,10 @@ class ParallelConfig(Section):
         if self.distributed_executor_backend == "emulated":
             raise ConfigError(f"data_parallel_size={dp} runs each replica in its own worker processes; "
                               "distributed_executor_backend='emulated' cannot")
-        if self.enable_expert_parallel:
-            raise ConfigError(f"data_parallel_size={dp} with enable_expert_parallel: experts partitioned across "
-                              "the replicas (DP attention + EP) are not supported yet, and partitioning within each "
-                              "replica is not what that flag means in vLLM; drop one of them")
+        if self.enable_expert_parallel and self.prefill_context_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size={dp} with enable_expert_parallel and prefill_context_parallel_size="
+                              f"{self.prefill_context_parallel_size}: experts are partitioned over replicas of one "
+                              "TP group each; use prefill_context_parallel_size=1")
 
     def _validate_nodes(self) -> None:
         nnodes, node, tp = self.nnodes, self.node_rank, self.tensor_parallel_size

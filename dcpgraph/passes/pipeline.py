@@ -19,6 +19,9 @@ The configuration adds passes where it asks for them (:func:`default_passes`):
 
 - ``expert_parallel`` (``enable_expert_parallel``) first: the plan's routed experts become
   expert-parallel before ``shard_tp`` reads the plan;
+- ``experts_over_replicas`` (``enable_expert_parallel`` with ``data_parallel_size > 1``) right
+  before ``shard_tp``: the routed experts are partitioned over every rank of the replicas and
+  dispatched/combined across them; ``shard_tp`` then leaves them alone;
 - ``return_hidden_states`` (MTP speculation) right after ``select_logits``: the program also
   returns the final hidden states of every token (output 1);
 - ``layer_group_tables`` (``hybrid_kv_cache``) last: sliding-window layers get their own block
@@ -38,6 +41,7 @@ from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
 from .expert_parallel import expert_parallel
+from .experts_over_replicas import experts_over_replicas
 from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_kv_cache import insert_kv_cache
@@ -70,14 +74,16 @@ PIPELINE: tuple[ProgramPass, ...] = (
 def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cache_dtype: str = "auto",
                    mlapo: bool = True, return_hidden: bool = False, comm_workload=None,
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
-                   windows: tuple[int, ...] | None = None, recurrent: bool = False) -> list[ProgramPass]:
+                   windows: tuple[int, ...] | None = None, recurrent: bool = False,
+                   expert_replicas: tuple[int, int] | None = None) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
     ``return_hidden_states`` with ``return_hidden``, ``layer_group_tables`` when ``windows`` (the
     model's sliding windows) is given, and with ``recurrent`` (a hybrid's recurrent layers)
     ``insert_recurrent_state`` after ``insert_kv_cache`` and ``shard_recurrent_tp`` after
-    ``shard_tp``."""
+    ``shard_tp``; with ``expert_replicas = (D, d)`` (replica ``d`` of ``D``, which needs
+    ``expert_parallel_experts``) ``experts_over_replicas`` right before ``shard_tp``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -90,6 +96,10 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
     if expert_parallel_experts:
         passes.insert(0, expert_parallel)
+    if expert_replicas is not None:
+        replicas, replica = expert_replicas
+        at = next(i for i, p in enumerate(passes) if p.name == shard_tp.name)
+        passes.insert(at, experts_over_replicas.with_options(mesh=mesh, replicas=replicas, replica=replica))
     if windows is not None:
         passes.append(layer_group_tables.with_options(windows=windows))
     if recurrent:
@@ -123,13 +133,15 @@ def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
     return_hidden: bool = False, comm_workload=None, fuse_new: bool = True, expert_parallel_experts: bool = False,
-    hybrid_kv_cache: bool = False,
+    hybrid_kv_cache: bool = False, expert_replicas: tuple[int, int] | None = None,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
     ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
     causal bound (:data:`dcpgraph.backends.registry.SPLIT_NEW_TOKENS`; ``compile``'s
     ``fuse_new_tokens`` option). ``expert_parallel_experts`` and ``hybrid_kv_cache`` are
-    ``compile``'s ``enable_expert_parallel`` and ``hybrid_kv_cache``."""
+    ``compile``'s ``enable_expert_parallel`` and ``hybrid_kv_cache``; ``expert_replicas = (D, d)``
+    compiles replica ``d`` of ``D`` data-parallel replicas whose routed experts are partitioned
+    over all of their ranks (:mod:`.experts_over_replicas`)."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
@@ -140,5 +152,6 @@ def compile_program(
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,
                             fuse_new=fuse_new, expert_parallel_experts=expert_parallel_experts,
                             windows=model_windows(program) if hybrid_kv_cache else None,
-                            recurrent=bool(program.facts.extra.get("recurrent_layers")))
+                            recurrent=bool(program.facts.extra.get("recurrent_layers")),
+                            expert_replicas=expert_replicas)
     return run_passes(program, passes, verify=verify)

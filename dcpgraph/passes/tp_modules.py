@@ -51,7 +51,7 @@ def _match(plan: dict[str, str], path: str, styles) -> str | None:
     return plan_rule(sub, path) if sub else None
 
 
-def _module_paths(node: torch.fx.Node) -> list[str]:
+def module_paths(node: torch.fx.Node) -> list[str]:
     """The node's enclosing module paths, outermost first, without the trace wrapper's component
     (HF models are traced inside a wrapper whose attribute is ``model``)."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -69,7 +69,7 @@ def reduce_module_outputs(graph: torch.fx.Graph, plan: dict[str, str], count, tp
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        for path in _module_paths(node):
+        for path in module_paths(node):
             if _match(plan, path, MODULE_REDUCE):
                 groups.setdefault(path, []).append(node)
                 break
@@ -108,7 +108,7 @@ def shard_parameters(program, graph, plan, specs, rules, assign, count, tp: int,
         if style in GATHER_OUTPUT or style in SPLIT_INPUT:
             raise UnsupportedModelError(f"{spec.target}: style {style!r} needs a linear, found a bare parameter")
         if style in EXPERT_PARALLEL:
-            _expert_parallel(graph, e, node, spec.target, full, tp, tp_rank, reduced)
+            mask_foreign_experts(graph, e, node, spec.target, full, tp, tp_rank, reduced)
         elif style in ROWWISE:
             if is_bias:
                 raise UnsupportedModelError(
@@ -123,10 +123,15 @@ def shard_parameters(program, graph, plan, specs, rules, assign, count, tp: int,
         count(style)
 
 
-def _expert_parallel(graph, e: Emitter, node, target: str, full: torch.Tensor, tp: int, tp_rank, reduced) -> None:
+def mask_foreign_experts(graph, e: Emitter, node, target: str, full: torch.Tensor, tp: int, tp_rank, reduced) -> None:
+    """Every per-token gather of expert parameter ``node`` (``full``: ``E`` experts) reads the
+    rank's ``E/tp`` local experts: ids outside ``[tp_rank()·E/tp, (tp_rank()+1)·E/tp)`` read local
+    expert 0 and the gathered rows are zeroed, so they contribute exact zeros. ``tp`` and
+    ``tp_rank`` are the group the experts are partitioned over (the TP group, or the EP group of
+    data-parallel replicas); the gathers must sit in ``reduced`` (the dispatching module)."""
     experts = full.shape[0]
     if experts % tp:
-        raise UnsupportedModelError(f"{target}: {experts} experts cannot be partitioned over tp={tp} ranks")
+        raise UnsupportedModelError(f"{target}: {experts} experts cannot be partitioned over {tp} ranks")
     local_experts = experts // tp
     for user in list(node.users):
         ok = (user.target is aten.index.Tensor and user.args[0] is node and len(user.args[1]) == 1

@@ -7,7 +7,8 @@ Generic invariants of any Program (:func:`verify_program` checks them all):
 3. fake-tensor shape propagation succeeds on the example inputs of
    :func:`dcpgraph.program.example_specs` (this stores ``meta["val"]`` on every node, which later
    passes and :func:`dcpgraph.explain` read);
-4. every functional collective names a dcpgraph group whose size matches the mesh;
+4. every functional collective names a dcpgraph group whose size matches the mesh (the EP group:
+   ``Lowering.expert_ranks`` where replicas share the experts, else the world);
 5. no data-dependent control flow (no ``cond``/``while_loop`` higher-order ops): every rank issues
    the same collectives in the same order.
 
@@ -94,7 +95,8 @@ def check_structure(program: Program) -> None:
         group = collective_group(node)
         if group is not None:
             kind, size = group
-            expected = program.mesh.tp if kind == "tp" else program.mesh.dcp
+            expected = {"tp": program.mesh.tp, "dcp": program.mesh.dcp,
+                        "ep": program.lowering.expert_ranks or program.mesh.world_size}[kind]
             if size is not None and size != expected:
                 raise VerificationError(
                     f"collective %{node.name} on the {kind} group has size {size}, mesh says {expected}\n"

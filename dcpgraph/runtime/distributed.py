@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import (
     _unregister_process_group,
 )
 
-from ..collectives.groups import DCP_GROUP, TP_GROUP
+from ..collectives.groups import DCP_GROUP, EP_GROUP, TP_GROUP
 from ..devices import BACKENDS
 from ..mesh import Mesh
 from . import host_collectives
@@ -140,6 +140,51 @@ def run_distributed_graph(
             "call register_mesh_groups(mesh) first, or pass mesh="
         )
     return gm(*args)
+
+
+# -- the EP group of data-parallel replicas ---------------------------------------------------
+_expert_group: dict[str, Any] = {}
+
+
+def join_expert_group(address: tuple[str, int], rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """Join the EP group of ``size`` ranks (every rank of every data-parallel replica; this one is
+    EP rank ``rank``) through a TCP store at ``address`` that EP rank 0 hosts, and register it under
+    :data:`~dcpgraph.collectives.groups.EP_GROUP`. Each replica keeps its own world (TP and DCP
+    groups); this group spans them, so an MoE layer's dispatch and combine reach every replica.
+    Collective over the ``size`` ranks: it returns once all have joined (or raises after
+    ``timeout_s``)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    host, port = address
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+    prefixed = PrefixStore("dcpgraph.ep", store)
+    group = dist.ProcessGroup(prefixed, rank, size)
+    backend = dist.ProcessGroupGloo(PrefixStore("gloo", prefixed), rank, size, timeout=timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group.barrier().wait()
+    _unregister_process_group(EP_GROUP)
+    _register_process_group(EP_GROUP, group)
+    _expert_group.update(group=group, store=store, rank=rank, size=size)
+    return group
+
+
+def expert_group() -> tuple[dist.ProcessGroup, int, int] | None:
+    """``(group, EP rank, EP size)`` after :func:`join_expert_group` in this process, else None."""
+    if not _expert_group:
+        return None
+    return _expert_group["group"], _expert_group["rank"], _expert_group["size"]
+
+
+def largest_replica_tokens(tokens: int) -> int:
+    """The largest of every EP rank's ``tokens`` (the rows each replica pads its MoE tokens to):
+    one all-reduce of one integer over the EP group, which every rank of every replica makes
+    before each forward."""
+    group = _expert_group["group"]
+    value = torch.tensor([tokens], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value.item())
 
 
 # -- local launcher ----------------------------------------------------------------------------

@@ -217,6 +217,8 @@ class Engine(EngineClient):
         :class:`~.scheduler.StepEvent` per emitted token. A finished request is dropped."""
         plan = self.scheduler.schedule()
         if not plan:
+            if self.program.lowering.expert_ranks is not None:  # replicas share the experts: step in lockstep
+                self.runner.dummy_forward()
             return self._idle()
         return self.scheduler.postprocess(plan, self.runner.run(plan))
 

@@ -126,6 +126,7 @@ def engine_report(engine) -> dict:
         "comm_choice": engine.program.lowering.comm_choice,  # why comm="auto" chose it (None: not auto)
         "steps": engine.steps,
         "graph_steps": dict(engine.runner.graph_steps),
+        "dummy_steps": engine.runner.dummy_steps,  # forwards with no work (data-parallel replicas sharing experts)
         "decode_buckets": list(engine.runner.buckets.sizes) if engine.runner.buckets else [],
         "speculative": speculative_report(engine),
         "scheduler": scheduler_report(engine),

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import ConfigError
 from ..program import CACHE, META, RANK, RECURRENT, STATE_KINDS, USER, Program
 from . import host_memory
 from .engine_client import RankState, run_on_rank
@@ -83,6 +84,21 @@ def rank_arguments(
     return args
 
 
+def expert_inputs(shared: dict[str, torch.Tensor], own: dict[str, torch.Tensor]):
+    """A step's inputs plus what experts shared by data-parallel replicas read: ``ep_rank`` (this
+    rank's index in the EP group) and ``ep_rows``, whose length is the largest token count of any
+    replica this step (one all-reduce over the EP group; :mod:`dcpgraph.passes.experts_over_replicas`)."""
+    from .distributed import expert_group, largest_replica_tokens
+
+    joined = expert_group()
+    if joined is None:
+        raise RuntimeError("this program partitions its experts over data-parallel replicas, but this process has "
+                           "not joined their EP group (dcpgraph.runtime.distributed.join_expert_group)")
+    rows = largest_replica_tokens(int(shared["input_ids"].shape[-1]))
+    return ({**shared, "ep_rows": torch.zeros(rows, dtype=torch.int64)},
+            {**own, "ep_rank": torch.tensor(joined[1], dtype=torch.int64)})
+
+
 def logits_of(output) -> torch.Tensor:
     first = output[0] if isinstance(output, (tuple, list)) else output
     return first[0].cpu()  # [1, R, V] -> [R, V], on the host (a no-op there)
@@ -99,6 +115,11 @@ class EmulatedExecutor:
     mode = "emulated"
 
     def __init__(self, program: Program, num_blocks: int, graphs=None):
+        if program.lowering.expert_ranks is not None:
+            raise ConfigError(
+                f"this program's routed experts are partitioned over {program.lowering.expert_ranks} ranks of "
+                "data-parallel replicas: it runs on the distributed executor, one worker process per rank "
+                "(LLM or dcpgraph serve with data_parallel_size and enable_expert_parallel), not emulated")
         self.program = program
         self.ranks = list(program.mesh.ranks)
         self.states = [program.local_state(r) for r in self.ranks]
@@ -164,8 +185,11 @@ class DistributedExecutor:
         return [run_on_rank(name, RankState(self.rank, self.program, self.caches), args)]
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
+        own = per_rank[self.rank]
+        if self.program.lowering.expert_ranks is not None:
+            shared, own = expert_inputs(shared, own)
         args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),
-                              on_device(per_rank[self.rank], self.device))
+                              on_device(own, self.device))
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module
         output = fn(*args)
         self.last_hidden = hidden_of(self.program, output)

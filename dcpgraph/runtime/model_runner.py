@@ -41,6 +41,7 @@ class ModelRunner:
         self.verify_buckets = verify_buckets
         self.eos_token_ids = tuple(int(t) for t in program.facts.eos_token_id)  # masked under min_tokens
         self.steps = 0
+        self.dummy_steps = 0  # dummy_forward calls (a data-parallel replica stepping with no work)
         self.table_rows = TableRows()  # block-table rows of the last step, reused while unchanged
         self.graph_steps: dict[str, int] = {}
         self.last_hidden: torch.Tensor | None = None  # [tokens of the last step, H] (return_hidden)
@@ -78,6 +79,16 @@ class ModelRunner:
                 grammar.advance(tokens[: accept(draft.tokens, tokens) + 1] if draft.tokens else tokens)
             outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), prompt_logprobs))
         return outputs
+
+    def dummy_forward(self) -> None:
+        """One forward of one token that writes no KV (slot −1 on every rank) and whose logits are
+        dropped: what a data-parallel replica with no work runs while the others step, so every
+        rank of the EP group makes the same MoE collectives (its token is a row of its own; rows
+        never mix, so it changes no other replica's result)."""
+        shared, per_rank = build_step_inputs([Chunk(-1, (0,), 0, (0,))], self.mesh, self.block_size, self.interleave)
+        per_rank = [{**own, "slot_mapping": torch.full_like(own["slot_mapping"], -1)} for own in per_rank]
+        self.executor.run(shared, per_rank)
+        self.dummy_steps += 1
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits ``[sum of logits_rows, V]`` of ``chunks``; a decode-only step runs in the

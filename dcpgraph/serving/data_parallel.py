@@ -15,12 +15,17 @@ Each replica is a worker group of ``tp`` ranks with its own scheduler, KV cache 
 Each replica is one engine of the metrics (the ``engine`` label, ``"0"`` to ``"D-1"``):
 :meth:`engine_of` and :meth:`engine_states` give the serving layer what to label.
 
-Not here yet: routed experts partitioned across replicas (DP attention + EP, refused at
-configuration) and P/D transfer (refused when the KV agent starts).
+With ``lockstep`` (replicas sharing the routed experts, :mod:`.expert_replicas`), every MoE
+layer is a collective over all replicas' ranks, so a step starts on *every* replica whenever one
+has work (an idle one runs a dummy forward, :meth:`~dcpgraph.runtime.model_runner.ModelRunner.dummy_forward`)
+and a replica that fails stops the whole group at once (:meth:`_await_steps`).
+
+Not here yet: P/D transfer (refused when the KV agent starts).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,13 +33,15 @@ from ..errors import ConfigError, QueueFullError, RequestError
 from ..runtime.engine_client import WAITING_IDS, EngineClient
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
+from .workers import POLL_S, WorkerDiedError
 
 MERGED_OPS = {WAITING_IDS, "process.report", "reset_prefix_cache"}
 
 
 class DataParallelEngine(EngineClient):
-    def __init__(self, replicas: Sequence[EngineClient]):
+    def __init__(self, replicas: Sequence[EngineClient], *, lockstep: bool = False):
         self.replicas = list(replicas)
+        self.lockstep = lockstep  # replicas share the routed experts: every replica steps whenever one does
         self._owner: dict[int, tuple[int, int]] = {}  # client id -> (replica, replica's id)
         self._ids: list[dict[int, int]] = [{} for _ in self.replicas]  # per replica: its id -> client id
         self.requests_served = [0] * len(self.replicas)
@@ -62,8 +69,12 @@ class DataParallelEngine(EngineClient):
 
     def step(self) -> list[StepEvent]:
         busy = [i for i in range(len(self.replicas)) if self.live(i)]
+        if self.lockstep and busy:
+            busy = list(range(len(self.replicas)))  # an idle replica runs a dummy forward
         for i in busy:
             self.replicas[i].begin_step()
+        if self.lockstep:
+            self._await_steps(busy)
         events = []
         for i in busy:
             for event in self.replicas[i].end_step():
@@ -72,6 +83,24 @@ class DataParallelEngine(EngineClient):
                     self._forget(i, event[0])
                 events.append(StepEvent(rid, event[1], event[2], event.logprobs, event.prompt_logprobs))
         return events
+
+    def _await_steps(self, stepping: list[int]) -> None:
+        """Wait until every stepping replica has answered. Replicas in lockstep wait for each
+        other inside every MoE layer, so one that fails leaves the others blocked: the whole group
+        is stopped as soon as any replica is seen unhealthy (within a poll interval), instead of
+        waiting on a replica that can never answer."""
+        pending = list(stepping)
+        while pending:
+            for i in list(pending):
+                replica = self.replicas[i]
+                if replica.step_done():
+                    pending.remove(i)
+                elif not replica.healthy():
+                    self.close()
+                    raise WorkerDiedError(f"data-parallel replica {i} failed during a lockstep step "
+                                          f"(replicas share the experts, so all {len(self.replicas)} were stopped)")
+            if pending:
+                time.sleep(POLL_S / 10)
 
     def abort(self, request_id: int) -> bool:
         if request_id not in self._owner:

@@ -26,6 +26,9 @@ class EngineConfig:
     # fraction of the host is divided by (None: dcpgraph.memory.ranks_sharing's default)
     ranks_on_host: int | None = None
     load_format: str = "auto"  # "dummy": random weights from the config (see checkpoints.loader.load_program)
+    # data-parallel replicas sharing the routed experts: [host, port, EP size, this replica's index];
+    # every rank joins the EP group through the TCP store at host:port (None: no such group)
+    expert_group: list | None = None
 
     @property
     def device(self) -> str:

@@ -44,6 +44,7 @@ from ..speculative.mtp_module import check_mtp_weights
 from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
+from .expert_replicas import check_expert_replicas, start_expert_replicas
 from .logprobs import vllm_logprobs, vllm_prompt_logprobs
 from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
@@ -116,6 +117,12 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
     elif not 0 < max_model_len <= limit:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                           f"got {max_model_len}")
+    if parallel.data_parallel_size > 1 and parallel.enable_expert_parallel:
+        import transformers as tf
+
+        check_expert_replicas(tf.AutoConfig.from_pretrained(model), tp=tp, replicas=parallel.data_parallel_size,
+                              speculative=spec.speculative_config is not None,
+                              device=resolve_device(parallel.device).name)
     engine_options = _engine_options(settings)
     engine_options["device"] = resolve_device(parallel.device).name  # every rank runs the front end's choice
     if spec.speculative_config is not None:
@@ -165,7 +172,8 @@ class LLM:
         self._next_request = 0
         self.grammar_backend = None  # built on the first request with structured_outputs
         if parallel.data_parallel_size > 1:
-            self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size))
+            self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size),
+                                             lockstep=parallel.enable_expert_parallel)
         elif tp == 1 or in_world:
             if self.config.device != "cpu":  # this process's rank: its node's device, LOCAL_RANK mod count
                 place_rank(resolve_device(self.config.device), int(os.environ.get("LOCAL_RANK", "0")))
@@ -177,12 +185,16 @@ class LLM:
                                        timeout_s=settings.serving.worker_timeout_s, layout=NodeLayout.of(parallel))
 
     def _replicas(self, count: int) -> list[RemoteEngine]:
-        """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started ones)."""
+        """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started
+        ones). Replicas that share the routed experts (``enable_expert_parallel``) start together,
+        each compiling its own slice of the experts, since their ranks join one EP group."""
+        serving = self.settings.serving
+        if self.settings.parallel.enable_expert_parallel:
+            return start_expert_replicas(self.config, count, host=serving.worker_host, timeout_s=serving.worker_timeout_s)
         replicas: list[RemoteEngine] = []
         try:
             for _ in range(count):
-                replicas.append(RemoteEngine(self.config, host=self.settings.serving.worker_host,
-                                             timeout_s=self.settings.serving.worker_timeout_s))
+                replicas.append(RemoteEngine(self.config, host=serving.worker_host, timeout_s=serving.worker_timeout_s))
         except BaseException:
             for replica in replicas:
                 replica.close()

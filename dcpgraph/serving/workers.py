@@ -35,6 +35,7 @@ import torch
 from .. import errors
 from ..api import engine_for
 from ..devices import DeviceKind, DeviceProbe, RankPlacement, place_rank
+from ..runtime.distributed import join_expert_group
 from ..runtime.engine_client import EngineClient
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
@@ -165,6 +166,9 @@ def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end
         host, port = world_address
         dist.init_process_group(placement.backend, rank=rank, world_size=world, init_method=f"tcp://{host}:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        if engine_config.expert_group is not None:  # replicas sharing the experts: the EP group spans them
+            ep_host, ep_port, ep_size, replica = engine_config.expert_group
+            join_expert_group((ep_host, int(ep_port)), replica * world + rank, int(ep_size), timeout_s)
         control = ControlGroup(host)
         compiled = compile_rank(engine_config, executor="distributed")
         if rank == 0:
@@ -223,8 +227,10 @@ class RemoteEngine(EngineClient):
     """The front end's handle on a worker group: calls go to rank 0, where the engine is."""
 
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 start_method: str | None = None, layout: NodeLayout | None = None):
+                 start_method: str | None = None, layout: NodeLayout | None = None,
+                 abort: threading.Event | None = None):
         layout = layout or NodeLayout()
+        self.abort = abort  # set by another replica that failed to start (replicas sharing the experts)
         self.config = config
         self.timeout_s = timeout_s
         self.dead: str | None = None
@@ -293,6 +299,8 @@ class RemoteEngine(EngineClient):
         connections are how the head sees a rank on another node go away."""
         if not all(p.is_alive() for p in self.procs):
             return False
+        if self.abort is not None and self.abort.is_set() and not self.started:
+            return False
         return not self.started or not any(c is not None and c.poll(0) for c in self.conns[1:])
 
     def exit_codes(self) -> list[int | None]:
@@ -356,6 +364,11 @@ class RemoteEngine(EngineClient):
     def begin_step(self) -> None:
         """Start a step without waiting for it (several groups step at once: data parallelism)."""
         self._send({"op": "step"})
+
+    def step_done(self) -> bool:
+        """Whether the reply to the step :meth:`begin_step` started has arrived (no waiting)."""
+        conn = self.conns[0]
+        return conn is not None and conn.poll(0)
 
     def end_step(self) -> list[StepEvent]:
         """The events of the step :meth:`begin_step` started."""

@@ -101,6 +101,7 @@ class Lowering:
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
     state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
+    state_snapshots: int | None = None  # compile/Engine with speculation: pool rows after the slots (runtime.state_rollback)
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""

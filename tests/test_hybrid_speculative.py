@@ -23,7 +23,6 @@ from dcpgraph.runtime import state_rollback
 from dcpgraph.runtime.speculative_config import speculative_config
 from dcpgraph.testing.generation import drain, hf_greedy
 
-
 SLOW = pytest.mark.slow  # HF's reference generate (torch fallbacks of its recurrent kernels) and a compile per run
 
 
@@ -134,3 +133,38 @@ def test_mtp_and_a_hybrid_draft_are_refused_by_name(case):
     with pytest.raises(UnsupportedModelError, match="a draft model with recurrent layers"):
         dcpgraph.compile(program, block_size=4,
                          speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": program})
+
+
+@pytest.mark.slow  # 1200 sampled requests through a hybrid target and a draft model
+def test_sampled_tokens_keep_the_targets_distribution(draft_program):
+    """Rejection sampling with a Llama draft over qwen3_next: the first three sampled tokens
+    (top-k 3, temperature 1) fit the target's exact distribution from HF forwards (chi-square,
+    the draft-model test's), with drafts both accepted and rejected."""
+    from test_draft_model import SAMPLES, chi_square_p_value, exact_first_tokens, sampled_counts
+
+    target = SPEC_MODELS["qwen3_next"]()
+    engine = dcpgraph.compile(dcpgraph.trace(target), block_size=4, max_num_seqs=64, max_num_batched_tokens=512,
+                              max_model_len=64, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                                    "model": draft_program})
+    p = chi_square_p_value(sampled_counts(engine), exact_first_tokens(target), SAMPLES)
+    stats = engine.speculative_report()
+    assert 0 < stats["accepted"] < stats["drafted"], stats
+    assert p > 1e-3, f"chi-square p-value {p:.2e}"
+
+
+@pytest.mark.slow  # two gloo ranks tracing and compiling a hybrid on 2 shared cores
+@pytest.mark.gloo
+def test_ngram_speculation_on_gloo_ranks_gives_hf_greedy_tokens():
+    """qwen3_next at tp2·dcp2 on two real gloo ranks, rank 0 driving: the state copies of each
+    verification and replay step reach rank 1 with the step's other inputs."""
+    from hybrid_models import NEW_TOKENS, PROMPTS, drive_on_gloo
+
+    from dcpgraph.runtime.distributed import spawn
+
+    results = spawn(drive_on_gloo, 2, "SPEC_MODELS", "qwen3_next", ngram(), timeout_s=400)
+    model = SPEC_MODELS["qwen3_next"]()
+    assert results[0]["tokens"] == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert results[0]["spec_tokens"] == [hf_greedy(model, p, SPEC_NEW_TOKENS) for p in SPEC_PROMPTS]
+    stats = results[0]["speculative"]
+    assert 0 < stats["accepted"] < stats["drafted"] and stats["state_replays"]["rows"] > 0, stats
+    assert results[0]["memory"]["recurrent_state_snapshot_slots"] == 4

@@ -87,6 +87,7 @@ def test_ngram_speculation_through_a_preemption(case):
     assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
 
 
+@SLOW
 def test_without_the_replay_the_tokens_differ(case, monkeypatch):
     """The rollback is what makes the tokens right: a run that restores nothing and replays
     nothing leaves each state past the rejected drafts and the bucket padding."""

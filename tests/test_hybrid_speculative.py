@@ -98,7 +98,10 @@ def test_without_the_replay_the_tokens_differ(case, monkeypatch):
 
 
 @SLOW
-def test_memory_report_counts_the_snapshot_rows(case):
+def test_memory_report_counts_the_snapshot_rows(case, monkeypatch):
+    """One snapshot row per slot: reported, allocated, and subtracted by memory-fraction sizing."""
+    from dcpgraph import memory as mem
+
     _, _, program, _ = case
     plain = dcpgraph.compile(program, block_size=4, max_num_seqs=4).memory_report()
     engine = dcpgraph.compile(program, block_size=4, max_num_seqs=4, speculative_config=ngram())
@@ -110,6 +113,10 @@ def test_memory_report_counts_the_snapshot_rows(case):
     pools = {p.name for p in engine.program.recurrent_states}
     allocated = sum(t.numel() * t.element_size() for key, t in engine.executor.caches[0].items() if key in pools)
     assert allocated == 8 * per_request
+    monkeypatch.setattr(mem, "device_memory", lambda device: mem.DeviceMemory(1 << 30, 1 << 30))
+    sizing = mem.size_for_utilization(engine.program, 0.5, "cuda:0", ranks=1, max_num_batched_tokens=8,
+                                      max_num_seqs=4, max_model_len=64)
+    assert sizing.recurrent_state_bytes == 8 * per_request
 
 
 def test_state_copies_read_every_source_before_writing():

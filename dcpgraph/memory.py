@@ -11,7 +11,8 @@ rank of the process with the emulated executor; on the host, the ranks on it)::
 ``weights`` are this rank's parameter shards (:func:`dcpgraph.program.weight_bytes_per_rank`),
 ``peak`` the activation peak of a dummy forward of ``max_num_batched_tokens`` tokens
 (:func:`activation_peak_bytes`), ``state`` a hybrid's recurrent-state pools on this rank
-(``max_num_seqs`` slots, :func:`recurrent_state_bytes`; 0 without recurrent layers) and ``bytes_per_block`` one block of every cache
+(``max_num_seqs`` slots, twice that with speculative decoding: a snapshot row per slot,
+:mod:`dcpgraph.runtime.state_rollback`; :func:`recurrent_state_bytes`; 0 without recurrent layers) and ``bytes_per_block`` one block of every cache
 (:func:`dcpgraph.kv_budget.kv_bytes_per_block`; a hybrid cache splits ``kv_bytes`` with its
 sliding pool, :func:`dcpgraph.kv_budget.split_byte_budget`).
 
@@ -278,7 +279,7 @@ def size_for_utilization(program: Program, utilization: float, device: torch.dev
     weights = max(weight_bytes_per_rank(program))
     tokens = min(max_num_batched_tokens, max_model_len)
     peak = activation_peak_bytes(program, tokens=tokens, requests=min(max_num_seqs, tokens))
-    state = recurrent_state_bytes(program, max_num_seqs)
+    state = recurrent_state_bytes(program, max_num_seqs + int(program.lowering.state_snapshots or 0))
     kv_bytes = int(utilization * memory.total / ranks) - weights - peak - state
     per_block = kv_bytes_per_block(program)
     if kv_bytes < per_block:

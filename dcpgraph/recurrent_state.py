@@ -218,13 +218,25 @@ class LightningAttentionShape:
         return local.heads * local.head_dim * local.head_dim * RECURRENT_STATE_DTYPE.itemsize
 
 
-def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative) -> None:
+def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative,
+                                    draft_recurrent_layers=()) -> None:
     """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
-    name: a prefix hit (the state after the cached prefix), drafts (the state before rejected
-    tokens)."""
+    name: a prefix hit (the state after the cached prefix); MTP drafts (not implemented for
+    hybrids); a draft model with recurrent layers of its own (``draft_recurrent_layers``: its
+    state is not rolled back). Speculation with ``ngram`` or a draft model without recurrent
+    layers is exact (:mod:`dcpgraph.runtime.state_rollback`). ``speculative``: the checked
+    :class:`~dcpgraph.runtime.speculative_config.SpeculativeConfig`, or None."""
+    method = getattr(speculative, "method", None)
+    if method == "draft_model" and draft_recurrent_layers:
+        raise UnsupportedModelError(f"a draft model with recurrent layers ({sorted(draft_recurrent_layers)}) is not "
+                                    "supported: its own state is not rolled back for rejected drafts; use a draft "
+                                    "without recurrent layers (a small Llama or Qwen3 sharing the vocabulary)")
+    if not layers:
+        return
     if prefix_caching:
         raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
                                     "their state after a cached prefix is not kept; use enable_prefix_caching=False")
-    if speculative:
-        raise UnsupportedModelError(f"speculative decoding is not supported with recurrent layers ({layers}): "
-                                    "their state is not rolled back for rejected drafts")
+    if method == "mtp":
+        raise UnsupportedModelError(f"speculative_config method 'mtp' is not supported with recurrent layers "
+                                    f"({layers}): MTP drafting for hybrid targets is not implemented; use method "
+                                    "'ngram' or 'draft_model'")

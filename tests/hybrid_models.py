@@ -137,6 +137,28 @@ def minimax(kv_heads: int = 1, heads: int = 4, block_size: int = 4) -> torch.nn.
 LIGHTNING_MESH_MODELS = {"minimax": minimax}
 """MiniMax with one KV head (DCP has KV replication to remove up to dcp = tp) and 4 lightning heads
 (so tp = 2 and tp = 4 both split the lightning layers by heads)."""
+# -- speculative decoding ------------------------------------------------------------------------
+SPEC_MODELS = {"qwen3_next": MESH_MODELS["qwen3_next"], "lfm2": MESH_MODELS["lfm2"],
+               "bamba": MAMBA2_MESH_MODELS["bamba"]}
+"""One hybrid per recurrent kind (gated delta net, short convolution, Mamba-2), each valid at tp2·dcp2."""
+
+SPEC_PROMPTS = [[2, 4, 8, 16, 32, 2, 4, 8, 16], [3, 4, 3, 4, 3, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2]]
+SPEC_NEW_TOKENS = 16
+"""Repetitive prompts: prompt lookup drafts from them, and on these seeded models some of those
+drafts are accepted and most are rejected."""
+
+
+def ngram(k: int = 3) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+
+
+def llama_draft() -> torch.nn.Module:
+    """A one-layer Llama over the hybrids' 64-token vocabulary: a draft model without recurrent layers."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, initializer_range=0.2, eos_token_id=None)
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 # -- one run through prefill chunks and a preemption --------------------------------------------
@@ -162,19 +184,21 @@ def run_through_preemption(model: torch.nn.Module, program):
     return engine
 
 
-def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
+def drive_on_gloo(rank: int, world: int, family: str, name: str, speculative_config: dict | None = None) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
     ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS` or :data:`LIGHTNING_MESH_MODELS`), as
     ``LLM``/``serve`` run it:
     rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
     of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
-    memory report; every rank returns its state pools' shapes."""
+    memory and speculative reports (with ``speculative_config``: of :data:`SPEC_PROMPTS` too,
+    ``spec_tokens``); every rank returns its state pools' shapes."""
     from dcpgraph.api import compile_programs, engine_for
     from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
 
     control = ControlGroup()
     compiled = compile_programs(globals()[family][name](), tp=world, dcp=2, block_size=4, num_blocks=4,
-                                max_num_batched_tokens=8, max_num_seqs=4, executor="distributed")
+                                max_num_batched_tokens=8, max_num_seqs=4, executor="distributed",
+                                speculative_config=speculative_config)
     pools = {p.name: p.shape for p in compiled.program.recurrent_states}
     if rank != 0:
         follow(control, {"target": (compiled.program, compiled.graphs)})
@@ -183,5 +207,8 @@ def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
     tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
     result = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
               "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report()}
+    if speculative_config is not None:
+        result["spec_tokens"] = engine.generate([list(p) for p in SPEC_PROMPTS], SPEC_NEW_TOKENS)
+        result["speculative"] = engine.speculative_report()
     control.broadcast(("stop",))
     return result

@@ -4,7 +4,7 @@ attention layer) give HF's greedy tokens (``generate``, do_sample=False) for a b
 prompt is longer than the prefill chunk (8 tokens), with a KV cache small enough to preempt (the
 preempted request restarts its recurrent state from a fresh slot). The scheduler's state slots:
 one per running request, given back at finish, abort and preemption. Refused by name: prefix
-caching, speculative decoding, adopting a request (P/D). (Meshes with TP and DCP:
+caching, adopting a request (P/D) (speculative decoding: tests/test_hybrid_speculative.py). (Meshes with TP and DCP:
 tests/test_hybrid_mesh.py.) (The distributed
 executor's refusal needs an initialised torch.distributed world, which these tests do not start.)"""
 
@@ -74,8 +74,6 @@ def _request():
 
 @pytest.mark.parametrize("options, message", [
     (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative decoding is not supported with recurrent layers"),
 ])
 def test_features_without_exact_state_are_refused_by_name(case, options, message):
     _, program = case

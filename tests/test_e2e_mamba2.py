@@ -44,8 +44,6 @@ def test_mamba2_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case
 @pytest.mark.slow  # a verified compile per option and model
 @pytest.mark.parametrize("options, message", [
     (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative decoding is not supported with recurrent layers"),
 ])
 def test_mamba2_features_without_exact_state_are_refused_by_name(case, options, message):
     _, _, program = case

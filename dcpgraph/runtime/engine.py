@@ -72,11 +72,16 @@ class Engine(EngineClient):
         memory_sizing=None,
         seed: int = 0,
     ):
+        speculative = speculative_config_of(speculative_config, speculative_tokens)
+        draft_layers = sorted({p.layer for p in draft[0].recurrent_states}) if draft is not None else []
+        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
+                                        speculative, draft_layers)
         if program.recurrent_states:
-            refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
-                                            speculative_config or speculative_tokens)
-            if program.lowering.state_slots != max_num_seqs:  # compile() sets it on every rank's program
-                program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs))
+            snapshots = max_num_seqs if speculative is not None else None  # state_rollback's rows
+            if (program.lowering.state_slots, program.lowering.state_snapshots) != (max_num_seqs, snapshots):
+                # compile() sets both on every rank's program
+                program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs,
+                                                                            state_snapshots=snapshots))
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
@@ -84,7 +89,7 @@ class Engine(EngineClient):
         self.block_size = int(program.lowering.block_size)
         self.interleave = int(program.lowering.interleave)
         self.max_model_len = max_model_len
-        self.speculative = speculative_config_of(speculative_config, speculative_tokens)
+        self.speculative = speculative
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         self.blocks, cache_blocks = make_block_manager(
             program, num_blocks, enable_prefix_caching=enable_prefix_caching, kv_allocation=kv_allocation,

@@ -40,14 +40,17 @@ def memory_report(engine) -> dict:
 
 def _recurrent_state_memory(engine) -> dict:
     """A hybrid's recurrent-state pools: ``Σ_pools Π(shape per slot) · element_bytes`` per
-    request (the formulas of :mod:`dcpgraph.recurrent_state`), times one slot per sequence."""
+    request (the formulas of :mod:`dcpgraph.recurrent_state`), times one slot per sequence plus,
+    with speculative decoding, one snapshot row per slot (:mod:`dcpgraph.runtime.state_rollback`)."""
     pools = engine.program.recurrent_states
     if not pools:
         return {}
     per_request = sum(p.bytes_per_slot for p in pools)
     slots = int(engine.program.lowering.state_slots)
+    snapshots = int(engine.program.lowering.state_snapshots or 0)
     return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
-            "recurrent_state_bytes_per_rank": [per_request * slots for _ in engine.mesh.ranks]}
+            "recurrent_state_snapshot_slots": snapshots,
+            "recurrent_state_bytes_per_rank": [per_request * (slots + snapshots) for _ in engine.mesh.ranks]}
 
 
 def kv_sizing_report(engine) -> dict:
@@ -110,6 +113,8 @@ def speculative_report(engine) -> dict:
     draft_runner = getattr(engine.runner.proposer, "runner", None)
     if draft_runner is not None:
         out["draft_graph_steps"] = dict(draft_runner.graph_steps)
+    if engine.runner.rollback:  # recurrent state restored and replayed after rejected drafts
+        out["state_replays"] = dict(engine.runner.replays)
     return out
 
 

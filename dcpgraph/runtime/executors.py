@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..program import CACHE, META, RANK, RECURRENT, STATE_KINDS, USER, Program
 from . import host_memory
 from .engine_client import RankState, run_on_rank
+from .state_rollback import STATE_COPIES, apply_state_copies, pool_rows
 
 
 def state_device(state: list[torch.Tensor]) -> torch.device:
@@ -48,10 +49,10 @@ def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
                                         c.dtype, device)
               for c in program.caches}
     if program.recurrent_states:
-        slots = program.lowering.state_slots
-        if not slots:
+        if not program.lowering.state_slots:
             raise ValueError("a program with recurrent state pools needs Lowering.state_slots (set by the Engine)")
-        caches.update({p.name: torch.zeros((slots, *p.shape), dtype=p.dtype, device=device)
+        rows = pool_rows(program)  # the slots, then their snapshots under speculation (state_rollback)
+        caches.update({p.name: torch.zeros((rows, *p.shape), dtype=p.dtype, device=device)
                        for p in program.recurrent_states})
     return caches
 
@@ -142,6 +143,8 @@ class EmulatedExecutor:
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
         from .emulator import run_spmd
 
+        for r in self.ranks:  # the step's state copies first (state_rollback); the graph ignores them
+            apply_state_copies(self.program, self.caches[r], shared.get(STATE_COPIES))
         shared = on_device(shared, self.device)
         args = [rank_arguments(self.program, self.states[r], self.caches[r], shared, on_device(per_rank[r], self.device))
                 for r in self.ranks]
@@ -185,9 +188,13 @@ class DistributedExecutor:
         return [run_on_rank(name, RankState(self.rank, self.program, self.caches), args)]
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
+<<<<<<< HEAD
         own = per_rank[self.rank]
         if self.program.lowering.expert_ranks is not None:
             shared, own = expert_inputs(shared, own)
+=======
+        apply_state_copies(self.program, self.caches, shared.get(STATE_COPIES))  # before the graph (state_rollback)
+>>>>>>> hybridspec
         args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),
                               on_device(own, self.device))
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..program import Program
+from . import state_rollback
 from .graph_mode import DecodeBuckets
 from .proposer import NO_DRAFTS
 from .rejection import accept, verify
@@ -45,6 +46,9 @@ class ModelRunner:
         self.table_rows = TableRows()  # block-table rows of the last step, reused while unchanged
         self.graph_steps: dict[str, int] = {}
         self.last_hidden: torch.Tensor | None = None  # [tokens of the last step, H] (return_hidden)
+        self.last_query_len: int | None = None  # q of the last step's verification bucket (None: unpadded rows)
+        self.rollback = state_rollback.keeps_snapshots(program)  # recurrent state restored after rejected drafts
+        self.replays = {"steps": 0, "rows": 0, "tokens": 0}  # replay steps of state_rollback
 
     def run(self, plan: Sequence[ScheduledChunk]) -> list[RowOutput]:
         """One step of ``plan`` on every rank: per scheduled chunk, the sampled tokens."""
@@ -52,10 +56,14 @@ class ModelRunner:
         if self.proposer is not None and any(item.draft_room for item in plan):
             drafts = self.proposer.propose(plan)
         chunks = [_with_drafts(item.chunk, d.tokens) for item, d in zip(plan, drafts)]
-        logits = self.execute(chunks)
+        snapshot = None
+        if self.rollback and any(d.tokens for d in drafts):
+            snapshot = state_rollback.snapshot_copies(chunks, state_rollback.snapshot_rows(self.program))
+        logits = self.execute(chunks, snapshot)
+        query_len = self.last_query_len
         if self.last_hidden is not None and hasattr(self.proposer, "observe"):
             self.proposer.observe(plan, chunks, self.last_hidden)  # MTP: the target's hidden states
-        outputs, row = [], 0
+        outputs, row, kept = [], 0, []
         for item, chunk, draft in zip(plan, chunks, drafts):
             rows = logits[row : row + chunk.logits_rows]
             row += chunk.logits_rows
@@ -78,8 +86,12 @@ class ModelRunner:
             if grammar is not None and tokens:
                 grammar.advance(tokens[: accept(draft.tokens, tokens) + 1] if draft.tokens else tokens)
             outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), prompt_logprobs))
+            kept.append(len(item.chunk.tokens) + (accept(draft.tokens, tokens) if draft.tokens else 0))
+        if snapshot is not None:
+            self._replay(chunks, kept, [query_len or len(c.tokens) for c in chunks])
         return outputs
 
+<<<<<<< HEAD
     def dummy_forward(self) -> None:
         """One forward of one token that writes no KV (slot −1 on every rank) and whose logits are
         dropped: what a data-parallel replica with no work runs while the others step, so every
@@ -91,9 +103,26 @@ class ModelRunner:
         self.dummy_steps += 1
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
+=======
+    def _replay(self, ran: list[Chunk], kept: list[int], processed: list[int]) -> None:
+        """Restore the state of every row that ran more tokens than it keeps and run its kept
+        tokens again (:mod:`.state_rollback`); the replay's logits are dropped."""
+        replay = state_rollback.replay_chunks(ran, kept, processed)
+        if not replay:
+            return
+        hidden = self.last_hidden  # the verification step's, for a proposer that reads it
+        self.execute(replay, state_rollback.restore_copies(replay, state_rollback.snapshot_rows(self.program)))
+        self.last_hidden = hidden
+        self.replays["steps"] += 1
+        self.replays["rows"] += len(replay)
+        self.replays["tokens"] += sum(len(c.tokens) for c in replay)
+
+    def execute(self, chunks: list[Chunk], state_copies: torch.Tensor | None = None) -> torch.Tensor:
+>>>>>>> hybridspec
         """Logits ``[sum of logits_rows, V]`` of ``chunks``; a decode-only step runs in the
         smallest decode bucket that holds it (padded), a step of decode rows with drafts (every
-        token a query row) in its verification bucket, anything else in the dynamic graph."""
+        token a query row) in its verification bucket, anything else in the dynamic graph.
+        ``state_copies``: recurrent-state rows every rank copies before the step (:mod:`.state_rollback`)."""
         shared, per_rank = build_step_inputs(chunks, self.mesh, self.block_size, self.interleave, self.table_rows)
         counts = [len(c.tokens) for c in chunks]
         key, name, pick = "mixed", "mixed", None
@@ -109,6 +138,9 @@ class ModelRunner:
                 shared, per_rank = self.verify_buckets.pad(shared, per_rank, bucket)
                 q = self.verify_buckets.query_len
                 key, name = ("verify", f"{bucket}x{q}"), f"verify[{bucket}x{q}]"
+        if state_copies is not None:
+            shared = {**shared, state_rollback.STATE_COPIES: state_copies}
+        self.last_query_len = self.verify_buckets.query_len if key[0] == "verify" else None
         self.graph_steps[name] = self.graph_steps.get(name, 0) + 1
         logits = self.executor.run(shared, per_rank, key)
         self.last_hidden = _real_hidden(getattr(self.executor, "last_hidden", None), counts,

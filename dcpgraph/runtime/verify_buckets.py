@@ -9,7 +9,9 @@ static-shape graph per ``(R_b, q)``. The padding follows decode's rules:
   positions, slot −1 (nothing is written). New tokens attend causally within their row, so the
   real tokens never see them;
 - a padding row is ``q`` dummy tokens at positions ``0 … q−1``, context 0, slot −1, block-table
-  row 0 (never read: the context is empty).
+  row 0 (never read: the context is empty), state slot −1 (recurrent layers: no state read or
+  written). A real row's recurrent state does run over its padding tokens;
+  :mod:`.state_rollback` restores it to the kept tokens.
 
 Every row yields ``q`` logits rows; :meth:`VerifyBuckets.real_rows` picks the real ones back out
 in the unpadded order. Lengths, tables and slots stay graph inputs.
@@ -61,6 +63,8 @@ class VerifyBuckets:
                 table = torch.zeros(bucket, self.table_width, dtype=torch.int32)
                 table[:real, : shared[name].shape[1]] = shared[name]
                 padded[name] = table
+        if "state_slots" in shared:  # recurrent layers: padding rows read and write no state
+            padded["state_slots"] = torch.cat([shared["state_slots"], torch.full((bucket - real,), -1, dtype=torch.int64)])
         ranks = []
         for own in per_rank:
             slots = {}

@@ -1,0 +1,96 @@
+"""P/D with hybrid models in one process: a request prefilled on one engine continues on another
+with a different dcp, its recurrent state (every recurrent layer's conv and recurrent/SSM state
+for its slot, per TP rank) travelling with its KV. Reference: HF ``generate`` greedy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import dcpgraph
+from dcpgraph.testing.generation import drain, hf_greedy
+from tests.hybrid_models import MAMBA2_MESH_MODELS, MESH_MODELS, PROMPTS
+
+NEW = 6
+MODELS = {"qwen3_next": MESH_MODELS["qwen3_next"], "bamba": MAMBA2_MESH_MODELS["bamba"]}
+FAST = dict(block_size=4, capture_limit=0)  # no decode graphs: these tests time the transfer, not steps
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def hybrid(request):
+    """One producer (tp2·dcp1) and one consumer (tp2·dcp2) per model, shared by the tests (each
+    leaves them idle with every block and state slot free)."""
+    model = MODELS[request.param]()
+    program = dcpgraph.trace(model)
+    return SimpleNamespace(
+        name=request.param, program=program, refs=[hf_greedy(model, p, NEW) for p in PROMPTS],
+        producer=dcpgraph.compile(program, tp=2, dcp=1, max_num_batched_tokens=8, **FAST),
+        consumer=dcpgraph.compile(program, tp=2, dcp=2, max_num_seqs=4, **FAST))
+
+
+def all_free(engine) -> bool:
+    scheduler = engine.scheduler
+    return (not scheduler.has_work() and engine.blocks.free_blocks == engine.blocks.num_blocks
+            and sorted(scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots)))
+
+
+def test_decode_engine_continues_hybrid_requests_with_their_state(hybrid):
+    transfers = [hybrid.producer.prefill(p) for p in PROMPTS]
+    assert all(len(t.states) == 2 for t in transfers)  # one per TP rank
+    assert all(float(s.abs().sum()) > 0 for t in transfers for s in t.states[1].values())  # state, not zeros
+    assert all_free(hybrid.producer)
+    ids = [hybrid.consumer.continue_from(t, NEW) for t in transfers]
+    outputs = drain(hybrid.consumer)
+    assert [list(t.tokens[t.prompt_len:]) + outputs[rid] for t, rid in zip(transfers, ids)] == hybrid.refs
+    assert all_free(hybrid.consumer)
+
+
+def test_a_transfer_without_its_state_is_refused_and_leaves_the_slot_free(hybrid):
+    transfer = hybrid.producer.prefill(PROMPTS[0])
+    stripped = type(transfer)(**{**transfer.__dict__, "states": ()})
+    with pytest.raises(dcpgraph.RequestError, match="recurrent state for 0 rank"):
+        hybrid.consumer.continue_from(stripped, NEW)
+    assert all_free(hybrid.consumer)
+
+
+def test_a_different_tp_is_refused_by_name():
+    program = dcpgraph.trace(MODELS["bamba"]())
+    transfer = dcpgraph.compile(program, tp=2, **FAST).prefill(PROMPTS[0])
+    other_tp = dcpgraph.compile(program, tp=1, **FAST)
+    with pytest.raises(dcpgraph.RequestError, match="recurrent state is split over tp"):
+        other_tp.continue_from(transfer, NEW)
+    assert all_free(other_tp)
+
+
+def test_a_failed_import_frees_the_adopted_slot(hybrid, monkeypatch):
+    transfer = hybrid.producer.prefill(PROMPTS[1])
+    from dcpgraph.runtime import kv_transfer
+
+    def broken(engine, transfer, request):
+        assert request.state_slot is not None  # adoption took a slot
+        raise RuntimeError("the copy failed half-way")
+
+    monkeypatch.setattr(kv_transfer, "import_kv", broken)
+    with pytest.raises(RuntimeError, match="half-way"):
+        hybrid.consumer.continue_from(transfer, NEW)
+    assert all_free(hybrid.consumer)
+
+
+def test_a_detached_request_keeps_its_state_slot_until_released():
+    """A prefilled request held for a cross-process transfer keeps its slot, so admission cannot
+    hand it (and overwrite its state) to another request before the send; released, it is free."""
+    program = dcpgraph.trace(MODELS["bamba"]())
+    engine = dcpgraph.compile(program, tp=2, max_num_seqs=1, **FAST)
+    rid = engine.add_request(PROMPTS[2], max_new_tokens=2)
+    engine.step()
+    slot = engine.scheduler.get(rid).state_slot
+    engine.hold_for_transfer(rid)
+    assert engine.scheduler.held_state_slot(rid) == slot and engine.scheduler._free_state_slots == []
+    other = engine.add_request(PROMPTS[1], max_new_tokens=2)
+    assert engine.scheduler.schedule() == []  # waits: the only slot is kept
+    with pytest.raises(dcpgraph.RequestError, match="no free recurrent-state slot"):
+        engine.adopt_transferred(PROMPTS[0], [1], 3)
+    assert engine.release_held(rid) and engine.scheduler.held_state_slot(rid) is None
+    assert len(drain(engine)[other]) == 2  # now it runs
+    assert all_free(engine)

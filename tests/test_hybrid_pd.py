@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import dcpgraph
+from dcpgraph.serving.kv_connector.plan import KVSide, check_compatible
 from dcpgraph.testing.generation import drain, hf_greedy
 from tests.hybrid_models import MAMBA2_MESH_MODELS, MESH_MODELS, PROMPTS
 
@@ -94,3 +95,65 @@ def test_a_detached_request_keeps_its_state_slot_until_released():
     assert engine.release_held(rid) and engine.scheduler.held_state_slot(rid) is None
     assert len(drain(engine)[other]) == 2  # now it runs
     assert all_free(engine)
+
+
+class _Mailbox:
+    """An in-memory stand-in for the connector's data plane: a producer rank's ``exchange`` posts
+    its buffers, a consumer rank's takes the ones addressed to it (the ranks run one after
+    another here, so nothing waits)."""
+
+    def __init__(self):
+        self.posted: dict[tuple[int, int], object] = {}
+
+    def connector(self):
+        return self
+
+    def exchange(self, transfer_id, rank, size, sends, recv_bytes):
+        for dst, buf in sends.items():
+            self.posted[(rank, dst)] = buf
+        received = {src: self.posted.pop((src, rank)) for src in recv_bytes}
+        assert {src: len(buf) for src, buf in received.items()} == recv_bytes
+        return received
+
+
+def test_connector_rank_halves_move_kv_and_state(hybrid, monkeypatch):
+    """The cross-process path's rank halves (``kv.send`` on each producer rank, ``kv.recv`` on each
+    consumer rank) with the connector's data plane replaced by a mailbox: the state rides in the
+    same-index pair's buffer, and the consumer's tokens equal HF's."""
+    from dcpgraph.runtime.engine_client import RankState
+    from dcpgraph.serving.kv_connector import rank_ops
+
+    mailbox = _Mailbox()
+    monkeypatch.setattr(rank_ops, "parse_kv_transfer_config", lambda config: mailbox)
+    producer, consumer = hybrid.producer, hybrid.consumer
+    p_side, c_side = rank_ops.side(producer), rank_ops.side(consumer)
+    assert p_side["states"] and p_side["states"] == c_side["states"]
+    for prompt, ref in zip(PROMPTS, hybrid.refs):
+        rid = producer.add_request(prompt, 2)
+        while not producer.scheduler.get(rid).output:
+            producer.step()
+        tokens, computed, prompt_len = producer.hold_for_transfer(rid)
+        c_rid, start = consumer.adopt_transferred(tokens[:prompt_len], tokens[prompt_len:], NEW)
+        sent = [rank_ops.send_rows(RankState(r, producer.program, producer.executor.caches[r]),
+                                   list(producer.blocks.table(rid)), rank_ops._state_slot(producer, rid), p_side,
+                                   "t", c_side, start, computed, {}) for r in range(2)]
+        got = [rank_ops.recv_rows(RankState(r, consumer.program, consumer.executor.caches[r]),
+                                  list(consumer.blocks.table(c_rid)), rank_ops._state_slot(consumer, c_rid), c_side,
+                                  "t", p_side, start, computed, {}) for r in range(2)]
+        assert not mailbox.posted and sum(sent) == sum(got)
+        state_bytes = KVSide.from_json(p_side).state_bytes
+        assert state_bytes > 0 and sum(got) > 2 * state_bytes  # KV rows and each rank's state
+        assert producer.release_held(rid)
+        assert tokens[prompt_len:] + drain(consumer)[c_rid] == ref
+    assert all_free(producer) and all_free(consumer)
+
+
+def test_connector_refuses_a_different_tp_before_adopting():
+    a = KVSide(2, 1, 1, 4, "gqa", 1, (("k", "k", 1, 8, "torch.float32"),), (("ssm_state_0", (4, 8, 8), "torch.float32"),))
+    b = KVSide(4, 1, 1, 4, "gqa", 1, (("k", "k", 1, 8, "torch.float32"),), (("ssm_state_0", (2, 8, 8), "torch.float32"),))
+    with pytest.raises(ValueError, match="same tp"):
+        check_compatible(a, b)
+    with pytest.raises(ValueError, match="recurrent state pools differ"):
+        check_compatible(a, KVSide(*[getattr(a, f) for f in ("tp", "dcp", "interleave", "block_size", "attention",
+                                                                "num_kv_heads", "caches")]))
+    assert KVSide.from_json(a.to_json()) == a

@@ -157,3 +157,29 @@ def test_connector_refuses_a_different_tp_before_adopting():
         check_compatible(a, KVSide(*[getattr(a, f) for f in ("tp", "dcp", "interleave", "block_size", "attention",
                                                                 "num_kv_heads", "caches")]))
     assert KVSide.from_json(a.to_json()) == a
+
+
+def test_consumer_agent_refuses_a_different_tp_before_adopting():
+    """``KVAgent.receive`` compares the producer's side with its own before any rank op runs: a
+    hybrid producer at tp=4 cannot hand over to a tp=2 consumer, and nothing is adopted."""
+    from dcpgraph.errors import RequestError
+    from dcpgraph.serving.kv_connector.agent import KVAgent
+
+    class NoEngine:
+        def rank_call(self, name, args):
+            raise AssertionError(f"{name} ran: the refusal must come first")
+
+    class NoFailure:
+        def failure(self, transfer_id):
+            return None
+
+    cache = (("k", "k", 1, 8, "torch.float32"),)
+    mine = KVSide(2, 2, 1, 4, "gqa", 1, cache, (("ssm_state_0", (4, 8, 8), "torch.float32"),))
+    theirs = KVSide(4, 1, 1, 4, "gqa", 1, cache, (("ssm_state_0", (2, 8, 8), "torch.float32"),))
+    agent = KVAgent.__new__(KVAgent)
+    agent.engine, agent.connector, agent.side = NoEngine(), NoFailure(), mine.to_json()
+    agent.stats = {"failures": 0, "last_error": None}
+    params = {"transfer_id": "t", "producer": theirs.to_json(), "prompt_token_ids": [1, 2], "output_token_ids": [3],
+              "computed": 2}
+    with pytest.raises(RequestError, match="same tp"):
+        agent.receive([1, 2], 4, {}, params)

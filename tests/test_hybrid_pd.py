@@ -1,4 +1,5 @@
-"""P/D with hybrid models in one process: a request prefilled on one engine continues on another
+"""P/D with hybrid models in one process (qwen3_next's gated delta nets; in the slow tier also
+bamba's Mamba-2 and lfm2's short convolutions): a request prefilled on one engine continues on another
 with a different dcp, its recurrent state (every recurrent layer's conv and recurrent/SSM state
 for its slot, per TP rank) travelling with its KV. Reference: HF ``generate`` greedy."""
 
@@ -14,12 +15,13 @@ from dcpgraph.testing.generation import drain, hf_greedy
 from tests.hybrid_models import MAMBA2_MESH_MODELS, MESH_MODELS, PROMPTS
 
 NEW = 6
-MODELS = {"qwen3_next": MESH_MODELS["qwen3_next"], "bamba": MAMBA2_MESH_MODELS["bamba"]}
+MODELS = {"qwen3_next": MESH_MODELS["qwen3_next"], "bamba": MAMBA2_MESH_MODELS["bamba"], "lfm2": MESH_MODELS["lfm2"]}
 FAST = dict(block_size=4, capture_limit=0)  # no decode graphs: these tests time the transfer, not steps
 
 
-# bamba's tests run in the slow tier: its two tp=2 compiles take 10-40 s by load (qwen3_next's alike: one is enough here)
-@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("bamba", marks=pytest.mark.slow)])
+# bamba's and lfm2's run in the slow tier: two tp=2 compiles take 10-40 s by load (one model is enough here)
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("bamba", marks=pytest.mark.slow),
+                                        pytest.param("lfm2", marks=pytest.mark.slow)])
 def hybrid(request):
     """One producer (tp2·dcp1) and one consumer (tp2·dcp2) per model, shared by the tests (each
     leaves them idle with every block and state slot free)."""

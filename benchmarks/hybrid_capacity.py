@@ -4,7 +4,8 @@ a same-size all-attention model, per rank, at 32K and 128K tokens of context and
 Shape: transformers' ``Qwen3_5TextConfig()`` defaults (32 layers, 24 gated delta nets with 16 key /
 32 value heads of 128 and conv kernel 4, 8 gated attention layers with 16 query / 4 KV heads of
 256), bf16. The all-attention model is the same config with every layer ``full_attention``.
-Nothing is built: every figure comes from :func:`dcpgraph.plan.plan` (the KV per-block formula of
+The model is built once on the meta device (no weights) to check that the planner's shape has the
+layers and dims transformers builds; every figure comes from :func:`dcpgraph.plan.plan` (the KV per-block formula of
 :mod:`dcpgraph.capacity`, the state of :mod:`dcpgraph.recurrent_state`, the engine's rule that the
 state pools come out of the budget before the KV blocks), and one small case is cross-checked
 against a compiled engine's ``memory_report()`` (a 4-layer Qwen3.5-shaped model at tp2·dcp2).
@@ -31,7 +32,7 @@ import transformers  # noqa: E402
 from dcpgraph import capacity  # noqa: E402
 from dcpgraph.errors import ConfigError  # noqa: E402
 from dcpgraph.mesh import Mesh  # noqa: E402
-from dcpgraph.plan import plan  # noqa: E402
+from dcpgraph.plan import load_model_shape, plan  # noqa: E402
 
 NAME = "hybrid_capacity"
 BUDGET = 64 << 30  # KV + state bytes per rank
@@ -46,6 +47,23 @@ def qwen3_5_config(all_attention: bool = False) -> dict:
     if all_attention:
         config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     return config
+
+
+def meta_model_layers() -> dict:
+    """The default Qwen3.5 built on the meta device (no weights): its gated delta net and
+    attention layers counted from the modules, and the first gated delta net's dims, so the
+    config-derived shape is checked against what transformers builds."""
+    import torch
+
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig())
+    layers = model.model.layers
+    gdn = next(layer.linear_attn for layer in layers if hasattr(layer, "linear_attn"))
+    attention = next(layer.self_attn for layer in layers if hasattr(layer, "self_attn"))
+    return {"gated_delta_net_layers": sum(hasattr(layer, "linear_attn") for layer in layers),
+            "attention_layers": sum(hasattr(layer, "self_attn") for layer in layers),
+            "gdn_dims": (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel_size),
+            "kv_proj_rows": attention.k_proj.weight.shape[0]}
 
 
 def mesh_rule(config: dict, tp: int, dcp: int) -> str:
@@ -130,6 +148,17 @@ def main(argv=None) -> int:
                          f"{d.max_concurrency:>13,} {h.max_concurrency / d.max_concurrency:>10.2f}")
     print(header)
     print("\n".join(lines))
+    meta = meta_model_layers()
+    shape = load_model_shape(hybrid)
+    g = shape.gated_delta_net
+    built = (meta["gated_delta_net_layers"], meta["attention_layers"], meta["gdn_dims"], meta["kv_proj_rows"])
+    planned = (shape.recurrent_layers, shape.attention_layers,
+               (g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv_kernel), shape.num_kv_heads * shape.head_dim)
+    print(f"meta-device Qwen3.5 (layers, dims) {built} vs the planner's shape {planned}")
+    records.append(common.with_target(
+        common.record(NAME, "Qwen3_5TextConfig() on meta", "meta_model_matches_plan_shape", int(built == planned), "bool",
+                      built=str(built), planned=str(planned)),
+        "the planner's shape has the layers and dims transformers builds", built == planned, "they differ"))
     if not args.skip_engine_check:
         check = engine_check()
         agree = (check["engine_state_bytes_per_request"] == check["plan_state_bytes_per_request"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dcpgraph
-from dcpgraph.errors import RequestError, UnsupportedModelError
+from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
 from dcpgraph.testing.generation import drain
 
@@ -62,8 +62,11 @@ def test_state_slots_follow_running_requests(case):
     assert scheduler._free_state_slots == [running[a]]
     drain(engine)
     assert sorted(scheduler._free_state_slots) == [0, 1] and scheduler.get(b) is None
-    with pytest.raises(RequestError, match="P/D with hybrid models is not supported"):
-        scheduler.adopt(scheduler.get(b) or _request(), ())
+    adopted = _request()  # a transferred request (P/D) takes a state slot at adoption, gives it back at its end
+    scheduler.adopt(adopted, ())
+    assert adopted.state_slot in (0, 1) and len(scheduler._free_state_slots) == 1
+    scheduler.abort(adopted.id)
+    assert sorted(scheduler._free_state_slots) == [0, 1]
 
 
 def _request():

@@ -19,6 +19,14 @@ Weights per rank (:meth:`ModelShape.weight_params_per_rank`), the sharding assum
 * routed experts: ``experts="sharded"`` splits them by ``tp`` (expert or tensor parallel: what
   vLLM, SGLang and dcpgraph's compiler do, ``enable_expert_parallel`` choosing which),
   ``experts="replicated"`` keeps all of them on every rank (for comparison).
+
+Gated-delta-net hybrids (``qwen3_next``, ``qwen3_5``/``qwen3_5_text``): only the
+``full_attention`` layers of ``layer_types`` (or every ``full_attention_interval``-th layer) have
+KV caches; every other layer keeps a fixed recurrent state per request, whose bytes on one rank are
+:meth:`dcpgraph.recurrent_state.GatedDeltaNetShape.state_bytes_per_request` (split over ``tp``
+where it divides the key heads, else replicated), what the compiled program's pools hold. The
+gated attention's query projection is twice as wide (its output gate). Other recurrent kinds
+(short convolution, Mamba-2, …) are refused by name.
 """
 
 from __future__ import annotations
@@ -27,11 +35,15 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
 
 from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
 from ..errors import UnsupportedModelError
 from ..mesh import local_kv_heads
 from . import compressed_model
+from ..recurrent_state import GatedDeltaNetShape
 from .architectures import named_config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -86,6 +98,22 @@ class ModelShape:
         return {"head_dim": self.head_dim, "index_head_dim": self.index_head_dim,
                 "sliding_window": self.sliding_window, "compress_rates": dict(self.compress_rates),
                 "layer_types": list(self.layer_types)}
+    # gated-delta-net hybrids: the layers that are gated delta nets (the rest are attention layers)
+    gated_delta_net: GatedDeltaNetShape | None = None
+    recurrent_layers: int = 0
+    attention_output_gate: bool = False  # qwen3_next / qwen3_5: the query projection also yields a gate
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache (every layer but the recurrent ones)."""
+        return self.num_layers - self.recurrent_layers
+
+    def recurrent_state_bytes_per_request(self, tp: int) -> int:
+        """One request's recurrent state on one rank, all recurrent layers (0 without)."""
+        if self.gated_delta_net is None:
+            return 0
+        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[self.dtype_bytes]
+        return self.recurrent_layers * self.gated_delta_net.state_bytes_per_request(dtype, tp)
 
     # -- KV caches ---------------------------------------------------------------------------
     def kv_element_bytes(self, kv_cache_dtype: str) -> int:
@@ -116,7 +144,7 @@ class ModelShape:
         else:
             h = self.kv_heads_per_rank(tp)
             per_layer += [shape(h, self.head_dim), shape(h, self.v_head_dim)]
-        return per_layer * self.num_layers
+        return per_layer * self.attention_layers
 
     def q_heads_per_rank(self, tp: int) -> int:
         return self.num_q_heads // tp
@@ -148,12 +176,13 @@ class ModelShape:
             hkv = self.kv_heads_per_rank(tp)
             d, dv = self.head_dim, self.v_head_dim
             group = dcp if comm == "ag" else 1  # query heads computed here: the DCP group's
-            per_layer += group * split(hq * d) * (hid + self.attention_bias)
+            per_layer += group * split(hq * d * (2 if self.attention_output_gate else 1)) * (hid + self.attention_bias)
             per_layer += hkv * (d + dv) * (hid + self.attention_bias)
             o_proj = hq * dv if comm == "ag" and dcp == tp else split(hq * dv)
             per_layer += o_proj * hid + (2 * d if self.qk_norm else 0)
         dense_layers = self.num_layers - self.moe_layers
-        total += per_layer * self.num_layers + dense_layers * split(3 * hid * self.intermediate_size)
+        total += per_layer * self.attention_layers + self.recurrent_layers * (2 * hid + self._gdn_params(tp))
+        total += dense_layers * split(3 * hid * self.intermediate_size)
         if self.moe_layers:
             routed = 3 * hid * self.moe_intermediate_size * self.n_routed_experts
             moe = (split(routed) if experts == "sharded" else routed)
@@ -161,6 +190,18 @@ class ModelShape:
             moe += split(3 * hid * self.moe_intermediate_size * self.n_shared_experts)
             total += self.moe_layers * moe
         return total
+
+    def _gdn_params(self, tp: int) -> int:
+        """One gated delta net's parameters on a rank: the projections to ``q, k, v, z`` and to
+        ``b, a``, the conv over ``q, k, v``, ``A_log``/``dt_bias``, the per-head norm and
+        ``out_proj`` (split with the key heads, the norm replicated)."""
+        g = self.gated_delta_net
+        if g is None:
+            return 0
+        local, hid = g.on_rank(tp), self.hidden_size
+        projections = hid * (local.conv_channels + local.value_heads * local.value_dim + 2 * local.value_heads)
+        return (projections + local.conv_channels * local.conv_kernel + 2 * local.value_heads + local.value_dim
+                + local.value_heads * local.value_dim * hid)
 
     def routed_expert_params_per_rank(self, tp: int, experts: str = "sharded") -> int:
         """The routed experts' share of :meth:`weight_params_per_rank`."""
@@ -242,7 +283,7 @@ def from_config(config: dict, *, name: str | None = None, dtype=None) -> ModelSh
     return ModelShape(
         attention="gqa", num_kv_heads=int(c.get("num_key_value_heads") or hq), head_dim=d, v_head_dim=d,
         attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type.startswith("qwen3"), **common,
+        qk_norm=model_type.startswith("qwen3"), **_gated_delta_net_fields(c, layers), **common,
     )
 
 
@@ -255,6 +296,30 @@ def _deepseek_v4(c: dict, common: dict) -> ModelShape:
         index_head_dim=int(c.get("index_head_dim") or 128), index_heads=int(c.get("index_n_heads") or 64),
         index_topk=int(c.get("index_topk") or 512), **compressed_model.compressed_fields(c), **common,
     )
+GATED_DELTA_NET_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+OTHER_RECURRENT_MODELS = ("lfm2", "lfm2_moe", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba",
+                          "mamba", "mamba2", "zamba", "zamba2", "kimi_linear", "minimax", "plamo2")
+
+
+def _gated_delta_net_fields(c: dict, layers: int) -> dict:
+    """The recurrent fields of a gated-delta-net hybrid's :class:`ModelShape` (none for a plain
+    transformer); any other recurrent kind is refused by name."""
+    model_type = c.get("model_type", "")
+    kinds = set(c.get("layer_types") or ()) - {"full_attention", "sliding_attention", "attention"}
+    if model_type in OTHER_RECURRENT_MODELS or (kinds and model_type not in GATED_DELTA_NET_MODELS):
+        raise UnsupportedModelError(
+            f"{model_type or 'model'}: the planner models gated-delta-net hybrids ({', '.join(GATED_DELTA_NET_MODELS)}) "
+            f"and plain transformers, not this model's recurrent layers{f' ({sorted(kinds)})' if kinds else ''}; "
+            "compile it and read Engine.memory_report(), which counts every state pool")
+    if model_type not in GATED_DELTA_NET_MODELS:
+        return {}
+    if c.get("layer_types"):
+        recurrent = sum(kind == "linear_attention" for kind in c["layer_types"])
+    else:
+        interval = int(c.get("full_attention_interval") or 4)
+        recurrent = sum((i + 1) % interval != 0 for i in range(layers))
+    return {"gated_delta_net": GatedDeltaNetShape.from_config(SimpleNamespace(**c)), "recurrent_layers": recurrent,
+            "attention_output_gate": True}
 
 
 def load_model_shape(source, *, dtype=None) -> ModelShape:

@@ -48,6 +48,7 @@ class PlanRow:
     weight_bytes_per_rank: int = 0
     kv_budget_bytes_per_rank: int = 0
     kv_bytes_per_token: float = 0.0  # per rank
+    state_bytes_per_request: int = 0  # per rank: a hybrid's recurrent state (0 for a plain transformer)
     bytes_per_block: int = 0
     num_blocks: int = 0
     capacity_tokens: int = 0
@@ -197,6 +198,11 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
     ]
     if shape.attention == "compressed":
         assumptions += _compressed_assumptions(shape, rows, context)
+    if shape.recurrent_layers:
+        states = sorted({(r.tp, r.state_bytes_per_request) for r in rows if r.valid})
+        assumptions.append(f"{shape.recurrent_layers} gated delta net layers ({shape.attention_layers} with KV): "
+                           "recurrent state per request per rank, taken from the budget before the KV blocks: "
+                           + ", ".join(f"tp={tp}: {b / 2**20:,.2f} MiB" for tp, b in states))
     if nnodes > 1:
         assumptions.append(f"{nnodes} nodes x {per_node} devices, ranks numbered node by node; a group spanning "
                            f"nodes runs at the inter-node link, {hw.inter_node_bandwidth / 1e9:.0f} GB/s + "
@@ -217,6 +223,28 @@ def plan(model, *, world_size: int | None = None, hardware: str | Hardware = "h2
     return result
 
 
+def fitting_sequences(budget: int, bytes_per_block: int, state_bytes_per_request: int, context: int,
+                      block_size: int, dcp: int) -> int:
+    """The most requests of ``context`` tokens a rank's ``budget`` holds: the largest ``N`` with
+    ``N ≤ max_sequences(blocks_for_bytes(budget − N · state_bytes_per_request))``, the engine's
+    sizing with ``max_num_seqs = N`` (its state pools come out of the budget before the KV blocks;
+    :mod:`dcpgraph.memory`). Without recurrent state, ``max_sequences`` of the whole budget."""
+
+    def fits(n: int) -> bool:
+        left = budget - n * state_bytes_per_request
+        return left >= bytes_per_block and capacity.max_sequences(
+            capacity.blocks_for_bytes(left, bytes_per_block), context, block_size, dcp) >= n
+
+    hi = capacity.max_sequences(capacity.blocks_for_bytes(budget, bytes_per_block), context, block_size, dcp)
+    if not state_bytes_per_request:
+        return hi
+    lo = 0  # fits(n) is monotone: a larger n has less KV budget and needs more sequences
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size, max_model_len, context,
               concurrency, wbytes, experts, kv_bytes, utilization, per_node) -> PlanRow:
     row = PlanRow(tp, dcp, interleave, comm, kv_dtype, world // tp, True, nodes=nodes_spanned(tp, world, per_node))
@@ -233,16 +261,22 @@ def _evaluate(shape, hw, tp, dcp, interleave, comm, kv_dtype, world, block_size,
         row.rule = (f"no room for the KV cache: {row.weight_bytes_per_rank / 2**30:,.1f} GiB of weights per "
                     f"rank leave {budget / 2**30:,.1f} GiB of the budget")
         return row
-    row.num_blocks = capacity.blocks_for_bytes(budget, row.bytes_per_block)
+    row.state_bytes_per_request = shape.recurrent_state_bytes_per_request(tp)
+    sequences = fitting_sequences(budget, row.bytes_per_block, row.state_bytes_per_request, context, block_size, dcp)
+    row.num_blocks = capacity.blocks_for_bytes(budget - sequences * row.state_bytes_per_request, row.bytes_per_block)
     row.capacity_tokens = capacity.capacity_tokens(row.num_blocks, block_size, dcp)
     if row.weight_bytes_per_rank + budget > hw.memory_bytes:
         row.rule = (f"weights {row.weight_bytes_per_rank / 2**30:,.1f} GiB + KV {budget / 2**30:,.1f} GiB per rank "
                     f"exceed {hw.name}'s {hw.memory_bytes / 2**30:,.1f} GiB")
         return row
+    if row.state_bytes_per_request and not sequences:
+        row.rule = (f"no room for one request of {context:,} tokens: its recurrent state "
+                    f"({row.state_bytes_per_request / 2**20:,.1f} MiB per rank) and KV exceed the budget")
+        return row
     if row.capacity_tokens < max_model_len:
         row.rule = f"capacity {row.capacity_tokens:,} tokens < max_model_len {max_model_len:,}"
         return row
-    row.max_concurrency = capacity.max_sequences(row.num_blocks, context, block_size, dcp)
+    row.max_concurrency = sequences
     wanted = math.ceil(concurrency / row.replicas) if concurrency else row.max_concurrency
     row.batch = max(1, min(wanted, row.max_concurrency))
     per_layer = sum(c.bytes_per_token for c in caches) / shape.num_layers

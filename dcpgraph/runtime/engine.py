@@ -287,8 +287,9 @@ class Engine(EngineClient):
     def continue_from(self, transfer, max_new_tokens: int, *, params: SamplingParams | None = None,
                       **sampling: Any) -> int:
         """Continue a request exported by another engine's :meth:`prefill` (same model and tp,
-        any dcp / interleave / block size): re-shards its KV into this engine's cache and runs it
-        now (it takes a sequence slot and its blocks at once, or raises ``RequestError``).
+        any dcp / interleave / block size): re-shards its KV into this engine's cache (and a hybrid
+        model's recurrent state into the state slot it takes here) and runs it now (it takes a
+        sequence slot and its blocks at once, or raises ``RequestError``).
         ``max_new_tokens`` counts the token the prefill engine sampled, so it must be >= 2; a
         ``finished`` transfer is refused (its request already ended)."""
         from .kv_transfer import check_transfer, import_kv
@@ -310,21 +311,27 @@ class Engine(EngineClient):
             request.grammar.advance(output)  # the prefill engine's token, sampled under the same grammar
         request.computed = transfer.computed
         self.scheduler.adopt(request)
-        import_kv(self, transfer, request)
+        try:
+            import_kv(self, transfer, request)
+        except BaseException:
+            self.scheduler.abort(request.id)  # nothing half-written stays: its blocks and state slot are free
+            raise
         return request.id
 
     def hold_for_transfer(self, request_id: int) -> tuple[list[int], int, int]:
-        """Take running request ``request_id`` out of scheduling, keeping its KV blocks for a
-        cross-process transfer; returns ``(tokens, computed, prompt_len)``. Its blocks stay
-        allocated until :meth:`release_held`."""
+        """Take running request ``request_id`` out of scheduling, keeping its KV blocks (and, for a
+        hybrid model, its recurrent-state slot) for a cross-process transfer; returns ``(tokens,
+        computed, prompt_len)``. Both stay allocated until :meth:`release_held`."""
         request = self.scheduler.detach(request_id)
         return list(request.tokens), request.computed, len(request.prompt)
 
     def release_held(self, request_id: int) -> bool:
-        """Free the blocks of a request :meth:`hold_for_transfer` kept; ``False`` if none are held."""
+        """Free the blocks and state slot of a request :meth:`hold_for_transfer` kept; ``False``
+        if none are held."""
         if not self.blocks.holds(request_id) or self.scheduler.get(request_id) is not None:
             return False
         self.blocks.release(request_id)
+        self.scheduler.release_state_slot(request_id)
         return True
 
     def adopt_transferred(self, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int, *,

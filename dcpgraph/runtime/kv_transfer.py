@@ -9,6 +9,12 @@ block size re-shards it with its own slot mapping and continues the request. Wit
 which is what lets a real transport move whole blocks; this in-process version gathers and
 scatters token rows, so it works for any layout.
 
+A hybrid model's recurrent layers keep a fixed-size state per request instead of KV: every
+layer's conv and recurrent/SSM state in the request's slot. It is split over TP by heads and is the
+same on every member of a DCP group, so it travels per TP rank (rank ``i``'s state goes to rank
+``i`` of an engine with the same ``tp``, whatever either side's ``dcp``), copied out of the
+producer's slot after the prefill and into the slot the consumer gives the request at adoption.
+
 Both engines must hold all their ranks in this process (the emulated executor). Between
 processes (serving instances with any tp and dcp), :mod:`dcpgraph.serving.kv_connector` moves each
 consumer rank's rows straight from the producer rank that holds them.
@@ -36,12 +42,26 @@ class KVTransfer:
     prompt_len: int
     tp: int
     caches: tuple[dict[str, torch.Tensor], ...]  # per TP rank: cache name -> [computed, heads, dim]
-    layout_key: tuple  # (name, heads, dim, dtype) per cache: what must match on import
+    layout_key: tuple  # (name, heads, dim, dtype) per cache, (name, shape, dtype) per state pool
     finished: bool = False
+    # per TP rank: state pool name -> the request's slot [*shape] (hybrid models; empty otherwise)
+    states: tuple[dict[str, torch.Tensor], ...] = ()
 
 
 def _layout_key(engine) -> tuple:
-    return tuple((c.name, c.heads, c.dim, str(c.dtype)) for c in engine.program.caches)
+    program = engine.program
+    return (tuple((c.name, c.heads, c.dim, str(c.dtype)) for c in program.caches)
+            + tuple((p.name, tuple(p.shape), str(p.dtype)) for p in program.recurrent_states))
+
+
+def _export_states(engine, caches: dict[int, dict[str, torch.Tensor]], slot: int | None) -> tuple:
+    """Each rank's copy of every recurrent state pool's slot ``slot`` (nothing without pools)."""
+    pools = engine.program.recurrent_states
+    if not pools:
+        return ()
+    if slot is None:
+        raise RequestError("the request holds no recurrent-state slot: its state cannot be exported")
+    return tuple({p.name: caches[rank][p.name][slot].clone() for p in pools} for rank in engine.mesh.ranks)
 
 
 def _emulated_caches(engine) -> dict[int, dict[str, torch.Tensor]]:
@@ -90,7 +110,8 @@ def export_kv(engine, request) -> KVTransfer:
             full[spec.name] = out.view(spec.dtype)
         exported.append(full)
     return KVTransfer(tuple(request.tokens), request.computed, len(request.prompt), mesh.tp,
-                      tuple(exported), _layout_key(engine))
+                      tuple(exported), _layout_key(engine),
+                      states=_export_states(engine, caches, request.state_slot))
 
 
 def check_exportable(engine) -> None:
@@ -112,11 +133,17 @@ def check_transfer(engine, transfer: KVTransfer) -> None:
             "KV transfer needs the same model and tp on both sides "
             f"(exported tp={transfer.tp}, caches {transfer.layout_key}; "
             f"importing tp={engine.mesh.tp}, caches {_layout_key(engine)})"
+            + ("; a hybrid model's recurrent state is split over tp by heads and moves rank to rank, so "
+               "the two tp must be equal" if engine.program.recurrent_states else "")
         )
+    if len(transfer.states) != (engine.mesh.tp if engine.program.recurrent_states else 0):
+        raise RequestError(f"the transfer carries recurrent state for {len(transfer.states)} rank(s); this engine "
+                           f"needs it for {engine.mesh.tp if engine.program.recurrent_states else 0}")
 
 
 def import_kv(engine, transfer: KVTransfer, request) -> None:
-    """Write ``transfer`` into ``request``'s allocated blocks with ``engine``'s own layout."""
+    """Write ``transfer`` into ``request``'s allocated blocks with ``engine``'s own layout, and
+    its recurrent state (if any) into ``request``'s state slot on every rank."""
     check_transfer(engine, transfer)
     caches = _emulated_caches(engine)
     table = engine.blocks.table(request.id)
@@ -127,3 +154,6 @@ def import_kv(engine, transfer: KVTransfer, request) -> None:
         for spec in engine.program.caches:
             flat = _bits(caches[rank][spec.name]).view(-1, spec.heads, spec.dim)
             flat.index_copy_(0, slots[owned], _bits(transfer.caches[rank][spec.name])[owned])
+    for rank, states in zip(engine.mesh.ranks, transfer.states):  # none without recurrent layers
+        for name, state in states.items():
+            caches[rank][name][request.state_slot].copy_(state)

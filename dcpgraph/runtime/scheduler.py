@@ -169,9 +169,11 @@ class Scheduler:
             raise ValueError(f"state_slots ({state_slots}) must cover max_num_seqs ({max_num_seqs}) running requests")
         self.max_waiting = max_waiting
         # Recurrent-state slots (hybrid models): one per running request, taken when it starts
-        # running and given back when it stops (finish, abort, preemption: it restarts from 0).
+        # running and given back when it stops (finish, abort, preemption: it restarts from 0);
+        # a request detached for a P/D transfer keeps its slot until the transfer is done.
         self.state_slots = state_slots
         self._free_state_slots = list(range(state_slots - 1, -1, -1))
+        self._held_state_slots: dict[int, int] = {}  # detached request id -> the slot its state is in
         self.whole_request = kv_allocation == "whole_request"
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
@@ -205,11 +207,11 @@ class Scheduler:
         into :meth:`BlockManager.table` before the next step), bypassing the waiting queue but not
         the limits: raises ``RequestError`` if no sequence slot or not enough blocks are free now.
         ``prefix``: cached blocks (:meth:`BlockManager.match_prefix`) its table starts with."""
-        if self.state_slots:
-            raise RequestError("a request with recurrent-layer state cannot be adopted: its state does not travel "
-                               "with its KV (P/D with hybrid models is not supported)")
         if len(self.running) >= self.max_num_seqs:
             raise RequestError(f"no free sequence slot: max_num_seqs={self.max_num_seqs} requests are running")
+        if not self._state_slot_free():
+            raise RequestError(f"no free recurrent-state slot: {len(self._held_state_slots)} of {self.state_slots} "
+                               "are kept by prefilled requests waiting for their transfer")
         tokens = request.reserve_tokens if self.whole_request else len(request.tokens)
         if not self.blocks.can_allocate(tokens, prefix):
             raise RequestError(f"not enough free KV blocks to take over a request of {tokens} tokens now "
@@ -222,14 +224,34 @@ class Scheduler:
 
     def detach(self, request_id: int) -> Request:
         """Stop scheduling running request ``request_id`` but keep its KV blocks (under its id,
-        until the caller's ``blocks.release``): a prefilled request handed to another engine."""
+        until the caller's ``blocks.release``) and its recurrent-state slot (until
+        :meth:`release_state_slot`): a prefilled request handed to another engine. A kept slot is
+        not free for admission, so nothing overwrites the state before it is sent."""
         request = self._live.get(request_id)
         if request is None or request not in self.running:
             raise RequestError(f"request {request_id} is not running")
         self.running.remove(request)
-        self._stop_running(request)
+        if request.state_slot is not None:
+            self._held_state_slots[request.id] = request.state_slot
         self._drop(request)
         return request
+
+    def held_state_slot(self, request_id: int) -> int | None:
+        """The state slot a detached request keeps (``None``: none kept, or no recurrent layers)."""
+        return self._held_state_slots.get(request_id)
+
+    def release_state_slot(self, request_id: int) -> bool:
+        """Give back the state slot :meth:`detach` kept for ``request_id``; ``False`` if none."""
+        slot = self._held_state_slots.pop(request_id, None)
+        if slot is None:
+            return False
+        self._free_state_slots.append(slot)
+        return True
+
+    def _state_slot_free(self) -> bool:
+        """Whether a request could start running now as far as state slots go (always, without
+        recurrent layers; with them, slots kept by detached requests are taken)."""
+        return not self.state_slots or bool(self._free_state_slots)
 
     def get(self, request_id: int) -> Request | None:
         """The live (waiting or running) request with this id; ``None`` once it ended."""
@@ -279,7 +301,8 @@ class Scheduler:
             room = max(0, min(room, self.blocks.room(request.id) - end))  # drafts never preempt anyone
             if self._fit(request, end + room, plan):
                 self._chunk(request, n, plan)
-        while self.waiting and len(self.running) < self.max_num_seqs and self.stats["preemptions"] == preemptions:
+        while (self.waiting and len(self.running) < self.max_num_seqs and self._state_slot_free()
+               and self.stats["preemptions"] == preemptions):
             budget = self._budget(plan)
             if budget == 0 or not self._admit(self.waiting[0], budget, plan):
                 break

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ...errors import KVTransferError, RequestError
 from . import rank_ops
 from .config import KVTransferConfig
+from .plan import KVSide, check_compatible
 
 log = logging.getLogger("dcpgraph.serving")
 PARAM_KEYS = ("transfer_id", "producer", "prompt_token_ids", "output_token_ids", "computed")
@@ -138,6 +139,10 @@ class KVAgent:
         failure = self.connector.failure(transfer_id)
         if failure is not None:
             raise self._failed(f"KV transfer {transfer_id} cannot happen: {failure}")
+        try:  # refused here, before this side adopts anything or any rank joins a transfer group
+            check_compatible(KVSide.from_json(params["producer"]), KVSide.from_json(self.side))
+        except (ValueError, KeyError, TypeError) as err:
+            raise RequestError(f"KV transfer {transfer_id} refused: {err}") from None
         adopted = self._call("adopt", {"prompt": list(prompt_ids), "output": output, "max_new_tokens": max_tokens,
                                        "sampling": sampling})[0]
         rid, start = adopted["rid"], adopted["start"]

@@ -17,6 +17,11 @@ Packing: every pair moves one flat byte buffer, each cache's rows in cache order
 ``k % dcp_p``, virtual block ``k // dcp_p``; same for the consumer), so whole blocks move as they
 are, the last one with its unwritten tail. Otherwise *row* mode moves token rows addressed by
 :func:`dcpgraph.layout.slot_mapping` on each side (the general re-shard).
+
+A hybrid model's recurrent state (every pool's slot of the request, :func:`pack_states`) is split
+over TP by heads and identical on every member of a DCP group, so producer rank ``i`` sends its
+own to consumer rank ``i`` (both sides have the same ``tp``, checked by :func:`check_compatible`),
+appended after that pair's KV rows.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class KVSide:
     attention: str  # "mla" or "gqa"
     num_kv_heads: int
     caches: tuple[tuple[str, str, int, int, str], ...]  # (name, role, heads per rank, dim, dtype)
+    # hybrid models: (name, shape per slot on a rank, dtype) of every recurrent state pool
+    states: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     @classmethod
     def of_engine(cls, engine) -> KVSide:
@@ -55,18 +62,26 @@ class KVSide:
                 "without a KV connector")
         return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
                    int(facts.num_kv_heads),
-                   tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches))
+                   tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches),
+                   tuple((p.name, tuple(int(n) for n in p.shape), str(p.dtype)) for p in program.recurrent_states))
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "dcp": self.dcp, "interleave": self.interleave, "block_size": self.block_size,
                 "attention": self.attention, "num_kv_heads": self.num_kv_heads,
-                "caches": [list(c) for c in self.caches]}
+                "caches": [list(c) for c in self.caches],
+                "states": [[name, list(shape), dtype] for name, shape, dtype in self.states]}
 
     @classmethod
     def from_json(cls, data: dict) -> KVSide:
         return cls(int(data["tp"]), int(data["dcp"]), int(data["interleave"]), int(data["block_size"]),
                    str(data["attention"]), int(data["num_kv_heads"]),
-                   tuple((str(n), str(r), int(h), int(d), str(t)) for n, r, h, d, t in data["caches"]))
+                   tuple((str(n), str(r), int(h), int(d), str(t)) for n, r, h, d, t in data["caches"]),
+                   tuple((str(n), tuple(int(x) for x in shape), str(t)) for n, shape, t in data.get("states", ())))
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent state on one rank (every pool's slot; 0 without)."""
+        return sum(math.prod(shape) * DTYPES[dtype].itemsize for _, shape, dtype in self.states)
 
     @property
     def replicas(self) -> int:
@@ -103,6 +118,34 @@ def check_compatible(producer: KVSide, consumer: KVSide) -> None:
         if (p[1], p[3], p[4], p_total) != (c[1], c[3], c[4], c_total):
             raise ValueError(f"cache {i} differs: producer (role, dim, dtype, heads) = {(p[1], p[3], p[4], p_total)}, "
                              f"consumer {(c[1], c[3], c[4], c_total)}")
+    if (producer.states or consumer.states) and producer.tp != consumer.tp:
+        raise ValueError(f"a hybrid model's recurrent state is split over tp by heads and moves rank to rank, so "
+                         f"both sides need the same tp (producer tp={producer.tp}, consumer tp={consumer.tp}; "
+                         "any dcp on either side)")
+    if producer.states != consumer.states:
+        raise ValueError(f"the recurrent state pools differ: producer {list(producer.states)}, "
+                         f"consumer {list(consumer.states)}")
+
+
+def state_rows(side: KVSide, caches: dict[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
+    """Slot ``slot`` of every recurrent state pool of ``side`` (in ``side.states`` order), as views."""
+    return [caches[name][slot] for name, _, _ in side.states]
+
+
+def pack_states(side: KVSide, caches: dict[str, torch.Tensor], slot: int) -> torch.Tensor:
+    """One request's recurrent state on one rank as bytes (``side.state_bytes`` of them)."""
+    parts = [row.contiguous().view(-1).view(torch.uint8) for row in state_rows(side, caches, slot)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack_states(side: KVSide, caches: dict[str, torch.Tensor], slot: int, buffer: torch.Tensor) -> None:
+    """Write :func:`pack_states`'s bytes into slot ``slot`` of ``side``'s pools."""
+    assert len(buffer) == side.state_bytes, f"state buffer of {len(buffer)} bytes, expected {side.state_bytes}"
+    offset = 0
+    for row in state_rows(side, caches, slot):
+        nbytes = row.numel() * row.element_size()
+        row.copy_(buffer[offset : offset + nbytes].view(row.dtype).view(row.shape))
+        offset += nbytes
 
 
 def block_mode(producer: KVSide, consumer: KVSide) -> bool:

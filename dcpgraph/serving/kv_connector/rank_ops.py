@@ -17,10 +17,22 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ...errors import KVTransferError
 from ...runtime.engine_client import RankState, register_rank_op
 from .config import parse_kv_transfer_config
-from .plan import KVSide, block_mode, buffer_bytes, check_compatible, gather, scatter, transfer_plan
+from .plan import (
+    KVSide,
+    block_mode,
+    buffer_bytes,
+    check_compatible,
+    gather,
+    pack_states,
+    scatter,
+    transfer_plan,
+    unpack_states,
+)
 
 FAULT_ENV = "DCPGRAPH_KV_FAULT"
 
@@ -59,11 +71,24 @@ def adopt(engine, prompt: list[int], output: list[int], max_new_tokens: int, sam
     return {"rid": rid, "start": start}
 
 
+def _state_slot(engine, rid: int) -> int | None:
+    """The request's recurrent-state slot: kept for a held request (producer), taken at adoption
+    (consumer); ``None`` for a model without recurrent layers."""
+    held = engine.scheduler.held_state_slot(rid)
+    if held is not None:
+        return held
+    request = engine.scheduler.get(rid)
+    return None if request is None else request.state_slot
+
+
 def _moving(engine, rid: int, **args) -> dict:
-    """The driver half of ``send`` and ``recv``: the request's block table and this instance's side,
-    for every rank's half."""
+    """The driver half of ``send`` and ``recv``: the request's block table, its state slot and this
+    instance's side, for every rank's half."""
     _one_rank_per_process(engine)
-    return {"table": list(engine.blocks.table(rid)), "side": side(engine), **args}
+    slot = _state_slot(engine, rid)
+    if engine.program.recurrent_states and slot is None:
+        raise KVTransferError(f"request {rid} holds no recurrent-state slot: its state cannot move")
+    return {"table": list(engine.blocks.table(rid)), "state_slot": slot, "side": side(engine), **args}
 
 
 def _plan(mine_json: dict, other: dict, producer_side: bool, start: int, end: int):
@@ -77,26 +102,35 @@ def _plan(mine_json: dict, other: dict, producer_side: bool, start: int, end: in
 
 
 # -- rank halves: each rank moves its own rows --------------------------------------------------------
-def send_rows(state: RankState, table: list[int], side: dict, transfer_id: str, consumer: dict, start: int,
-              end: int, config: dict) -> int:
-    """Producer rank: send every consumer rank its rows of ``[start, end)``; returns bytes sent."""
+def send_rows(state: RankState, table: list[int], state_slot: int | None, side: dict, transfer_id: str,
+              consumer: dict, start: int, end: int, config: dict) -> int:
+    """Producer rank: send every consumer rank its rows of ``[start, end)`` and the consumer rank of
+    the same index this rank's recurrent state (hybrid models); returns bytes sent."""
     rank = state.rank
     mine, peer, plans, blocks = _plan(side, consumer, True, start, end)
     caches = _caches(state)
     sends = {mine.tp + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
+    if mine.states:
+        packed = pack_states(mine, state.caches, state_slot)
+        twin = mine.tp + rank  # the consumer rank with this rank's heads
+        sends[twin] = torch.cat([sends[twin], packed]) if twin in sends else packed
     if _fault("producer_exit_before_send"):
         os._exit(17)
     parse_kv_transfer_config(config).connector().exchange(transfer_id, rank, mine.tp + peer.tp, sends, {})
     return sum(len(b) for b in sends.values())
 
 
-def recv_rows(state: RankState, table: list[int], side: dict, transfer_id: str, producer: dict, start: int,
-              end: int, config: dict) -> int:
-    """Consumer rank: receive this rank's rows of ``[start, end)`` into the request's blocks; returns bytes."""
+def recv_rows(state: RankState, table: list[int], state_slot: int | None, side: dict, transfer_id: str,
+              producer: dict, start: int, end: int, config: dict) -> int:
+    """Consumer rank: receive this rank's rows of ``[start, end)`` into the request's blocks and
+    (hybrid models) the producer's same-index rank's recurrent state into its slot; returns bytes."""
     rank = state.rank
     mine, peer, plans, blocks = _plan(side, producer, False, start, end)
     mine_plans = [p for p in plans if p.dst == rank]
-    sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
+    kv_sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
+    sizes = dict(kv_sizes)
+    if mine.states:
+        sizes[rank] = sizes.get(rank, 0) + mine.state_bytes
     connector = parse_kv_transfer_config(config).connector()
     if _fault("consumer_exit_mid_transfer"):  # the group is up, the producer is sending: die
         connector.join_group(transfer_id, peer.tp + rank, mine.tp + peer.tp)
@@ -104,7 +138,9 @@ def recv_rows(state: RankState, table: list[int], side: dict, transfer_id: str, 
     received = connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, sizes)
     caches = _caches(state)
     for p in mine_plans:
-        scatter(mine, rank, caches, table, p, peer, blocks, received[p.src])
+        scatter(mine, rank, caches, table, p, peer, blocks, received[p.src][: kv_sizes[p.src]])
+    if mine.states:
+        unpack_states(mine, state.caches, state_slot, received[rank][kv_sizes.get(rank, 0) :])
     return sum(sizes.values())
 
 

@@ -125,12 +125,9 @@ class Lowering:
     sliding_caches: tuple[str, ...] = ()  # layer_group_tables: caches of the sliding-window group
     sliding_window: int | None = None  # layer_group_tables: the largest window
     state_slots: int | None = None  # Engine: recurrent-state slots per pool (one per running request)
-<<<<<<< HEAD
     expert_ranks: int | None = None  # experts_over_replicas: ranks of the EP group (replicas · tp)
     replica: int | None = None  # experts_over_replicas: which data-parallel replica this program is
-=======
     state_snapshots: int | None = None  # compile/Engine with speculation: pool rows after the slots (runtime.state_rollback)
->>>>>>> hybridspec
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""

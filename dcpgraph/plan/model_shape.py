@@ -42,8 +42,8 @@ import torch
 from ..capacity import FP8_SCALE_BYTES, CacheShape, scale_groups
 from ..errors import UnsupportedModelError
 from ..mesh import local_kv_heads
-from . import compressed_model
 from ..recurrent_state import GatedDeltaNetShape
+from . import compressed_model
 from .architectures import named_config
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")

@@ -188,13 +188,10 @@ class DistributedExecutor:
         return [run_on_rank(name, RankState(self.rank, self.program, self.caches), args)]
 
     def run(self, shared, per_rank, key="mixed") -> torch.Tensor:
-<<<<<<< HEAD
+        apply_state_copies(self.program, self.caches, shared.get(STATE_COPIES))  # before the graph (state_rollback)
         own = per_rank[self.rank]
         if self.program.lowering.expert_ranks is not None:
             shared, own = expert_inputs(shared, own)
-=======
-        apply_state_copies(self.program, self.caches, shared.get(STATE_COPIES))  # before the graph (state_rollback)
->>>>>>> hybridspec
         args = rank_arguments(self.program, self.state, self.caches, on_device(shared, self.device),
                               on_device(own, self.device))
         fn = (self.graphs.get(key) if self.graphs is not None else None) or self.program.graph_module

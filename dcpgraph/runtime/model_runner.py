@@ -91,7 +91,6 @@ class ModelRunner:
             self._replay(chunks, kept, [query_len or len(c.tokens) for c in chunks])
         return outputs
 
-<<<<<<< HEAD
     def dummy_forward(self) -> None:
         """One forward of one token that writes no KV (slot −1 on every rank) and whose logits are
         dropped: what a data-parallel replica with no work runs while the others step, so every
@@ -102,8 +101,6 @@ class ModelRunner:
         self.executor.run(shared, per_rank)
         self.dummy_steps += 1
 
-    def execute(self, chunks: list[Chunk]) -> torch.Tensor:
-=======
     def _replay(self, ran: list[Chunk], kept: list[int], processed: list[int]) -> None:
         """Restore the state of every row that ran more tokens than it keeps and run its kept
         tokens again (:mod:`.state_rollback`); the replay's logits are dropped."""
@@ -118,7 +115,6 @@ class ModelRunner:
         self.replays["tokens"] += sum(len(c.tokens) for c in replay)
 
     def execute(self, chunks: list[Chunk], state_copies: torch.Tensor | None = None) -> torch.Tensor:
->>>>>>> hybridspec
         """Logits ``[sum of logits_rows, V]`` of ``chunks``; a decode-only step runs in the
         smallest decode bucket that holds it (padded), a step of decode rows with drafts (every
         token a query row) in its verification bucket, anything else in the dynamic graph.

@@ -1,6 +1,7 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
-``test_mamba2_layer``, ``test_e2e_mamba2``), as transformers builds them by default.
+``test_mamba2_layer``, ``test_e2e_mamba2``; the Kimi delta attention ones: ``test_kimi_delta_layer``,
+``test_kda_mesh``, ``test_kda_gloo``), as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -101,6 +102,38 @@ MAMBA2_MODELS = {"bamba": bamba, "nemotron_h": nemotron_h, "granitemoehybrid": g
 MAMBA2_MESH_MODELS = {name: (lambda build=build: build(kv_heads=1, groups=4)) for name, build in MAMBA2_MODELS.items()}
 """The Mamba-2 hybrids with one KV head (DCP has KV replication to remove up to dcp = tp) and 4
 groups of B/C (so tp = 2 and tp = 4 both split the mixers by whole groups)."""
+
+
+# Kimi delta attention (KDA) hybrids: KDA, KDA, MLA attention, KDA; KDA heads of 8 channels
+# (q, k and v alike), conv kernel 4; MLA with latent rank 16, nope/rope/v dims 8, 4 heads (one
+# latent KV head after absorption, so DCP up to tp); layer 0 a dense MLP, the others MoE with 4
+# experts (top 2) and a shared expert, as transformers builds them by default.
+_KDA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, q_lora_rank=None,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            num_experts=4, num_experts_per_token=2, num_shared_experts=1, num_expert_group=1, topk_group=1,
+            initializer_range=0.2, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+
+
+def kimi_linear(kda_heads: int = 4) -> torch.nn.Module:
+    """kimi_linear: low-rank forget and output gates, MLA without rotary."""
+    config = transformers.KimiLinearConfig(**_KDA, linear_num_heads=kda_heads, linear_head_dim=8,
+                                           linear_conv_kernel_dim=4)
+    torch.manual_seed(0)
+    return transformers.KimiLinearForCausalLM(config).eval()
+
+
+def bailing_hybrid(kda_safe_gate: bool = True) -> torch.nn.Module:
+    """bailing_hybrid: full-rank gates, the bounded ("safe") forget gate by default, MLA with
+    interleaved rotary and a per-head sigmoid output gate. Its KDA heads are its attention heads."""
+    config = transformers.BailingHybridConfig(**_KDA, head_dim=8, short_conv_kernel_size=4, first_k_dense_replace=1,
+                                              kda_safe_gate=kda_safe_gate)
+    torch.manual_seed(0)
+    return transformers.BailingHybridForCausalLM(config).eval()
+
+
+KDA_MESH_MODELS = {"kimi_linear": kimi_linear, "bailing_hybrid": bailing_hybrid}
 
 
 # -- one run through prefill chunks and a preemption --------------------------------------------

@@ -161,7 +161,7 @@ def run_through_preemption(model: torch.nn.Module, program):
 
 def drive_on_gloo(rank: int, world: int, family: str, name: str) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
-    ``family`` (:data:`MESH_MODELS` or :data:`MAMBA2_MESH_MODELS`), as ``LLM``/``serve`` run it:
+    ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS` or :data:`KDA_MESH_MODELS`), as ``LLM``/``serve`` run it:
     rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
     of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
     memory report; every rank returns its state pools' shapes."""

@@ -1,7 +1,8 @@
 """Kimi delta attention hybrids (kimi_linear, bailing_hybrid) on TP and DCP meshes, emulated
 executor: the KDA layers' heads split over TP by ``shard_recurrent_tp`` (state pools 1/tp per
 rank, ``o_proj`` row-parallel), the MLA layers' latent KV sharded over DCP, the recurrent ops
-reading the request's global context length.
+reading the request's global context length. The traced programs give HF's logits over a
+whole prompt (canonical ``causal_conv1d`` + ``kimi_delta_rule`` per KDA layer).
 
 Exactness is against HF transformers' own greedy ``generate`` on the same weights: prompts
 longer than the prefill chunk (8 tokens), a KV cache small enough to preempt at dcp <= 2 (the
@@ -19,6 +20,10 @@ from dcpgraph.testing.generation import drain, hf_greedy
 transformers = pytest.importorskip("transformers")
 
 from hybrid_models import KDA_MESH_MODELS, NEW_TOKENS, PROMPTS, kimi_linear  # noqa: E402
+from test_frontend_recurrent import _count  # noqa: E402
+from test_frontend_recurrent import _run as _forward  # noqa: E402
+
+DCP = torch.ops.dcpgraph
 
 BLOCK = 4
 # Blocks per rank that hold the longest request alone but, at dcp <= 2, not the three at once.
@@ -31,6 +36,18 @@ KDA_LAYERS = (0, 1, 3)
 def traced(request):
     model = KDA_MESH_MODELS[request.param]()
     return request.param, model, dcpgraph.trace(model)
+
+
+def test_kda_hybrid_traces_to_canonical_ops_with_hf_logits(traced):
+    _, model, program = traced
+    assert program.facts.extra["recurrent_layers"] == dict.fromkeys(KDA_LAYERS, "kimi delta attention")
+    assert program.facts.attention == "mla"
+    assert _count(program, DCP.kimi_delta_rule.default) == _count(program, DCP.causal_conv1d.default) == 3
+    assert _count(program, DCP.attention.default) == 1
+    ids = torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(_forward(program, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def _run(model, program, tp: int, dcp: int):

@@ -73,6 +73,10 @@ OVERRIDES: dict[str, dict] = {
        for arch, extra in (("bamba", dict(attn_layer_indices=[1])),
                            ("granitemoehybrid", dict(layer_types=["mamba", "attention"])),
                            ("falcon_h1", dict(mamba_d_ssm=128)))},
+    # Kimi delta attention hybrids: one KDA layer (4 heads of 8 in kimi_linear; bailing_hybrid's KDA
+    # heads are its 8 attention heads of head_dim 8) beside one MLA layer.
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "nemotron_h": dict(hybrid_override_pattern="M*-E", num_hidden_layers=4, mamba_num_heads=16, mamba_head_dim=8,
                        n_groups=2, ssm_state_size=8, chunk_size=4, n_group=1, topk_group=1,
                        moe_shared_expert_intermediate_size=32),

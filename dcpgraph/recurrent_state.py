@@ -1,7 +1,8 @@
 """Recurrent-state layouts of hybrid layers: shapes, TP split and bytes per request.
 
 One shape class per recurrent kind: :class:`GatedDeltaNetShape` (below), :class:`ShortConvShape`,
-:class:`Mamba2Shape` and :class:`LightningAttentionShape`, each with its own byte formula.
+:class:`Mamba2Shape`, :class:`LightningAttentionShape` and :class:`KimiDeltaShape`, each with its own byte
+formula.
 
 A GDN layer (HF ``qwen3_next``'s ``Qwen3NextGatedDeltaNet``) keeps two tensors per request, in
 per-layer pools indexed by the request's state slot (``S`` slots):
@@ -216,6 +217,56 @@ class LightningAttentionShape:
         """Bytes of one request's kv state on one rank (fp32 whatever ``model_dtype``)."""
         local = self.on_rank(tp)
         return local.heads * local.head_dim * local.head_dim * RECURRENT_STATE_DTYPE.itemsize
+
+
+@dataclass(frozen=True)
+class KimiDeltaShape:
+    """One Kimi delta attention (KDA) layer: ``heads`` H of ``head_dim`` D channels for queries,
+    keys and values alike, ``conv_kernel`` K. Per request it keeps, in the model's dtype, the conv
+    state ``[3·H·D, K−1]`` (the last inputs of the conv over ``[q | k | v]``) and, in fp32, the
+    recurrent state ``[H, D, D]``::
+
+        conv_bytes      = (K − 1) · 3·(H/t)·D · model_bytes
+        recurrent_bytes = (H/t) · D · D · 4
+        t = tp where tp divides H (the layer is split by heads), else 1 (replicated)
+    """
+
+    heads: int
+    head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        require_positive_ints(self, "kimi delta attention")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"kimi delta attention conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    @classmethod
+    def from_config(cls, config) -> KimiDeltaShape:
+        """From HF's ``linear_num_heads``, ``linear_head_dim`` and ``linear_conv_kernel_dim``."""
+        return cls(config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim)
+
+    @property
+    def conv_channels(self) -> int:
+        return 3 * self.heads * self.head_dim
+
+    def splits_over(self, tp: int) -> bool:
+        return self.heads % tp == 0
+
+    def on_rank(self, tp: int) -> KimiDeltaShape:
+        if tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
+        return KimiDeltaShape(self.heads // tp, self.head_dim, self.conv_kernel) if self.splits_over(tp) else self
+
+    def conv_state_shape(self, slots: int) -> tuple[int, int, int]:
+        return (slots, self.conv_channels, self.conv_kernel - 1)
+
+    def recurrent_state_shape(self, slots: int) -> tuple[int, int, int, int]:
+        return (slots, self.heads, self.head_dim, self.head_dim)
+
+    def state_bytes_per_request(self, model_dtype: torch.dtype, tp: int = 1) -> int:
+        local = self.on_rank(tp)
+        conv = (local.conv_kernel - 1) * local.conv_channels * torch.empty((), dtype=model_dtype).element_size()
+        return conv + local.heads * local.head_dim * local.head_dim * RECURRENT_STATE_DTYPE.itemsize
 
 
 def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative,

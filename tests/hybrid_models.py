@@ -1,7 +1,8 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
-``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``),
-as transformers builds them by default.
+``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``;
+the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``, ``test_kda_gloo``), as
+transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -161,6 +162,38 @@ def llama_draft() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+# Kimi delta attention (KDA) hybrids: KDA, KDA, MLA attention, KDA; KDA heads of 8 channels
+# (q, k and v alike), conv kernel 4; MLA with latent rank 16, nope/rope/v dims 8, 4 heads (one
+# latent KV head after absorption, so DCP up to tp); layer 0 a dense MLP, the others MoE with 4
+# experts (top 2) and a shared expert, as transformers builds them by default.
+_KDA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, q_lora_rank=None,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            num_experts=4, num_experts_per_token=2, num_shared_experts=1, num_expert_group=1, topk_group=1,
+            initializer_range=0.2, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+
+
+def kimi_linear(kda_heads: int = 4) -> torch.nn.Module:
+    """kimi_linear: low-rank forget and output gates, MLA without rotary."""
+    config = transformers.KimiLinearConfig(**_KDA, linear_num_heads=kda_heads, linear_head_dim=8,
+                                           linear_conv_kernel_dim=4)
+    torch.manual_seed(0)
+    return transformers.KimiLinearForCausalLM(config).eval()
+
+
+def bailing_hybrid(kda_safe_gate: bool = True) -> torch.nn.Module:
+    """bailing_hybrid: full-rank gates, the bounded ("safe") forget gate by default, MLA with
+    interleaved rotary and a per-head sigmoid output gate. Its KDA heads are its attention heads."""
+    config = transformers.BailingHybridConfig(**_KDA, head_dim=8, short_conv_kernel_size=4, first_k_dense_replace=1,
+                                              kda_safe_gate=kda_safe_gate)
+    torch.manual_seed(0)
+    return transformers.BailingHybridForCausalLM(config).eval()
+
+
+KDA_MESH_MODELS = {"kimi_linear": kimi_linear, "bailing_hybrid": bailing_hybrid}
+
+
 # -- one run through prefill chunks and a preemption --------------------------------------------
 PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
 NEW_TOKENS = 6
@@ -186,8 +219,8 @@ def run_through_preemption(model: torch.nn.Module, program):
 
 def drive_on_gloo(rank: int, world: int, family: str, name: str, speculative_config: dict | None = None) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 running the hybrid ``name`` of
-    ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS` or :data:`LIGHTNING_MESH_MODELS`), as
-    ``LLM``/``serve`` run it:
+    ``family`` (:data:`MESH_MODELS`, :data:`MAMBA2_MESH_MODELS`, :data:`LIGHTNING_MESH_MODELS` or
+    :data:`KDA_MESH_MODELS`), as ``LLM``/``serve`` run it:
     rank 0 drives (schedules, ships each step with its state slots) and returns the greedy tokens
     of :data:`PROMPTS` through prefill chunks and a preemption, its executor, preemptions and
     memory and speculative reports (with ``speculative_config``: of :data:`SPEC_PROMPTS` too,

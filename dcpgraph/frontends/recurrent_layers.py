@@ -1,17 +1,18 @@
 """Recurrent layers of hybrid HF models, traced as canonical stateless ops.
 
 While a model is exported, every module recognised structurally as a gated delta net
-(:mod:`.gated_delta_net`), a short convolution (:mod:`.short_conv`), a Mamba-2 mixer
-(:mod:`.mamba2`) or MiniMax's lightning attention (:mod:`.lightning_attention`) runs dcpgraph's
-formula of the layer instead of its own forward: the projections stay ordinary linears of the module's own
-parameters (so the state keys are the checkpoint's names), and the state-carrying parts become
-``dcpgraph.causal_conv1d``, ``dcpgraph.gated_delta_rule``, ``dcpgraph.mamba2_scan`` and
+(:mod:`.gated_delta_net`), a Kimi delta attention (:mod:`.kimi_delta`), a short convolution
+(:mod:`.short_conv`), a Mamba-2 mixer (:mod:`.mamba2`) or MiniMax's lightning attention
+(:mod:`.lightning_attention`) runs dcpgraph's formula of the layer instead of its own forward: the
+projections stay ordinary linears of the module's own parameters (so the state keys are the
+checkpoint's names), and the state-carrying parts become ``dcpgraph.causal_conv1d``,
+``dcpgraph.gated_delta_rule``, ``dcpgraph.kimi_delta_rule``, ``dcpgraph.mamba2_scan`` and
 ``dcpgraph.lightning_attention`` over the
 traced sequence, from a zero state. The traced forward is one causal sequence, so this is the layer's exact function of it.
 
 A config layer type that keeps recurrent state (``linear_attention``, ``conv``, ``hybrid``) is
 accepted only where the decoder layer holds a module recognised here
-(:func:`unrecognised_recurrent_layers`); any other (Mamba-1, Kimi delta attention…) stays
+(:func:`unrecognised_recurrent_layers`); any other (Mamba-1…) stays
 refused by name. Attention-free ``mlp``/``moe`` layers (nemotron_h) are
 accepted where the decoder layer provably holds no state (:func:`stateless_layers`).
 """
@@ -25,21 +26,24 @@ from collections.abc import Iterator
 import torch
 
 from ..ops.gated_delta_layer import gated_delta_net_canonical
+from ..ops.kimi_delta_layer import kimi_delta_attention_canonical
 from ..ops.lightning_attention_layer import lightning_attention_canonical
 from ..ops.mamba2_layer import mamba2_mixer_canonical
 from ..ops.short_conv_layer import short_conv_canonical
-from . import gated_delta_net, lightning_attention, mamba2, short_conv
+from . import gated_delta_net, kimi_delta, lightning_attention, mamba2, short_conv
 
 # Config layer type → the recognised kinds such a layer may hold.
-RECURRENT_LAYER_TYPES = {"linear_attention": ("gated delta net", "mamba2", "lightning attention"),
+RECURRENT_LAYER_TYPES = {"linear_attention": ("gated delta net", "kimi delta attention", "mamba2", "lightning attention"),
                          "conv": ("short convolution",), "hybrid": ("mamba2",)}
 # The config attributes that declare each recognised kind's dimensions (qwen3_next/qwen3_5's
 # ``linear_num_value_heads``, lfm2's ``conv_L_cache``, the Mamba-2 hybrids' head counts): what a
 # config-only check can go by.
-_DECLARED_BY = {"gated delta net": ("linear_num_value_heads",), "short convolution": ("conv_L_cache",),
-                "mamba2": ("mamba_n_heads", "mamba_num_heads"), "lightning attention": ("linear_attn_alpha_factor",)}
-_RECOGNISERS = {"gated delta net": gated_delta_net.is_gated_delta_net, "short convolution": short_conv.is_short_conv,
-                "mamba2": mamba2.is_mamba2, "lightning attention": lightning_attention.is_lightning_attention}
+_DECLARED_BY = {"gated delta net": ("linear_num_value_heads",), "kimi delta attention": ("linear_num_heads",),
+                "short convolution": ("conv_L_cache",), "mamba2": ("mamba_n_heads", "mamba_num_heads"),
+                "lightning attention": ("linear_attn_alpha_factor",)}
+_RECOGNISERS = {"gated delta net": gated_delta_net.is_gated_delta_net, "kimi delta attention": kimi_delta.is_kimi_delta,
+                "short convolution": short_conv.is_short_conv, "mamba2": mamba2.is_mamba2,
+                "lightning attention": lightning_attention.is_lightning_attention}
 # Layer types that hold only an MLP or MoE (nemotron_h's ``-`` and ``E`` blocks): no attention, no state.
 STATELESS_LAYER_TYPES = ("mlp", "moe")
 
@@ -111,6 +115,11 @@ def _canonical_gated_delta_net(self, hidden_states: torch.Tensor, *args, **kwarg
     return torch.stack([gated_delta_net_canonical(weights, row) for row in hidden_states])
 
 
+def _canonical_kimi_delta(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    weights = kimi_delta.canonical_weights(self)
+    return torch.stack([kimi_delta_attention_canonical(weights, row) for row in hidden_states])
+
+
 def _canonical_short_conv(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     weights = short_conv.canonical_weights(self)
     return torch.stack([short_conv_canonical(weights, row) for row in hidden_states])
@@ -127,7 +136,8 @@ def _canonical_lightning_attention(self, hidden_states: torch.Tensor, *args, **k
     return torch.stack([lightning_attention_canonical(weights, row) for row in hidden_states]), None
 
 
-_FORWARDS = {"gated delta net": _canonical_gated_delta_net, "short convolution": _canonical_short_conv,
+_FORWARDS = {"gated delta net": _canonical_gated_delta_net, "kimi delta attention": _canonical_kimi_delta,
+             "short convolution": _canonical_short_conv,
              "mamba2": _canonical_mamba2, "lightning attention": _canonical_lightning_attention}
 
 

@@ -14,8 +14,11 @@ cache then holds ``R + rope`` numbers per token instead of ``H·(nope + v + rope
 
 Recognition is structural: the value's nearest linear is the up-projection (its input is ``c``);
 the key is assembled (``cat``, or ``new_empty`` + ``copy_`` into slices) from that projection's
-``k_nope`` and a head-broadcast ``k_rope``; the query is ``cat(q_nope, q_rope)``. Dims are checked
-against the config. The pass also records, as plan data, the TP roles it found: the query
+``k_nope`` and a head-broadcast ``k_rope``; the query is ``cat(q_nope, q_rope)``, or one
+projection's heads of ``nope + rope`` read whole (Kimi-Linear's MLA, which applies no rotary:
+its ``q_nope``/``q_rope`` are then slices of that query). Dims are checked against the config.
+An output gate between the attention and the output projection (Bailing's per-head
+``σ(g_proj(x))`` multiplying each head's output) is split by heads with the query. The pass also records, as plan data, the TP roles it found: the query
 projection is column-parallel (by heads), the output projection row-parallel, and the absorbed
 ``W_UK``/``W_UV`` are split by heads like the query.
 """
@@ -65,6 +68,20 @@ def _parts(node: torch.fx.Node) -> list[torch.fx.Node]:
     return []
 
 
+def _shared_head(node: torch.fx.Node) -> torch.fx.Node:
+    """The head-shared ``[1, 1, T, rope]`` tensor a key part was broadcast from: views are
+    stripped down to the last 4-D one-head node (an unroped ``k_rope`` is a view of the
+    projection's split, whose own shape has no head axis)."""
+    kept = node
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+        shape = getattr(_val(node), "shape", ())
+        if len(shape) == 4 and shape[1] == 1:
+            kept = node
+    shape = getattr(_val(node), "shape", ())
+    return node if len(shape) == 4 and shape[1] == 1 else kept
+
+
 def _val(node: torch.fx.Node):
     return node.meta.get("val")
 
@@ -101,8 +118,9 @@ class _MLALayer:
     target: str
     latent: torch.fx.Node
     k_rope: torch.fx.Node
-    q_nope: torch.fx.Node
-    q_rope: torch.fx.Node
+    q_nope: torch.fx.Node | None  # None: the query is read whole (``q_whole``), split here by slices
+    q_rope: torch.fx.Node | None
+    q_whole: torch.fx.Node | None = None
 
 
 def _match_layer(program: Program, specs: dict, dims: _MLADims, layer: int, node: torch.fx.Node) -> _MLALayer:
@@ -123,15 +141,19 @@ def _match_layer(program: Program, specs: dict, dims: _MLADims, layer: int, node
     if tuple(full.shape) != (dims.heads * (dims.nope + dims.vdim), dims.rank):
         raise UnsupportedModelError(f"{where}: up-projection {tuple(full.shape)} does not match the config")
     k_parts, q_parts = _parts(k), _parts(q)
-    if len(k_parts) != 2 or len(q_parts) != 2:
-        raise UnsupportedModelError(f"{where}: key/query are not [nope ‖ rope] concatenations")
-    k_rope = _strip_views(k_parts[1])
+    whole_query = not q_parts and _val(q).shape[-1] == dims.nope + dims.rope and len(nearest_linears(q)) == 1
+    if len(k_parts) != 2 or (len(q_parts) != 2 and not whole_query):
+        raise UnsupportedModelError(f"{where}: key/query are not [nope ‖ rope] concatenations (nor a query "
+                                    "projection's heads of nope + rope read whole)")
+    k_rope = _shared_head(k_parts[1])
     if nearest_linears(k_parts[0]) != {up} or _val(k_rope).shape[1] != 1 or _val(k_rope).shape[-1] != dims.rope:
         raise UnsupportedModelError(f"{where}: key is not [W_UK·c ‖ shared k_rope]")
+    target = specs[weight.name].target.removesuffix(".weight")
+    if whole_query:
+        return _MLALayer(weight, full, target, up.args[0], k_rope, None, None, q)
     q_nope, q_rope = q_parts
     if _val(q_nope).shape[-1] != dims.nope or _val(q_rope).shape[-1] != dims.rope:
         raise UnsupportedModelError(f"{where}: query parts do not match nope/rope dims")
-    target = specs[weight.name].target.removesuffix(".weight")
     return _MLALayer(weight, full, target, up.args[0], k_rope, q_nope, q_rope)
 
 
@@ -160,10 +182,14 @@ def _emit_latent_attention(e: Emitter, node: torch.fx.Node, match: _MLALayer, di
     """``o = attention([q_nope·W_UK ‖ q_rope], [c ‖ k_rope], c) · W_UV^T`` (insertion point:
     before ``node``); returns ``o [1, H, T, v]``."""
     rank = dims.rank
+    q_nope, q_rope = match.q_nope, match.q_rope
+    if match.q_whole is not None:
+        q_nope = e(aten.slice.Tensor, match.q_whole, -1, 0, dims.nope)
+        q_rope = e(aten.slice.Tensor, match.q_whole, -1, dims.nope, dims.nope + dims.rope)
     c = e(aten.view.default, match.latent, [1, 1, -1, rank])  # [1, 1, T, R]
     k_latent = e(aten.cat.default, [c, e(aten.view.default, match.k_rope, [1, 1, -1, dims.rope])], -1)
     v_latent = e(aten.slice.Tensor, k_latent, -1, 0, rank)
-    q_latent = e(aten.cat.default, [e(aten.matmul.default, match.q_nope, uk_node), match.q_rope], -1)
+    q_latent = e(aten.cat.default, [e(aten.matmul.default, q_nope, uk_node), q_rope], -1)
     o_latent = e(node.target, q_latent, k_latent, v_latent, *node.args[3:])  # same op, latent q/k/v
     return e(aten.matmul.default, o_latent, uv_node)  # [1, H, T, v]
 
@@ -213,10 +239,18 @@ def absorb_mla(program: Program):
         graph.erase_node(node)
         _drop_key_assembly(graph, k)
         # TP roles found in the graph (sharding is data): queries by heads, output by rows.
-        for lin in nearest_linears(match.q_nope):
+        for lin in nearest_linears(match.q_whole if match.q_nope is None else match.q_nope):
             plan[_module_path(lin, specs)] = "colwise"
-        for user in _output_linears(out):
+        outputs, gates = _output_linears(out)
+        for user in outputs:
             plan[_module_path(user, specs)] = "rowwise"
+        for gate in gates:
+            width = int(program.state[specs[gate.args[1].name].target].shape[0])
+            if width not in (dims.heads, dims.heads * dims.vdim):
+                raise UnsupportedModelError(
+                    f"layer {layer}: the attention output is multiplied by {_module_path(gate, specs)} of width {width}, "
+                    f"neither one gate per head ({dims.heads}) nor per channel ({dims.heads * dims.vdim})")
+            plan[_module_path(gate, specs)] = "colwise"
         plan.pop(match.target, None)
     graph.eliminate_dead_code()
     dropped = _drop_unused_params(graph, specs)
@@ -259,9 +293,10 @@ def _module_path(linear: torch.fx.Node, specs: dict[str, InputSpec]) -> str:
     return specs[linear.args[1].name].target.removesuffix(".weight")
 
 
-def _output_linears(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The linear(s) that consume the attention output through shape-only ops."""
-    found, frontier = [], [node]
+def _output_linears(node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """``(outputs, gates)``: the linear(s) that consume the attention output through shape-only
+    ops and multiplications by an output gate, and the linears those gates are computed from."""
+    found, gates, frontier = [], [], [node]
     while frontier:
         n = frontier.pop()
         for user in n.users:
@@ -269,7 +304,11 @@ def _output_linears(node: torch.fx.Node) -> list[torch.fx.Node]:
                 found.append(user)
             elif user.op == "call_function" and user.target in _VIEWS:
                 frontier.append(user)
-    return found
+            elif user.op == "call_function" and user.target is aten.mul.Tensor:
+                other = [a for a in user.all_input_nodes if a is not n]
+                gates += [lin for a in other for lin in nearest_linears(a)]
+                frontier.append(user)
+    return found, gates
 
 
 def _drop_key_assembly(graph: torch.fx.Graph, key: torch.fx.Node) -> None:

@@ -30,10 +30,12 @@ import torch.fx
 
 from ..errors import UnsupportedModelError, VerificationError
 from ..ops import gated_delta as _gated_delta_ops  # noqa: F401  (registers the anchors' ops)
+from ..ops import kimi_delta as _kimi_delta_ops  # noqa: F401  (registers dcpgraph.kimi_delta_rule_)
 from ..ops import lightning_attention as _lightning_ops  # noqa: F401
 from ..program import BUFFER, PARAM, REPLICATE, InputSpec, Program, RecurrentStateSpec, ShardRule
 from ..recurrent_state import (
     GatedDeltaNetShape,
+    KimiDeltaShape,
     LightningAttentionShape,
     Mamba2Shape,
     ShortConvShape,
@@ -45,7 +47,7 @@ from .tp_styles import SectionShardRule
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
-# the pool argument of causal_conv1d_ / gated_delta_rule_ / mamba2_scan_ / lightning_attention_
+# the pool argument of causal_conv1d_ / gated_delta_rule_ and kimi_delta_rule_ / mamba2_scan_ / lightning_attention_
 CONV_ARGS_POOL, RULE_ARGS_POOL, SCAN_ARGS_POOL, LIGHTNING_ARGS_POOL = 3, 5, 7, 4
 
 
@@ -203,11 +205,55 @@ def _average_norm_over_ranks(graph: torch.fx.Graph, layer: RecurrentLayer, tp: i
         user.replace_input_with(mean, averaged)
 
 
+@dataclass(frozen=True)
+class _KimiDeltaSplit:
+    """A KDA layer's shape plus the axis of its ``A_log`` that holds the heads (``kimi_linear``
+    stores ``[1, 1, H, 1]``, ``bailing_hybrid`` ``[H]``)."""
+
+    state: KimiDeltaShape
+    a_log_dim: int
+
+    def on_rank(self, tp: int) -> _KimiDeltaSplit:
+        return _KimiDeltaSplit(self.state.on_rank(tp), self.a_log_dim)
+
+
+def _kda_shape(layer: RecurrentLayer, program: Program) -> _KimiDeltaSplit:
+    v = layer.rule.args[2].meta["val"]
+    kernel = int(program.state[layer.params["conv1d.weight"].target].shape[-1])
+    a_log = program.state[layer.params["forget_gate.A_log"].target]
+    heads_axes = [d for d, n in enumerate(a_log.shape) if n == v.shape[1]]
+    return _KimiDeltaSplit(KimiDeltaShape(int(v.shape[1]), int(v.shape[2]), kernel),
+                           heads_axes[0] if heads_axes else 0)
+
+
+def _kda_param_rules(s: _KimiDeltaSplit) -> dict[str, ShardRule]:
+    """By head: the rows of ``q_proj``/``k_proj``/``v_proj``/``b_proj``, of the gates' up
+    projections (``f_b_proj`` or ``f_proj``, ``g_b_proj`` or ``g_proj``) and of ``dt_bias``; the
+    conv by ``[q | k | v]`` section; ``A_log`` along its head axis; the low-rank down projections
+    (``f_a_proj``, ``g_a_proj``) and the per-head norm weight replicated; ``o_proj`` by input
+    columns."""
+    width = s.state.heads * s.state.head_dim
+    qkv = SectionShardRule(0, sections=(width,) * 3)
+    rows = ShardRule(0)
+    return {"q_proj.weight": rows, "k_proj.weight": rows, "v_proj.weight": rows, "b_proj.weight": rows,
+            "conv1d.weight": qkv, "conv1d.bias": qkv,
+            "forget_gate.f_a_proj.weight": REPLICATE, "forget_gate.f_b_proj.weight": rows,
+            "forget_gate.f_proj.weight": rows, "forget_gate.dt_bias": rows,
+            "forget_gate.A_log": ShardRule(s.a_log_dim),
+            "g_a_proj.weight": REPLICATE, "g_b_proj.weight": rows, "g_proj.weight": rows,
+            "o_norm.weight": REPLICATE, "o_proj.weight": ShardRule(1)}
+
+
 TP_RULES: dict[str, RecurrentTPRule] = {
     "gated delta net": RecurrentTPRule(
         conv_weight="conv1d.weight", shape=_gdn_shape, units=lambda s: s.key_heads, param_rules=_gdn_param_rules,
         sections=_gdn_sections, out_proj=("out_proj", "o_proj"),
         pools=lambda s: {"conv_state": s.conv_state_shape(1)[1:], "recurrent_state": s.recurrent_state_shape(1)[1:]}),
+    "kimi delta attention": RecurrentTPRule(
+        conv_weight="conv1d.weight", shape=_kda_shape, units=lambda s: s.state.heads, param_rules=_kda_param_rules,
+        sections=lambda s: (s.state.heads * s.state.head_dim,) * 3, out_proj=("o_proj",),
+        pools=lambda s: {"conv_state": s.state.conv_state_shape(1)[1:],
+                         "recurrent_state": s.state.recurrent_state_shape(1)[1:]}),
     "short convolution": RecurrentTPRule(
         conv_weight="conv.weight", shape=_short_conv_shape, units=lambda s: s.channels,
         param_rules=_short_conv_param_rules, sections=lambda s: None,
@@ -245,7 +291,8 @@ def recurrent_layers_of(program: Program) -> list[RecurrentLayer]:
     specs = {s.name: s for s in program.inputs}
     kinds = dict(program.facts.extra.get("recurrent_layers") or {})
     convs = {n.args[CONV_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.causal_conv1d_.default)}
-    rules = {n.args[RULE_ARGS_POOL].name: n for n in nodes_calling(graph, dcp_ops.gated_delta_rule_.default)}
+    rules = {n.args[RULE_ARGS_POOL].name: n for op in (dcp_ops.gated_delta_rule_.default, dcp_ops.kimi_delta_rule_.default)
+             for n in nodes_calling(graph, op)}
     rules.update((n.args[SCAN_ARGS_POOL].name, n) for n in nodes_calling(graph, dcp_ops.mamba2_scan_.default))
     rules.update((n.args[LIGHTNING_ARGS_POOL].name, n)
                  for n in nodes_calling(graph, dcp_ops.lightning_attention_.default))
@@ -368,6 +415,7 @@ def _lightning_slot(q, k, v, *_) -> tuple[int, ...]:
 _POOL_READERS = (
     (dcp_ops.causal_conv1d_.default, CONV_ARGS_POOL, "conv", _conv_slot),
     (dcp_ops.gated_delta_rule_.default, RULE_ARGS_POOL, "delta rule", _delta_rule_slot),
+    (dcp_ops.kimi_delta_rule_.default, RULE_ARGS_POOL, "Kimi delta rule", _delta_rule_slot),
     (dcp_ops.mamba2_scan_.default, SCAN_ARGS_POOL, "Mamba-2 scan", _scan_slot),
     (dcp_ops.lightning_attention_.default, LIGHTNING_ARGS_POOL, "lightning attention", _lightning_slot),
 )

@@ -11,6 +11,7 @@ Sections (append new fixtures below the last one, keeping each section self-cont
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,24 @@ def _one_torch_thread():
 # -- 3. The gpu tier -----------------------------------------------------------------------------
 
 
+SLOW_BY_DURATION = Path(__file__).with_name("slow_by_duration.txt")
+
+
+def _slow_by_duration() -> frozenset[str]:
+    """Node ids listed in ``slow_by_duration.txt`` (seconds, then the id; ``#`` lines are comments)."""
+    lines = SLOW_BY_DURATION.read_text().splitlines()
+    return frozenset(line.split(maxsplit=1)[1] for line in lines if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Before ``-m`` selects: the default tier's slowest tests by measured duration join the slow
+    tier (which CI also runs), so the README's default command stays near 20 minutes on 2 cores;
+    then the gpu tier skips, with the reason, where torch sees no CUDA device."""
+    listed = _slow_by_duration()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     reason = ("no CUDA device: torch.cuda.is_available() is False (this torch build: "

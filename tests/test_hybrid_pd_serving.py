@@ -60,6 +60,7 @@ def test_serve_a_hybrid_at_tp2_dcp2_equals_hf(deployment):
 
 def test_pd_moves_the_recurrent_state_with_the_kv(deployment):
     name, want, servers = deployment
+    wait_kv_free(servers["producer"], servers["consumer"])  # the counters are read once both are idle (fresh)
     before = stats(servers["consumer"])
     api = client(servers["proxy"])
     for prompt in PROMPTS:

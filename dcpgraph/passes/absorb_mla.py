@@ -239,12 +239,15 @@ def absorb_mla(program: Program):
         graph.erase_node(node)
         _drop_key_assembly(graph, k)
         # TP roles found in the graph (sharding is data): queries by heads, output by rows.
-        for lin in nearest_linears(match.q_whole if match.q_nope is None else match.q_nope):
+        query_linears = nearest_linears(match.q_whole if match.q_nope is None else match.q_nope)
+        for lin in query_linears:
             plan[_module_path(lin, specs)] = "colwise"
         outputs, gates = _output_linears(out)
         for user in outputs:
             plan[_module_path(user, specs)] = "rowwise"
         for gate in gates:
+            if gate in query_linears:
+                continue  # one projection gives queries and gates per head (AXK2): already split by heads
             width = int(program.state[specs[gate.args[1].name].target].shape[0])
             if width not in (dims.heads, dims.heads * dims.vdim):
                 raise UnsupportedModelError(

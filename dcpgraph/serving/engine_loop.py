@@ -284,7 +284,8 @@ class EngineLoop:
 
     def _fail(self, err: Exception) -> None:
         self.error = f"{type(err).__name__}: {err}"
-        log.error("engine failed: %s; ending %d in-flight request(s)", self.error, len(self._live))
+        log.error("engine failed: %s; ending %d in-flight request(s)", self.error, len(self._live),
+                  exc_info=(type(err), err, err.__traceback__))
         for live in self._live.values():
             _post(live.loop, live.out, Piece(live.choice, error=self.error))
         self._live.clear()

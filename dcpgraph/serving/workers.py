@@ -230,7 +230,7 @@ class RemoteEngine(EngineClient):
                  start_method: str | None = None, layout: NodeLayout | None = None,
                  abort: threading.Event | None = None):
         layout = layout or NodeLayout()
-        self.abort = abort  # set by another replica that failed to start (replicas sharing the experts)
+        self.start_aborted = abort  # set by another replica that failed to start (replicas sharing the experts)
         self.config = config
         self.timeout_s = timeout_s
         self.dead: str | None = None
@@ -299,7 +299,7 @@ class RemoteEngine(EngineClient):
         connections are how the head sees a rank on another node go away."""
         if not all(p.is_alive() for p in self.procs):
             return False
-        if self.abort is not None and self.abort.is_set() and not self.started:
+        if self.start_aborted is not None and self.start_aborted.is_set() and not self.started:
             return False
         return not self.started or not any(c is not None and c.poll(0) for c in self.conns[1:])
 

@@ -3,17 +3,18 @@ nemotron_h, granitemoehybrid, falcon_h1, minimax, lfm2; and bamba) in its mesh v
 (:data:`hybrid_models.ACCEPTANCE_MODELS`, as transformers builds it, fp32) gives HF ``generate``'s
 greedy tokens
 
-* at tp2·dcp2 (emulated) with ``ngram`` speculation, and at tp=1 with a one-layer Llama
-  ``draft_model``, both through 8-token prefill chunks (the longest prompt is 13 tokens) and a KV
-  cache small enough that a request is preempted and recomputed while the others verify drafts;
+* with ``ngram`` speculation at tp=1 and tp4·dcp4 and a one-layer Llama ``draft_model`` at
+  tp2·dcp2 (emulated), each through 8-token prefill chunks (the longest prompt is 13 tokens) and a
+  KV cache small enough that a request is preempted and recomputed while the others verify drafts;
 * with its state bytes per request, per rank, equal to the byte table of
   docs/user-guide/hybrid-models.md written out by hand below (not dcpgraph's own shape classes),
-  halved at tp2, and the slots and snapshot rows counted per rank;
+  divided by tp (every mesh here splits every recurrent layer), and the slots and snapshot rows counted per rank;
 * with prefix caching refused by name;
 * on real gloo processes at tp2·dcp2 (one world serving all nine in turn).
 
-The plain meshes (tp4·dcp2, tp4·dcp4 without speculation) live in the per-kind files:
-tests/test_hybrid_mesh.py, test_mamba2_mesh.py, test_kda_mesh.py, test_lightning_mesh.py.
+Every mesh without speculation (tp4·dcp2 included), and the meshes that replicate a recurrent
+layer, live in the per-kind files: tests/test_hybrid_mesh.py, test_mamba2_mesh.py,
+test_kda_mesh.py, test_lightning_mesh.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PROMPTS = [[2, 4, 8, 16, 32, 2, 4, 8, 16], [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 6
 NEW_TOKENS = 16
 MAX_SEQS = 4
 """Repetitive prompts (prompt lookup drafts from them) and one of 13 tokens, over the 8-token chunk."""
-PREEMPTING_BLOCKS = {1: 10, 2: 5}
+PREEMPTING_BLOCKS = {1: 10, 2: 5, 4: 3}
 """Blocks of 4 per rank (by dcp) that hold the longest request with its drafts alone but not all four."""
 
 F32 = 4  # model_bytes and the fp32 recurrent/SSM/kv state alike
@@ -99,22 +100,27 @@ def _check_state_bytes(engine, name: str, tp: int) -> None:
     assert report["recurrent_state_bytes_per_rank"] == [2 * MAX_SEQS * STATE_BYTES[name](tp)] * tp
 
 
-def test_ngram_at_tp2_dcp2_through_chunks_and_a_preemption(case):
+def _speculative_config(method: str, draft_program) -> dict:
+    if method == "ngram":
+        return ngram()
+    return {"method": "draft_model", "num_speculative_tokens": 2, "model": draft_program}
+
+
+@pytest.mark.parametrize("method, tp, dcp", [("ngram", 1, 1), ("draft_model", 2, 2), ("ngram", 4, 4)],
+                         ids=["ngram-tp1", "draft-tp2dcp2", "ngram-tp4dcp4"])
+def test_speculation_through_chunks_and_a_preemption(case, draft_program, method, tp, dcp):
+    """Each mesh with one speculation method; the state bytes of each tp."""
     name, program, refs = case
-    engine = _run(dcpgraph.compile(program, tp=2, dcp=2, block_size=4, max_num_batched_tokens=8, max_num_seqs=MAX_SEQS,
-                                   num_blocks=PREEMPTING_BLOCKS[2], speculative_config=ngram()), refs)
+    engine = _run(dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8,
+                                   max_num_seqs=MAX_SEQS, max_model_len=64, num_blocks=PREEMPTING_BLOCKS[dcp],
+                                   speculative_config=_speculative_config(method, draft_program)), refs)
     assert any(step.startswith("verify[") for step in engine.report()["graph_steps"])
-    _check_state_bytes(engine, name, 2)
-    assert STATE_BYTES[name](2) * 2 == STATE_BYTES[name](1)
+    _check_state_bytes(engine, name, tp)
+    assert STATE_BYTES[name](tp) * tp == STATE_BYTES[name](1)
 
 
-def test_draft_model_at_tp1_through_chunks_and_a_preemption(case, draft_program):
-    name, program, refs = case
-    engine = _run(dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8, max_num_seqs=MAX_SEQS,
-                                   max_model_len=64, num_blocks=PREEMPTING_BLOCKS[1],
-                                   speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
-                                                       "model": draft_program}), refs)
-    _check_state_bytes(engine, name, 1)
+def test_prefix_caching_is_refused_by_name(case):
+    _, program, _ = case
     with pytest.raises(UnsupportedModelError, match="enable_prefix_caching is not supported with recurrent layers"):
         dcpgraph.compile(program, block_size=4, enable_prefix_caching=True)
 

@@ -1,8 +1,8 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
 ``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``;
-the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``, ``test_kda_gloo``), as
-transformers builds them by default.
+the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``; and the acceptance
+matrix, ``test_hybrid_acceptance``), as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short

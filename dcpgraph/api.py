@@ -190,7 +190,8 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     if program.recurrent_states:  # every rank (a distributed world's followers too) sizes the same pools
         slots = config.opts["max_num_seqs"]  # and as many snapshot rows under speculation (state_rollback)
         program = program.replace(lowering=program.lowering.decided(
-            state_slots=slots, state_snapshots=slots if config.spec is not None else None))
+            state_slots=slots, state_snapshots=slots if config.spec is not None else None,
+            state_prefix_rows=slots if config.opts["enable_prefix_caching"] else None))
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)

@@ -284,9 +284,6 @@ def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, spe
                                     "without recurrent layers (a small Llama or Qwen3 sharing the vocabulary)")
     if not layers:
         return
-    if prefix_caching:
-        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
-                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
     if method == "mtp":
         raise UnsupportedModelError(f"speculative_config method 'mtp' is not supported with recurrent layers "
                                     f"({layers}): MTP drafting for hybrid targets is not implemented; use method "

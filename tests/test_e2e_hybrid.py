@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import dcpgraph
-from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
 from dcpgraph.testing.generation import drain
 
@@ -75,10 +74,3 @@ def _request():
     return Request(99, [1, 2], 2, SamplingParams())
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
-])
-def test_features_without_exact_state_are_refused_by_name(case, options, message):
-    _, program = case
-    with pytest.raises(UnsupportedModelError, match=message):
-        dcpgraph.compile(program, block_size=4, **options)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 
 import dcpgraph
-from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -119,10 +118,32 @@ def test_speculation_through_chunks_and_a_preemption(case, draft_program, method
     assert STATE_BYTES[name](tp) * tp == STATE_BYTES[name](1)
 
 
-def test_prefix_caching_is_refused_by_name(case):
-    _, program, _ = case
-    with pytest.raises(UnsupportedModelError, match="enable_prefix_caching is not supported with recurrent layers"):
-        dcpgraph.compile(program, block_size=4, enable_prefix_caching=True)
+SHARED = [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60, 5, 9, 7, 7, 30, 2, 19]
+PREFIX_PROMPTS = [SHARED + [44, 1], SHARED + [2, 3, 4], SHARED[:10] + [6], SHARED + [44, 1, 8]]
+"""Prompts sharing an 18-token prefix (and the first one's whole prompt), run one after another."""
+
+
+@pytest.fixture(scope="module")
+def prefix_refs(case):
+    name = case[0]
+    model = ACCEPTANCE_MODELS[name]()
+    return [hf_greedy(model, p, 8) for p in PREFIX_PROMPTS]
+
+
+@pytest.mark.parametrize("tp, dcp, method", [(1, 1, None), (2, 2, "ngram")], ids=["tp1", "ngram-tp2dcp2"])
+def test_prefix_caching_hits_restore_the_state(case, prefix_refs, tp, dcp, method):
+    """Later requests hit the earlier ones' cached blocks and the recurrent state kept at the last
+    of them (:mod:`dcpgraph.runtime.state_prefix_cache`): HF's tokens, with hits."""
+    name, program, _ = case
+    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8, max_num_seqs=MAX_SEQS,
+                              enable_prefix_caching=True, speculative_config=None if method is None else ngram())
+    assert [engine.generate([p], 8)[0] for p in PREFIX_PROMPTS] == prefix_refs
+    assert engine.prefix_cache_report()["hit_requests"] >= 2
+    assert engine.scheduler.state_prefix.stats["restored"] >= 2
+    report = engine.memory_report()
+    rows = MAX_SEQS * (2 if method else 1) + report["recurrent_state_prefix_rows"]
+    assert report["recurrent_state_prefix_rows"] == MAX_SEQS
+    assert report["recurrent_state_bytes_per_rank"] == [rows * STATE_BYTES[name](tp)] * tp
 
 
 @pytest.mark.gloo

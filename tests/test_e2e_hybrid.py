@@ -3,8 +3,8 @@
 attention layer) give HF's greedy tokens (``generate``, do_sample=False) for a batch whose longest
 prompt is longer than the prefill chunk (8 tokens), with a KV cache small enough to preempt (the
 preempted request restarts its recurrent state from a fresh slot). The scheduler's state slots:
-one per running request, given back at finish, abort and preemption. Refused by name: prefix
-caching, adopting a request (P/D) (speculative decoding: tests/test_hybrid_speculative.py). (Meshes with TP and DCP:
+one per running request, given back at finish, abort and preemption (speculative decoding:
+tests/test_hybrid_speculative.py; prefix caching: tests/test_hybrid_acceptance.py). (Meshes with TP and DCP:
 tests/test_hybrid_mesh.py.) (The distributed
 executor's refusal needs an initialised torch.distributed world, which these tests do not start.)"""
 

@@ -120,7 +120,9 @@ def test_speculation_through_chunks_and_a_preemption(case, draft_program, method
 
 SHARED = [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60, 5, 9, 7, 7, 30, 2, 19]
 PREFIX_PROMPTS = [SHARED + [44, 1], SHARED + [2, 3, 4], SHARED[:10] + [6], SHARED + [44, 1, 8]]
-"""Prompts sharing an 18-token prefix (and the first one's whole prompt), run one after another."""
+"""Prompts sharing an 18-token prefix (and the first one's whole prompt): the first alone, then the
+other three at once in a cache too small for them (:data:`PREFIX_BLOCKS`, by dcp)."""
+PREFIX_BLOCKS = {1: 12, 2: 6}
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +135,18 @@ def prefix_refs(case):
 @pytest.mark.parametrize("tp, dcp, method", [(1, 1, None), (2, 2, "ngram")], ids=["tp1", "ngram-tp2dcp2"])
 def test_prefix_caching_hits_restore_the_state(case, prefix_refs, tp, dcp, method):
     """Later requests hit the earlier ones' cached blocks and the recurrent state kept at the last
-    of them (:mod:`dcpgraph.runtime.state_prefix_cache`): HF's tokens, with hits."""
+    of them (:mod:`dcpgraph.runtime.state_prefix_cache`), one of them through a preemption (its
+    re-admission hits its own blocks): HF's tokens, with hits."""
     name, program, _ = case
     engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8, max_num_seqs=MAX_SEQS,
-                              enable_prefix_caching=True, speculative_config=None if method is None else ngram())
-    assert [engine.generate([p], 8)[0] for p in PREFIX_PROMPTS] == prefix_refs
+                              num_blocks=PREFIX_BLOCKS[dcp], enable_prefix_caching=True,
+                              speculative_config=None if method is None else ngram())
+    got = {0: engine.generate([PREFIX_PROMPTS[0]], 8)[0]}
+    for prompt in PREFIX_PROMPTS[1:]:
+        engine.add_request(prompt, max_new_tokens=8)
+    got.update(drain(engine))
+    assert [got[i] for i in range(len(PREFIX_PROMPTS))] == prefix_refs
+    assert engine.scheduler.stats["preemptions"] >= 1
     assert engine.prefix_cache_report()["hit_requests"] >= 2
     assert engine.scheduler.state_prefix.stats["restored"] >= 2
     report = engine.memory_report()

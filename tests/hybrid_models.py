@@ -259,12 +259,19 @@ variant: one KV head (or MLA's one latent head), recurrent heads/channels/groups
 tp = 4 divide, so every mesh among tp2·dcp2, tp4·dcp2 and tp4·dcp4 is valid and splits the state."""
 
 
+GLOO_PREFIX_PROMPT = [*PROMPTS[0], 3, 4, 5]
+"""The first of :data:`PROMPTS` and three more tokens: at tp2·dcp2 (virtual blocks of 8) it hits that
+prompt's first block, whose state the first prefill chunk left."""
+
+
 def drive_models_on_gloo(rank: int, world: int, names: list[str]) -> dict:
     """One rank of a real gloo world at tp=``world``·dcp=2 that serves each of ``names``
-    (:data:`ACCEPTANCE_MODELS`) in turn, as :func:`drive_on_gloo` serves one: per model, rank 0
-    drives :data:`PROMPTS` through prefill chunks and a preemption and returns the greedy tokens,
-    its executor, preemptions and memory report; every rank returns its state pools' shapes. One
-    world for all of them, so the process start is paid once."""
+    (:data:`ACCEPTANCE_MODELS`) in turn, as :func:`drive_on_gloo` serves one, with prefix caching:
+    per model, rank 0 drives :data:`PROMPTS` through prefill chunks and a preemption, then
+    :data:`GLOO_PREFIX_PROMPT` (a hit on the first prompt's block and its kept state), and returns
+    the greedy tokens, its executor, preemptions, memory report and state prefix-cache counters;
+    every rank returns its state pools' shapes. One world for all of them, so the process start is
+    paid once."""
     from dcpgraph.api import compile_programs, engine_for
     from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
 
@@ -272,7 +279,8 @@ def drive_models_on_gloo(rank: int, world: int, names: list[str]) -> dict:
     results = {}
     for name in names:
         compiled = compile_programs(ACCEPTANCE_MODELS[name](), tp=world, dcp=2, block_size=4, num_blocks=4,
-                                    max_num_batched_tokens=8, max_num_seqs=4, executor="distributed")
+                                    max_num_batched_tokens=8, max_num_seqs=4, executor="distributed",
+                                    enable_prefix_caching=True)
         pools = {p.name: p.shape for p in compiled.program.recurrent_states}
         if rank != 0:
             follow(control, {"target": (compiled.program, compiled.graphs)})
@@ -281,6 +289,8 @@ def drive_models_on_gloo(rank: int, world: int, names: list[str]) -> dict:
         engine = engine_for(compiled, driver_executors(control, {"target": compiled.program}))
         tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
         results[name] = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
-                         "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report()}
+                         "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report(),
+                         "prefix_tokens": engine.generate([GLOO_PREFIX_PROMPT], NEW_TOKENS)[0],
+                         "state_prefix": dict(engine.scheduler.state_prefix.stats)}
         control.broadcast(("stop",))
     return results

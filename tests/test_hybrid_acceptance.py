@@ -158,10 +158,11 @@ def test_prefix_caching_hits_restore_the_state(case, prefix_refs, tp, dcp, metho
 @pytest.mark.gloo
 def test_every_hybrid_on_gloo_ranks_at_tp2_dcp2():
     """Two real gloo ranks, rank 0 driving, serving each model in turn through prefill chunks and a
-    preemption: HF's greedy tokens, the same pools on both ranks, the state bytes of tp = 2."""
+    preemption, with prefix caching (a hit restores a kept state on both ranks): HF's greedy
+    tokens, the same pools on both ranks, the state bytes of tp = 2."""
+    from hybrid_models import GLOO_PREFIX_PROMPT, drive_models_on_gloo
     from hybrid_models import NEW_TOKENS as GLOO_TOKENS
     from hybrid_models import PROMPTS as GLOO_PROMPTS
-    from hybrid_models import drive_models_on_gloo
 
     from dcpgraph.runtime.distributed import spawn
 
@@ -171,7 +172,9 @@ def test_every_hybrid_on_gloo_ranks_at_tp2_dcp2():
         got = ranks[0][name]
         model = ACCEPTANCE_MODELS[name]()
         assert got["tokens"] == [hf_greedy(model, p, GLOO_TOKENS) for p in GLOO_PROMPTS], name
+        assert got["prefix_tokens"] == hf_greedy(model, GLOO_PREFIX_PROMPT, GLOO_TOKENS), name
+        assert got["state_prefix"]["restored"] >= 1, (name, got["state_prefix"])
         assert got["executor"] == "driver" and got["preemptions"] >= 1, name
         assert got["pools"] == ranks[1][name]["pools"], name
         assert got["memory"]["recurrent_state_bytes_per_request"] == STATE_BYTES[name](2), name
-        assert got["memory"]["recurrent_state_bytes_per_rank"] == [4 * STATE_BYTES[name](2)] * 2, name
+        assert got["memory"]["recurrent_state_bytes_per_rank"] == [(4 + 4) * STATE_BYTES[name](2)] * 2, name  # + prefix rows

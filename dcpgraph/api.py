@@ -198,13 +198,12 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
 
 
 def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any pass or collective, a hybrid with prefix caching or MTP drafts,
-    and a draft model with recurrent layers (options whose state is not kept)."""
+    """Refuse by name, before any pass or collective, a hybrid with MTP drafts, and a draft model
+    with recurrent layers (options whose state is not kept)."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
     draft = config.draft_program
     draft_recurrent = (draft.facts.extra.get("recurrent_layers") or {}) if draft is not None else {}
-    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec,
-                                    sorted(draft_recurrent))
+    refuse_recurrent_state_features(sorted(recurrent), config.spec, sorted(draft_recurrent))
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

@@ -104,7 +104,7 @@ def test_state_copies_read_every_source_before_writing():
 def test_mtp_and_a_hybrid_draft_are_refused_by_name(case):
     name, _, program, _ = case
     with pytest.raises(UnsupportedModelError, match="method 'mtp' is not supported with recurrent layers"):
-        refuse_recurrent_state_features([0, 2], False, speculative_config({"method": "mtp", "num_speculative_tokens": 1}))
+        refuse_recurrent_state_features([0, 2], speculative_config({"method": "mtp", "num_speculative_tokens": 1}))
     with pytest.raises(UnsupportedModelError, match="a draft model with recurrent layers"):
         dcpgraph.compile(program, block_size=4,
                          speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": program})

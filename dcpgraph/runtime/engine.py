@@ -74,7 +74,7 @@ class Engine(EngineClient):
     ):
         speculative = speculative_config_of(speculative_config, speculative_tokens)
         draft_layers = sorted({p.layer for p in draft[0].recurrent_states}) if draft is not None else []
-        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
+        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}),
                                         speculative, draft_layers)
         if program.recurrent_states:
             snapshots = max_num_seqs if speculative is not None else None  # state_rollback's rows

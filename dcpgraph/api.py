@@ -190,20 +190,20 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     if program.recurrent_states:  # every rank (a distributed world's followers too) sizes the same pools
         slots = config.opts["max_num_seqs"]  # and as many snapshot rows under speculation (state_rollback)
         program = program.replace(lowering=program.lowering.decided(
-            state_slots=slots, state_snapshots=slots if config.spec is not None else None))
+            state_slots=slots, state_snapshots=slots if config.spec is not None else None,
+            state_prefix_rows=slots if config.opts["enable_prefix_caching"] else None))
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
 
 
 def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any pass or collective, a hybrid with prefix caching or MTP drafts,
-    and a draft model with recurrent layers (options whose state is not kept)."""
+    """Refuse by name, before any pass or collective, a hybrid with MTP drafts, and a draft model
+    with recurrent layers (options whose state is not kept)."""
     recurrent = program.facts.extra.get("recurrent_layers") or {}
     draft = config.draft_program
     draft_recurrent = (draft.facts.extra.get("recurrent_layers") or {}) if draft is not None else {}
-    refuse_recurrent_state_features(sorted(recurrent), config.opts["enable_prefix_caching"], config.spec,
-                                    sorted(draft_recurrent))
+    refuse_recurrent_state_features(sorted(recurrent), config.spec, sorted(draft_recurrent))
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:

@@ -279,7 +279,8 @@ def size_for_utilization(program: Program, utilization: float, device: torch.dev
     weights = max(weight_bytes_per_rank(program))
     tokens = min(max_num_batched_tokens, max_model_len)
     peak = activation_peak_bytes(program, tokens=tokens, requests=min(max_num_seqs, tokens))
-    state = recurrent_state_bytes(program, max_num_seqs + int(program.lowering.state_snapshots or 0))
+    state = recurrent_state_bytes(program, max_num_seqs + int(program.lowering.state_snapshots or 0)
+                                  + int(program.lowering.state_prefix_rows or 0))
     kv_bytes = int(utilization * memory.total / ranks) - weights - peak - state
     per_block = kv_bytes_per_block(program)
     if kv_bytes < per_block:

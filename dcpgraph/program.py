@@ -128,6 +128,7 @@ class Lowering:
     expert_ranks: int | None = None  # experts_over_replicas: ranks of the EP group (replicas · tp)
     replica: int | None = None  # experts_over_replicas: which data-parallel replica this program is
     state_snapshots: int | None = None  # compile/Engine with speculation: pool rows after the slots (runtime.state_rollback)
+    state_prefix_rows: int | None = None  # compile/Engine with prefix caching: rows after those (runtime.state_prefix_cache)
 
     def decided(self, **fields: Any) -> Lowering:
         """This record with ``fields`` set (what one pass decides)."""

@@ -269,13 +269,13 @@ class KimiDeltaShape:
         return conv + local.heads * local.head_dim * local.head_dim * RECURRENT_STATE_DTYPE.itemsize
 
 
-def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, speculative,
-                                    draft_recurrent_layers=()) -> None:
+def refuse_recurrent_state_features(layers: list[int], speculative, draft_recurrent_layers=()) -> None:
     """Features that would need recurrent ``layers``' state at a point it is not kept, refused by
-    name: a prefix hit (the state after the cached prefix); MTP drafts (not implemented for
+    name: MTP drafts (not implemented for
     hybrids); a draft model with recurrent layers of its own (``draft_recurrent_layers``: its
     state is not rolled back). Speculation with ``ngram`` or a draft model without recurrent
-    layers is exact (:mod:`dcpgraph.runtime.state_rollback`). ``speculative``: the checked
+    layers is exact (:mod:`dcpgraph.runtime.state_rollback`), and so is prefix caching
+    (:mod:`dcpgraph.runtime.state_prefix_cache`). ``speculative``: the checked
     :class:`~dcpgraph.runtime.speculative_config.SpeculativeConfig`, or None."""
     method = getattr(speculative, "method", None)
     if method == "draft_model" and draft_recurrent_layers:
@@ -284,9 +284,6 @@ def refuse_recurrent_state_features(layers: list[int], prefix_caching: bool, spe
                                     "without recurrent layers (a small Llama or Qwen3 sharing the vocabulary)")
     if not layers:
         return
-    if prefix_caching:
-        raise UnsupportedModelError(f"enable_prefix_caching is not supported with recurrent layers ({layers}): "
-                                    "their state after a cached prefix is not kept; use enable_prefix_caching=False")
     if method == "mtp":
         raise UnsupportedModelError(f"speculative_config method 'mtp' is not supported with recurrent layers "
                                     f"({layers}): MTP drafting for hybrid targets is not implemented; use method "

@@ -1,8 +1,8 @@
 """Tiny seeded hybrid models for the recurrent-layer tests (``test_frontend_recurrent``,
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
 ``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``;
-the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``, ``test_kda_gloo``), as
-transformers builds them by default.
+the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``; and the acceptance
+matrix, ``test_hybrid_acceptance``), as transformers builds them by default.
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -245,3 +245,52 @@ def drive_on_gloo(rank: int, world: int, family: str, name: str, speculative_con
         result["speculative"] = engine.speculative_report()
     control.broadcast(("stop",))
     return result
+
+
+# -- the acceptance matrix (tests/test_hybrid_acceptance.py) ---------------------------------------
+ACCEPTANCE_MODELS = {
+    "qwen3_5_text": MESH_MODELS["qwen3_5"], "qwen3_next": MESH_MODELS["qwen3_next"],
+    "kimi_linear": KDA_MESH_MODELS["kimi_linear"], "nemotron_h": MAMBA2_MESH_MODELS["nemotron_h"],
+    "granitemoehybrid": MAMBA2_MESH_MODELS["granitemoehybrid"], "falcon_h1": MAMBA2_MESH_MODELS["falcon_h1"],
+    "minimax": LIGHTNING_MESH_MODELS["minimax"], "lfm2": MESH_MODELS["lfm2"], "bamba": MAMBA2_MESH_MODELS["bamba"],
+}
+"""The eight hybrids the acceptance names (and bamba, the fourth Mamba-2 family), each in its mesh
+variant: one KV head (or MLA's one latent head), recurrent heads/channels/groups that tp = 2 and
+tp = 4 divide, so every mesh among tp2·dcp2, tp4·dcp2 and tp4·dcp4 is valid and splits the state."""
+
+
+GLOO_PREFIX_PROMPT = [*PROMPTS[0], 3, 4, 5]
+"""The first of :data:`PROMPTS` and three more tokens: at tp2·dcp2 (virtual blocks of 8) it hits that
+prompt's first block, whose state the first prefill chunk left."""
+
+
+def drive_models_on_gloo(rank: int, world: int, names: list[str]) -> dict:
+    """One rank of a real gloo world at tp=``world``·dcp=2 that serves each of ``names``
+    (:data:`ACCEPTANCE_MODELS`) in turn, as :func:`drive_on_gloo` serves one, with prefix caching:
+    per model, rank 0 drives :data:`PROMPTS` through prefill chunks and a preemption, then
+    :data:`GLOO_PREFIX_PROMPT` (a hit on the first prompt's block and its kept state), and returns
+    the greedy tokens, its executor, preemptions, memory report and state prefix-cache counters;
+    every rank returns its state pools' shapes. One world for all of them, so the process start is
+    paid once."""
+    from dcpgraph.api import compile_programs, engine_for
+    from dcpgraph.runtime.step_broadcast import ControlGroup, driver_executors, follow
+
+    control = ControlGroup()
+    results = {}
+    for name in names:
+        compiled = compile_programs(ACCEPTANCE_MODELS[name](), tp=world, dcp=2, block_size=4, num_blocks=4,
+                                    max_num_batched_tokens=8, max_num_seqs=4, executor="distributed",
+                                    enable_prefix_caching=True)
+        pools = {p.name: p.shape for p in compiled.program.recurrent_states}
+        if rank != 0:
+            follow(control, {"target": (compiled.program, compiled.graphs)})
+            results[name] = {"pools": pools}
+            continue
+        engine = engine_for(compiled, driver_executors(control, {"target": compiled.program}))
+        tokens = engine.generate([list(p) for p in PROMPTS], NEW_TOKENS)
+        results[name] = {"tokens": tokens, "pools": pools, "executor": engine.report()["executor"],
+                         "preemptions": engine.scheduler.stats["preemptions"], "memory": engine.memory_report(),
+                         "prefix_tokens": engine.generate([GLOO_PREFIX_PROMPT], NEW_TOKENS)[0],
+                         "state_prefix": dict(engine.scheduler.state_prefix.stats)}
+        control.broadcast(("stop",))
+    return results

@@ -3,8 +3,8 @@
 attention layer) give HF's greedy tokens (``generate``, do_sample=False) for a batch whose longest
 prompt is longer than the prefill chunk (8 tokens), with a KV cache small enough to preempt (the
 preempted request restarts its recurrent state from a fresh slot). The scheduler's state slots:
-one per running request, given back at finish, abort and preemption. Refused by name: prefix
-caching, adopting a request (P/D) (speculative decoding: tests/test_hybrid_speculative.py). (Meshes with TP and DCP:
+one per running request, given back at finish, abort and preemption (speculative decoding:
+tests/test_hybrid_speculative.py; prefix caching: tests/test_hybrid_acceptance.py). (Meshes with TP and DCP:
 tests/test_hybrid_mesh.py.) (The distributed
 executor's refusal needs an initialised torch.distributed world, which these tests do not start.)"""
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import dcpgraph
-from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
 from dcpgraph.testing.generation import drain
 
@@ -75,10 +74,3 @@ def _request():
     return Request(99, [1, 2], 2, SamplingParams())
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
-])
-def test_features_without_exact_state_are_refused_by_name(case, options, message):
-    _, program = case
-    with pytest.raises(UnsupportedModelError, match=message):
-        dcpgraph.compile(program, block_size=4, **options)

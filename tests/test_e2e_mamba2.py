@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import dcpgraph
-from dcpgraph.errors import UnsupportedModelError
 from dcpgraph.recurrent_state import Mamba2Shape
 from dcpgraph.testing.generation import hf_greedy
 
@@ -39,16 +38,6 @@ def test_mamba2_hybrid_gives_hf_greedy_tokens_through_chunks_and_preemption(case
     assert report["recurrent_state_bytes_per_request"] == MAMBA2_LAYERS[name] * LAYER_BYTES
     allocated = sum(t.numel() * t.element_size() for key, t in engine.executor.caches[0].items() if key in pools)
     assert report["recurrent_state_bytes_per_rank"] == [allocated]
-
-
-@pytest.mark.slow  # a verified compile per option and model
-@pytest.mark.parametrize("options, message", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching is not supported with recurrent layers"),
-])
-def test_mamba2_features_without_exact_state_are_refused_by_name(case, options, message):
-    _, _, program = case
-    with pytest.raises(UnsupportedModelError, match=message):
-        dcpgraph.compile(program, block_size=4, **options)
 
 
 def test_falcon_h1_buffers_computed_by_the_model_load_with_their_values(tmp_path):

@@ -74,14 +74,16 @@ class Engine(EngineClient):
     ):
         speculative = speculative_config_of(speculative_config, speculative_tokens)
         draft_layers = sorted({p.layer for p in draft[0].recurrent_states}) if draft is not None else []
-        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}), enable_prefix_caching,
+        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}),
                                         speculative, draft_layers)
         if program.recurrent_states:
             snapshots = max_num_seqs if speculative is not None else None  # state_rollback's rows
-            if (program.lowering.state_slots, program.lowering.state_snapshots) != (max_num_seqs, snapshots):
-                # compile() sets both on every rank's program
-                program = program.replace(lowering=program.lowering.decided(state_slots=max_num_seqs,
-                                                                            state_snapshots=snapshots))
+            prefix_rows = max_num_seqs if enable_prefix_caching else None  # state_prefix_cache's rows
+            lowering = program.lowering
+            if (lowering.state_slots, lowering.state_snapshots, lowering.state_prefix_rows) != (
+                    max_num_seqs, snapshots, prefix_rows):  # compile() sets all three on every rank's program
+                program = program.replace(lowering=lowering.decided(
+                    state_slots=max_num_seqs, state_snapshots=snapshots, state_prefix_rows=prefix_rows))
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
@@ -100,6 +102,10 @@ class Engine(EngineClient):
                                    eos_token_ids=program.facts.eos_token_id, speculative_tokens=k,
                                    max_waiting=max_waiting, kv_allocation=kv_allocation,
                                    state_slots=program.lowering.state_slots or 0)
+        if program.recurrent_states and enable_prefix_caching:  # the state after each cached prefix
+            from .state_prefix_cache import StatePrefixCache
+
+            self.scheduler.state_prefix = StatePrefixCache(max_num_seqs + (snapshots or 0), prefix_rows)
         buckets = verify_buckets = None
         if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
@@ -225,7 +231,7 @@ class Engine(EngineClient):
             if self.program.lowering.expert_ranks is not None:  # replicas share the experts: step in lockstep
                 self.runner.dummy_forward()
             return self._idle()
-        return self.scheduler.postprocess(plan, self.runner.run(plan))
+        return self.scheduler.postprocess(plan, self.runner.run(plan, self.scheduler.take_state_copies()))
 
     def _idle(self) -> list[StepEvent]:
         if self.scheduler.has_work():

@@ -48,9 +48,11 @@ def _recurrent_state_memory(engine) -> dict:
     per_request = sum(p.bytes_per_slot for p in pools)
     slots = int(engine.program.lowering.state_slots)
     snapshots = int(engine.program.lowering.state_snapshots or 0)
+    prefix_rows = int(engine.program.lowering.state_prefix_rows or 0)
     return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
-            "recurrent_state_snapshot_slots": snapshots,
-            "recurrent_state_bytes_per_rank": [per_request * (slots + snapshots) for _ in engine.mesh.ranks]}
+            "recurrent_state_snapshot_slots": snapshots, "recurrent_state_prefix_rows": prefix_rows,
+            "recurrent_state_bytes_per_rank": [per_request * (slots + snapshots + prefix_rows)
+                                               for _ in engine.mesh.ranks]}
 
 
 def kv_sizing_report(engine) -> dict:

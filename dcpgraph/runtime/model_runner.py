@@ -50,8 +50,10 @@ class ModelRunner:
         self.rollback = state_rollback.keeps_snapshots(program)  # recurrent state restored after rejected drafts
         self.replays = {"steps": 0, "rows": 0, "tokens": 0}  # replay steps of state_rollback
 
-    def run(self, plan: Sequence[ScheduledChunk]) -> list[RowOutput]:
-        """One step of ``plan`` on every rank: per scheduled chunk, the sampled tokens."""
+    def run(self, plan: Sequence[ScheduledChunk], state_copies: Sequence[tuple[int, int]] = ()) -> list[RowOutput]:
+        """One step of ``plan`` on every rank: per scheduled chunk, the sampled tokens.
+        ``state_copies``: recurrent-state rows to copy before it (the prefix cache's saves and
+        restores, :mod:`.state_prefix_cache`), beside speculation's snapshots."""
         drafts = [NO_DRAFTS] * len(plan)
         if self.proposer is not None and any(item.draft_room for item in plan):
             drafts = self.proposer.propose(plan)
@@ -59,7 +61,11 @@ class ModelRunner:
         snapshot = None
         if self.rollback and any(d.tokens for d in drafts):
             snapshot = state_rollback.snapshot_copies(chunks, state_rollback.snapshot_rows(self.program))
-        logits = self.execute(chunks, snapshot)
+        copies = snapshot
+        if state_copies:
+            prefix = torch.tensor(list(state_copies), dtype=torch.int64)
+            copies = prefix if snapshot is None else torch.cat([prefix, snapshot])
+        logits = self.execute(chunks, copies)
         query_len = self.last_query_len
         if self.last_hidden is not None and hasattr(self.proposer, "observe"):
             self.proposer.observe(plan, chunks, self.last_hidden)  # MTP: the target's hidden states

@@ -50,7 +50,7 @@ import torch
 
 from ..errors import QueueFullError, RequestError
 from .acceptance import AcceptanceStats
-from .blocks import BlockManager
+from .blocks import BlockManager, block_hashes
 from .rejection import accept
 from .sampling_params import SamplingParams
 from .step_inputs import Chunk
@@ -174,6 +174,7 @@ class Scheduler:
         self.state_slots = state_slots
         self._free_state_slots = list(range(state_slots - 1, -1, -1))
         self._held_state_slots: dict[int, int] = {}  # detached request id -> the slot its state is in
+        self.state_prefix = None  # a StatePrefixCache when a hybrid runs with prefix caching
         self.whole_request = kv_allocation == "whole_request"
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
@@ -318,6 +319,9 @@ class Scheduler:
         # vLLM's rule: a request still owing prompt log-probabilities reads no cached prefix (the
         # cached positions' logits were never kept), so it runs its whole prompt
         prefix = [] if request.needs_prompt_logprobs else self.blocks.match_prefix(tokens)
+        state_hash = None
+        if prefix and self.state_prefix is not None:  # only as far as a recurrent state was kept
+            prefix, state_hash = self._prefix_with_state(tokens, prefix)
         start = len(prefix) * self.blocks.tokens_per_block if prefix else request.computed
         n = min(len(tokens) - start, budget)
         need = request.reserve_tokens if self.whole_request else start + n
@@ -330,8 +334,23 @@ class Scheduler:
         request.computed = start  # a fresh request starts at 0; a hit skips its cached blocks
         assert request.computed < len(tokens)
         self._run(request)
+        if state_hash is not None:
+            self.state_prefix.restore(state_hash, request.state_slot)
         self._chunk(request, n, plan)
         return True
+
+    def _prefix_with_state(self, tokens: Sequence[int], prefix: list[int]) -> tuple[list[int], bytes | None]:
+        """``prefix`` cut to its longest head whose last block has a kept recurrent state, and
+        that block's hash (``None``: no head has one, so no hit)."""
+        hashes = block_hashes(tokens, self.blocks.tokens_per_block, limit=len(prefix))
+        for n in range(len(prefix), 0, -1):
+            if self.state_prefix.lookup(hashes[n - 1]) is not None:
+                return prefix[:n], hashes[n - 1]
+        return [], None
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """State-row copies the next step carries (:mod:`.state_prefix_cache`)."""
+        return self.state_prefix.take_copies() if self.state_prefix is not None else []
 
     def _run(self, request: Request) -> None:
         if self.state_slots:
@@ -431,6 +450,10 @@ class Scheduler:
         self.blocks.trim(request.id, request.computed)
         if self.blocks.enable_prefix_caching:
             self.blocks.register(request.id, request.tokens, request.computed)
+        per_block = self.blocks.tokens_per_block
+        if self.state_prefix is not None and request.state_slot is not None and n and request.computed % per_block == 0:
+            tokens = request.tokens[: request.computed]
+            self.state_prefix.save(block_hashes(tokens, per_block)[-1], request.state_slot)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)

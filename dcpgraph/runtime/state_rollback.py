@@ -52,8 +52,10 @@ def keeps_snapshots(program: Program) -> bool:
 
 
 def pool_rows(program: Program) -> int:
-    """Rows of each of ``program``'s state pools: the slots, and their snapshots when kept."""
-    return int(program.lowering.state_slots or 0) + int(program.lowering.state_snapshots or 0)
+    """Rows of each of ``program``'s state pools: the slots, their snapshots when kept, and the
+    prefix-cache rows with prefix caching (:mod:`.state_prefix_cache`)."""
+    lowering = program.lowering
+    return int(lowering.state_slots or 0) + int(lowering.state_snapshots or 0) + int(lowering.state_prefix_rows or 0)
 
 
 def snapshot_copies(chunks: Sequence[Chunk], slots: int) -> torch.Tensor | None:

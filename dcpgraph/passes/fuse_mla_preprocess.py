@@ -32,8 +32,8 @@ import torch.fx
 
 from ..errors import VerificationError
 from ..program import Program
-from .insert_compressed_cache import COMPRESSED_CACHE_ROLES
 from .graph_edit import Emitter, nodes_calling
+from .insert_compressed_cache import COMPRESSED_CACHE_ROLES
 from .manager import program_pass, ran
 from .mla_patterns import LayerShape, Match, bind_outputs, interior_escapes, trace_pattern
 

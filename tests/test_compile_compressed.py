@@ -78,7 +78,7 @@ def test_cached_ops_over_steps_equal_the_canonical_ops_on_whole_sequences(overla
         sel = DCP.compressed_topk_(cat("iq")[None], cat("w")[None], cat("keys")[None], pos, index_cache, table_, cu,
                                    ctx, 0.5, rate, topk)
         out = DCP.compressed_attention_(cat("q", 1)[None], cat("raw")[None, None], ent, pos, sinks, kv_cache,
-                                        entry_cache, table_, cu, ctx, 0.3, window, rate, sel)
+                                        entry_cache, table_, table_, cu, ctx, 0.3, window, rate, sel)
         for i, (q, _, _) in enumerate(step):
             a, b = int(cu[i]), int(cu[i + 1])
             got[q][0].append(rows[0, a:b])
@@ -100,18 +100,21 @@ PROMPTS = [list(dsv4_models.PROMPTS[3]), [5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60]
 NEW_TOKENS = 8
 
 
-@pytest.mark.slow  # the V4 export (30-70 s) and HF generate; ~60-120 s on 2 loaded cores
-def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(traced):
+@pytest.mark.slow  # the V4 export (~30 s, once per module) and ~15 s per engine run on 2 loaded cores
+@pytest.mark.parametrize("hybrid_kv_cache", [False, True])
+def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(traced, hybrid_kv_cache):
     """Four prompts (1-23 tokens, window 6, entries of 2 and 4 tokens, top-3 of up to 7 entries),
     5-token prefill chunks crossing window and entry boundaries, and 10 blocks of 4 (too few for
     all four, so one is preempted and recomputed from an empty open window): the compiled
     engine's greedy tokens are HF ``generate``'s, every state slot comes back, and the lowered
-    program holds the cached ops only."""
+    program holds the cached ops only. With ``hybrid_kv_cache`` the compressed layers' raw rows
+    live in the sliding group's pool, whose blocks before the window are returned."""
     from dcpgraph.testing.generation import drain, hf_greedy
 
     model, program = traced
     want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, block_size=BLOCK, max_num_batched_tokens=5, num_blocks=10)
+    engine = dcpgraph.compile(program, block_size=BLOCK, max_num_batched_tokens=5, num_blocks=10,
+                              hybrid_kv_cache=hybrid_kv_cache)
     for prompt in PROMPTS:
         engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
     got = drain(engine)
@@ -127,3 +130,6 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
     assert {c.name: c.dim for c in lowered.caches if c.layer} == {
         "compressed_kv_1": 32, "entries_1": 32, "compressed_kv_2": 32, "entries_2": 32, "index_entries_2": 16,
         "compressed_kv_3": 32, "entries_3": 32}
+    sliding = set(lowered.lowering.sliding_caches)
+    assert sliding == ({"k_cache_0", "v_cache_0", "compressed_kv_1", "compressed_kv_2", "compressed_kv_3"}
+                       if hybrid_kv_cache else set())

@@ -21,14 +21,18 @@ block_table, cu_seqlens_q, context_lens,        the request's paged cache, then 
 scale, rate, topk)``                            entries ``w < (p + 1) // m`` (tie rule of
                                                 :mod:`.sparse_kernels`)
 ``compressed_attention_(q, kv, entries,         writes the raw K=V rows at their token positions
-positions, sinks, kv_cache, entry_cache,        and the entries at their entry index, then one
-block_table, cu_seqlens_q, context_lens,        softmax per query over the raw tokens ``p − W < j
-scale, window, rate, selected)``                <= p``, the visible (selected) entries and the sink
+positions, sinks, kv_cache, entry_cache,        (through ``window_table``) and the entries at their
+block_table, window_table, cu_seqlens_q,        entry index (through ``block_table``), then one
+context_lens, scale, window, rate, selected)``  softmax per query over the raw tokens ``p − W < j
+                                                <= p``, the visible (selected) entries and the sink
 ==============================================  ==================================================
 
 Index ``i`` of a paged cache (token position or entry index) lives at slot
 ``block_table[r, i // B]·B + i mod B``. Entry ``w < (c + n) // m <= c + n`` so the request's
-blocks always cover its entries. The open window does not grow with context: it is per-request
+blocks always cover its entries. The raw rows are addressed through ``window_table``: the same
+table, or with ``hybrid_kv_cache`` the sliding group's, whose blocks wholly before the step's
+first ``p − W + 1`` may be the null block (:mod:`dcpgraph.runtime.layer_groups`); they are never
+read. The open window does not grow with context: it is per-request
 state, taken at admission and freed at finish; a preempted request restarts from no context.
 """
 
@@ -48,8 +52,8 @@ _lib.define("compressed_topk_(Tensor index_q, Tensor weights, Tensor index_keys,
             "Tensor(a!) index_cache, Tensor block_table, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
             "int rate, int topk) -> Tensor")
 _lib.define("compressed_attention_(Tensor q, Tensor kv, Tensor entries, Tensor positions, Tensor sinks, "
-            "Tensor(a!) kv_cache, Tensor(b!) entry_cache, Tensor block_table, Tensor cu_seqlens_q, "
-            "Tensor context_lens, float scale, int window, int rate, Tensor? selected) -> Tensor")
+            "Tensor(a!) kv_cache, Tensor(b!) entry_cache, Tensor block_table, Tensor window_table, "
+            "Tensor cu_seqlens_q, Tensor context_lens, float scale, int window, int rate, Tensor? selected) -> Tensor")
 
 
 def _requests(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor):
@@ -133,18 +137,18 @@ def compressed_topk_(index_q, weights, index_keys, positions, index_cache, block
     return out
 
 
-def compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, cu_seqlens_q,
-                          context_lens, scale, window, rate, selected):
+def compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table,
+                          cu_seqlens_q, context_lens, scale, window, rate, selected):
     out = torch.zeros_like(q)
     for r, start, end, context in _requests(cu_seqlens_q, context_lens):
         pos = positions[0, start:end].to(torch.int64)
-        table = block_table[r]
-        _write(kv_cache, table, pos, kv[0, 0, start:end])
+        table, raw_table = block_table[r], window_table[r]
+        _write(kv_cache, raw_table, pos, kv[0, 0, start:end])
         _write_entries(entry_cache, table, entries[0, start:end], pos, rate)
         first = max(int(pos.min()) - window + 1, 0)
         raw_pos = torch.arange(first, int(pos.max()) + 1)
         count = (context + end - start) // rate
-        keys = torch.cat([_read(kv_cache, table, raw_pos), _read(entry_cache, table, torch.arange(count))])
+        keys = torch.cat([_read(kv_cache, raw_table, raw_pos), _read(entry_cache, table, torch.arange(count))])
         p = pos.unsqueeze(1)
         in_window = (raw_pos.unsqueeze(0) <= p) & (raw_pos.unsqueeze(0) > p - window)
         readable = torch.arange(count).unsqueeze(0) < torch.div(pos + 1, rate, rounding_mode="floor").unsqueeze(1)
@@ -168,8 +172,8 @@ def _compressed_topk_fake(index_q, weights, index_keys, positions, index_cache, 
     return index_q.new_empty((*index_q.shape[:2], topk), dtype=torch.int64)
 
 
-def _compressed_attention_fake(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, cu_seqlens_q,
-                               context_lens, scale, window, rate, selected):
+def _compressed_attention_fake(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table,
+                               cu_seqlens_q, context_lens, scale, window, rate, selected):
     return torch.empty_like(q)
 
 

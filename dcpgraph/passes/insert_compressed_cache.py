@@ -11,15 +11,16 @@ over the step's flattened tokens (:mod:`dcpgraph.ops.compressed_cached`)::
                                                   block_table, cu_seqlens_q, context_lens, s, m, k)
     compressed_attention(q, kv, e, p, σ, s, W, m, sel)
                                               → compressed_attention_(q, kv, e, p, σ, compressed_kv_i,
-                                                  entries_i, block_table, cu_seqlens_q, context_lens,
-                                                  s, W, m, sel)
+                                                  entries_i, block_table, block_table, cu_seqlens_q,
+                                                  context_lens, s, W, m, sel)
 
 Caches (placeholders of kind ``cache``, ``[blocks, block_size, 1, dim]``, returned as outputs,
 written in place): ``compressed_kv_i`` (role ``compressed_kv``: the raw K=V rows by token
 position), ``entries_i`` (``compressed_entries``: the entries by entry index) and, for CSA,
 ``index_entries_i`` (``compressed_index``: the indexer keys by entry index). All three are read
 through the request's one block table; an entry index ``w`` is below the request's token count, so
-its blocks hold it. Open windows (kind ``recurrent``, ``[slots, rows, 2·width]`` in the model's
+its blocks hold it. The raw rows' table (the second ``block_table``) is the one
+``layer_group_tables`` rewires to the sliding group's under ``hybrid_kv_cache``. Open windows (kind ``recurrent``, ``[slots, rows, 2·width]`` in the model's
 dtype, ``rows = 2m`` for an overlapping compressor and ``m`` otherwise) are per-request state:
 ``state_slots`` is the step input the engine fills from the request's slot.
 
@@ -148,8 +149,8 @@ def insert_compressed_cache(program: Program):
         else:
             q, kv, entries, positions, sinks, scale, window, rate, selected = node.args
             _replace(graph, node, dcp_ops.compressed_attention_.default,
-                     (q, kv, entries, positions, sinks, by_name[where[0]], by_name[where[1]], table, cu, context,
-                      scale, window, rate, selected))
+                     (q, kv, entries, positions, sinks, by_name[where[0]], by_name[where[1]], table, table, cu,
+                      context, scale, window, rate, selected))
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

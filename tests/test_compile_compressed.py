@@ -59,8 +59,9 @@ def test_cached_ops_over_steps_equal_the_canonical_ops_on_whole_sequences(overla
     blocks_per = 4  # 16 slots per request: its 14 tokens and its entries
     table = torch.arange(2 * blocks_per).view(2, blocks_per).flip(0)  # request 0 on the later blocks
     kv_cache = torch.zeros(2 * blocks_per, BLOCK, 1, dim, dtype=torch.float64)
-    entry_cache, index_cache = torch.zeros_like(kv_cache), torch.zeros(2 * blocks_per, BLOCK, 1, idim,
-                                                                       dtype=torch.float64)
+    rows_per_block = -(-BLOCK // rate)  # entry w in the block of its first token w·m
+    entry_cache = torch.zeros(2 * blocks_per, rows_per_block, 1, dim, dtype=torch.float64)
+    index_cache = torch.zeros(2 * blocks_per, rows_per_block, 1, idim, dtype=torch.float64)
     pool = torch.zeros(3, (2 if overlap else 1) * rate, 2 * width, dtype=torch.float64)
     slots = torch.tensor([2, 0])
     got = [([], [], []) for _ in lengths]
@@ -76,9 +77,9 @@ def test_cached_ops_over_steps_equal_the_canonical_ops_on_whole_sequences(overla
         rows = DCP.compress_windows_(cat("kv")[None], cat("gate")[None], bias, pool, slots_, cu, ctx, rate, overlap)
         ent = torch.cat([want[q][3][a:b] for q, a, b in step])[None]  # the canonical entries, row form
         sel = DCP.compressed_topk_(cat("iq")[None], cat("w")[None], cat("keys")[None], pos, index_cache, table_, cu,
-                                   ctx, 0.5, rate, topk)
+                                   ctx, 0.5, rate, topk, BLOCK)
         out = DCP.compressed_attention_(cat("q", 1)[None], cat("raw")[None, None], ent, pos, sinks, kv_cache,
-                                        entry_cache, table_, table_, cu, ctx, 0.3, window, rate, sel)
+                                        entry_cache, table_, table_, cu, ctx, 0.3, window, rate, sel, BLOCK)
         for i, (q, _, _) in enumerate(step):
             a, b = int(cu[i]), int(cu[i + 1])
             got[q][0].append(rows[0, a:b])
@@ -133,3 +134,23 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
     sliding = set(lowered.lowering.sliding_caches)
     assert sliding == ({"k_cache_0", "v_cache_0", "compressed_kv_1", "compressed_kv_2", "compressed_kv_3"}
                        if hybrid_kv_cache else set())
+    _check_bytes(engine, model.config, hybrid_kv_cache)
+
+
+def _check_bytes(engine, config, hybrid_kv_cache):
+    """Per rank: the entries and indexer keys cost the planner's bytes per token
+    (``compressed_cache_bytes(...).per_token``, ``Σ (D·b + Di·bi)/m``: the rates 2 and 4 divide
+    the block of 4); the raw rows one row per token, in the sliding group under ``hybrid_kv_cache``."""
+    from fractions import Fraction
+
+    from dcpgraph.plan.compressed_cache import compressed_cache_bytes
+
+    report = engine.memory_report()
+    per_token = compressed_cache_bytes(config, context_tokens=64, element_bytes=8).per_token
+    by_layer = report["kv_bytes_per_block_by_layer"]
+    dim = config.head_dim
+    raw = sum(BLOCK * dim * 8 for _ in (1, 2, 3))
+    assert Fraction(sum(by_layer[i] for i in (1, 2, 3)) - raw, BLOCK) == per_token
+    if hybrid_kv_cache:  # the full group is exactly the entries and indexer keys
+        full = report["kv_layer_groups"]["full"]
+        assert Fraction(full["bytes_per_rank"], full["num_blocks"] * BLOCK) == per_token

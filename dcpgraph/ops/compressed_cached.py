@@ -18,18 +18,19 @@ context_lens, rate, overlap)``                  slot of ``open_windows [S, 2m, 2
 ``compressed_topk_(index_q, weights,            writes this step's indexer keys (the rows that
 index_keys, positions, index_cache,             close a window) at their **entry index** ``w`` of
 block_table, cu_seqlens_q, context_lens,        the request's paged cache, then selects among its
-scale, rate, topk)``                            entries ``w < (p + 1) // m`` (tie rule of
+scale, rate, topk, block_size)``                entries ``w < (p + 1) // m`` (tie rule of
                                                 :mod:`.sparse_kernels`)
 ``compressed_attention_(q, kv, entries,         writes the raw K=V rows at their token positions
 positions, sinks, kv_cache, entry_cache,        (through ``window_table``) and the entries at their
 block_table, window_table, cu_seqlens_q,        entry index (through ``block_table``), then one
-context_lens, scale, window, rate, selected)``  softmax per query over the raw tokens ``p − W < j
-                                                <= p``, the visible (selected) entries and the sink
+context_lens, scale, window, rate, selected,    softmax per query over the raw tokens ``p − W < j
+block_size)``                                   <= p``, the visible (selected) entries and the sink
 ==============================================  ==================================================
 
-Index ``i`` of a paged cache (token position or entry index) lives at slot
-``block_table[r, i // B]·B + i mod B``. Entry ``w < (c + n) // m <= c + n`` so the request's
-blocks always cover its entries. The raw rows are addressed through ``window_table``: the same
+Token position ``i`` lives at slot ``block_table[r, i // B]·B + i mod B``. The entry caches hold
+``ceil(B / m)`` rows per block (``CacheSpec.tokens_per_row = m``): entry ``w`` sits in the block
+of its first token ``w·m`` at row ``(w·m mod B) // m``, so the request's blocks always hold its
+entries and an entry cache costs ``D·b/m`` bytes per token where ``m`` divides ``B``. The raw rows are addressed through ``window_table``: the same
 table, or with ``hybrid_kv_cache`` the sliding group's, whose blocks wholly before the step's
 first ``p − W + 1`` may be the null block (:mod:`dcpgraph.runtime.layer_groups`); they are never
 read. The open window does not grow with context: it is per-request
@@ -50,10 +51,11 @@ _lib.define("compress_windows_(Tensor kv, Tensor gate, Tensor position_bias, Ten
             "Tensor state_slots, Tensor cu_seqlens_q, Tensor context_lens, int rate, bool overlap) -> Tensor")
 _lib.define("compressed_topk_(Tensor index_q, Tensor weights, Tensor index_keys, Tensor positions, "
             "Tensor(a!) index_cache, Tensor block_table, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-            "int rate, int topk) -> Tensor")
+            "int rate, int topk, int block_size) -> Tensor")
 _lib.define("compressed_attention_(Tensor q, Tensor kv, Tensor entries, Tensor positions, Tensor sinks, "
             "Tensor(a!) kv_cache, Tensor(b!) entry_cache, Tensor block_table, Tensor window_table, "
-            "Tensor cu_seqlens_q, Tensor context_lens, float scale, int window, int rate, Tensor? selected) -> Tensor")
+            "Tensor cu_seqlens_q, Tensor context_lens, float scale, int window, int rate, Tensor? selected, "
+            "int block_size) -> Tensor")
 
 
 def _requests(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor):
@@ -67,13 +69,21 @@ def paged_slots(table_row: torch.Tensor, indices: torch.Tensor, block: int) -> t
     return table_row[torch.div(indices, block, rounding_mode="floor")].to(torch.int64) * block + indices % block
 
 
-def _write(cache: torch.Tensor, table_row: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
-    flat = cache.view(-1, *cache.shape[2:])
-    flat[paged_slots(table_row, indices, cache.shape[1])] = rows.reshape(rows.shape[0], *cache.shape[2:]).to(cache.dtype)
+def entry_slots(table_row: torch.Tensor, entries: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
+    """Slots of entries ``w`` in an entry cache of ``ceil(B / m)`` rows per block: entry ``w`` sits in
+    the block of its first token ``w·m``, at row ``(w·m mod B) // m``."""
+    first = entries * rate
+    rows = -(-block_size // rate)
+    block = table_row[torch.div(first, block_size, rounding_mode="floor")].to(torch.int64)
+    return block * rows + torch.div(first % block_size, rate, rounding_mode="floor")
 
 
-def _read(cache: torch.Tensor, table_row: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return cache.view(-1, *cache.shape[2:])[paged_slots(table_row, indices, cache.shape[1])]
+def _write(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    cache.view(-1, *cache.shape[2:])[slots] = rows.reshape(rows.shape[0], *cache.shape[2:]).to(cache.dtype)
+
+
+def _read(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return cache.view(-1, *cache.shape[2:])[slots]
 
 
 def _open_window(held: torch.Tensor, context: int, width: int, bias: torch.Tensor, rate: int,
@@ -117,20 +127,21 @@ def _closing(positions: torch.Tensor, rate: int) -> torch.Tensor:
     return torch.remainder(positions + 1, rate) == 0
 
 
-def _write_entries(cache, table_row, rows, positions, rate) -> None:
+def _write_entries(cache, table_row, rows, positions, rate, block_size) -> None:
     closes = _closing(positions, rate)
     if bool(closes.any()):
-        _write(cache, table_row, torch.div(positions[closes] + 1, rate, rounding_mode="floor") - 1, rows[closes])
+        entries = torch.div(positions[closes] + 1, rate, rounding_mode="floor") - 1
+        _write(cache, entry_slots(table_row, entries, rate, block_size), rows[closes])
 
 
 def compressed_topk_(index_q, weights, index_keys, positions, index_cache, block_table, cu_seqlens_q, context_lens,
-                     scale, rate, topk):
+                     scale, rate, topk, block_size):
     out = torch.full((*index_q.shape[:2], topk), -1, dtype=torch.int64, device=index_q.device)
     for r, start, end, context in _requests(cu_seqlens_q, context_lens):
         pos = positions[0, start:end].to(torch.int64)
-        _write_entries(index_cache, block_table[r], index_keys[0, start:end], pos, rate)
+        _write_entries(index_cache, block_table[r], index_keys[0, start:end], pos, rate, block_size)
         count = (context + end - start) // rate
-        keys = _read(index_cache, block_table[r], torch.arange(count))[:, 0]
+        keys = _read(index_cache, entry_slots(block_table[r], torch.arange(count), rate, block_size))[:, 0]
         scores = index_scores(index_q[0, start:end], keys, weights[0, start:end], scale)  # [n, E]
         visible = torch.arange(count).unsqueeze(0) < torch.div(pos + 1, rate, rounding_mode="floor").unsqueeze(1)
         out[0, start:end] = select_topk(scores.masked_fill(~visible, float("-inf")), topk)[1]
@@ -138,17 +149,18 @@ def compressed_topk_(index_q, weights, index_keys, positions, index_cache, block
 
 
 def compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table,
-                          cu_seqlens_q, context_lens, scale, window, rate, selected):
+                          cu_seqlens_q, context_lens, scale, window, rate, selected, block_size):
     out = torch.zeros_like(q)
     for r, start, end, context in _requests(cu_seqlens_q, context_lens):
         pos = positions[0, start:end].to(torch.int64)
         table, raw_table = block_table[r], window_table[r]
-        _write(kv_cache, raw_table, pos, kv[0, 0, start:end])
-        _write_entries(entry_cache, table, entries[0, start:end], pos, rate)
+        _write(kv_cache, paged_slots(raw_table, pos, kv_cache.shape[1]), kv[0, 0, start:end])
+        _write_entries(entry_cache, table, entries[0, start:end], pos, rate, block_size)
         first = max(int(pos.min()) - window + 1, 0)
         raw_pos = torch.arange(first, int(pos.max()) + 1)
         count = (context + end - start) // rate
-        keys = torch.cat([_read(kv_cache, raw_table, raw_pos), _read(entry_cache, table, torch.arange(count))])
+        keys = torch.cat([_read(kv_cache, paged_slots(raw_table, raw_pos, kv_cache.shape[1])),
+                          _read(entry_cache, entry_slots(table, torch.arange(count), rate, block_size))])
         p = pos.unsqueeze(1)
         in_window = (raw_pos.unsqueeze(0) <= p) & (raw_pos.unsqueeze(0) > p - window)
         readable = torch.arange(count).unsqueeze(0) < torch.div(pos + 1, rate, rounding_mode="floor").unsqueeze(1)
@@ -168,12 +180,12 @@ def _compress_windows_fake(kv, gate, position_bias, open_windows, state_slots, c
 
 
 def _compressed_topk_fake(index_q, weights, index_keys, positions, index_cache, block_table, cu_seqlens_q,
-                          context_lens, scale, rate, topk):
+                          context_lens, scale, rate, topk, block_size):
     return index_q.new_empty((*index_q.shape[:2], topk), dtype=torch.int64)
 
 
 def _compressed_attention_fake(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table,
-                               cu_seqlens_q, context_lens, scale, window, rate, selected):
+                               cu_seqlens_q, context_lens, scale, window, rate, selected, block_size):
     return torch.empty_like(q)
 
 

@@ -8,16 +8,18 @@ over the step's flattened tokens (:mod:`dcpgraph.ops.compressed_cached`)::
                                                   state_slots, cu_seqlens_q, context_lens, m, o)
                                                   (the indexer's: index_open_window_i)
     compressed_topk(iq, w, keys, p, s, m, k)  → compressed_topk_(iq, w, keys, p, index_entries_i,
-                                                  block_table, cu_seqlens_q, context_lens, s, m, k)
+                                                  block_table, cu_seqlens_q, context_lens, s, m, k, B)
     compressed_attention(q, kv, e, p, σ, s, W, m, sel)
                                               → compressed_attention_(q, kv, e, p, σ, compressed_kv_i,
                                                   entries_i, block_table, block_table, cu_seqlens_q,
-                                                  context_lens, s, W, m, sel)
+                                                  context_lens, s, W, m, sel, B)
 
 Caches (placeholders of kind ``cache``, ``[blocks, block_size, 1, dim]``, returned as outputs,
 written in place): ``compressed_kv_i`` (role ``compressed_kv``: the raw K=V rows by token
 position), ``entries_i`` (``compressed_entries``: the entries by entry index) and, for CSA,
-``index_entries_i`` (``compressed_index``: the indexer keys by entry index). All three are read
+``index_entries_i`` (``compressed_index``: the indexer keys by entry index); the entry caches
+have ``tokens_per_row = m``, ``ceil(B / m)`` rows per block (entry ``w`` in the block of token
+``w·m``). All three are read
 through the request's one block table; an entry index ``w`` is below the request's token count, so
 its blocks hold it. The raw rows' table (the second ``block_table``) is the one
 ``layer_group_tables`` rewires to the sliding group's under ``hybrid_kv_cache``. Open windows (kind ``recurrent``, ``[slots, rows, 2·width]`` in the model's
@@ -125,18 +127,20 @@ def insert_compressed_cache(program: Program):
         dim = int(attention.args[1].meta["val"].shape[-1])
         dtype = attention.args[1].meta["val"].dtype
         caches.append(CacheSpec(f"compressed_kv_{layer}", layer, ROLES["compressed_kv"], 1, dim, dtype))
-        caches.append(CacheSpec(f"entries_{layer}", layer, ROLES["entries"], 1, dim, dtype))
+        rate = int(attention.args[7])
+        caches.append(CacheSpec(f"entries_{layer}", layer, ROLES["entries"], 1, dim, dtype, tokens_per_row=rate))
         plan.append((attention, (f"compressed_kv_{layer}", f"entries_{layer}")))
         if topk is not None:
             keys = topk.args[2].meta["val"]
             caches.append(CacheSpec(f"index_entries_{layer}", layer, ROLES["index_entries"], 1, int(keys.shape[-1]),
-                                    keys.dtype))
+                                    keys.dtype, tokens_per_row=int(topk.args[5])))
             plan.append((topk, f"index_entries_{layer}"))
     has_slots = any(s.name == SLOTS_ROLE for s in program.inputs)
     names = [c.name for c in caches] + [p.name for p in pools] + ([] if has_slots else [SLOTS_ROLE])
     add_placeholders(graph, names)
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     slots, cu, context, table = (by_name[k] for k in (SLOTS_ROLE, "cu_seqlens_q", "context_lens", "block_table"))
+    block = int(program.lowering.block_size)
     for node, where in plan:
         if node.target is dcp_ops.compress_windows.default:
             kv, gate, bias, rate, overlap = node.args
@@ -145,12 +149,12 @@ def insert_compressed_cache(program: Program):
         elif node.target is dcp_ops.compressed_topk.default:
             iq, weights, keys, positions, scale, rate, k = node.args
             _replace(graph, node, dcp_ops.compressed_topk_.default,
-                     (iq, weights, keys, positions, by_name[where], table, cu, context, scale, rate, k))
+                     (iq, weights, keys, positions, by_name[where], table, cu, context, scale, rate, k, block))
         else:
             q, kv, entries, positions, sinks, scale, window, rate, selected = node.args
             _replace(graph, node, dcp_ops.compressed_attention_.default,
                      (q, kv, entries, positions, sinks, by_name[where[0]], by_name[where[1]], table, table, cu,
-                      context, scale, window, rate, selected))
+                      context, scale, window, rate, selected, block))
     out_node = output_node(graph)
     outputs = out_node.args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

@@ -135,6 +135,12 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
     assert sliding == ({"k_cache_0", "v_cache_0", "compressed_kv_1", "compressed_kv_2", "compressed_kv_3"}
                        if hybrid_kv_cache else set())
     _check_bytes(engine, model.config, hybrid_kv_cache)
+    if not hybrid_kv_cache:  # P/D: refused by name before anything moves
+        from dcpgraph.errors import RequestError
+        from dcpgraph.runtime.kv_transfer import check_exportable
+
+        with pytest.raises(RequestError, match=r"DeepSeek-V4 compressed attention \(layers \[1, 2, 3\]\)"):
+            check_exportable(engine)
 
 
 def _check_bytes(engine, config, hybrid_kv_cache):

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..ops import compressed as _ops  # noqa: F401 - registers the ops the forward calls
+from .compressed_tp import grouped_output_forward, is_v4_attention, output_groups
 from .recurrent_layers import decoder_layers
 
 COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -103,20 +104,26 @@ def _canonical_forward(self, hidden_states, position_embeddings, position_ids, a
     out = torch.ops.dcpgraph.compressed_attention(q, kv, entries, position_ids, self.sinks, float(self.scaling),
                                                   int(self.sliding_window), int(comp.compress_rate), selected)
     out = _rotate(hf, out, cos, -sin).transpose(1, 2)  # [B, T, H, D]
-    grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
+    grouped = self.o_a_proj(out).flatten(2)  # [B, T, H, D]: grouped_output_forward regroups it
     return self.o_b_proj(grouped), None
 
 
 @contextlib.contextmanager
 def canonical_compressed_layers(model: torch.nn.Module) -> Iterator[dict[int, str]]:
-    """Inside the block, every recognised compressed attention computes its canonical form;
-    yields layer index → layer type. The modules' own forwards are restored on exit."""
+    """Inside the block, every recognised compressed attention computes its canonical form and
+    every V4 attention's grouped output projection takes its group count from its weight
+    (:func:`~.compressed_tp.grouped_output_forward`, exact when TP splits the groups); yields
+    layer index → layer type. The modules' own forwards are restored on exit."""
     found = compressed_modules(model)
     patched = []
     try:
         for _, module in found.values():
             patched.append(module)
             module.forward = types.MethodType(_canonical_forward, module)
+        for module in model.modules():
+            if is_v4_attention(module):
+                patched.append(module.o_a_proj)
+                module.o_a_proj.forward = types.MethodType(grouped_output_forward, module.o_a_proj)
         yield {i: kind for i, (kind, _) in found.items()}
     finally:
         for module in patched:
@@ -150,7 +157,8 @@ def refuse_loading_compressed_layers(config) -> None:
 
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
-    name before any pass or collective. Compiled: ``tp = dcp = 1`` on the emulated executor with
+    name before any pass or collective. Compiled: ``dcp = pcp = 1`` and any ``tp`` dividing the
+    grouped output projection's ``o_groups`` (:mod:`.compressed_tp`) on the emulated executor with
     the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
     raw window joins the sliding group (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
     layers = compressed_layer_indices(model)
@@ -158,9 +166,13 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         return
     opts = opts or {}
     unsupported = []
-    if (tp, dcp, pcp) != (1, 1, 1):
-        unsupported.append(f"tp={tp}, dcp={dcp}, pcp={pcp} (only tp=1, dcp=1, pcp=1: the entries are not sharded "
-                           "over DCP ranks and the weights not split over TP yet)")
+    if (dcp, pcp) != (1, 1):
+        unsupported.append(f"dcp={dcp}, pcp={pcp} (only dcp=1, pcp=1: the entries and raw window are not "
+                           "sharded over DCP ranks yet)")
+    groups = output_groups(model)
+    if tp > 1 and (groups is None or groups % tp):
+        unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
+                           "by whole groups)")
     if opts.get("enable_prefix_caching"):
         unsupported.append("enable_prefix_caching=True (the open window at a cached prefix's end is not kept)")
     if opts.get("speculative_config") is not None:
@@ -172,6 +184,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: tp=1, dcp=1, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
+            + ". Supported: dcp=1, pcp=1, tp dividing o_groups, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
             "speculative decoding or P/D. The exact DCP-sharded reference runs eagerly in "
             "dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")

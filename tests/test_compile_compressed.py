@@ -1,4 +1,4 @@
-"""DeepSeek-V4 through ``dcpgraph.compile`` (tp=1, dcp=1): the cached forms of the compressed ops
+"""DeepSeek-V4 through ``dcpgraph.compile`` (dcp=1; tp=1, and tp=4 over four output groups): the cached forms of the compressed ops
 over paged caches and open-window slots against the canonical ops on whole sequences (default
 tier), and the compiled engine's greedy tokens against HF ``generate`` on the tiny model of
 ``tests/dsv4_models.py`` through chunked prefill and a preemption (slow tier: the export takes
@@ -141,6 +141,32 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
 
         with pytest.raises(RequestError, match=r"DeepSeek-V4 compressed attention \(layers \[1, 2, 3\]\)"):
             check_exportable(engine)
+
+
+@pytest.fixture(scope="module")
+def traced_four_groups():
+    model = dsv4_models.build(o_groups=4)
+    return model, dcpgraph.trace(model)
+
+
+@pytest.mark.slow  # a second V4 export (~25 s) and 20-90 s of four emulated ranks on 2 loaded cores
+def test_compiled_v4_at_tp4_gives_hf_greedy_tokens(traced_four_groups):
+    """tp=4 over 4 query heads and 4 output groups (one head and one group per rank; the K=V head,
+    compressor and indexer replicated): the same prompts, chunks and preemption as at tp=1 give HF
+    ``generate``'s greedy tokens, and every rank holds the whole single-head caches."""
+    from dcpgraph.testing.generation import drain, hf_greedy
+
+    model, program = traced_four_groups
+    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = dcpgraph.compile(program, tp=4, block_size=BLOCK, max_num_batched_tokens=5, num_blocks=10)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
+    got = drain(engine)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert engine.scheduler.stats["preemptions"] >= 1
+    assert {c.name: (c.heads, c.dim) for c in engine.program.caches if c.layer} == {
+        **{f"{kind}_{i}": (1, 32) for i in (1, 2, 3) for kind in ("compressed_kv", "entries")},
+        "index_entries_2": (1, 16)}
 
 
 def _check_bytes(engine, config, hybrid_kv_cache):

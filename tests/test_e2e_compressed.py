@@ -78,16 +78,18 @@ def test_mesh_rule_is_named():
 
 
 @pytest.mark.parametrize(("options", "named"), [
-    ({"tp": 2, "dcp": 2}, r"tp=2, dcp=2, pcp=1 \(only tp=1, dcp=1"),
+    ({"tp": 2, "dcp": 2}, r"dcp=2, pcp=1 \(only dcp=1, pcp=1"),
+    ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
     ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
 ])
 def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(options, named):
-    """The cached layer compiles at tp=1·dcp=1 (``test_compile_compressed``); every other mesh and
-    the features it does not keep state for are refused by name, before any trace or pass."""
+    """The cached layer compiles at dcp=1 and tp dividing o_groups (``test_compile_compressed``);
+    every other mesh and the features it does not keep state for are refused by name, before any
+    trace or pass."""
     with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
-                       r"\[1, 2, 3\]: dcpgraph.compile does not support .*" + named + r".*Supported: tp=1, dcp=1"):
+                       r"\[1, 2, 3\]: dcpgraph.compile does not support .*" + named + r".*Supported: dcp=1, pcp=1, tp dividing o_groups"):
         dcpgraph.compile(_model(), **options)
 
 

@@ -149,16 +149,18 @@ def traced_four_groups():
     return model, dcpgraph.trace(model)
 
 
-@pytest.mark.slow  # a second V4 export (~25 s) and 20-90 s of four emulated ranks on 2 loaded cores
-def test_compiled_v4_at_tp4_gives_hf_greedy_tokens(traced_four_groups):
-    """tp=4 over 4 query heads and 4 output groups (one head and one group per rank; the K=V head,
-    compressor and indexer replicated): the same prompts, chunks and preemption as at tp=1 give HF
-    ``generate``'s greedy tokens, and every rank holds the whole single-head caches."""
+@pytest.mark.slow  # a second V4 export (~25 s) and 8-40 s per mesh of emulated ranks on 2 loaded cores
+@pytest.mark.parametrize("tp", [2, 4])
+def test_compiled_v4_at_tp_gives_hf_greedy_tokens(traced_four_groups, tp):
+    """4 query heads and 4 output groups over tp ranks (tp=2: two heads and two groups per rank;
+    tp=4: one of each; the K=V head, compressor and indexer replicated): the same prompts, chunks
+    and preemption as at tp=1 give HF ``generate``'s greedy tokens, and every rank holds the whole
+    single-head caches."""
     from dcpgraph.testing.generation import drain, hf_greedy
 
     model, program = traced_four_groups
     want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, tp=4, block_size=BLOCK, max_num_batched_tokens=5, num_blocks=10)
+    engine = dcpgraph.compile(program, tp=tp, block_size=BLOCK, max_num_batched_tokens=5, num_blocks=10)
     for prompt in PROMPTS:
         engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
     got = drain(engine)

@@ -180,8 +180,9 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     (``dcpgraph serve``'s workers; see :func:`dcpgraph.memory.ranks_sharing`)."""
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
-    refuse_compiling_compressed_layers(model)
     config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
+    refuse_compiling_compressed_layers(model, tp=config.mesh.tp, dcp=config.mesh.dcp, pcp=config.mesh.pcp,
+                                       opts=config.opts)
     program = placed(_traced_program(model), config.opts["device"])
     _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
     refuse_recurrent_state_options(program, config)

@@ -55,16 +55,23 @@ def scale_groups(dim: int) -> int:
 
 @dataclass(frozen=True)
 class CacheShape:
-    """One per-rank cache: ``heads`` heads of ``dim`` elements per token, plus scale bytes."""
+    """One per-rank cache: ``heads`` heads of ``dim`` elements per row, plus scale bytes; a row
+    holds one token, or ``tokens_per_row`` positions' compressed entry (``ceil(B / m)`` rows per
+    block of ``B``)."""
 
     heads: int
     dim: int
     element_bytes: int
     scale_bytes_per_head: int = 0
+    tokens_per_row: int = 1
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one row (of one token when ``tokens_per_row`` is 1)."""
         return self.heads * (self.dim * self.element_bytes + self.scale_bytes_per_head)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return -(-block_size // self.tokens_per_row) * self.bytes_per_token
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -83,13 +90,14 @@ def cache_shapes(specs: Iterable) -> list[CacheShape]:
             continue
         s = scales.get((getattr(c, "layer", None), getattr(c, "role", None)))
         per_head = 0 if s is None else int(s.dim) * element_bytes(s.dtype)
-        out.append(CacheShape(int(c.heads), int(c.dim), element_bytes(c.dtype), per_head))
+        out.append(CacheShape(int(c.heads), int(c.dim), element_bytes(c.dtype), per_head,
+                              int(getattr(c, "tokens_per_row", 1))))
     return out
 
 
 def bytes_per_block(caches: Iterable[CacheShape], block_size: int) -> int:
     """Bytes of one physical block (``block_size`` tokens) of every cache on one rank."""
-    return block_size * sum(c.bytes_per_token for c in caches)
+    return sum(c.bytes_per_block(block_size) for c in caches)
 
 
 def tokens_per_block(block_size: int, dcp: int) -> int:

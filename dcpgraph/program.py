@@ -167,7 +167,9 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One paged KV cache tensor per rank: ``[num_blocks, block_size, heads, dim]``."""
+    """One paged KV cache tensor per rank: ``[num_blocks, rows_per_block(block_size), heads, dim]``.
+    A row holds one token, or with ``tokens_per_row = m`` one entry summarising ``m`` consecutive
+    positions (DeepSeek-V4's compressed entries): ``ceil(block_size / m)`` rows per block."""
 
     name: str  # placeholder name
     layer: int
@@ -175,6 +177,10 @@ class CacheSpec:
     heads: int  # per rank
     dim: int
     dtype: torch.dtype
+    tokens_per_row: int = 1
+
+    def rows_per_block(self, block_size: int) -> int:
+        return -(-int(block_size) // self.tokens_per_row)
 
 
 @dataclass(frozen=True)
@@ -360,7 +366,7 @@ def example_specs(program: Program, *, tokens: int = EXAMPLE_TOKENS, requests: i
             out.append((shape, full.dtype))
         elif spec.kind == CACHE:
             c = caches[spec.name]
-            out.append(((EXAMPLE_BLOCKS, block_size, c.heads, c.dim), c.dtype))
+            out.append(((EXAMPLE_BLOCKS, c.rows_per_block(block_size), c.heads, c.dim), c.dtype))
         elif spec.kind == RECURRENT:
             pool = pools[spec.name]
             out.append(((EXAMPLE_STATE_SLOTS, *pool.shape), pool.dtype))

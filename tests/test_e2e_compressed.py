@@ -77,14 +77,20 @@ def test_mesh_rule_is_named():
         dcp_group_heads(4, 2, 0)
 
 
-def test_compiling_v4_is_refused_by_name():
-    """The trace is exact (``test_frontend_compressed``) but no cached compiled layer exists yet:
-    compile (and with it the engine, prefix caching, speculative decoding and P/D) refuses, naming
-    what is missing and what does run."""
-    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers \[1, 2, 3\]: "
-                       r"dcpgraph.trace gives HF's logits .* at any tp or dcp yet: the paged caches .*"
-                       r"dcpgraph.ops.compressed_attention"):
-        dcpgraph.compile(_model(), tp=1, dcp=1)
+@pytest.mark.parametrize(("options", "named"), [
+    ({"tp": 2, "dcp": 2}, r"dcp=2, pcp=1 \(only dcp=1, pcp=1"),
+    ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
+    ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+])
+def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(options, named):
+    """The cached layer compiles at dcp=1 and tp dividing o_groups (``test_compile_compressed``);
+    every other mesh and the features it does not keep state for are refused by name, before any
+    trace or pass."""
+    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
+                       r"\[1, 2, 3\]: dcpgraph.compile does not support .*" + named + r".*Supported: dcp=1, pcp=1, tp dividing o_groups"):
+        dcpgraph.compile(_model(), **options)
 
 
 def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
@@ -95,5 +101,5 @@ def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
     _model().save_pretrained(tmp_path)
     tiny_tokenizer(96).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
-                                                     r"\[1, 2, 3\]: .*checkpoint loading"):
+                                                     r"\[1, 2, 3\]: loading a V4 checkpoint directory"):
         dcpgraph.LLM(model=str(tmp_path), dtype="float64")

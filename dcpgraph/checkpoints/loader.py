@@ -22,7 +22,7 @@ import re
 import torch
 
 from ..errors import ConfigError
-from ..frontends.compressed_layers import refuse_compiling_compressed_layers
+from ..frontends.compressed_layers import refuse_loading_compressed_layers
 from ..program import STATE_KINDS, Program
 from .composite import LanguageModelFiles, text_config_of
 from .names import CheckpointNames
@@ -47,7 +47,7 @@ def meta_model(path: str, dtype: torch.dtype | None):
 
     config = tf.AutoConfig.from_pretrained(path)
     config = text_config_of(config) or config
-    refuse_compiling_compressed_layers(config)  # DeepSeek-V4: by name, before its tensors are looked up
+    refuse_loading_compressed_layers(config)  # DeepSeek-V4: by name, before its tensors are looked up
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..ops import compressed as _ops  # noqa: F401 - registers the ops the forward calls
+from .compressed_tp import grouped_output_forward, is_v4_attention, output_groups
 from .recurrent_layers import decoder_layers
 
 COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -65,16 +66,15 @@ def _rotate(hf, x, cos, sin):
     return hf.apply_rotary_pos_emb(x, cos, sin)
 
 
-def _entries(hf, module, hidden: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """The compressor's (or the indexer's) entries ``[B, T // m, D]``: pooled, normed, rotated
-    at position ``w·m``."""
+def _entries(hf, module, hidden: torch.Tensor, position_ids: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """The compressor's (or the indexer's) entries in row form ``[B, T, D]`` (the entry a token
+    closes on its row, see :mod:`dcpgraph.ops.compressed`): pooled, normed, rotated at position
+    ``p + 1 − m = w·m``."""
     rate = int(module.compress_rate)
     pooled = torch.ops.dcpgraph.compress_windows(module.kv_proj(hidden), module.gate_proj(hidden),
                                                  module.position_bias, rate, overlap)
     entries = module.kv_norm(pooled)
-    where = torch.arange(entries.shape[1], device=entries.device) * rate
-    cos, sin = module.rotary_emb(entries, position_ids=where.unsqueeze(0).expand(entries.shape[0], -1),
-                                 layer_type="compress")
+    cos, sin = module.rotary_emb(entries, position_ids=position_ids + (1 - rate), layer_type="compress")
     return _rotate(hf, entries.unsqueeze(1), cos, sin).squeeze(1)
 
 
@@ -90,10 +90,10 @@ def _canonical_forward(self, hidden_states, position_embeddings, position_ids, a
     kv = _rotate(hf, kv, cos, sin)
     comp = self.compressor
     indexer = getattr(comp, "indexer", None)
-    entries = _entries(hf, comp, hidden_states, overlap=indexer is not None)
+    entries = _entries(hf, comp, hidden_states, position_ids, overlap=indexer is not None)
     selected = None
     if indexer is not None:
-        keys = _entries(hf, indexer, hidden_states, overlap=True)
+        keys = _entries(hf, indexer, hidden_states, position_ids, overlap=True)
         cos_i, sin_i = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type="compress")
         iq = indexer.q_b_proj(q_residual).view(batch, seq, -1, indexer.head_dim).transpose(1, 2)
         iq = _rotate(hf, iq, cos_i, sin_i).transpose(1, 2)  # [B, T, Hi, Di]
@@ -104,44 +104,86 @@ def _canonical_forward(self, hidden_states, position_embeddings, position_ids, a
     out = torch.ops.dcpgraph.compressed_attention(q, kv, entries, position_ids, self.sinks, float(self.scaling),
                                                   int(self.sliding_window), int(comp.compress_rate), selected)
     out = _rotate(hf, out, cos, -sin).transpose(1, 2)  # [B, T, H, D]
-    grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
+    grouped = self.o_a_proj(out).flatten(2)  # [B, T, H, D]: grouped_output_forward regroups it
     return self.o_b_proj(grouped), None
 
 
 @contextlib.contextmanager
 def canonical_compressed_layers(model: torch.nn.Module) -> Iterator[dict[int, str]]:
-    """Inside the block, every recognised compressed attention computes its canonical form;
-    yields layer index → layer type. The modules' own forwards are restored on exit."""
+    """Inside the block, every recognised compressed attention computes its canonical form and
+    every V4 attention's grouped output projection takes its group count from its weight
+    (:func:`~.compressed_tp.grouped_output_forward`, exact when TP splits the groups); yields
+    layer index → layer type. The modules' own forwards are restored on exit."""
     found = compressed_modules(model)
     patched = []
     try:
         for _, module in found.values():
             patched.append(module)
             module.forward = types.MethodType(_canonical_forward, module)
+        for module in model.modules():
+            if is_v4_attention(module):
+                patched.append(module.o_a_proj)
+                module.o_a_proj.forward = types.MethodType(grouped_output_forward, module.o_a_proj)
         yield {i: kind for i, (kind, _) in found.items()}
     finally:
         for module in patched:
             del module.forward
 
 
-def refuse_compiling_compressed_layers(model) -> None:
-    """``dcpgraph.compile`` of a V4 model (an ``nn.Module``, before it is traced, a traced
-    Program, or an HF config, before a checkpoint is opened): refused by name, before any pass
-    or collective, with what is missing (the trace itself is exact; the cached layer is not built
-    yet)."""
+def compressed_layer_indices(model) -> list[int]:
+    """The compressed layers of ``model``: an ``nn.Module`` (before it is traced), a traced
+    Program, or an HF config (before a checkpoint is opened)."""
     if isinstance(model, torch.nn.Module):
-        layers = sorted(compressed_modules(model))
-    elif hasattr(model, "facts"):
-        layers = sorted(model.facts.extra.get("compressed_layers") or {})
-    else:
-        types = getattr(model, "layer_types", None) or ()
-        layers = [i for i, kind in enumerate(types) if kind in COMPRESSED_LAYER_TYPES]
+        return sorted(compressed_modules(model))
+    if hasattr(model, "facts"):
+        return sorted(model.facts.extra.get("compressed_layers") or {})
+    kinds = getattr(model, "layer_types", None) or ()
+    return [i for i, kind in enumerate(kinds) if kind in COMPRESSED_LAYER_TYPES]
+
+
+def _named(layers: list[int]) -> str:
+    return f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}"
+
+
+def refuse_loading_compressed_layers(config) -> None:
+    """A V4 checkpoint directory (its HF ``config``), refused by name before its tensors are looked
+    up: the names V4 saves its tensors under are not mapped to the modules' yet."""
+    layers = compressed_layer_indices(config)
     if layers:
         raise UnsupportedModelError(
-            f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}: "
-            "dcpgraph.trace gives HF's logits with these layers as dcpgraph.compress_windows / compressed_topk / "
-            "compressed_attention, but dcpgraph.compile does not compile them at any tp or dcp yet: the paged "
-            "caches for the raw window, the compressed entries and the CSA indexer keys, the compressors' "
-            "open-window state slots and the cached forms of those ops are missing (so are the engine, "
-            "checkpoint loading, prefix caching, speculative decoding, P/D and fp8 caches with V4). The exact "
-            "DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")
+            f"{_named(layers)}: loading a V4 checkpoint directory is not supported (its tensor names are not mapped "
+            "to the modules'); build the HF model and pass it to dcpgraph.compile (tp=1, dcp=1)")
+
+
+def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
+    """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
+    name before any pass or collective. Compiled: ``dcp = pcp = 1`` and any ``tp`` dividing the
+    grouped output projection's ``o_groups`` (:mod:`.compressed_tp`) on the emulated executor with
+    the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
+    raw window joins the sliding group (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
+    layers = compressed_layer_indices(model)
+    if not layers:
+        return
+    opts = opts or {}
+    unsupported = []
+    if (dcp, pcp) != (1, 1):
+        unsupported.append(f"dcp={dcp}, pcp={pcp} (only dcp=1, pcp=1: the entries and raw window are not "
+                           "sharded over DCP ranks yet)")
+    groups = output_groups(model)
+    if tp > 1 and (groups is None or groups % tp):
+        unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
+                           "by whole groups)")
+    if opts.get("enable_prefix_caching"):
+        unsupported.append("enable_prefix_caching=True (the open window at a cached prefix's end is not kept)")
+    if opts.get("speculative_config") is not None:
+        unsupported.append("speculative_config (the open windows are not rolled back for rejected drafts)")
+    if opts.get("kv_cache_dtype", "auto") != "auto":
+        unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
+    if opts.get("executor", "auto") == "distributed":
+        unsupported.append("executor='distributed' (only the emulated executor)")
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
+            + ". Supported: dcp=1, pcp=1, tp dividing o_groups, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
+            "speculative decoding or P/D. The exact DCP-sharded reference runs eagerly in "
+            "dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")

@@ -20,6 +20,7 @@ import torch.fx
 from ..errors import UnsupportedModelError
 from ..program import ModelFacts, Program
 from .compressed_layers import canonical_compressed_layers, compressed_modules
+from .compressed_tp import output_groups, v4_attention_tp_plan
 from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
 from .hf_attention import recording_attention_callers, using_dcpgraph_attention
@@ -138,12 +139,13 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     """The model's TP plan with full parameter paths: the config's ``base_model_tp_plan`` under
     the base model's prefix, the class's own ``_tp_plan`` (the LM head), and vocab-parallel
     input embeddings; attention with q/k/v and output projections is sharded by head whatever
-    the config plans for it (:func:`~.head_sharding.head_sharded_attention`)."""
+    the config plans for it (:func:`~.head_sharding.head_sharded_attention`; DeepSeek-V4's by
+    :func:`~.compressed_tp.v4_attention_tp_plan`)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     prefix = base_model_path(model)
     plan = {f"{prefix}.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
-    return {**head_sharded_attention(model, plan), **tensor_parallel_experts(model, plan)}
+    return {**v4_attention_tp_plan(model), **head_sharded_attention(model, plan), **tensor_parallel_experts(model, plan)}
 
 
 def base_model_path(model: torch.nn.Module) -> str:
@@ -300,7 +302,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
     if stateless:
         facts = dataclasses.replace(facts, extra={**facts.extra, "stateless_layers": stateless})
     if compressed:  # DeepSeek-V4's CSA/HCA layers (dcpgraph.compressed_attention)
-        facts = dataclasses.replace(facts, extra={**facts.extra, "compressed_layers": dict(sorted(compressed.items()))})
+        facts = dataclasses.replace(facts, extra={**facts.extra, "compressed_layers": dict(sorted(compressed.items())),
+                                                  "o_groups": output_groups(model)})
     beside = sorted(set(recurrent) & {i for i in callers.values() if i is not None})
     if beside:  # falcon_h1: attention and a Mamba-2 mixer in parallel in one decoder layer
         facts = dataclasses.replace(facts, extra={**facts.extra, "attention_beside_recurrent": beside})

@@ -45,10 +45,10 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
 
 # What does run for a refused kind, appended to its refusal.
 REFUSED_LAYER_HINTS: dict[str, str] = {
-    kind: ("; dcpgraph.trace gives HF's logits for a built model (its compressed layers as "
-           "dcpgraph.compressed_attention), but no cached compiled layer exists yet (so no engine, prefix "
-           "caching, speculative decoding or P/D); its exact DCP-sharded reference runs eagerly in "
-           "dcpgraph.ops.compressed_attention and dcpgraph.ops.compressor, its per-rank bytes come from dcpgraph plan")
+    kind: ("; a built (in-memory) model compiles at dcp=1 and any tp dividing o_groups (dcpgraph.compile; no prefix caching, "
+           "speculative decoding or P/D) but a checkpoint directory is not loaded (its tensor names are not "
+           "mapped); its exact DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention and "
+           "dcpgraph.ops.compressor, its per-rank bytes come from dcpgraph plan")
     for kind in ("compressed_sparse_attention", "heavily_compressed_attention")
 }
 

@@ -33,6 +33,7 @@ import torch.fx
 from ..errors import VerificationError
 from ..program import Program
 from .graph_edit import Emitter, nodes_calling
+from .insert_compressed_cache import COMPRESSED_CACHE_ROLES
 from .manager import program_pass, ran
 from .mla_patterns import LayerShape, Match, bind_outputs, interior_escapes, trace_pattern
 
@@ -112,14 +113,16 @@ def _likely_rotary_first(kv: torch.fx.Node) -> list[str]:
 
 
 def _ensure_writes(program: Program) -> None:
-    """Every latent cache is written exactly once, by a cache write or by ``mla_preprocess``."""
+    """Every latent cache is written exactly once, by a cache write or by ``mla_preprocess``
+    (DeepSeek-V4's compressed caches are written inside their cached ops, not by cache writes)."""
     graph = program.graph_module.graph
     writers = [*nodes_calling(graph, dcp_ops.kv_cache_write_.default),
                *nodes_calling(graph, dcp_ops.kv_cache_write_fp8_.default),
                *nodes_calling(graph, dcp_ops.mla_preprocess.default)]
     written = sorted(n.args[9].name if n.target is dcp_ops.mla_preprocess.default else n.args[0].name
                      for n in writers)
-    data = sorted(c.name for c in program.caches if not c.role.endswith("_scale"))
+    data = sorted(c.name for c in program.caches
+                  if not c.role.endswith("_scale") and c.role not in COMPRESSED_CACHE_ROLES)
     if written != data:
         raise VerificationError(f"cache writes {written} do not write each data cache {data} once")
 

@@ -145,9 +145,10 @@ def _no_canonical_attention_left(program: Program) -> None:
         graph, dcp_ops.paged_sparse_attention.default)
     extra = program.facts.extra
     # Decoder layers without attention: recurrent (unless attention runs beside the mixer, as in
-    # falcon_h1) and attention-free MLP/MoE layers (nemotron_h).
+    # falcon_h1), attention-free MLP/MoE layers (nemotron_h) and DeepSeek-V4's compressed layers
+    # (insert_compressed_cache gives them their caches).
     without = (len(extra.get("recurrent_layers") or {}) - len(extra.get("attention_beside_recurrent") or [])
-               + len(extra.get("stateless_layers") or []))
+               + len(extra.get("stateless_layers") or []) + len(extra.get("compressed_layers") or {}))
     if len(reads) != program.facts.num_layers - without:
         raise VerificationError("expected one paged attention per attention layer")
 

@@ -32,6 +32,9 @@ dcp_ops = torch.ops.dcpgraph
 
 SLIDING_ROLES = ("block_table_sliding", "slot_mapping_sliding")
 _TABLE_ARG, _WINDOW_START_ARG = 3, 8  # paged_attention(q, k, v, block_table, cu, lens, bound, scale, kv_start, …)
+# compressed_attention(q, kv, entries, positions, sinks, scale, window, …) and its cached form
+# compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table, …)
+_COMPRESSED_WINDOW_ARG, _RAW_CACHE_ARG, _RAW_TABLE_ARG = 6, 5, 8
 _WRITES = (dcp_ops.kv_cache_write_.default, dcp_ops.kv_cache_write_fp8_.default)
 
 
@@ -43,10 +46,14 @@ def _cache_placeholder(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def model_windows(program: Program) -> tuple[int, ...]:
-    """The distinct sliding windows of a traced (canonical) program's attention layers."""
+    """The distinct sliding windows of a traced (canonical) program's attention layers (DeepSeek-V4's
+    compressed attentions included: their raw tokens are a sliding window)."""
     from .insert_kv_cache import attention_modifiers
 
-    found = {attention_modifiers(n)[0] for n in nodes_calling(program.graph_module.graph, dcp_ops.attention.default)}
+    graph = program.graph_module.graph
+    found = {attention_modifiers(n)[0] for n in nodes_calling(graph, dcp_ops.attention.default)}
+    found |= {int(n.args[_COMPRESSED_WINDOW_ARG])
+              for n in nodes_calling(graph, dcp_ops.compressed_attention.default)}
     return tuple(sorted(w for w in found if w))
 
 
@@ -61,13 +68,18 @@ def layer_group_tables(program: Program, windows: tuple[int, ...] = ()):
     graph = gm.graph
     reads = [n for n in nodes_calling(graph, dcp_ops.paged_attention.default)
              if len(n.args) > _WINDOW_START_ARG and n.args[_WINDOW_START_ARG] is not None]
-    if not reads or not windows:
+    compressed = nodes_calling(graph, dcp_ops.compressed_attention_.default)
+    if not (reads or compressed) or not windows:
         raise ConfigError("hybrid_kv_cache=True needs a model with sliding-window layers; this one has none")
     table, slots = add_placeholders(graph, list(SLIDING_ROLES))
     sliding = set()
     for read in reads:
         read.args = (*read.args[:_TABLE_ARG], table, *read.args[_TABLE_ARG + 1:])
         sliding.update(_cache_placeholder(a).name for a in read.args[1:3])
+    for read in compressed:  # DeepSeek-V4: the raw window's rows (entries keep the full table)
+        read.args = (*read.args[:_RAW_TABLE_ARG], table, *read.args[_RAW_TABLE_ARG + 1:])
+        sliding.add(read.args[_RAW_CACHE_ARG].name)
+    reads += compressed
     rewired = 0
     for write in (n for target in _WRITES for n in nodes_calling(graph, target)):
         if write.args[0].name in sliding:

@@ -26,6 +26,8 @@ The configuration adds passes where it asks for them (:func:`default_passes`):
   returns the final hidden states of every token (output 1);
 - ``layer_group_tables`` (``hybrid_kv_cache``) last: sliding-window layers get their own block
   table and slot mapping, sized by the windows of the traced program's attention;
+- for DeepSeek-V4's compressed layers, ``insert_compressed_cache`` right after ``insert_kv_cache``
+  (canonical compressed ops → paged caches and open-window state slots);
 - for a hybrid's recurrent layers, ``insert_recurrent_state`` right after ``insert_kv_cache``
   (canonical recurrent ops → state pools) and ``shard_recurrent_tp`` right after ``shard_tp``
   (their heads/channels and pools split over TP by kind).
@@ -44,6 +46,7 @@ from .expert_parallel import expert_parallel
 from .experts_over_replicas import experts_over_replicas
 from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
+from .insert_compressed_cache import insert_compressed_cache
 from .insert_kv_cache import insert_kv_cache
 from .insert_recurrent_state import insert_recurrent_state
 from .layer_group_tables import layer_group_tables, model_windows
@@ -75,7 +78,8 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
                    mlapo: bool = True, return_hidden: bool = False, comm_workload=None,
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
                    windows: tuple[int, ...] | None = None, recurrent: bool = False,
-                   expert_replicas: tuple[int, int] | None = None) -> list[ProgramPass]:
+                   expert_replicas: tuple[int, int] | None = None,
+                   compressed: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
@@ -83,7 +87,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     model's sliding windows) is given, and with ``recurrent`` (a hybrid's recurrent layers)
     ``insert_recurrent_state`` after ``insert_kv_cache`` and ``shard_recurrent_tp`` after
     ``shard_tp``; with ``expert_replicas = (D, d)`` (replica ``d`` of ``D``, which needs
-    ``expert_parallel_experts``) ``experts_over_replicas`` right before ``shard_tp``."""
+    ``expert_parallel_experts``) ``experts_over_replicas`` right before ``shard_tp``; with
+    ``compressed`` (DeepSeek-V4's CSA/HCA layers) ``insert_compressed_cache`` right after
+    ``insert_kv_cache``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -107,6 +113,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
         passes.insert(at + 1, insert_recurrent_state)
         at = next(i for i, p in enumerate(passes) if p.name == shard_tp.name)
         passes.insert(at + 1, shard_recurrent_tp)
+    if compressed:
+        at = next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name)
+        passes.insert(at + 1, insert_compressed_cache)
     return passes
 
 
@@ -153,5 +162,6 @@ def compile_program(
                             fuse_new=fuse_new, expert_parallel_experts=expert_parallel_experts,
                             windows=model_windows(program) if hybrid_kv_cache else None,
                             recurrent=bool(program.facts.extra.get("recurrent_layers")),
-                            expert_replicas=expert_replicas)
+                            expert_replicas=expert_replicas,
+                            compressed=bool(program.facts.extra.get("compressed_layers")))
     return run_passes(program, passes, verify=verify)

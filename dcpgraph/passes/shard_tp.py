@@ -20,6 +20,7 @@ local head counts follow from the local weights; the verifier's shape propagatio
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import torch
@@ -31,7 +32,6 @@ from ..program import (
     PARAM,
     RANK,
     REPLICATE,
-    CacheSpec,
     InputSpec,
     Program,
     ShardRule,
@@ -353,7 +353,7 @@ def shard_tp(program: Program, mesh: Mesh, plan: dict[str, str] | None = None):
     if sharding.rank_node:
         inputs.append(InputSpec("tp_rank", RANK, "tp_rank"))
     caches = tuple(
-        CacheSpec(c.name, c.layer, c.role, local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads, c.dim, c.dtype)
+        dataclasses.replace(c, heads=local_kv_heads(c.heads, tp) if facts.attention == "gqa" else c.heads)
         for c in program.caches
     )
     result = program.replace(graph_module=gm, inputs=tuple(inputs), mesh=mesh, caches=caches)

@@ -45,7 +45,8 @@ def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
     block = int(program.lowering.block_size)
     sliding = set(program.lowering.sliding_caches)
     counts = num_blocks if isinstance(num_blocks, Mapping) else {"full": num_blocks, "sliding": num_blocks}
-    caches = {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], block, c.heads, c.dim),
+    caches = {c.name: host_memory.zeros((counts["sliding" if c.name in sliding else "full"], c.rows_per_block(block),
+                                         c.heads, c.dim),
                                         c.dtype, device)
               for c in program.caches}
     if program.recurrent_states:

@@ -70,6 +70,11 @@ def _emulated_caches(engine) -> dict[int, dict[str, torch.Tensor]]:
     if engine.program.lowering.sliding_caches:
         raise RequestError("KV transfer is not supported with hybrid_kv_cache=True (the sliding layers "
                            "keep only their window, in their own block table)")
+    compressed = sorted({c.layer for c in engine.program.caches if c.tokens_per_row != 1})
+    if compressed:
+        raise RequestError(f"KV transfer is not supported with DeepSeek-V4 compressed attention (layers "
+                           f"{compressed}): its entry caches hold one row per compressed entry and its open "
+                           "windows are not exported")
     if tuple(executor.local_ranks) != ranks:
         raise RequestError(
             f"KV transfer needs every rank's cache in this process (the emulated executor); the "

@@ -101,7 +101,7 @@ class Engine(EngineClient):
                                    max_waiting=max_waiting, kv_allocation=kv_allocation,
                                    state_slots=program.lowering.state_slots or 0)
         buckets = verify_buckets = None
-        if capture_limit > 0:
+        if capture_limit > 0 and program.mesh.pcp == 1:  # pcp > 1: every step runs the dynamic graph
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
             sizes = default_buckets(min(capture_limit, max_num_seqs))
             buckets = DecodeBuckets(sizes, width)

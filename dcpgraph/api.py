@@ -257,7 +257,7 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     spec = opts["speculative_config"]
     facts = facts_of(model)
     _validate_mesh(mesh, facts, opts)
-    refuse_pcp_compile(mesh, facts, opts, distributed=executor_cls is DistributedExecutor)
+    refuse_pcp_compile(mesh, facts, opts)
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     if opts["hybrid_kv_cache"]:
@@ -409,7 +409,7 @@ def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
 
     running = dist.is_available() and dist.is_initialized()
     if choice == "auto":
-        if running and dist.get_world_size() == mesh.tp:
+        if running and dist.get_world_size() == mesh.world_size:
             return distributed
         return emulated
     if choice == "emulated":
@@ -417,7 +417,8 @@ def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
     if choice == "distributed":
         if not running:
             raise ConfigError("executor='distributed' needs an initialised torch.distributed (e.g. torchrun)")
-        if dist.get_world_size() != mesh.tp:
-            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp={mesh.tp}")
+        if dist.get_world_size() != mesh.world_size:
+            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp·pcp={mesh.world_size} "
+                              f"(tp={mesh.tp}, pcp={mesh.pcp})")
         return distributed
     raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {choice!r}")

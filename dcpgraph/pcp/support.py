@@ -1,7 +1,7 @@
 """What runs with ``pcp > 1``, refused by name before any tracing, pass or collective.
 
 ``dcpgraph.compile`` runs ``pcp > 1`` for GQA models (no MLA, no sparse or compressed attention,
-no recurrent layers) on the emulated executor, without speculative decoding, ``hybrid_kv_cache``,
+no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, without speculative decoding, ``hybrid_kv_cache``,
 data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` (which start one worker process per TP rank, and P/D) refuse ``pcp > 1``. The
@@ -15,8 +15,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..mesh import Mesh
 
-COMPILED = ("GQA models (Llama, Qwen3, ...) through dcpgraph.compile on the emulated executor, with chunked "
-            "prefill and prefix caching")
+COMPILED = ("GQA models (Llama, Qwen3, ...) through dcpgraph.compile, emulated or on a torch.distributed world "
+            "of tp·pcp ranks, with chunked prefill and prefix caching")
 
 
 def refuse_pcp_execution(mesh: Mesh) -> None:
@@ -30,7 +30,7 @@ def refuse_pcp_execution(mesh: Mesh) -> None:
     )
 
 
-def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any], *, distributed: bool) -> None:
+def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
     """``dcpgraph.compile``: raise :class:`ConfigError` for what ``pcp > 1`` does not run, by name."""
     if mesh.pcp == 1:
         return
@@ -46,8 +46,6 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any], *, distribu
         refused.append("hybrid_kv_cache")
     if opts.get("expert_replicas") is not None:
         refused.append("expert_replicas (data-parallel expert replicas)")
-    if distributed:
-        refused.append("the distributed executor (torch.distributed worlds)")
     if refused:
         raise ConfigError(
             f"prefill_context_parallel_size={mesh.pcp} (tp={mesh.tp}, dcp={mesh.dcp}) does not run with "

@@ -1,0 +1,121 @@
+"""The compiled engine with pcp > 1 (split_pcp_prefill): greedy tokens against HF ``generate``.
+
+Tiny Llama (1 KV head) and Qwen3 (2 KV heads) in float64 with transformers defaults; every case
+prefills in small forced chunks (``max_num_batched_tokens``), so long prompts are split over the
+PCP ranks chunk by chunk after a cached context, and several requests share a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import dcpgraph
+from dcpgraph.errors import ConfigError
+from dcpgraph.pcp.split import rank_token_indices
+from dcpgraph.pcp.step_rows import pcp_step_rows
+from dcpgraph.testing.checkpoints import tiny_model
+
+
+def _config(cls, kv: int):
+    return cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=kv, head_dim=8, max_position_embeddings=256, initializer_range=0.2)
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name not in _MODELS:
+        torch.manual_seed(7)
+        cls, cfg = {"llama": (tf.LlamaForCausalLM, _config(tf.LlamaConfig, kv=1)),
+                    "qwen3": (tf.Qwen3ForCausalLM, _config(tf.Qwen3Config, kv=2))}[name]
+        _MODELS[name] = cls(cfg).to(torch.float64).eval()
+    return _MODELS[name]
+
+
+def _hf(model, prompt: list[int], n: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_step_rows_cover_every_token_once_in_zigzag_order():
+    counts = [1, 6, 11]
+    rows, order = pcp_step_rows(counts, 2)
+    assert len({r.numel() for r in rows}) == 1  # one shape over the PCP group
+    starts = [0, 1, 7]
+    for p, mine in enumerate(rows):
+        real = [s + i for s, n in zip(starts, counts) for i in rank_token_indices(n, 2, p)]
+        assert mine[:len(real)].tolist() == real and set(mine[len(real):].tolist()) <= {0}
+    gathered = torch.cat(rows)
+    assert gathered[order].tolist() == list(range(sum(counts)))
+
+
+def test_compiled_pcp_matches_hf_with_chunks_interleave_and_prefix_cache():
+    model = _model("qwen3")
+    engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=2, interleave=2, max_num_batched_tokens=12,
+                              enable_prefix_caching=True, backend="eager")
+    shared = _prompts(11, [33])[0]
+    first, second, short = shared + [5, 9, 3], shared + [7, 1, 2, 8, 4, 6], [17]
+    assert engine.generate([first, short], 3) == [_hf(model, first, 3), _hf(model, short, 3)]
+    assert engine.generate([second], 3) == [_hf(model, second, 3)]
+    report = engine.report()["prefix_cache"]
+    assert report["hit_tokens"] >= 32  # the shared prefix's full virtual blocks (16·dcp = 32 tokens) were read
+
+
+MESHES = [(1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 2)]
+
+
+@pytest.mark.slow  # 11 compiles of a 2-layer model and ~100 emulated steps each: ~10 s a case on 2 loaded cores
+@pytest.mark.parametrize("name, tp, pcp, dcp", [(n, *m) for n in ("llama", "qwen3") for m in MESHES
+                                                  if not (n == "qwen3" and m == (2, 2, 4))])
+def test_compiled_pcp_matches_hf_on_every_acceptance_mesh(name, tp, pcp, dcp):
+    model = _model(name)
+    engine = dcpgraph.compile(model, tp=tp, pcp=pcp, dcp=dcp, max_num_batched_tokens=16,
+                              enable_prefix_caching=True, backend="eager")
+    prompts = _prompts(3, [1, 6, 45, 101])
+    assert engine.generate(prompts, 6) == [_hf(model, p, 6) for p in prompts]
+    again = prompts[3][:64] + [1, 2, 3]  # a prefix-cache hit on the 101-token prompt's blocks
+    assert engine.generate([again], 6) == [_hf(model, again, 6)]
+    assert engine.report()["prefix_cache"]["hit_tokens"] > 0
+
+
+def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
+    model = _model("llama")
+    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative decoding.*runs for GQA"):
+        dcpgraph.compile(model, tp=1, pcp=2, dcp=1, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    mla = tiny_model("deepseek_v2", layers=1)
+    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*MLA attention"):
+        dcpgraph.compile(mla, tp=1, pcp=2, dcp=2)
+    with pytest.raises(ConfigError, match=r"comm='ag' is not supported with prefill_context_parallel_size=2"):
+        dcpgraph.compile(model, tp=1, pcp=2, dcp=2, comm="ag", backend="eager")
+
+
+def _gloo_rank(rank: int, world: int, prompts: list[list[int]]):
+    model = _model("qwen3")
+    engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=2, max_num_batched_tokens=8, enable_prefix_caching=True,
+                              backend="eager")
+    first = engine.generate(prompts, 5)
+    again = engine.generate([prompts[-1][:40] + [3, 1]], 5)
+    return {"executor": engine.executor.mode, "tokens": first + again,
+            "hits": engine.report()["prefix_cache"]["hit_tokens"]}
+
+
+@pytest.mark.gloo
+@pytest.mark.slow  # two gloo processes each compiling and generating: ~20 s on 2 loaded cores
+def test_compiled_pcp_on_gloo_processes_matches_hf():
+    from dcpgraph.runtime.distributed import spawn
+
+    prompts = _prompts(9, [1, 7, 45])
+    results = spawn(_gloo_rank, 2, prompts, timeout_s=240)
+    model = _model("qwen3")
+    reference = [_hf(model, p, 5) for p in prompts] + [_hf(model, prompts[-1][:40] + [3, 1], 5)]
+    for result in results:
+        assert result["executor"] == "distributed"
+        assert result["tokens"] == reference
+        assert result["hits"] >= 32

@@ -60,6 +60,11 @@ def test_compiled_pcp_matches_hf_with_chunks_interleave_and_prefix_cache():
     model = _model("qwen3")
     engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=2, interleave=2, max_num_batched_tokens=12,
                               enable_prefix_caching=True, backend="eager")
+    graph = engine.program.graph_module.graph
+    gathers = [n for n in graph.nodes if n.op == "call_function" and "all_gather" in str(n.target)
+               and "dcpgraph.pcp" in n.args]
+    assert len(gathers) == 3 * 2 + 1  # q, k, v of both layers and the LM head's input: the step is split
+    assert {"pcp_rows", "pcp_order"} <= {s.name for s in engine.program.inputs}
     shared = _prompts(11, [33])[0]
     first, second, short = shared + [5, 9, 3], shared + [7, 1, 2, 8, 4, 6], [17]
     assert engine.generate([first, short], 3) == [_hf(model, first, 3), _hf(model, short, 3)]
@@ -92,6 +97,11 @@ def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
     mla = tiny_model("deepseek_v2", layers=1)
     with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*MLA attention"):
         dcpgraph.compile(mla, tp=1, pcp=2, dcp=2)
+    gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=16, sliding_window=8))
+    with pytest.raises(dcpgraph.UnsupportedModelError, match=r"sliding-window, soft-capped, sink or chunked"):
+        dcpgraph.compile(gemma, tp=1, pcp=2, dcp=1, backend="eager")
     with pytest.raises(ConfigError, match=r"comm='ag' is not supported with prefill_context_parallel_size=2"):
         dcpgraph.compile(model, tp=1, pcp=2, dcp=2, comm="ag", backend="eager")
 

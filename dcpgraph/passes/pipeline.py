@@ -97,7 +97,8 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if mesh.pcp > 1:
-        passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name), split_pcp_prefill)
+        passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name),
+                      split_pcp_prefill.with_options(mesh=mesh))
     if return_hidden:
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
     if expert_parallel_experts:

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import VerificationError
+from ..errors import UnsupportedModelError, VerificationError
+from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
+from .insert_kv_cache import attention_chunk, attention_modifiers
 from .manager import not_yet_run, program_pass
 from .select_logits import find_logits_linear
 
@@ -40,9 +42,9 @@ ATTENTION = dcp_ops.attention.default
 
 
 def _ensures(program: Program) -> None:
-    if program.mesh.pcp == 1:
-        return
     graph = program.graph_module.graph
+    if not any(n.op == "placeholder" and n.name == "pcp_order" for n in graph.nodes):
+        return
     for node in nodes_calling(graph, ATTENTION):
         for operand in node.args[:3]:
             if not _step_ordered(operand):
@@ -71,8 +73,8 @@ def _step_ordered(node) -> bool:
               not_yet_run("select_logits", "the LM head must read every step row before the logits rows are picked")],
     ensures=[_ensures],
 )
-def split_pcp_prefill(program: Program):
-    mesh = program.mesh
+def split_pcp_prefill(program: Program, mesh: Mesh):
+    """``mesh``: the one being compiled for (``program.mesh`` is set later, by ``shard_tp``)."""
     if mesh.pcp == 1:
         return program, "pcp=1: nothing to split"
     gm = program.copy_graph()
@@ -95,6 +97,12 @@ def split_pcp_prefill(program: Program):
     if "input_ids" not in placeholders:
         raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
     attentions = nodes_calling(graph, ATTENTION)
+    modified = [n.name for n in attentions if attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n)]
+    if modified or len(attentions) != program.facts.num_layers:
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
+            f"attention in every layer; sliding-window, soft-capped, sink or chunked attention ({modified[:4]}) and "
+            "layers without attention are not split over PCP ranks; use pcp=1")
     for node in attentions:
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
             raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "

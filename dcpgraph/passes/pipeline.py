@@ -167,6 +167,7 @@ def compile_program(
         )
     refuse_recurrent_layers_on(program, mesh)
     comm = pcp_comm(mesh, comm)
+    mlapo = mlapo and mesh.pcp == 1  # its pattern does not see through split_pcp_prefill's gathers
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,

@@ -101,8 +101,9 @@ def split_pcp_prefill(program: Program, mesh: Mesh):
     if modified or len(attentions) != program.facts.num_layers:
         raise UnsupportedModelError(
             f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
-            f"attention in every layer; sliding-window, soft-capped, sink or chunked attention ({modified[:4]}) and "
-            "layers without attention are not split over PCP ranks; use pcp=1")
+            f"dense attention (GQA or MLA) in every layer; sliding-window, soft-capped, sink or chunked attention "
+            f"({modified[:4]}), sparse (SFA/DSA) attention and layers without attention are not split over PCP "
+            "ranks; use pcp=1")
     for node in attentions:
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
             raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "

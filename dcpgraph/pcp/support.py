@@ -1,7 +1,8 @@
 """What runs with ``pcp > 1``, refused by name before any tracing, pass or collective.
 
-``dcpgraph.compile`` runs ``pcp > 1`` for GQA models (no MLA, no sparse or compressed attention,
-no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, without speculative decoding, ``hybrid_kv_cache``,
+``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
+attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
+— and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, without speculative decoding, ``hybrid_kv_cache``,
 data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` (which start one worker process per TP rank, and P/D) refuse ``pcp > 1``. The
@@ -15,7 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..mesh import Mesh
 
-COMPILED = ("GQA models (Llama, Qwen3, ...) through dcpgraph.compile, emulated or on a torch.distributed world "
+COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
             "of tp·pcp ranks, with chunked prefill and prefix caching")
 
 
@@ -36,8 +37,8 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
         return
     extra = facts.extra
     refused = []
-    if facts.attention != "gqa" or extra.get("compressed_layers"):
-        refused.append(f"{facts.attention.upper()} attention (MLA/SFA/compressed; only GQA is split over PCP ranks)")
+    if extra.get("compressed_layers"):
+        refused.append("compressed attention layers (only dense GQA and MLA attention is split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     if opts.get("speculative_config") is not None:

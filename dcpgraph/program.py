@@ -337,6 +337,7 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "ep_rows": ((t,), torch.int64),  # its length: the rows every replica pads its tokens to
         "pcp_rows": ((t,), torch.int64),  # pcp > 1: the step's token rows this rank computes (padded)
         "pcp_order": ((t,), torch.int64),  # pcp > 1: each token's row in the PCP all-gather
+        "pcp_cu_seqlens_q": ((r + 1,), torch.int32),  # pcp > 1, dcp = 1: request boundaries of pcp_rows
     }
 
 

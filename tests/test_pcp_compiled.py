@@ -46,12 +46,14 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
 
 def test_step_rows_cover_every_token_once_in_zigzag_order():
     counts = [1, 6, 11]
-    rows, order = pcp_step_rows(counts, 2)
+    rows, order, cu = pcp_step_rows(counts, 2)
     assert len({r.numel() for r in rows}) == 1  # one shape over the PCP group
     starts = [0, 1, 7]
     for p, mine in enumerate(rows):
         real = [s + i for s, n in zip(starts, counts) for i in rank_token_indices(n, 2, p)]
         assert mine[:len(real)].tolist() == real and set(mine[len(real):].tolist()) <= {0}
+        assert cu[p].tolist()[:-1] == [0, *[sum(1 for x in real if x < s + n) for s, n in zip(starts, counts)][:-1]]
+        assert cu[p][-1] == mine.numel()
     gathered = torch.cat(rows)
     assert gathered[order].tolist() == list(range(sum(counts)))
 
@@ -83,6 +85,7 @@ def test_compiled_pcp_matches_hf_on_every_acceptance_mesh(name, tp, pcp, dcp):
     model = _model(name)
     engine = dcpgraph.compile(model, tp=tp, pcp=pcp, dcp=dcp, max_num_batched_tokens=16,
                               enable_prefix_caching=True, backend="eager")
+    assert ("split_pcp_attention" in engine.program.passes_run()) == (dcp == 1)  # dcp = 1: queries stay local
     prompts = _prompts(3, [1, 6, 45, 101])
     assert engine.generate(prompts, 6) == [_hf(model, p, 6) for p in prompts]
     again = prompts[3][:64] + [1, 2, 3]  # a prefix-cache hit on the 101-token prompt's blocks
@@ -91,7 +94,7 @@ def test_compiled_pcp_matches_hf_on_every_acceptance_mesh(name, tp, pcp, dcp):
 
 
 @pytest.mark.slow  # DeepSeek-V2 (MoE) compiles and HF generate: ~8 s a case on 2 loaded cores
-@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 2), (2, 2, 4), (1, 4, 2)])
+@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 1), (1, 2, 2), (2, 2, 4), (1, 4, 2)])
 def test_compiled_pcp_mla_matches_hf(tp, pcp, dcp):
     model = tiny_model("deepseek_v2", layers=2)  # float32: HF's grouped MoE matmul takes no float64
     engine = dcpgraph.compile(model, tp=tp, pcp=pcp, dcp=dcp, max_num_batched_tokens=8, backend="eager")

@@ -59,7 +59,7 @@ from .select_logits import select_logits
 from .shard_dcp import shard_dcp
 from .shard_recurrent_tp import TP_RULES, shard_recurrent_tp
 from .shard_tp import shard_tp
-from .split_pcp_prefill import split_pcp_prefill
+from .split_pcp_prefill import split_pcp_attention, split_pcp_prefill
 
 PIPELINE: tuple[ProgramPass, ...] = (
     absorb_mla,
@@ -97,8 +97,12 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if mesh.pcp > 1:
+        local = mesh.dcp == 1 and fuse_new  # the fused read can take this rank's queries alone
         passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name),
-                      split_pcp_prefill.with_options(mesh=mesh))
+                      split_pcp_prefill.with_options(mesh=mesh, local_queries=local))
+        if local:
+            passes.insert(next(i for i, p in enumerate(passes) if p.name == fuse_new_tokens.name) + 1,
+                          split_pcp_attention)
     if return_hidden:
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
     if expert_parallel_experts:

@@ -16,11 +16,17 @@ group's longest share), and ``pcp_order [T]``, the row of every step token in a 
 - the LM head's input is all-gathered the same way, so ``select_logits`` picks step rows and every
   rank samples from the same logits.
 
+With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``) the queries stay local
+(``local_queries``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
+``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
+and causal bounds (``position + 1`` at ``pcp_rows``), so each rank attends its zigzag rows only
+and the causal work splits ``1/pcp`` as in the eager path. With ``dcp > 1`` the queries are
+gathered too and the attention runs on the whole step on every PCP rank (over its DCP shard).
+
 Every value a rank computes for a row is what ``pcp = 1`` computes for it (row-wise ops on the
-same inputs; attention on the same full-step tensors), so the tokens are exact. The dense work
-(projections, MLP) is split ``1/pcp``; the attention itself is not (each PCP rank attends every
-query of the step over its DCP shard). A decode step is split the same way (one token per request
-goes to PCP rank 0; the others compute padding), so ``pcp`` adds no decode throughput.
+same inputs; attention over the same keys with the same bound), so the tokens are exact. The dense
+work (projections, MLP) is split ``1/pcp``. A decode step is split the same way (one token per
+request goes to PCP rank 0; the others compute padding), so ``pcp`` adds no decode throughput.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from .select_logits import find_logits_linear
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 ATTENTION = dcp_ops.attention.default
+PAGED = dcp_ops.paged_attention.default
 
 
 def _ensures(program: Program) -> None:
@@ -46,7 +53,7 @@ def _ensures(program: Program) -> None:
     if not any(n.op == "placeholder" and n.name == "pcp_order" for n in graph.nodes):
         return
     for node in nodes_calling(graph, ATTENTION):
-        for operand in node.args[:3]:
+        for operand in node.args[1:3]:  # the query too, unless split_pcp_attention reads it locally
             if not _step_ordered(operand):
                 raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
     linear = find_logits_linear(graph)
@@ -73,8 +80,11 @@ def _step_ordered(node) -> bool:
               not_yet_run("select_logits", "the LM head must read every step row before the logits rows are picked")],
     ensures=[_ensures],
 )
-def split_pcp_prefill(program: Program, mesh: Mesh):
-    """``mesh``: the one being compiled for (``program.mesh`` is set later, by ``shard_tp``)."""
+def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False):
+    """``mesh``: the one being compiled for (``program.mesh`` is set later, by ``shard_tp``).
+    ``local_queries``: gather only ``k``/``v`` and keep this rank's queries (``[1, H, L, D]``);
+    the attention is then only right once :func:`split_pcp_attention` has given the fused paged
+    read this rank's request boundaries and causal bounds."""
     if mesh.pcp == 1:
         return program, "pcp=1: nothing to split"
     gm = program.copy_graph()
@@ -108,9 +118,14 @@ def split_pcp_prefill(program: Program, mesh: Mesh):
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
             raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "
                                     f"{[tuple(x.meta['val'].shape) for x in node.args[:3]]}")
+        q = node.args[0]
         with graph.inserting_before(node):
-            gathered = [_gather_heads_first(graph, e, x, order, mesh.pcp) for x in node.args[:3]]
-        node.args = (*gathered, *node.args[3:])
+            gathered = [_gather_heads_first(graph, e, x, order, mesh.pcp) for x in node.args[1:3]]
+            if not local_queries:
+                q = _gather_heads_first(graph, e, q, order, mesh.pcp)
+        node.args = (q, *gathered, *node.args[3:])
+        if local_queries:
+            continue
         users = list(node.users)
         with graph.inserting_after(node):
             back = e(aten.index_select.default, node, 2, rows)
@@ -125,9 +140,49 @@ def split_pcp_prefill(program: Program, mesh: Mesh):
     graph.eliminate_dead_code()
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
+    gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
     return (program.replace(graph_module=gm, inputs=inputs),
-            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions and the LM head "
-            "read their operands all-gathered over the PCP group")
+            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered} and "
+            "the LM head's input all-gathered over the PCP group")
+
+
+def _ensures_local(program: Program) -> None:
+    for read in nodes_calling(program.graph_module.graph, PAGED):
+        if read.args[4].name != "pcp_cu_seqlens_q":
+            raise VerificationError(f"{read.name} reads rank-local queries with the step's request boundaries")
+
+
+@program_pass(
+    "split_pcp_attention",
+    requires=["split_pcp_prefill", "fuse_new_tokens",
+              not_yet_run("shard_dcp", "it applies at dcp = 1 only, where no DCP lowering follows")],
+    ensures=[_ensures_local],
+)
+def split_pcp_attention(program: Program):
+    """After ``split_pcp_prefill(local_queries=True)``: each fused paged read takes this rank's
+    ``L`` queries, so its query boundaries become ``pcp_cu_seqlens_q`` and its causal bounds
+    (``position + 1`` of every step row) are read at ``pcp_rows``. Its key counts (context plus the
+    request's new tokens, all written to the cache from the gathered K/V) stay the step's. Each
+    rank then attends only its zigzag rows: the causal work splits ``1/pcp``."""
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    (cu,) = add_placeholders(graph, ["pcp_cu_seqlens_q"])
+    local: dict = {}
+    reads = nodes_calling(graph, PAGED)
+    for read in reads:
+        bound = read.args[6]
+        if bound is None:
+            raise VerificationError(f"{read.name} has no causal bound: split_pcp_attention needs fuse_new_tokens' read")
+        if bound not in local:
+            with graph.inserting_after(bound):
+                local[bound] = e(aten.index_select.default, bound, 0, placeholders["pcp_rows"])
+        read.args = (*read.args[:4], cu, read.args[5], local[bound], *read.args[7:])
+    gm.recompile()
+    inputs = (*program.inputs, InputSpec("pcp_cu_seqlens_q", RANK, "pcp_cu_seqlens_q"))
+    return (program.replace(graph_module=gm, inputs=inputs),
+            f"{len(reads)} paged reads attend this rank's rows only (pcp_cu_seqlens_q, bounds at pcp_rows)")
 
 
 def _gather_rows(graph, e: Emitter, x, order, pcp: int):

@@ -17,14 +17,18 @@ import torch
 from .split import rank_token_indices
 
 
-def pcp_step_rows(counts: list[int], pcp: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(rows, order)``: per PCP rank the padded ``[L]`` int64 rows it computes, and the ``[T]``
-    int64 row of every step token in the PCP all-gather (``T = sum(counts)``)."""
+def pcp_step_rows(counts: list[int], pcp: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """``(rows, order, cu)``: per PCP rank the padded ``[L]`` int64 rows it computes, the ``[T]``
+    int64 row of every step token in the PCP all-gather (``T = sum(counts)``), and per PCP rank the
+    ``[R+1]`` int32 boundaries of each request's rows among its ``L`` (the padding counts as the
+    last request's: its queries read that request's keys, bounded, and are never used)."""
     rows: list[list[int]] = [[] for _ in range(pcp)]
+    bounds: list[list[int]] = [[0] for _ in range(pcp)]
     start = 0
     for n in counts:
         for p in range(pcp):
             rows[p] += [start + i for i in rank_token_indices(n, pcp, p)]
+            bounds[p].append(len(rows[p]))
         start += n
     longest = max(1, max(len(r) for r in rows))
     order = [0] * start
@@ -32,4 +36,5 @@ def pcp_step_rows(counts: list[int], pcp: int) -> tuple[list[torch.Tensor], torc
         for j, row in enumerate(mine):
             order[row] = p * longest + j
     padded = [torch.tensor(r + [0] * (longest - len(r)), dtype=torch.int64) for r in rows]
-    return padded, torch.tensor(order, dtype=torch.int64)
+    cu = [torch.tensor(b[:-1] + [longest], dtype=torch.int32) for b in bounds]
+    return padded, torch.tensor(order, dtype=torch.int64), cu

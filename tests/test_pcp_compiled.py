@@ -140,3 +140,24 @@ def test_compiled_pcp_on_gloo_processes_matches_hf(dcp):
         assert result["executor"] == "distributed"
         assert result["tokens"] == reference
         assert result["hits"] >= 16 * dcp
+
+
+def test_paged_read_of_zigzag_rows_takes_causal_runs_and_equals_the_masked_read():
+    from dcpgraph.ops.kernels import attend
+    from dcpgraph.ops.paged import causal_runs, paged_partial_attention
+
+    g = torch.Generator().manual_seed(0)
+    block, keys = 4, 17
+    k_cache, v_cache = torch.randn(6, block, 1, 8, generator=g, dtype=torch.float64), \
+        torch.randn(6, block, 1, 8, generator=g, dtype=torch.float64)
+    table = torch.tensor([[3, 0, 5, 1, 2]], dtype=torch.int32)
+    bound = torch.tensor([6, 7, 8, 15, 16, 17, 6])  # chunks [5, 8) and [14, 17) after 5 cached, one pad row
+    assert causal_runs(bound, keys) == [(0, 3, 8), (3, 6, 17), (6, 7, 6)]
+    q = torch.randn(7, 2, 8, generator=g, dtype=torch.float64)
+    out, lse = paged_partial_attention(q, k_cache, v_cache, table, torch.tensor([0, 7], dtype=torch.int32),
+                                       torch.tensor([keys], dtype=torch.int32), bound, 0.3)
+    k = k_cache[table[0].long()].reshape(-1, 1, 8)[:keys]
+    v = v_cache[table[0].long()].reshape(-1, 1, 8)[:keys]
+    ref, ref_lse = attend(q, k, v, 0.3, kv_bound=bound)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)

@@ -287,10 +287,11 @@ def _paged_partial_attention_torch(
         v = k[..., : v_cache.shape[-1]] if value_prefix else gather_paged(v_cache, ids, n)
         bound = None if kv_bound is None else kv_bound[q0:q1]
         start = None if kv_start is None else kv_start[q0:q1]
-        runs = causal_runs(bound, n) if bound is not None and start is None and not softcap else None
-        if bound is not None and start is None and not softcap and _is_suffix_causal(bound, n):
+        plain = bound is not None and start is None and not softcap
+        if plain and _is_suffix_causal(bound, n):
             o, l_ = attend(q[q0:q1], k, v, scale, causal=True)
-        elif runs is not None and len(runs) <= MAX_CAUSAL_RUNS:  # a few causal runs: each on the causal kernel
+        elif plain and len(runs := causal_runs(bound, n) or ()) and len(runs) <= MAX_CAUSAL_RUNS:
+            # a few causal runs (a PCP rank's zigzag chunks): each on the causal kernel
             for i0, i1, end in runs:
                 out[q0 + i0:q0 + i1], lse[q0 + i0:q0 + i1] = attend(q[q0 + i0:q0 + i1], k[:end], v[:end], scale,
                                                                     causal=True)

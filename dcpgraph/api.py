@@ -27,7 +27,7 @@ from .memory import (
 from .mesh import Mesh
 from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
-from .pcp.support import refuse_pcp_execution
+from .pcp.support import refuse_pcp_compile
 from .program import Program
 from .recurrent_state import refuse_recurrent_state_features
 from .runtime.engine import Engine, blocks_for_budget
@@ -97,8 +97,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     """Compile ``model`` for ``tp`` ranks with DCP groups of ``dcp``; returns an :class:`Engine`.
 
     ``pcp`` (prefill context parallel, vLLM's ``prefill_context_parallel_size``) is validated with
-    the mesh (:meth:`dcpgraph.mesh.Mesh.validate`); pcp > 1 is then refused by
-    :func:`dcpgraph.pcp.support.refuse_pcp_execution`, as the compiled engine runs pcp=1 only.
+    the mesh (:meth:`dcpgraph.mesh.Mesh.validate`); with pcp > 1 the world is ``tp·pcp`` ranks and
+    each step's tokens are split over the PCP ranks (:mod:`dcpgraph.passes.split_pcp_prefill`); what
+    pcp > 1 does not run is refused by :func:`dcpgraph.pcp.support.refuse_pcp_compile`.
 
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
@@ -257,7 +258,7 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     spec = opts["speculative_config"]
     facts = facts_of(model)
     _validate_mesh(mesh, facts, opts)
-    refuse_pcp_execution(mesh)
+    refuse_pcp_compile(mesh, facts, opts)
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     if opts["hybrid_kv_cache"]:
@@ -409,7 +410,7 @@ def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
 
     running = dist.is_available() and dist.is_initialized()
     if choice == "auto":
-        if running and dist.get_world_size() == mesh.tp:
+        if running and dist.get_world_size() == mesh.world_size:
             return distributed
         return emulated
     if choice == "emulated":
@@ -417,7 +418,8 @@ def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
     if choice == "distributed":
         if not running:
             raise ConfigError("executor='distributed' needs an initialised torch.distributed (e.g. torchrun)")
-        if dist.get_world_size() != mesh.tp:
-            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp={mesh.tp}")
+        if dist.get_world_size() != mesh.world_size:
+            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp·pcp={mesh.world_size} "
+                              f"(tp={mesh.tp}, pcp={mesh.pcp})")
         return distributed
     raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {choice!r}")

@@ -292,8 +292,8 @@ class Program:
         if self.state_reader is not None:
             tensors = self.state_reader(self, rank)
         else:
-            tp = self.mesh.tp
-            tensors = [s.shard.local(self.state[s.target], rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
+            tp, tp_rank = self.mesh.tp, self.mesh.tp_rank(rank)  # every PCP replica holds its TP rank's shard
+            tensors = [s.shard.local(self.state[s.target], tp_rank, tp) for s in self.inputs if s.kind in STATE_KINDS]
         if self.device is None:
             return tensors
         return [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in tensors]
@@ -342,6 +342,9 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "dcp_rank": ((), torch.int64),
         "ep_rank": ((), torch.int64),  # data-parallel replicas with EP: replica·tp + tp_rank
         "ep_rows": ((t,), torch.int64),  # its length: the rows every replica pads its tokens to
+        "pcp_rows": ((t,), torch.int64),  # pcp > 1: the step's token rows this rank computes (padded)
+        "pcp_order": ((t,), torch.int64),  # pcp > 1: each token's row in the PCP all-gather
+        "pcp_cu_seqlens_q": ((r + 1,), torch.int32),  # pcp > 1, dcp = 1: request boundaries of pcp_rows
     }
 
 

@@ -121,7 +121,7 @@ def test_unknown_group_kind_is_refused_before_any_node(name):
     }[name]
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    with pytest.raises(ValueError, match=r"unknown group kind .*expected 'tp', 'dcp' or 'ep'"):
+    with pytest.raises(ValueError, match=r"unknown group kind .*expected 'tp', 'dcp', 'pcp' or 'ep'"):
         build(graph, x)
     assert [n.op for n in graph.nodes] == ["placeholder"]
 

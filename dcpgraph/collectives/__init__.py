@@ -9,7 +9,7 @@ This package depends only on torch and :mod:`dcpgraph.mesh`, so :mod:`dcpgraph.p
 :mod:`dcpgraph.runtime` and :mod:`dcpgraph.explain` can all import it without importing each other.
 """
 
-from .groups import DCP_GROUP, EP_GROUP, TP_GROUP, group_kind, group_name, group_ranks
+from .groups import DCP_GROUP, EP_GROUP, PCP_GROUP, TP_GROUP, group_kind, group_name, group_ranks
 from .registry import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -34,6 +34,7 @@ __all__ = [
     "EP_GROUP",
     "REDUCE_OPS",
     "REDUCE_SCATTER",
+    "PCP_GROUP",
     "TP_GROUP",
     "WAIT",
     "Collective",

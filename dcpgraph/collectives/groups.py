@@ -6,6 +6,8 @@ a concrete process group (which differs from rank to rank for the DCP groups). I
 
 - ``TP_GROUP = "dcpgraph.tp"``: the tensor-parallel group, which is the whole world;
 - ``DCP_GROUP = "dcpgraph.dcp"``: the DCP group *of the calling rank* (``mesh.dcp_group(rank)``);
+- ``PCP_GROUP = "dcpgraph.pcp"``: the PCP group of the calling rank (``mesh.pcp_group(rank)``, the
+  ``pcp`` ranks with its TP rank), over which a prefill's tokens are split;
 - ``EP_GROUP = "dcpgraph.ep"``: the expert-parallel group of data-parallel replicas, every rank of
   every replica (:class:`~dcpgraph.mesh.ReplicaMesh`; a single replica's EP group is its world).
 
@@ -29,34 +31,35 @@ from __future__ import annotations
 
 from ..mesh import Mesh
 
-__all__ = ["DCP_GROUP", "EP_GROUP", "TP_GROUP", "group_kind", "group_name", "group_ranks"]
+__all__ = ["DCP_GROUP", "EP_GROUP", "PCP_GROUP", "TP_GROUP", "group_kind", "group_name", "group_ranks"]
 
 TP_GROUP = "dcpgraph.tp"
 DCP_GROUP = "dcpgraph.dcp"
 EP_GROUP = "dcpgraph.ep"
+PCP_GROUP = "dcpgraph.pcp"
 
-_KIND_OF_NAME = {TP_GROUP: "tp", DCP_GROUP: "dcp", EP_GROUP: "ep"}
+_KIND_OF_NAME = {TP_GROUP: "tp", DCP_GROUP: "dcp", EP_GROUP: "ep", PCP_GROUP: "pcp"}
 _NAME_OF_KIND = {kind: name for name, kind in _KIND_OF_NAME.items()}
 
 
 def group_kind(group_name: object) -> str:
-    """``"tp"``, ``"dcp"`` or ``"ep"`` for a logical group name; ``ValueError`` for anything else."""
+    """``"tp"``, ``"dcp"``, ``"pcp"`` or ``"ep"`` for a logical group name; ``ValueError`` for anything else."""
     kind = _KIND_OF_NAME.get(group_name) if isinstance(group_name, str) else None
     if kind is None:
         raise ValueError(
             f"unknown process-group name {group_name!r}: dcpgraph graphs must use the logical "
             f"names {TP_GROUP!r} (the TP group, i.e. the world), {DCP_GROUP!r} (the caller's "
-            f"DCP group) or {EP_GROUP!r} (every rank of the data-parallel replicas)"
+            f"DCP group), {PCP_GROUP!r} (the caller's PCP group) or {EP_GROUP!r} (every rank of the data-parallel replicas)"
         )
     return kind
 
 
 def group_name(kind: str) -> str:
-    """The logical name of group kind ``"tp"``, ``"dcp"`` or ``"ep"`` (inverse of :func:`group_kind`)."""
+    """The logical name of group kind ``"tp"``, ``"dcp"``, ``"pcp"`` or ``"ep"`` (inverse of :func:`group_kind`)."""
     try:
         return _NAME_OF_KIND[kind]
     except KeyError:
-        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp' or 'ep'") from None
+        raise ValueError(f"unknown group kind {kind!r}; expected 'tp', 'dcp', 'pcp' or 'ep'") from None
 
 
 def group_ranks(mesh: Mesh, name: object, rank: int) -> tuple[int, ...]:

@@ -97,6 +97,21 @@ def _is_suffix_causal(bound: torch.Tensor, keys: int) -> bool:
     return bool(torch.equal(bound.to(torch.int64), torch.arange(keys - n + 1, keys + 1, device=bound.device)))
 
 
+def causal_runs(bound: torch.Tensor, keys: int) -> list[tuple[int, int, int]] | None:
+    """``bound`` cut into runs ``(i0, i1, end)`` that are each bottom-right causal over the first
+    ``end`` keys (``bound[i0:i1] = end − (i1 − i0) + 1 .. end``), e.g. a PCP rank's two zigzag
+    chunks of one request; None when some bound exceeds ``keys`` (the length then clamps it)."""
+    values = bound.to(torch.int64).tolist()
+    if not values or max(values) > keys:
+        return None
+    runs, i0 = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append((i0, i, values[i - 1]))
+            i0 = i
+    return runs
+
+
 # Per KV dtype: True/False once decided; ("reason", dtype): why it is off; "reason": the latest such.
 _native_state: dict[object, object] = {}
 
@@ -224,6 +239,7 @@ def paged_partial_attention(
     )
 
 
+MAX_CAUSAL_RUNS = 8  # a PCP rank's zigzag chunks and padding; more runs keep the masked path
 MAX_BOUNDED_QUERIES_PER_ROW = 16  # speculative verification sizes; longer rows keep the torch path
 
 
@@ -271,8 +287,15 @@ def _paged_partial_attention_torch(
         v = k[..., : v_cache.shape[-1]] if value_prefix else gather_paged(v_cache, ids, n)
         bound = None if kv_bound is None else kv_bound[q0:q1]
         start = None if kv_start is None else kv_start[q0:q1]
-        if bound is not None and start is None and not softcap and _is_suffix_causal(bound, n):
+        plain = bound is not None and start is None and not softcap
+        if plain and _is_suffix_causal(bound, n):
             o, l_ = attend(q[q0:q1], k, v, scale, causal=True)
+        elif plain and len(runs := causal_runs(bound, n) or ()) and len(runs) <= MAX_CAUSAL_RUNS:
+            # a few causal runs (a PCP rank's zigzag chunks): each on the causal kernel
+            for i0, i1, end in runs:
+                out[q0 + i0:q0 + i1], lse[q0 + i0:q0 + i1] = attend(q[q0 + i0:q0 + i1], k[:end], v[:end], scale,
+                                                                    causal=True)
+            continue
         else:
             o, l_ = attend(q[q0:q1], k, v, scale, kv_bound=bound, kv_start=start, softcap=softcap)
         out[q0:q1] = o

@@ -17,6 +17,9 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 
 The configuration adds passes where it asks for them (:func:`default_passes`):
 
+- ``split_pcp_prefill`` (``pcp > 1``) right before ``insert_kv_cache``: each PCP rank computes its
+  zigzag share of the step's tokens, the attention operands and the LM head's input all-gathered
+  over the PCP group (``shard_dcp`` then lowers with ``comm="a2a"``);
 - ``expert_parallel`` (``enable_expert_parallel``) first: the plan's routed experts become
   expert-parallel before ``shard_tp`` reads the plan;
 - ``experts_over_replicas`` (``enable_expert_parallel`` with ``data_parallel_size > 1``) right
@@ -38,7 +41,7 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
 from .absorb_mla import absorb_mla
@@ -59,6 +62,7 @@ from .select_logits import select_logits
 from .shard_dcp import shard_dcp
 from .shard_recurrent_tp import TP_RULES, shard_recurrent_tp
 from .shard_tp import shard_tp
+from .split_pcp_prefill import split_pcp_attention, split_pcp_prefill
 
 PIPELINE: tuple[ProgramPass, ...] = (
     absorb_mla,
@@ -98,6 +102,13 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
         fuse_mla_preprocess.name: {"enabled": mlapo},
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
+    if mesh.pcp > 1:
+        local = mesh.dcp == 1 and fuse_new  # the fused read can take this rank's queries alone
+        passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name),
+                      split_pcp_prefill.with_options(mesh=mesh, local_queries=local))
+        if local:
+            passes.insert(next(i for i, p in enumerate(passes) if p.name == fuse_new_tokens.name) + 1,
+                          split_pcp_attention)
     if return_hidden:
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
     if expert_parallel_experts:
@@ -131,6 +142,18 @@ def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
         )
 
 
+def pcp_comm(mesh: Mesh, comm: str) -> str:
+    """The DCP lowering at ``pcp > 1``: ``"auto"`` is ``"a2a"``; ``"ag"`` (each rank computes its DCP
+    group's query heads from replicated projections, which takes the group for consecutive TP
+    ranks) is refused by name."""
+    if mesh.pcp == 1:
+        return comm
+    if comm == "ag":
+        raise ConfigError(f"comm='ag' is not supported with prefill_context_parallel_size={mesh.pcp}; "
+                          "use comm='auto', 'a2a' or 'ag_rs'")
+    return "a2a" if comm == "auto" else comm
+
+
 def describe_recurrent(recurrent: dict[int, str]) -> str:
     """``"mamba2 at layers [0, 2]"``, for errors."""
     layers = sorted(recurrent)
@@ -156,6 +179,8 @@ def compile_program(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
         )
     refuse_recurrent_layers_on(program, mesh)
+    comm = pcp_comm(mesh, comm)
+    mlapo = mlapo and mesh.pcp == 1  # its pattern does not see through split_pcp_prefill's gathers
     program = program.replace(lowering=program.lowering.decided(interleave=interleave))
     passes = default_passes(mesh, block_size=block_size, comm=comm, plan=plan, kv_cache_dtype=kv_cache_dtype,
                             mlapo=mlapo, return_hidden=return_hidden, comm_workload=comm_workload,

@@ -137,6 +137,9 @@ class _ContextReadSharding:
     def __init__(self, graph, program: Program, comm: str, local_lens, dcp_rank):
         self.graph, self.e, self.comm, self.dcp_rank = graph, Emitter(graph), comm, dcp_rank
         self.n, self.tp = program.mesh.dcp, program.mesh.tp
+        # pcp > 1 with dcp | pcp: the group is ranks of one TP rank, holding the same heads and (after
+        # split_pcp_prefill's gathers) the same queries, so only the partials are exchanged
+        self.same_queries = program.mesh.pcp > 1 and program.mesh.pcp % self.n == 0
         self.interleave = int(program.lowering.interleave)
         placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
         self.local: dict = {placeholders["context_lens"]: local_lens}
@@ -154,6 +157,8 @@ class _ContextReadSharding:
     def group_query(self, node):
         """The query of every head of the DCP group, for the context read ``node``."""
         graph, e, q = self.graph, self.e, node.args[0]
+        if self.same_queries:
+            return q
         if self.comm == "ag":
             replicate_projections(graph, e, node, self.specs, self.rules, self.n, self.tp, self.dcp_rank)
             return q  # now every head of the group, computed here
@@ -180,7 +185,9 @@ class _ContextReadSharding:
         anchor = max((u for us in users.values() for u in us), key=self.position.__getitem__)
         with graph.inserting_before(anchor.next):
             o_c, lse_c = e.getitem(node, 0), e.getitem(node, 1)
-            if self.comm == "ag":
+            if self.same_queries:
+                out, lse = _merge_same_queries(graph, e, node, o_c, lse_c, n, dv, q)
+            elif self.comm == "ag":
                 out, lse = merge_all_heads(graph, e, o_c, lse_c, n, n * heads, dv,
                                            *(v.dtype for v in node.meta["val"][:2]))
             elif self.comm == "a2a":
@@ -254,6 +261,22 @@ def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q):
     blocks = e(aten.cat.default, [_to(e, o_blocks, o_dtype, acc),
                                   e(aten.unsqueeze.default, _to(e, lse_blocks, lse_dtype, acc), -1)], -1)
     received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
+    outs = e(aten.slice.Tensor, received, -1, 0, dv)
+    lses = e(aten.select.int, received, -1, dv)
+    merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
+    return _to(e, merged, acc, dtype), lse
+
+
+def _merge_same_queries(graph, e, read, o_c, lse_c, n, dv, q):
+    """Every rank of the group attended the same queries over its shard: all-gather the packed
+    ``[o ‖ lse]`` partials ``[T, H, Dv+1]`` and merge the ``n`` of them by LSE on every rank."""
+    dtype = q.meta["val"].dtype
+    acc = torch.promote_types(torch.float32, dtype)
+    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+    packed = e(aten.cat.default, [_to(e, o_c, o_dtype, acc), e(aten.unsqueeze.default, _to(e, lse_c, lse_dtype, acc), -1)],
+               -1)
+    heads = q.meta["val"].shape[1]
+    received = e(aten.view.default, coll.all_gather(graph, packed, n, "dcp"), [n, -1, heads, dv + 1])
     outs = e(aten.slice.Tensor, received, -1, 0, dv)
     lses = e(aten.select.int, received, -1, dv)
     merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)

@@ -95,7 +95,9 @@ def check_structure(program: Program) -> None:
         group = collective_group(node)
         if group is not None:
             kind, size = group
-            expected = {"tp": program.mesh.tp, "dcp": program.mesh.dcp,
+            if kind == "pcp" and program.mesh.pcp == 1:  # before shard_tp sets the program's mesh
+                continue
+            expected = {"tp": program.mesh.tp, "dcp": program.mesh.dcp, "pcp": program.mesh.pcp,
                         "ep": program.lowering.expert_ranks or program.mesh.world_size}[kind]
             if size is not None and size != expected:
                 raise VerificationError(

@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import (
     _unregister_process_group,
 )
 
-from ..collectives.groups import DCP_GROUP, EP_GROUP, TP_GROUP
+from ..collectives.groups import DCP_GROUP, EP_GROUP, PCP_GROUP, TP_GROUP
 from ..devices import BACKENDS
 from ..mesh import Mesh
 from . import host_collectives
@@ -60,10 +60,12 @@ def _names_resolve_to(groups: dict[str, dist.ProcessGroup]) -> bool:
 def register_mesh_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup]:
     """Create the DCP subgroups and register the logical group names; return ``{kind: group}``.
 
-    Collective: every process of the initialised world (of size ``mesh.tp``) must call it, with
-    the same mesh, at the same point. Every process creates every DCP group, in the same order
-    (``dist.new_group`` requires it), and keeps only its own. The DCP group is always a new
-    communicator, even when it has the same ranks as the world (``dcp == tp``).
+    Collective: every process of the initialised world (of size ``mesh.world_size``, ``tp·pcp``)
+    must call it, with the same mesh, at the same point. Every process creates every DCP group, in
+    the same order (``dist.new_group`` requires it), and keeps only its own. The DCP group is always
+    a new communicator, even when it has the same ranks as the world (``dcp == tp``). With
+    ``pcp > 1`` the TP name resolves to this rank's PCP replica (its ``tp`` ranks), and the PCP
+    name to its PCP group (the ``pcp`` ranks with its TP rank), both new communicators too.
 
     Idempotent: calling it again with the same mesh on the same world returns the existing groups
     without creating any; a different mesh destroys this module's old subgroups and replaces the
@@ -83,21 +85,23 @@ def register_mesh_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup]:
             return dict(state["groups"])
         unregister_mesh_groups()
     rank = dist.get_rank()
-    mine = None
     created = []
-    for ranks in mesh.dcp_groups():
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            mine = group
-            created.append(group)
-    if mine is None:  # cannot happen for a valid Mesh; guards against a changed Mesh.dcp_groups
-        raise RuntimeError(f"rank {rank} is in no DCP group of {mesh}")
-    groups = {"tp": world, "dcp": mine}
-    served = {"tp": host_collectives.wrap(world), "dcp": host_collectives.wrap(mine)}
+    groups = {"tp": world}
+    kinds = ("dcp",) if mesh.pcp == 1 else ("dcp", "tp", "pcp")  # pcp > 1: the TP group is a replica's
+    for kind in kinds:
+        for ranks in sorted({mesh.group(kind, r) for r in mesh.ranks}):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                groups[kind] = group
+                created.append(group)
+        if kind not in groups:  # cannot happen for a valid Mesh; guards against a changed Mesh
+            raise RuntimeError(f"rank {rank} is in no {kind.upper()} group of {mesh}")
+    served = {kind: host_collectives.wrap(group) for kind, group in groups.items()}
     registered = {kind: group for kind, (group, _) in served.items()}
-    for name, kind in ((TP_GROUP, "tp"), (DCP_GROUP, "dcp")):
+    for name, kind in ((TP_GROUP, "tp"), (DCP_GROUP, "dcp"), (PCP_GROUP, "pcp")):
         _unregister_process_group(name)  # a no-op when the name is free
-        _register_process_group(name, registered[kind])
+        if kind in registered:
+            _register_process_group(name, registered[kind])
     _registered = {"mesh": mesh, "world": world, "groups": groups, "owned": created, "registered": registered,
                    "transport": {kind: note for kind, (_, note) in served.items()}}
     return dict(groups)
@@ -113,7 +117,7 @@ def unregister_mesh_groups() -> None:
     """Undo :func:`register_mesh_groups` in this process (local; safe to call when not set up)."""
     global _registered
     state, _registered = _registered, None
-    for name in (TP_GROUP, DCP_GROUP):
+    for name in (TP_GROUP, DCP_GROUP, PCP_GROUP):
         _unregister_process_group(name)
     for group in (state or {}).get("registered", {}).values():
         host_collectives.release(group)

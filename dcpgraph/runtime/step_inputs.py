@@ -15,7 +15,10 @@ Every scheduled token of every request is flattened into one sequence. For reque
 - ``tp_rank`` / ``dcp_rank``: this rank's index in its groups (data, not control flow);
 - with ``hybrid_kv_cache``: ``block_table_sliding`` and ``slot_mapping_sliding``, the same for
   the sliding layers' own table (see :mod:`.layer_groups`);
-- for a model with recurrent layers: ``state_slots`` ``[R]``, each request's state slot.
+- for a model with recurrent layers: ``state_slots`` ``[R]``, each request's state slot;
+- with ``pcp > 1``: ``pcp_order`` ``[T]`` (shared) and per rank ``pcp_rows`` ``[L]`` and
+  ``pcp_cu_seqlens_q`` ``[R+1]``: the rows this rank computes, where each row sits in the PCP
+  exchange, and its rows' request boundaries (:mod:`dcpgraph.pcp.step_rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from .. import layout
 from ..mesh import Mesh
+from ..pcp.step_rows import pcp_step_rows
 
 # Steps of at most this many tokens compute slots and lengths on Python ints; longer ones on tensors.
 SMALL_STEP_TOKENS = 256
@@ -144,6 +148,10 @@ def build_step_inputs(
         if sliding is not None:
             own["slot_mapping_sliding"] = slots(d, lambda c: c.sliding_table, sliding)
         per_rank.append(own)
+    if mesh.pcp > 1:
+        pcp_rows, shared["pcp_order"], pcp_cu = pcp_step_rows([len(c.tokens) for c in chunks], mesh.pcp)
+        for rank, own in zip(mesh.ranks, per_rank):
+            own["pcp_rows"], own["pcp_cu_seqlens_q"] = pcp_rows[mesh.pcp_rank(rank)], pcp_cu[mesh.pcp_rank(rank)]
     return shared, per_rank
 
 

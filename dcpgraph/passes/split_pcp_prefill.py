@@ -1,0 +1,197 @@
+"""``split_pcp_prefill``: each PCP rank computes its zigzag share of a step's tokens.
+
+With ``pcp > 1`` the step's ``T`` tokens are split over the ``pcp`` ranks of each PCP group
+(:mod:`dcpgraph.pcp.step_rows`: per request the zigzag split of :mod:`dcpgraph.pcp.split`). Each
+rank gets two inputs: ``pcp_rows [L]``, the step rows it computes (padded with row 0 to the
+group's longest share), and ``pcp_order [T]``, the row of every step token in a PCP all-gather of
+``[L, ...]`` pieces. The pass rewrites the canonical program (before ``insert_kv_cache``):
+
+- ``input_ids`` and ``position_ids`` are read at ``pcp_rows``: embeddings, projections, norms,
+  rotary and the MLP run on this rank's ``L`` rows only;
+- each canonical attention's ``q``, ``k`` and ``v`` ``[1, H, L, D]`` are all-gathered over the PCP
+  group and put back in step order (``gathered[pcp_order]``, ``[1, H, T, D]``); the attention then
+  runs on the whole step exactly as at ``pcp = 1`` (``insert_kv_cache`` writes every new token to
+  its DCP owner's shard and reads the context, ``shard_dcp`` shards that read over the DCP group,
+  whose ranks now hold the same queries), and its output is read back at ``pcp_rows``;
+- the LM head's input is all-gathered the same way, so ``select_logits`` picks step rows and every
+  rank samples from the same logits.
+
+With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``) the queries stay local
+(``local_queries``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
+``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
+and causal bounds (``position + 1`` at ``pcp_rows``), so each rank attends its zigzag rows only
+and the causal work splits ``1/pcp`` as in the eager path. With ``dcp > 1`` the queries are
+gathered too and the attention runs on the whole step on every PCP rank (over its DCP shard).
+
+Every value a rank computes for a row is what ``pcp = 1`` computes for it (row-wise ops on the
+same inputs; attention over the same keys with the same bound), so the tokens are exact. The dense
+work (projections, MLP) is split ``1/pcp``. A decode step is split the same way (one token per
+request goes to PCP rank 0; the others compute padding), so ``pcp`` adds no decode throughput.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModelError, VerificationError
+from ..mesh import Mesh
+from ..program import META, RANK, InputSpec, Program
+from . import collectives as coll
+from .graph_edit import Emitter, add_placeholders, nodes_calling
+from .insert_kv_cache import attention_chunk, attention_modifiers
+from .manager import not_yet_run, program_pass
+from .select_logits import find_logits_linear
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcpgraph
+ATTENTION = dcp_ops.attention.default
+PAGED = dcp_ops.paged_attention.default
+
+
+def _ensures(program: Program) -> None:
+    graph = program.graph_module.graph
+    if not any(n.op == "placeholder" and n.name == "pcp_order" for n in graph.nodes):
+        return
+    for node in nodes_calling(graph, ATTENTION):
+        for operand in node.args[1:3]:  # the query too, unless split_pcp_attention reads it locally
+            if not _step_ordered(operand):
+                raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
+    linear = find_logits_linear(graph)
+    if not _step_ordered(linear.args[0]):
+        raise VerificationError(f"the LM head {linear.name} reads rows not gathered over the PCP group")
+
+
+def _step_ordered(node) -> bool:
+    """Whether ``node`` is a PCP all-gather read back in step order (:func:`_gather_rows`)."""
+    seen, stack = set(), [node]
+    while stack:
+        x = stack.pop()
+        if x.op == "call_function" and x.target is aten.index_select.default and x.args[2].name == "pcp_order":
+            return True
+        seen.add(x)
+        if x.op == "call_function" and x.target in (aten.transpose.int, aten.unsqueeze.default):
+            stack.extend(a for a in x.all_input_nodes if a not in seen)
+    return False
+
+
+@program_pass(
+    "split_pcp_prefill",
+    requires=[not_yet_run("insert_kv_cache", "it rewrites the canonical attention, which insert_kv_cache replaces"),
+              not_yet_run("select_logits", "the LM head must read every step row before the logits rows are picked")],
+    ensures=[_ensures],
+)
+def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False):
+    """``mesh``: the one being compiled for (``program.mesh`` is set later, by ``shard_tp``).
+    ``local_queries``: gather only ``k``/``v`` and keep this rank's queries (``[1, H, L, D]``);
+    the attention is then only right once :func:`split_pcp_attention` has given the fused paged
+    read this rank's request boundaries and causal bounds."""
+    if mesh.pcp == 1:
+        return program, "pcp=1: nothing to split"
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    rows, order = add_placeholders(graph, ["pcp_rows", "pcp_order"])
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    selected = 0
+    for name in ("input_ids", "position_ids"):
+        token_input = placeholders.get(name)
+        if token_input is None:
+            continue
+        users = list(token_input.users)
+        with graph.inserting_before(first):
+            mine = e(aten.index_select.default, token_input, 1, rows)
+        for user in users:
+            user.replace_input_with(token_input, mine)
+        selected += 1
+    if "input_ids" not in placeholders:
+        raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
+    attentions = nodes_calling(graph, ATTENTION)
+    modified = [n.name for n in attentions if attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n)]
+    if modified or len(attentions) != program.facts.num_layers:
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
+            f"dense attention (GQA or MLA) in every layer; sliding-window, soft-capped, sink or chunked attention "
+            f"({modified[:4]}), sparse (SFA/DSA) attention and layers without attention are not split over PCP "
+            "ranks; use pcp=1")
+    for node in attentions:
+        if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
+            raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "
+                                    f"{[tuple(x.meta['val'].shape) for x in node.args[:3]]}")
+        q = node.args[0]
+        with graph.inserting_before(node):
+            gathered = [_gather_heads_first(graph, e, x, order, mesh.pcp) for x in node.args[1:3]]
+            if not local_queries:
+                q = _gather_heads_first(graph, e, q, order, mesh.pcp)
+        node.args = (q, *gathered, *node.args[3:])
+        if local_queries:
+            continue
+        users = list(node.users)
+        with graph.inserting_after(node):
+            back = e(aten.index_select.default, node, 2, rows)
+        for user in users:
+            user.replace_input_with(node, back)
+    linear = find_logits_linear(graph)
+    with graph.inserting_before(linear):
+        hidden = linear.args[0]
+        flat = e(aten.clone.default, e(aten.squeeze.dim, hidden, 0), memory_format=torch.contiguous_format)
+        step = e(aten.unsqueeze.default, _gather_rows(graph, e, flat, order, mesh.pcp), 0)
+    linear.args = (step, *linear.args[1:])
+    graph.eliminate_dead_code()
+    gm.recompile()
+    inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
+    gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
+    return (program.replace(graph_module=gm, inputs=inputs),
+            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered} and "
+            "the LM head's input all-gathered over the PCP group")
+
+
+def _ensures_local(program: Program) -> None:
+    for read in nodes_calling(program.graph_module.graph, PAGED):
+        if read.args[4].name != "pcp_cu_seqlens_q":
+            raise VerificationError(f"{read.name} reads rank-local queries with the step's request boundaries")
+
+
+@program_pass(
+    "split_pcp_attention",
+    requires=["split_pcp_prefill", "fuse_new_tokens",
+              not_yet_run("shard_dcp", "it applies at dcp = 1 only, where no DCP lowering follows")],
+    ensures=[_ensures_local],
+)
+def split_pcp_attention(program: Program):
+    """After ``split_pcp_prefill(local_queries=True)``: each fused paged read takes this rank's
+    ``L`` queries, so its query boundaries become ``pcp_cu_seqlens_q`` and its causal bounds
+    (``position + 1`` of every step row) are read at ``pcp_rows``. Its key counts (context plus the
+    request's new tokens, all written to the cache from the gathered K/V) stay the step's. Each
+    rank then attends only its zigzag rows: the causal work splits ``1/pcp``."""
+    gm = program.copy_graph()
+    graph = gm.graph
+    e = Emitter(graph)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    (cu,) = add_placeholders(graph, ["pcp_cu_seqlens_q"])
+    local: dict = {}
+    reads = nodes_calling(graph, PAGED)
+    for read in reads:
+        bound = read.args[6]
+        if bound is None:
+            raise VerificationError(f"{read.name} has no causal bound: split_pcp_attention needs fuse_new_tokens' read")
+        if bound not in local:
+            with graph.inserting_after(bound):
+                local[bound] = e(aten.index_select.default, bound, 0, placeholders["pcp_rows"])
+        read.args = (*read.args[:4], cu, read.args[5], local[bound], *read.args[7:])
+    gm.recompile()
+    inputs = (*program.inputs, InputSpec("pcp_cu_seqlens_q", RANK, "pcp_cu_seqlens_q"))
+    return (program.replace(graph_module=gm, inputs=inputs),
+            f"{len(reads)} paged reads attend this rank's rows only (pcp_cu_seqlens_q, bounds at pcp_rows)")
+
+
+def _gather_rows(graph, e: Emitter, x, order, pcp: int):
+    """``x [L, ...]`` of every PCP rank, in step order ``[T, ...]``."""
+    return e(aten.index_select.default, coll.all_gather(graph, x, pcp, "pcp"), 0, order)
+
+
+def _gather_heads_first(graph, e: Emitter, x, order, pcp: int):
+    """``x [1, H, L, D]`` of every PCP rank as ``[1, H, T, D]`` in step order."""
+    tokens_first = e(aten.clone.default, e(aten.transpose.int, e(aten.squeeze.dim, x, 0), 0, 1),
+                     memory_format=torch.contiguous_format)  # [L, H, D]
+    return e(aten.unsqueeze.default, e(aten.transpose.int, _gather_rows(graph, e, tokens_first, order, pcp), 0, 1), 0)

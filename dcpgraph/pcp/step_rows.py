@@ -1,0 +1,40 @@
+"""Which rows of a compiled step each PCP rank computes, and where each row sits in the exchange.
+
+A step flattens its requests' new tokens (request ``r``'s ``n_r`` tokens at rows
+``cu[r]..cu[r+1]-1``, :mod:`dcpgraph.runtime.step_inputs`). Each request's tokens are split over
+the ``pcp`` ranks by the zigzag split (:func:`.split.rank_token_indices`), so PCP rank ``p``
+computes the rows ``rows[p]`` (ascending within each request, requests in order). Every rank of a
+PCP group must exchange tensors of one shape, so each list is padded to the longest, ``L``, with
+row 0 (a real token: its padding copies are computed and never read). After the all-gather of
+``[L, ...]`` pieces over the PCP group, global row ``i`` is at ``order[i] = p·L + j`` where
+``rows[p][j] = i`` for its computing rank ``p``: ``gathered[order]`` is the step in row order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .split import rank_token_indices
+
+
+def pcp_step_rows(counts: list[int], pcp: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """``(rows, order, cu)``: per PCP rank the padded ``[L]`` int64 rows it computes, the ``[T]``
+    int64 row of every step token in the PCP all-gather (``T = sum(counts)``), and per PCP rank the
+    ``[R+1]`` int32 boundaries of each request's rows among its ``L`` (the padding counts as the
+    last request's: its queries read that request's keys, bounded, and are never used)."""
+    rows: list[list[int]] = [[] for _ in range(pcp)]
+    bounds: list[list[int]] = [[0] for _ in range(pcp)]
+    start = 0
+    for n in counts:
+        for p in range(pcp):
+            rows[p] += [start + i for i in rank_token_indices(n, pcp, p)]
+            bounds[p].append(len(rows[p]))
+        start += n
+    longest = max(1, max(len(r) for r in rows))
+    order = [0] * start
+    for p, mine in enumerate(rows):
+        for j, row in enumerate(mine):
+            order[row] = p * longest + j
+    padded = [torch.tensor(r + [0] * (longest - len(r)), dtype=torch.int64) for r in rows]
+    cu = [torch.tensor(b[:-1] + [longest], dtype=torch.int32) for b in bounds]
+    return padded, torch.tensor(order, dtype=torch.int64), cu

@@ -34,6 +34,9 @@ IMPLEMENTED_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # serving/reasoning.py
 IMPLEMENTED_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # serving/tool_parsers.py
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+# dcpgraph.compile's own defaults for the fields whose config default (None) means "the front
+# end's": LLM and serve take vLLM CPU's instead (dcpgraph.serving.vllm_defaults)
+COMPILE_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "enable_prefix_caching": False}
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
 
 
@@ -179,7 +182,9 @@ class CacheConfig(Section):
         "auto", "KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 power-of-two scale "
                 "per token, KV head and 128 elements); vLLM's fp8 and bfloat16 name the same",
         choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
-    enable_prefix_caching: bool = setting(False, "reuse the KV of full virtual blocks shared with earlier prompts")
+    enable_prefix_caching: bool | None = setting(
+        None, "reuse the KV of full virtual blocks shared with earlier prompts (default, as vLLM: on where the model "
+              "supports it; off, with the reason logged, for recurrent layers and --hybrid-kv-cache)")
     num_gpu_blocks_override: int | None = setting(
         None, "KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)",
         option="num_blocks", low=1)
@@ -190,6 +195,11 @@ class CacheConfig(Section):
     hybrid_kv_cache: bool = setting(False, "sliding-window layers get their own block table and a pool sized for "
                                            "their window (Gemma-2/3, GPT-OSS, Qwen3 hybrids: more requests in the "
                                            "same memory); not with --enable-prefix-caching")
+    kv_cache_space_bytes: int | None = setting(
+        None, "the default KV cache budget per rank when no cache size is given, on the host: at most this many "
+              "bytes, and no more blocks than max-num-seqs sequences of max-model-len take (LLM and serve: "
+              "$VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB; None: max-num-seqs sequences of max-model-len)",
+        low=1, cli=False)
     kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
                                               "tokens reserved at admission", choices=KV_ALLOCATIONS)
     gpu_memory_utilization: float | None = setting(
@@ -200,6 +210,9 @@ class CacheConfig(Section):
               "shared by this node's ranks. Not with the explicit cache sizes")
 
     def _validate(self) -> None:
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ConfigError(f"enable_prefix_caching must be None (on where supported), True or False, "
+                              f"got {self.enable_prefix_caching!r}")
         sizes = [option_name(f) for f in dataclasses.fields(self)
                  if option_name(f) in CACHE_SIZE_OPTIONS and getattr(self, f.name) is not None]
         if len(sizes) > 1:
@@ -231,9 +244,14 @@ class CacheConfig(Section):
 class SchedulerConfig(Section):
     """Batching: requests and tokens per step, context length, waiting queue."""
 
-    max_num_seqs: int = setting(8, "requests decoded together", low=1)
-    max_num_batched_tokens: int = setting(256, "tokens per step (the chunked-prefill budget)", low=1)
-    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, at most 4096)", low=1)
+    max_num_seqs: int | None = setting(
+        None, "requests decoded together (default: vLLM CPU's, 128 x tp for serve, 256 x tp for LLM, at most "
+              "--max-num-batched-tokens; dcpgraph.compile: 8)", low=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step, the chunked-prefill budget (default: vLLM CPU's, 2048 x tp for serve, 4096 x tp for "
+              "LLM, at most max-num-seqs x max-model-len; dcpgraph.compile: 256)", low=1)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's max_position_embeddings; "
+                                              "dcpgraph.compile: at most 4096)", low=1)
     max_waiting: int = setting(1024, "bound of the waiting queue (past it a request is refused)", low=1)
     enable_chunked_prefill: bool | None = setting(
         None, "prefills are always chunked (--max-num-batched-tokens is the budget); --enable-chunked-prefill is "

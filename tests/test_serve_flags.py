@@ -133,7 +133,8 @@ def test_every_config_field_has_a_flag_and_every_flag_a_field():
     # a plain module's TP plan (a serve model is always a checkpoint with its own plan) and which
     # replica's slice of the experts a worker compiles (set per replica by the front end)
     no_flag = {name for name, (_, f) in fields.items() if not f.metadata["cli"]}
-    assert no_flag == {"executor", "plan", "expert_replicas"}
+    # and the default KV budget, which LLM and serve set from $VLLM_CPU_KVCACHE_SPACE
+    assert no_flag == {"executor", "plan", "expert_replicas", "kv_cache_space_bytes"}
     assert set(dests) == set(fields) - no_flag  # no flag without a field, no field without a flag
     assert dests["tensor_parallel_size"] == ["--tensor-parallel-size", "-tp"]
     assert dests["decode_context_parallel_size"] == ["--decode-context-parallel-size", "-dcp"]
@@ -172,6 +173,11 @@ def test_serve_llm_and_compile_build_the_same_config():
     flags = ["/m", "-tp", "2", "-dcp", "2", "--cp-kv-cache-interleave-size", "4", "--block-size", "8",
              "--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "64", "--enforce-eager", "--comm", "ag",
              "--capture-limit", "4"]
+    # without these three, serve and LLM leave them None (vLLM CPU's defaults, resolved against the
+    # model at start-up) where compile takes its own 8, 256 and False
+    unset = DcpgraphConfig.from_cli_args(build_parser().parse_args(flags)).compile_options()
+    assert (unset["max_num_seqs"], unset["max_num_batched_tokens"], unset["enable_prefix_caching"]) == (None,) * 3
+    flags += ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"]
     served = DcpgraphConfig.from_cli_args(build_parser().parse_args(flags))
     offline = DcpgraphConfig.from_llm_kwargs(model="/m", **llm_kwargs(served))
     compiled = DcpgraphConfig.from_compile_options(tp=2, dcp=2, interleave=4, block_size=8, kv_cache_dtype="fp8_e4m3",

@@ -210,7 +210,7 @@ class CacheConfig(Section):
               "shared by this node's ranks. Not with the explicit cache sizes")
 
     def _validate(self) -> None:
-        if self.enable_prefix_caching not in (None, True, False):
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be None (on where supported), True or False, "
                               f"got {self.enable_prefix_caching!r}")
         sizes = [option_name(f) for f in dataclasses.fields(self)

@@ -103,7 +103,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
-    ``kv_cache_bytes_per_rank`` (cache size, at most one), ``max_num_batched_tokens`` (chunked-prefill
+    ``kv_cache_bytes_per_rank`` (cache size, at most one; without one, every sequence slot at
+    ``max_model_len``, at most ``kv_cache_space_bytes`` when given), ``max_num_batched_tokens`` (chunked-prefill
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
@@ -115,7 +116,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
     request when the cache is full; "whole_request": prompt + max new tokens reserved at admission),
-    ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
+    ``enable_prefix_caching`` (default False; None: on unless the model cannot run it, what
+    :class:`~dcpgraph.LLM` and ``dcpgraph serve`` pass by default, see :func:`prefix_caching_refusal`;
+    True: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
     every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``),

@@ -196,3 +196,33 @@ def test_api_key_defaults_from_the_environment(monkeypatch):
     assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key == "sekrit"
     monkeypatch.delenv("DCPGRAPH_API_KEY")
     assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key is None
+
+
+def test_quantization_must_name_the_checkpoints_own_method(tmp_path):
+    """``-q``/``--quantization`` is checked against config.json before anything is loaded."""
+    import json
+
+    from dcpgraph.serving.llm import check_quantization
+
+    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
+    plain.mkdir()
+    fp8.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    check_quantization(str(fp8), "fp8")
+    check_quantization(str(plain), "none")
+    check_quantization(str(plain), None)
+    with pytest.raises(ConfigError, match=r"quantization='awq', but .*fp8 is quantized with 'fp8': give "
+                                          r"quantization='fp8' or leave it unset"):
+        check_quantization(str(fp8), "awq")
+    with pytest.raises(ConfigError, match=r"quantization='fp8', but .*plain is not quantized: give quantization='none'"):
+        LLM(str(plain), quantization="fp8")  # refused before the tokenizer or any weight is read
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m", "-q", "fp8"])).model.quantization == "fp8"
+
+
+def test_uvicorn_log_level_is_its_own_flag():
+    args = build_parser().parse_args(["/m", "--uvicorn-log-level", "warning"])
+    assert DcpgraphConfig.from_cli_args(args).serving.uvicorn_log_level == "warning"
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.uvicorn_log_level is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["/m", "--uvicorn-log-level", "loud"])

@@ -27,6 +27,7 @@ EXECUTORS = ("auto", "emulated", "distributed")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "emulated")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's --uvicorn-log-level
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # where weights come from (vLLM's --load-format)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
@@ -57,6 +58,9 @@ class ModelConfig(Section):
     load_format: str = setting("auto", "where weights come from: auto/safetensors (the model directory's "
                                        "*.safetensors), dummy (random weights from the config alone, for "
                                        "benchmarking; no weight file is read)", choices=LOAD_FORMATS, option=None)
+    quantization: str | None = setting(None, "the checkpoint's quantization method (vLLM's -q): checked against its "
+                                             "config.json quantization_config (default: whatever it has)",
+                                       flags=("--quantization", "-q"), option=None)
 
     def _validate(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -361,10 +365,15 @@ class ServingConfig(Section):
               "\"kv_parallel_size\": 2, \"kv_port\": 14579}' (see dcpgraph/serving/kv_connector/config.py)",
         option=None)
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS, option=None)
+    uvicorn_log_level: str | None = setting(None, "the HTTP server's (uvicorn's) log level (default: --log-level)",
+                                            choices=UVICORN_LOG_LEVELS, option=None)
 
     def _validate(self) -> None:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ConfigError(f"uvicorn_log_level must be one of {list(UVICORN_LOG_LEVELS)}, "
+                              f"got {self.uvicorn_log_level!r}")
         if self.max_logprobs > MAX_LOGPROBS:
             raise ConfigError(f"max_logprobs must be at most {MAX_LOGPROBS} (the most a token returns), "
                               f"got {self.max_logprobs}")

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("worker processes (rank order): pids %s", pids)
     app = build_app(llm, served_model_name=serving.served_model_name or settings.model.model, api_key=serving.api_key,
                     max_body_bytes=serving.max_request_bytes, kv_agent=kv_agent, options=options)
-    config = uvicorn.Config(app, host=serving.host, port=serving.port, log_level=serving.log_level,
+    config = uvicorn.Config(app, host=serving.host, port=serving.port,
+                            log_level=serving.uvicorn_log_level or serving.log_level,
                             timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run()

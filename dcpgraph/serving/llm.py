@@ -22,6 +22,7 @@ same tokens, and another seed gives other ones.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -82,6 +83,21 @@ def check_mtp_checkpoint(path: str) -> None:
     check_mtp_weights(path)
 
 
+def check_quantization(path: str, given: str | None) -> None:
+    """``quantization`` (vLLM's ``-q``), when given, must name the checkpoint's own method
+    (``config.json``'s ``quantization_config.quant_method``; "none" for an unquantized one):
+    dcpgraph does not quantize at load, it reads what the checkpoint holds."""
+    if given is None:
+        return
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    method = quant.get("quant_method") or "none"
+    if given != method:
+        held = f"quantized with {method!r}" if quant else "not quantized"
+        raise ConfigError(f"quantization={given!r}, but {path} is {held}: give quantization={method!r} or leave it "
+                          "unset (dcpgraph reads the checkpoint's own weights and does not quantize at load)")
+
+
 @dataclass(frozen=True)
 class CheckedCheckpoint:
     """A model directory checked against the configuration: its tokenizer, what
@@ -101,6 +117,7 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
     model, parallel, cache, scheduler = settings.model.model, settings.parallel, settings.cache, settings.scheduler
     spec = settings.speculative
     require_model_dir(model)
+    check_quantization(model, settings.model.quantization)
     load_format = settings.model.load_format
     if load_format == "dummy" and spec.checked is not None and spec.checked.method in ("mtp", "draft_model"):
         raise ConfigError(f"load_format='dummy' builds the target model only; speculative method "
@@ -159,7 +176,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, distributed_executor_backend: str | None = None,
                  worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0,
                  speculative_config: dict | None = None, trust_remote_code: bool = False,
-                 usage_context: str = "llm", **engine_options: Any):
+                 quantization: str | None = None, usage_context: str = "llm", **engine_options: Any):
         """The arguments not given (None) take vLLM CPU's defaults for ``usage_context`` ("llm"; the
         server passes "serve"), see :mod:`.vllm_defaults`; the chosen figures are logged."""
         import torch.distributed as dist
@@ -173,7 +190,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             distributed_executor_backend=distributed_executor_backend, worker_host=worker_host,
             worker_timeout_s=worker_timeout_s, speculative_config=speculative_config,
-            trust_remote_code=trust_remote_code, **engine_options,
+            trust_remote_code=trust_remote_code, quantization=quantization, **engine_options,
         )  # every option checked, before the model directory is read
         parallel = settings.parallel
         tp = parallel.tensor_parallel_size

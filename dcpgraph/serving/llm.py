@@ -137,8 +137,9 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                           f"got {scheduler.max_model_len}")
     device = resolve_device(parallel.device).name
-    sized = cache.gpu_memory_utilization is not None or any(
-        v is not None for v in (cache.num_gpu_blocks_override, cache.kv_cache_tokens, cache.kv_cache_memory_bytes))
+    sized = cache.gpu_memory_utilization is not None or any(  # a size, a fraction or the space itself given
+        v is not None for v in (cache.num_gpu_blocks_override, cache.kv_cache_tokens, cache.kv_cache_memory_bytes,
+                                cache.kv_cache_space_bytes))
     defaults = vllm_defaults.resolve(
         usage_context, tp=tp, model_limit=limit, max_model_len=scheduler.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens, sized=sized,

@@ -101,7 +101,7 @@ def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offlin
     path = checkpoints["qwen3"]
     flags = ("--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--enable-prefix-caching")
     prompt = [72, 105, 33, 7, 64]
-    offline = LLM(model=path, **options_of(*SMALL, *flags))
+    offline = LLM(model=path, usage_context="serve", **options_of(*SMALL, *flags))  # serve's defaults, as the server
     try:
         blocks = offline.num_kv_blocks()
         want = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]

@@ -79,6 +79,7 @@ def test_llm_logs_the_figures_and_sizes_the_cache_from_the_space(tmp_path, monke
     llm.shutdown()
 
 
+@pytest.mark.slow  # 12-18 s on two loaded cores (three compiles); the default tier sizes from the space in the LLM test
 def test_the_space_is_capped_at_every_sequence_slot_at_full_length():
     """compile's ``kv_cache_space_bytes`` (what LLM passes): at most the bytes' blocks, and no more
     than ``max_num_seqs`` sequences of ``max_model_len`` take; an explicit size is not capped.

@@ -104,7 +104,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``model`` may also be a Program from :func:`trace`, so one trace serves many configurations.
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
-    ``kv_cache_bytes_per_rank`` (cache size, at most one), ``max_num_batched_tokens`` (chunked-prefill
+    ``kv_cache_bytes_per_rank`` (cache size, at most one; without one, every sequence slot at
+    ``max_model_len``, at most ``kv_cache_space_bytes`` when given), ``max_num_batched_tokens`` (chunked-prefill
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
@@ -116,7 +117,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     the waiting queue, default 1024: past it ``add_request`` raises ``QueueFullError``),
     ``kv_allocation`` ("on_demand", the default: blocks as requests grow, preempting the youngest
     request when the cache is full; "whole_request": prompt + max new tokens reserved at admission),
-    ``enable_prefix_caching`` (default False: reuse the KV of full virtual blocks,
+    ``enable_prefix_caching`` (default False; None: on unless the model cannot run it, what
+    :class:`~dcpgraph.LLM` and ``dcpgraph serve`` pass by default, see :func:`prefix_caching_refusal`;
+    True: reuse the KV of full virtual blocks,
     ``block_size · dcp`` tokens, shared with earlier requests' prompt prefixes; the hash covers
     whole virtual blocks and the block table is shared by the DCP group, so a hit is valid on
     every DCP rank at once; counters in ``Engine.report()["prefix_cache"]``),
@@ -186,6 +189,7 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
                                        opts=config.opts)
     program = placed(_traced_program(model), config.opts["device"])
     _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
+    config = _prefix_caching_decided(program, config)
     refuse_recurrent_state_options(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
@@ -197,6 +201,29 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
+
+
+def prefix_caching_refusal(program: Program, opts: dict[str, Any]) -> str | None:
+    """Why prefix caching cannot run for the traced ``program`` under ``opts``, None when it can:
+    recurrent layers (their state after a cached prefix is not kept) or ``hybrid_kv_cache`` (a
+    sliding layer's dropped blocks cannot serve a later hit)."""
+    recurrent = sorted(program.facts.extra.get("recurrent_layers") or {})
+    if recurrent:
+        return f"recurrent layers {recurrent} keep no state at a cached prefix"
+    if opts["hybrid_kv_cache"]:
+        return "hybrid_kv_cache: a sliding layer's dropped blocks cannot serve a later prefix hit"
+    return None
+
+
+def _prefix_caching_decided(program: Program, config: _Configuration) -> _Configuration:
+    """``enable_prefix_caching=None`` (vLLM's default, which LLM and serve pass) decided: on unless
+    :func:`prefix_caching_refusal` names a reason, which the configuration keeps
+    (``prefix_caching_off_reason``) for the engine's report. True and False stay as given."""
+    if config.opts["enable_prefix_caching"] is not None:
+        return config
+    reason = prefix_caching_refusal(program, config.opts)
+    return dataclasses.replace(config, opts={**config.opts, "enable_prefix_caching": reason is None},
+                               prefix_caching_off_reason=reason)
 
 
 def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
@@ -218,7 +245,7 @@ def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
         max_num_seqs=opts["max_num_seqs"], graphs=compiled.graphs, capture_limit=opts["capture_limit"],
         enable_prefix_caching=opts["enable_prefix_caching"], speculative_config=config.spec, draft=compiled.draft,
         max_waiting=opts["max_waiting"], kv_allocation=opts["kv_allocation"], memory_sizing=compiled.memory_sizing,
-        seed=opts["seed"],
+        seed=opts["seed"], prefix_caching_off_reason=config.prefix_caching_off_reason,
     )
 
 
@@ -236,6 +263,7 @@ class _Configuration:
     max_model_len: int
     mtp_checkpoint: Any = None
     draft_program: Program | None = None
+    prefix_caching_off_reason: str | None = None  # why enable_prefix_caching=None was decided False
 
     @property
     def spec(self):
@@ -262,7 +290,7 @@ def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -
     max_model_len = int(opts["max_model_len"]
                         or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
     if opts["hybrid_kv_cache"]:
-        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"], kv_allocation=opts["kv_allocation"],
+        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"] is True, kv_allocation=opts["kv_allocation"],
                              draft_model=spec is not None and spec.method == "draft_model")
     if opts["enable_expert_parallel"] and not facts.extra.get("ep_plan"):
         raise ConfigError(f"enable_expert_parallel=True: {facts.architecture} has no expert-parallel plan "
@@ -322,7 +350,8 @@ def _num_blocks(program: Program, config: _Configuration,
     """KV-cache blocks per rank: from the cache size given; else from ``gpu_memory_utilization``
     (given, or 0.9 on an accelerator; :func:`dcpgraph.memory.size_for_utilization`, the smallest
     count over the ranks of a distributed world), with its :class:`MemorySizing`; else the default
-    budget (every sequence slot at ``max_model_len``)."""
+    budget: every sequence slot at ``max_model_len``, and with ``kv_cache_space_bytes`` (LLM and
+    serve on the host) at most the blocks that many bytes buy."""
 
     opts, spec = config.opts, config.spec
     decode_tokens = 1 + (spec.num_speculative_tokens if spec else 0)
@@ -339,9 +368,12 @@ def _num_blocks(program: Program, config: _Configuration,
         sizing = dataclasses.replace(sizing, num_blocks=agreed)
         log.info("%s", sizing.describe())
         return sizing.num_blocks, sizing
-    return blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, max_model_len=config.max_model_len,
-                             max_num_seqs=opts["max_num_seqs"], decode_tokens=decode_tokens,
-                             step_tokens=min(opts["max_num_batched_tokens"], config.max_model_len)), None
+    budget = {"max_model_len": config.max_model_len, "max_num_seqs": opts["max_num_seqs"],
+              "decode_tokens": decode_tokens, "step_tokens": min(opts["max_num_batched_tokens"], config.max_model_len)}
+    blocks = blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, **budget)
+    if not explicit and opts["kv_cache_space_bytes"] is not None:
+        blocks = min(blocks, blocks_for_budget(program, kv_cache_bytes_per_rank=opts["kv_cache_space_bytes"], **budget))
+    return blocks, None
 
 
 def placed(program: Program, device: str) -> Program:

@@ -47,8 +47,8 @@ def no_work(monkeypatch):
 
 BAD = [
     ({"capture_limit": -1}, ConfigError, r"capture_limit must be an int >= 0, got -1"),
-    ({"max_num_seqs": 0}, ConfigError, r"max_num_seqs must be an int >= 1"),
-    ({"max_num_batched_tokens": "256"}, ConfigError, r"max_num_batched_tokens must be an int >= 1, got '256'"),
+    ({"max_num_seqs": 0}, ConfigError, r"max_num_seqs must be None or an int >= 1"),
+    ({"max_num_batched_tokens": "256"}, ConfigError, r"max_num_batched_tokens must be None or an int >= 1, got '256'"),
     ({"block_size": 0}, ConfigError, r"block_size must be an int >= 1"),
     ({"interleave": True}, ConfigError, r"interleave must be an int >= 1, got True"),
     ({"max_model_len": 0}, ConfigError, r"max_model_len must be None or an int >= 1"),
@@ -56,7 +56,7 @@ BAD = [
     ({"num_blocks": 4, "kv_cache_tokens": 64}, ConfigError,
      r"give at most one of \['num_blocks', 'kv_cache_tokens', 'kv_cache_bytes_per_rank'\]"),
     ({"verify": "yes"}, ConfigError, r"verify must be True or False"),
-    ({"enable_prefix_caching": 1}, ConfigError, r"enable_prefix_caching must be True or False"),
+    ({"enable_prefix_caching": 1}, ConfigError, r"enable_prefix_caching must be None \(on where supported\), True or False"),
     ({"comm": "ring"}, ConfigError, r"comm must be 'auto', 'a2a', 'ag_rs' or 'ag', got 'ring'"),
     ({"executor": "gpu"}, ConfigError, r"executor must be 'auto', 'emulated' or 'distributed'"),
     ({"backend": "tpu-magic"}, ConfigError, r"unknown backend 'tpu-magic'; choose from"),
@@ -106,7 +106,7 @@ def test_max_batched_tokens_is_deprecated_for_max_num_batched_tokens():
     with pytest.raises(ConfigError, match="max_num_batched_tokens or its deprecated spelling max_batched_tokens, not both"), \
             pytest.warns(DeprecationWarning):
         compile_options(max_batched_tokens=12, max_num_batched_tokens=12)
-    with pytest.raises(ConfigError, match="max_num_batched_tokens must be an int >= 1, got '8'"), \
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be None or an int >= 1, got '8'"), \
             pytest.warns(DeprecationWarning):
         compile_options(max_batched_tokens="8")
 

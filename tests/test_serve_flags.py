@@ -101,7 +101,7 @@ def test_a_server_started_with_an_fp8_cache_reports_it_and_answers_as_the_offlin
     path = checkpoints["qwen3"]
     flags = ("--kv-cache-dtype", "fp8_e4m3", "--enforce-eager", "--enable-prefix-caching")
     prompt = [72, 105, 33, 7, 64]
-    offline = LLM(model=path, **options_of(*SMALL, *flags))
+    offline = LLM(model=path, usage_context="serve", **options_of(*SMALL, *flags))  # serve's defaults, as the server
     try:
         blocks = offline.num_kv_blocks()
         want = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
@@ -133,7 +133,8 @@ def test_every_config_field_has_a_flag_and_every_flag_a_field():
     # a plain module's TP plan (a serve model is always a checkpoint with its own plan) and which
     # replica's slice of the experts a worker compiles (set per replica by the front end)
     no_flag = {name for name, (_, f) in fields.items() if not f.metadata["cli"]}
-    assert no_flag == {"executor", "plan", "expert_replicas"}
+    # and the default KV budget, which LLM and serve set from $VLLM_CPU_KVCACHE_SPACE
+    assert no_flag == {"executor", "plan", "expert_replicas", "kv_cache_space_bytes"}
     assert set(dests) == set(fields) - no_flag  # no flag without a field, no field without a flag
     assert dests["tensor_parallel_size"] == ["--tensor-parallel-size", "-tp"]
     assert dests["decode_context_parallel_size"] == ["--decode-context-parallel-size", "-dcp"]
@@ -172,6 +173,11 @@ def test_serve_llm_and_compile_build_the_same_config():
     flags = ["/m", "-tp", "2", "-dcp", "2", "--cp-kv-cache-interleave-size", "4", "--block-size", "8",
              "--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "64", "--enforce-eager", "--comm", "ag",
              "--capture-limit", "4"]
+    # without these three, serve and LLM leave them None (vLLM CPU's defaults, resolved against the
+    # model at start-up) where compile takes its own 8, 256 and False
+    unset = DcpgraphConfig.from_cli_args(build_parser().parse_args(flags)).compile_options()
+    assert (unset["max_num_seqs"], unset["max_num_batched_tokens"], unset["enable_prefix_caching"]) == (None,) * 3
+    flags += ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"]
     served = DcpgraphConfig.from_cli_args(build_parser().parse_args(flags))
     offline = DcpgraphConfig.from_llm_kwargs(model="/m", **llm_kwargs(served))
     compiled = DcpgraphConfig.from_compile_options(tp=2, dcp=2, interleave=4, block_size=8, kv_cache_dtype="fp8_e4m3",
@@ -190,3 +196,33 @@ def test_api_key_defaults_from_the_environment(monkeypatch):
     assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key == "sekrit"
     monkeypatch.delenv("DCPGRAPH_API_KEY")
     assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.api_key is None
+
+
+def test_quantization_must_name_the_checkpoints_own_method(tmp_path):
+    """``-q``/``--quantization`` is checked against config.json before anything is loaded."""
+    import json
+
+    from dcpgraph.serving.llm import check_quantization
+
+    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
+    plain.mkdir()
+    fp8.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    check_quantization(str(fp8), "fp8")
+    check_quantization(str(plain), "none")
+    check_quantization(str(plain), None)
+    with pytest.raises(ConfigError, match=r"quantization='awq', but .*fp8 is quantized with 'fp8': give "
+                                          r"quantization='fp8' or leave it unset"):
+        check_quantization(str(fp8), "awq")
+    with pytest.raises(ConfigError, match=r"quantization='fp8', but .*plain is not quantized: give quantization='none'"):
+        LLM(str(plain), quantization="fp8")  # refused before the tokenizer or any weight is read
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m", "-q", "fp8"])).model.quantization == "fp8"
+
+
+def test_uvicorn_log_level_is_its_own_flag():
+    args = build_parser().parse_args(["/m", "--uvicorn-log-level", "warning"])
+    assert DcpgraphConfig.from_cli_args(args).serving.uvicorn_log_level == "warning"
+    assert DcpgraphConfig.from_cli_args(build_parser().parse_args(["/m"])).serving.uvicorn_log_level is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["/m", "--uvicorn-log-level", "loud"])

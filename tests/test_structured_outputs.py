@@ -233,3 +233,27 @@ def test_response_format_structural_tag_is_vllms():
     with pytest.raises(ValueError, match=r"\"structures\" must be a non-empty list"):
         ChatCompletionRequest(messages=messages, response_format={"type": "structural_tag", "structures": [{}],
                                                                   "triggers": ["<f"]})
+
+
+def test_disable_additional_properties_closes_every_object_schema():
+    """vLLM's ``disable_additional_properties``: objects with properties and no
+    ``additionalProperties`` of their own are closed at any depth; an explicit one is kept.
+    jsonschema (independent of the rewrite) then refuses an extra key the original allowed."""
+    from dcpgraph.runtime.structured_outputs import without_additional_properties
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"type": "object",
+                                                                                "patternProperties": {"^x": {}}}},
+                                               "d": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    closed = without_additional_properties(json.dumps(schema))
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["d"]["additionalProperties"] is True and "additionalProperties" not in schema
+    extra = {"a": {"b": 1, "z": 2}}
+    jsonschema.validate(extra, schema)
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties are not allowed"):
+        jsonschema.validate(extra, closed)
+    params = StructuredOutputsParams.from_json({"json": schema, "disable_additional_properties": True})
+    assert params.disable_additional_properties and params.to_json()["disable_additional_properties"] is True
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams.from_json({"json": schema, "whitespace_pattern": " "})

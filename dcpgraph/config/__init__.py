@@ -37,6 +37,7 @@ from .fields import Section, is_int, option_name, setting
 from .sections import (
     CACHE_SIZE_OPTIONS,
     COMMS,
+    COMPILE_DEFAULTS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     EXECUTORS,
     IMPLEMENTED_REASONING_PARSERS,
@@ -57,7 +58,7 @@ from .sections import (
 )
 
 __all__ = [
-    "CACHE_SIZE_OPTIONS", "COMMS", "DEPRECATED_OPTIONS", "DISTRIBUTED_EXECUTOR_BACKENDS", "EXECUTORS",
+    "CACHE_SIZE_OPTIONS", "COMMS", "COMPILE_DEFAULTS", "DEPRECATED_OPTIONS", "DISTRIBUTED_EXECUTOR_BACKENDS", "EXECUTORS",
     "IMPLEMENTED_REASONING_PARSERS", "IMPLEMENTED_TOOL_CALL_PARSERS", "KV_ALLOCATIONS", "LOAD_FORMATS", "LOG_LEVELS",
     "REASONING_PARSERS", "SECTIONS", "TOOL_CALL_PARSERS", "VALID_OPTIONS", "CacheConfig", "CompilationConfig",
     "DcpgraphConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "Section", "ServingConfig",
@@ -107,8 +108,13 @@ class DcpgraphConfig:
 
     @classmethod
     def from_compile_options(cls, *, tp: int = 1, dcp: int = 1, pcp: int = 1, **given: Any) -> DcpgraphConfig:
-        """From :func:`dcpgraph.compile`'s keywords (the deprecated spellings warn)."""
+        """From :func:`dcpgraph.compile`'s keywords (the deprecated spellings warn); the options of
+        :data:`COMPILE_DEFAULTS` not given (or, for the two budgets, None) take compile's defaults.
+        ``enable_prefix_caching=None`` given explicitly means vLLM's default: on where supported."""
         given = _renamed(given)
+        for name, value in COMPILE_DEFAULTS.items():
+            if given.get(name) is None and (name in ("max_num_seqs", "max_num_batched_tokens") or name not in given):
+                given[name] = value
         unknown = sorted(set(given) - set(VALID_OPTIONS))
         if unknown:
             raise TypeError(f"unknown options: {unknown}; compile takes {list(VALID_OPTIONS)}")

@@ -27,6 +27,7 @@ EXECUTORS = ("auto", "emulated", "distributed")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "emulated")
 KV_ALLOCATIONS = ("on_demand", "whole_request")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's --uvicorn-log-level
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # where weights come from (vLLM's --load-format)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")  # vLLM's names
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "granite", "gpt_oss")
@@ -34,6 +35,9 @@ IMPLEMENTED_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # serving/reasoning.py
 IMPLEMENTED_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # serving/tool_parsers.py
 # the cache sizes, by their compile names; at most one may be given
 CACHE_SIZE_OPTIONS = ("num_blocks", "kv_cache_tokens", "kv_cache_bytes_per_rank")
+# dcpgraph.compile's own defaults for the fields whose config default (None) means "the front
+# end's": LLM and serve take vLLM CPU's instead (dcpgraph.serving.vllm_defaults)
+COMPILE_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "enable_prefix_caching": False}
 # older compile spelling -> the option that replaces it (accepted with a DeprecationWarning)
 
 
@@ -54,6 +58,9 @@ class ModelConfig(Section):
     load_format: str = setting("auto", "where weights come from: auto/safetensors (the model directory's "
                                        "*.safetensors), dummy (random weights from the config alone, for "
                                        "benchmarking; no weight file is read)", choices=LOAD_FORMATS, option=None)
+    quantization: str | None = setting(None, "the checkpoint's quantization method (vLLM's -q): checked against its "
+                                             "config.json quantization_config (default: whatever it has)",
+                                       flags=("--quantization", "-q"), option=None)
 
     def _validate(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -179,7 +186,9 @@ class CacheConfig(Section):
         "auto", "KV cache element type: auto (the model's dtype), bf16, or fp8_e4m3 (one fp32 power-of-two scale "
                 "per token, KV head and 128 elements); vLLM's fp8 and bfloat16 name the same",
         choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
-    enable_prefix_caching: bool = setting(False, "reuse the KV of full virtual blocks shared with earlier prompts")
+    enable_prefix_caching: bool | None = setting(
+        None, "reuse the KV of full virtual blocks shared with earlier prompts (default, as vLLM: on where the model "
+              "supports it; off, with the reason logged, for recurrent layers and --hybrid-kv-cache)")
     num_gpu_blocks_override: int | None = setting(
         None, "KV cache size in blocks per rank (default: max-num-seqs sequences of max-model-len)",
         option="num_blocks", low=1)
@@ -190,6 +199,11 @@ class CacheConfig(Section):
     hybrid_kv_cache: bool = setting(False, "sliding-window layers get their own block table and a pool sized for "
                                            "their window (Gemma-2/3, GPT-OSS, Qwen3 hybrids: more requests in the "
                                            "same memory); not with --enable-prefix-caching")
+    kv_cache_space_bytes: int | None = setting(
+        None, "the default KV cache budget per rank when no cache size is given, on the host: at most this many "
+              "bytes, and no more blocks than max-num-seqs sequences of max-model-len take (LLM and serve: "
+              "$VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB; None: max-num-seqs sequences of max-model-len)",
+        low=1, cli=False)
     kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
                                               "tokens reserved at admission", choices=KV_ALLOCATIONS)
     gpu_memory_utilization: float | None = setting(
@@ -200,6 +214,9 @@ class CacheConfig(Section):
               "shared by this node's ranks. Not with the explicit cache sizes")
 
     def _validate(self) -> None:
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be None (on where supported), True or False, "
+                              f"got {self.enable_prefix_caching!r}")
         sizes = [option_name(f) for f in dataclasses.fields(self)
                  if option_name(f) in CACHE_SIZE_OPTIONS and getattr(self, f.name) is not None]
         if len(sizes) > 1:
@@ -231,9 +248,14 @@ class CacheConfig(Section):
 class SchedulerConfig(Section):
     """Batching: requests and tokens per step, context length, waiting queue."""
 
-    max_num_seqs: int = setting(8, "requests decoded together", low=1)
-    max_num_batched_tokens: int = setting(256, "tokens per step (the chunked-prefill budget)", low=1)
-    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, at most 4096)", low=1)
+    max_num_seqs: int | None = setting(
+        None, "requests decoded together (default: vLLM CPU's, 128 x tp for serve, 256 x tp for LLM, at most "
+              "--max-num-batched-tokens; dcpgraph.compile: 8)", low=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step, the chunked-prefill budget (default: vLLM CPU's, 2048 x tp for serve, 4096 x tp for "
+              "LLM, at most max-num-seqs x max-model-len; dcpgraph.compile: 256)", low=1)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's max_position_embeddings; "
+                                              "dcpgraph.compile: at most 4096)", low=1)
     max_waiting: int = setting(1024, "bound of the waiting queue (past it a request is refused)", low=1)
     enable_chunked_prefill: bool | None = setting(
         None, "prefills are always chunked (--max-num-batched-tokens is the budget); --enable-chunked-prefill is "
@@ -343,10 +365,15 @@ class ServingConfig(Section):
               "\"kv_parallel_size\": 2, \"kv_port\": 14579}' (see dcpgraph/serving/kv_connector/config.py)",
         option=None)
     log_level: str = setting("info", "server log level", choices=LOG_LEVELS, option=None)
+    uvicorn_log_level: str | None = setting(None, "the HTTP server's (uvicorn's) log level (default: --log-level)",
+                                            choices=UVICORN_LOG_LEVELS, option=None)
 
     def _validate(self) -> None:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ConfigError(f"uvicorn_log_level must be one of {list(UVICORN_LOG_LEVELS)}, "
+                              f"got {self.uvicorn_log_level!r}")
         if self.max_logprobs > MAX_LOGPROBS:
             raise ConfigError(f"max_logprobs must be at most {MAX_LOGPROBS} (the most a token returns), "
                               f"got {self.max_logprobs}")

@@ -71,6 +71,7 @@ class Engine(EngineClient):
         kv_allocation: str = "on_demand",
         memory_sizing=None,
         seed: int = 0,
+        prefix_caching_off_reason: str | None = None,
     ):
         speculative = speculative_config_of(speculative_config, speculative_tokens)
         draft_layers = sorted({p.layer for p in draft[0].recurrent_states}) if draft is not None else []
@@ -87,6 +88,7 @@ class Engine(EngineClient):
         self.program = program
         self.seed = seed  # the run's seed: unseeded requests' generators derive from it (see _new_request)
         self.memory_sizing = memory_sizing  # dcpgraph.memory.MemorySizing when a memory fraction chose num_blocks
+        self.prefix_caching_off_reason = prefix_caching_off_reason  # why compile decided vLLM's default off
         self.mesh = program.mesh
         self.block_size = int(program.lowering.block_size)
         self.interleave = int(program.lowering.interleave)

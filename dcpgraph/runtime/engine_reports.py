@@ -82,9 +82,11 @@ def prefix_cache_report(engine) -> dict:
     ``preempted_query_tokens`` (prompt + output so far) and ``preempted_hit_tokens``;
     ``evictions``, ``cached_blocks`` (virtual blocks holding a hash, in use or free) and
     ``prompt_tokens_computed`` (prompt tokens the ranks actually ran). A hit is one virtual
-    block on every DCP rank at once."""
+    block on every DCP rank at once. ``off_reason``: why the default (on where supported) was
+    decided off for this model, None when it was not."""
     return {
         "enabled": engine.blocks.enable_prefix_caching,
+        "off_reason": getattr(engine, "prefix_caching_off_reason", None),
         **engine.blocks.stats,
         "cached_blocks": engine.blocks.cached_blocks,
         "prompt_tokens_computed": engine.scheduler.prompt_tokens_computed,

@@ -53,7 +53,7 @@ def allocate_caches(program: Program, num_blocks: int | Mapping[str, int],
         if not program.lowering.state_slots:
             raise ValueError("a program with recurrent state pools needs Lowering.state_slots (set by the Engine)")
         rows = pool_rows(program)  # the slots, then their snapshots under speculation (state_rollback)
-        caches.update({p.name: torch.zeros((rows, *p.shape), dtype=p.dtype, device=device)
+        caches.update({p.name: host_memory.zeros((rows, *p.shape), p.dtype, device)  # lazily mapped: slots unused
                        for p in program.recurrent_states})
     return caches
 

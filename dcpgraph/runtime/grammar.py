@@ -30,7 +30,12 @@ from typing import Any
 import torch
 
 from ..errors import GrammarError, RequestError
-from .structured_outputs import CONSTRAINTS, StructuredOutputsParams, check_structural_tag
+from .structured_outputs import (
+    CONSTRAINTS,
+    StructuredOutputsParams,
+    check_structural_tag,
+    without_additional_properties,
+)
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -92,6 +97,8 @@ class GrammarBackend:
         c = self.compiler
         if params.json is not None or params.json_object:  # json_object: any JSON object, as vLLM
             schema = params.json if params.json is not None else {"type": "object"}
+            if params.disable_additional_properties:
+                schema = without_additional_properties(schema)
             compact = params.disable_any_whitespace
             return c.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
                                          any_whitespace=not compact, separators=(",", ":") if compact else None)

@@ -10,9 +10,11 @@ GQA 8:1 attention 7.7–7.8 → 8.8–9.3 GB/s, MLA 576/512 fp8 3.2–3.3 → 3.
 
 :func:`zeros` maps anonymous memory (zero-filled by the kernel), starts the tensor on a 2 MiB
 boundary, advises huge pages for it, and returns a tensor over that memory (the tensor keeps the
-mapping alive). It is ``torch.zeros`` on other devices, and where huge pages cannot be asked for: not Linux,
-THP set to ``never``, a tensor under 2 MiB, or ``DCPGRAPH_HUGE_PAGES=0``. :func:`status` says
-which applies. Whether the kernel grants the pages is its decision (``AnonHugePages`` in
+mapping alive). The mapping is lazy: a page is committed when it is first written, so a 4 GiB cache
+of which a test writes a few blocks costs a few pages of memory, not 4 GiB. Where huge pages cannot
+be asked for (THP set to ``never``, ``DCPGRAPH_HUGE_PAGES=0``, no ``madvise``) the mapping is the
+same without the advice; it is ``torch.zeros`` on other devices, for a tensor under 2 MiB, and where
+anonymous mappings do not exist (not POSIX). :func:`status` says whether huge pages are asked for. Whether the kernel grants the pages is its decision (``AnonHugePages`` in
 ``/proc/meminfo`` counts what it granted); the tensor's contents are the same either way.
 """
 
@@ -44,15 +46,16 @@ def status() -> str:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed tensor of ``shape`` and ``dtype`` on ``device``; on the host, on huge pages where
-    :func:`status` allows."""
+    """A zeroed tensor of ``shape`` and ``dtype`` on ``device``; on the host, lazily mapped and on
+    huge pages where :func:`status` allows."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or status():
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=device)
     span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages from the start
     mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -_address(mapping) % HUGE_PAGE
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, span)
+    if not status():
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, span)
     raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
     return raw.view(dtype).view(shape)
 

@@ -7,8 +7,11 @@ Exactly one of the constraint fields is set: ``json`` (a JSON schema, as a dict 
 shapes: ``{"type": "structural_tag", "format": {...}}``, xgrammar's structural-tag format, or the
 older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``, where text is free
 until a trigger starts one of the structures, whose content then follows its schema up to its
-``end``). ``disable_any_whitespace`` makes a ``json`` constraint emit compact JSON. vLLM's
-``whitespace_pattern`` and ``disable_additional_properties`` are refused by name. The constraint is applied as a logits mask by :mod:`.grammar`.
+``end``). ``disable_any_whitespace`` makes a ``json`` constraint emit compact JSON;
+``disable_additional_properties`` (vLLM's) gives every object schema with ``properties`` or
+``patternProperties`` and no ``additionalProperties`` of its own ``additionalProperties: false``
+(:func:`without_additional_properties`). vLLM's ``whitespace_pattern`` is refused by name. The
+constraint is applied as a logits mask by :mod:`.grammar`.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-_REFUSED = {"whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM too)",
-            "disable_additional_properties": "disable_additional_properties is not supported"}
+_REFUSED = {"whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM too)"}
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties")  # the flags beside the constraint
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
@@ -68,25 +72,39 @@ class StructuredOutputsParams:
         asked = {k: v for k, v in data.items() if v not in (None, False)}
         for name in sorted(set(asked) & set(_REFUSED)):
             raise ValueError(f"structured_outputs.{name}: {_REFUSED[name]}")
-        unknown = sorted(set(data) - set(CONSTRAINTS) - {"disable_any_whitespace"} - set(_REFUSED)
-                         - {"disable_fallback"})
+        unknown = sorted(set(data) - set(CONSTRAINTS) - set(OPTIONS) - set(_REFUSED) - {"disable_fallback"})
         if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; valid: "
-                             f"{list(CONSTRAINTS) + ['disable_any_whitespace']}")
-        return cls(**{k: v for k, v in data.items() if k in CONSTRAINTS or k == "disable_any_whitespace"})
+            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; valid: {list(CONSTRAINTS + OPTIONS)}")
+        return cls(**{k: v for k, v in data.items() if k in CONSTRAINTS or k in OPTIONS})
 
     def to_json(self) -> dict[str, Any]:
         """The set fields, JSON-able (what a multi-process engine sends its driver)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in CONSTRAINTS if getattr(self, name) is not None}
         if "choice" in out:
             out["choice"] = list(out["choice"])
-        if self.disable_any_whitespace:
-            out["disable_any_whitespace"] = True
+        out.update({name: True for name in OPTIONS if getattr(self, name)})
         return out
 
     def key(self) -> str:
         """A stable text key of the constraint (compiled grammars are cached by it)."""
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def without_additional_properties(schema: str | dict) -> dict:
+    """A copy of the JSON ``schema`` where every object schema with ``properties`` or
+    ``patternProperties`` and no ``additionalProperties`` gets ``additionalProperties: false``,
+    at any depth (vLLM's ``disable_additional_properties``)."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+                out["additionalProperties"] = False
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(json.loads(schema) if isinstance(schema, str) else schema)
 
 
 def check_structural_tag(text: str) -> dict:

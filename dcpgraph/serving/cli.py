@@ -64,7 +64,8 @@ def kv_sizing_line(memory: dict) -> str:
     line = (f"{memory['num_blocks']} blocks per rank of {memory['block_size']} tokens, "
             f"{size_text(memory['kv_bytes_per_rank'][0])} per rank, {memory['kv_capacity_tokens']} tokens")
     if sizing.get("policy") != "gpu_memory_utilization":
-        return line + " (from the cache-size options or the default: max-num-seqs x max-model-len)"
+        return line + (" (from the cache-size options or the default: $VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB, "
+                       "at most max-num-seqs x max-model-len)")
     return (line + f" (--gpu-memory-utilization {sizing['utilization']}: {size_text(sizing['device_memory'])} "
             f"{sizing['device']} / {sizing['ranks_sharing']} ranks - {size_text(sizing['weight_bytes'])} weights "
             f"- {size_text(sizing['activation_peak_bytes'])} activation peak)")
@@ -77,7 +78,7 @@ def run_headless_node(settings: DcpgraphConfig) -> int:
     from .llm import checked_checkpoint
     from .nodes import NodeLayout
 
-    checked = checked_checkpoint(settings)
+    checked = checked_checkpoint(settings, "serve")
     return run_headless(checked.config, NodeLayout.of(settings.parallel), timeout_s=settings.serving.worker_timeout_s)
 
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         serving = settings.serving
         options = server_options(settings)
         kv_config = parse_kv_transfer_config(serving.kv_transfer_config) if serving.kv_transfer_config else None
-        llm = LLM(model=settings.model.model, **llm_kwargs(settings))
+        llm = LLM(model=settings.model.model, usage_context="serve", **llm_kwargs(settings))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)
         return 2
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("worker processes (rank order): pids %s", pids)
     app = build_app(llm, served_model_name=serving.served_model_name or settings.model.model, api_key=serving.api_key,
                     max_body_bytes=serving.max_request_bytes, kv_agent=kv_agent, options=options)
-    config = uvicorn.Config(app, host=serving.host, port=serving.port, log_level=serving.log_level,
+    config = uvicorn.Config(app, host=serving.host, port=serving.port,
+                            log_level=serving.uvicorn_log_level or serving.log_level,
                             timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run()

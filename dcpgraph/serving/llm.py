@@ -22,6 +22,8 @@ same tokens, and another seed gives other ones.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass
 from inspect import signature
@@ -41,6 +43,7 @@ from ..runtime.grammar import GrammarBackend
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
 from ..speculative.mtp_module import check_mtp_weights
+from . import vllm_defaults
 from .data_parallel import DataParallelEngine
 from .detokenizer import TextStream
 from .engine_config import EngineConfig, build_engine
@@ -50,9 +53,10 @@ from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt, truncated
+from .vllm_defaults import FALLBACK_MAX_MODEL_LEN
 from .workers import RemoteEngine
 
-DEFAULT_MAX_MODEL_LEN = 4096
+log = logging.getLogger("dcpgraph.serving")
 
 
 def check_speculative_config(config: dict, info, *, tokenizer, **mesh) -> dict:
@@ -79,6 +83,21 @@ def check_mtp_checkpoint(path: str) -> None:
     check_mtp_weights(path)
 
 
+def check_quantization(path: str, given: str | None) -> None:
+    """``quantization`` (vLLM's ``-q``), when given, must name the checkpoint's own method
+    (``config.json``'s ``quantization_config.quant_method``; "none" for an unquantized one):
+    dcpgraph does not quantize at load, it reads what the checkpoint holds."""
+    if given is None:
+        return
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    method = quant.get("quant_method") or "none"
+    if given != method:
+        held = f"quantized with {method!r}" if quant else "not quantized"
+        raise ConfigError(f"quantization={given!r}, but {path} is {held}: give quantization={method!r} or leave it "
+                          "unset (dcpgraph reads the checkpoint's own weights and does not quantize at load)")
+
+
 @dataclass(frozen=True)
 class CheckedCheckpoint:
     """A model directory checked against the configuration: its tokenizer, what
@@ -88,14 +107,17 @@ class CheckedCheckpoint:
     tokenizer: Any
     info: Any
     config: EngineConfig
+    defaults: vllm_defaults.VllmDefaults
 
 
-def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
+def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> CheckedCheckpoint:
     """Every check that can fail before a rank starts (the directory, the MTP layer, the tokenizer
-    against the model, the mesh, the context length, a draft model), and the engine record."""
+    against the model, the mesh, the context length, a draft model), and the engine record, with
+    vLLM CPU's defaults for ``usage_context`` ("llm" or "serve", :mod:`.vllm_defaults`) filled in."""
     model, parallel, cache, scheduler = settings.model.model, settings.parallel, settings.cache, settings.scheduler
     spec = settings.speculative
     require_model_dir(model)
+    check_quantization(model, settings.model.quantization)
     load_format = settings.model.load_format
     if load_format == "dummy" and spec.checked is not None and spec.checked.method in ("mtp", "draft_model"):
         raise ConfigError(f"load_format='dummy' builds the target model only; speculative method "
@@ -110,13 +132,18 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
                               interleave=interleave, tokenizer=tokenizer, load_format=load_format, pcp=pcp)
     refuse_pcp_execution(Mesh(tp, dcp, pcp))
-    limit = info.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
-    max_model_len = scheduler.max_model_len
-    if max_model_len is None:
-        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-    elif not 0 < max_model_len <= limit:
+    limit = info.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
+    if scheduler.max_model_len is not None and not 0 < scheduler.max_model_len <= limit:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
-                          f"got {max_model_len}")
+                          f"got {scheduler.max_model_len}")
+    device = resolve_device(parallel.device).name
+    sized = cache.gpu_memory_utilization is not None or any(  # a size, a fraction or the space itself given
+        v is not None for v in (cache.num_gpu_blocks_override, cache.kv_cache_tokens, cache.kv_cache_memory_bytes,
+                                cache.kv_cache_space_bytes))
+    defaults = vllm_defaults.resolve(
+        usage_context, tp=tp, model_limit=limit, max_model_len=scheduler.max_model_len,
+        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens, sized=sized,
+        on_host=device == "cpu")
     if parallel.data_parallel_size > 1 and parallel.enable_expert_parallel:
         import transformers as tf
 
@@ -124,19 +151,21 @@ def checked_checkpoint(settings: DcpgraphConfig) -> CheckedCheckpoint:
                               speculative=spec.speculative_config is not None,
                               device=resolve_device(parallel.device).name)
     engine_options = _engine_options(settings)
-    engine_options["device"] = resolve_device(parallel.device).name  # every rank runs the front end's choice
+    engine_options["device"] = device  # every rank runs the front end's choice
+    if defaults.kv_cache_space_bytes is not None:
+        engine_options["kv_cache_space_bytes"] = defaults.kv_cache_space_bytes
     if spec.speculative_config is not None:
         engine_options["speculative_config"] = check_speculative_config(
             spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
             interleave=interleave, tokenizer=tokenizer)
     config = EngineConfig(
         model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-        cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=int(max_model_len),
-        enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=scheduler.max_num_seqs,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens, engine_options=engine_options,
+        cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=defaults.max_model_len,
+        enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=defaults.max_num_seqs,
+        max_num_batched_tokens=defaults.max_num_batched_tokens, engine_options=engine_options,
         ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes, load_format=load_format,
     )
-    return CheckedCheckpoint(tokenizer, info, config)
+    return CheckedCheckpoint(tokenizer, info, config, defaults)
 
 
 class LLM:
@@ -144,10 +173,13 @@ class LLM:
                  decode_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1,
                  prefill_context_parallel_size: int = 1,
                  block_size: int = 16, max_model_len: int | None = None, dtype: str = "auto",
-                 enable_prefix_caching: bool = False, seed: int = 0, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 256, distributed_executor_backend: str | None = None,
+                 enable_prefix_caching: bool | None = None, seed: int = 0, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, distributed_executor_backend: str | None = None,
                  worker_host: str = "127.0.0.1", worker_timeout_s: float = 600.0,
-                 speculative_config: dict | None = None, trust_remote_code: bool = False, **engine_options: Any):
+                 speculative_config: dict | None = None, trust_remote_code: bool = False,
+                 quantization: str | None = None, usage_context: str = "llm", **engine_options: Any):
+        """The arguments not given (None) take vLLM CPU's defaults for ``usage_context`` ("llm"; the
+        server passes "serve"), see :mod:`.vllm_defaults`; the chosen figures are logged."""
         import torch.distributed as dist
 
         self.settings = settings = DcpgraphConfig.from_llm_kwargs(
@@ -159,12 +191,13 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             distributed_executor_backend=distributed_executor_backend, worker_host=worker_host,
             worker_timeout_s=worker_timeout_s, speculative_config=speculative_config,
-            trust_remote_code=trust_remote_code, **engine_options,
+            trust_remote_code=trust_remote_code, quantization=quantization, **engine_options,
         )  # every option checked, before the model directory is read
         parallel = settings.parallel
         tp = parallel.tensor_parallel_size
-        checked = checked_checkpoint(settings)
+        checked = checked_checkpoint(settings, usage_context)
         self.tokenizer, self.info, self.config = checked.tokenizer, checked.info, checked.config
+        self.defaults = checked.defaults
         self.seed = settings.model.seed
         self.max_model_len = checked.config.max_model_len
         self.eos_token_ids = checked.info.eos_token_ids
@@ -183,6 +216,18 @@ class LLM:
         else:
             self.engine = RemoteEngine(self.config, host=settings.serving.worker_host,
                                        timeout_s=settings.serving.worker_timeout_s, layout=NodeLayout.of(parallel))
+        self._log_defaults()
+
+    def _log_defaults(self) -> None:
+        """Log the figures this LLM runs with (:meth:`.vllm_defaults.VllmDefaults.describe`), and keep
+        ``settings`` the configuration as it runs (the defaults and the prefix-caching decision)."""
+        prefix = self.engine.report()["prefix_cache"]
+        given = self.settings.cache.enable_prefix_caching is not None
+        log.info("%s", self.defaults.describe(bool(prefix.get("enabled")), prefix.get("off_reason"), given))
+        self.settings = self.settings.replace(
+            max_model_len=self.defaults.max_model_len, max_num_seqs=self.defaults.max_num_seqs,
+            max_num_batched_tokens=self.defaults.max_num_batched_tokens,
+            enable_prefix_caching=bool(prefix.get("enabled")))
 
     def _replicas(self, count: int) -> list[RemoteEngine]:
         """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started
@@ -320,7 +365,8 @@ class LLM:
 
 
 # LLM's own arguments (vLLM's names, each a config field), and those llm_kwargs always gives
-LLM_ARGUMENTS = tuple(p for p in signature(LLM.__init__).parameters if p not in ("self", "model", "engine_options"))
+LLM_ARGUMENTS = tuple(p for p in signature(LLM.__init__).parameters
+                      if p not in ("self", "model", "engine_options", "usage_context"))
 _ALWAYS = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size",
            "max_model_len", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "worker_host")
 # where the ranks run across machines (the parallel section's fields LLM takes by keyword)

@@ -16,7 +16,7 @@ from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .devices import resolve_device
 from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
-from .frontends.compressed_layers import refuse_compiling_compressed_layers
+from .frontends.compressed_layers import compressed_layer_indices, refuse_compiling_compressed_layers
 from .memory import (
     MemorySizing,
     agreed_blocks,
@@ -205,11 +205,12 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
 
 def prefix_caching_refusal(program: Program, opts: dict[str, Any]) -> str | None:
     """Why prefix caching cannot run for the traced ``program`` under ``opts``, None when it can:
-    recurrent layers (their state after a cached prefix is not kept) or ``hybrid_kv_cache`` (a
-    sliding layer's dropped blocks cannot serve a later hit)."""
-    recurrent = sorted(program.facts.extra.get("recurrent_layers") or {})
-    if recurrent:
-        return f"recurrent layers {recurrent} keep no state at a cached prefix"
+    compressed (DeepSeek-V4) layers (their open window at a cached prefix's end is not kept) or
+    ``hybrid_kv_cache`` (a sliding layer's dropped blocks cannot serve a later hit). Recurrent
+    layers can: their state is kept at cached block boundaries (:mod:`.runtime.state_prefix_cache`)."""
+    compressed = compressed_layer_indices(program)
+    if compressed:
+        return f"compressed attention layers {compressed[:8]} keep no open window at a cached prefix"
     if opts["hybrid_kv_cache"]:
         return "hybrid_kv_cache: a sliding layer's dropped blocks cannot serve a later prefix hit"
     return None

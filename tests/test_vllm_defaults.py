@@ -98,9 +98,9 @@ def test_the_space_is_capped_at_every_sequence_slot_at_full_length():
     assert explicit.blocks.num_blocks == 500
 
 
-def test_prefix_caching_defaults_off_for_a_recurrent_hybrid_with_one_reason(tmp_path, caplog):
-    """LFM2 (short convolutions beside attention): vLLM's default would be on; the recurrent
-    layers keep no state at a cached prefix, so compile decides it off and the line says why."""
+def test_prefix_caching_defaults_on_for_a_recurrent_hybrid(tmp_path, caplog):
+    """LFM2 (short convolutions beside attention): vLLM's default is on, and a hybrid keeps its
+    state at cached block boundaries, so compile decides it on and the start-up line says so."""
     from hybrid_models import MESH_MODELS
 
     from dcpgraph import LLM
@@ -112,9 +112,20 @@ def test_prefix_caching_defaults_off_for_a_recurrent_hybrid_with_one_reason(tmp_
     with caplog.at_level(logging.INFO, logger="dcpgraph.serving"):
         llm = LLM(str(tmp_path), dtype="float32", max_model_len=64)
     lines = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
-    assert len(lines) == 1
-    assert ("prefix caching off (the default is on where supported; off here: recurrent layers [0, 2] keep no "
-            "state at a cached prefix)") in lines[0]
+    assert len(lines) == 1 and "prefix caching on (default)" in lines[0]
     report = llm.engine.report()["prefix_cache"]
-    assert report["enabled"] is False and report["off_reason"].startswith("recurrent layers [0, 2]")
-    assert llm.settings.cache.enable_prefix_caching is False
+    assert report["enabled"] is True and report["off_reason"] is None
+    assert llm.settings.cache.enable_prefix_caching is True
+
+
+def test_prefix_caching_default_names_why_it_is_off():
+    """The reasons compile decides the default off: hybrid_kv_cache, and compressed (V4) layers."""
+    import types
+
+    from dcpgraph.api import prefix_caching_refusal
+
+    plain = types.SimpleNamespace(facts=types.SimpleNamespace(extra={}))
+    assert prefix_caching_refusal(plain, {"hybrid_kv_cache": False}) is None
+    assert prefix_caching_refusal(plain, {"hybrid_kv_cache": True}).startswith("hybrid_kv_cache")
+    v4 = types.SimpleNamespace(facts=types.SimpleNamespace(extra={"compressed_layers": {0: "csa", 1: "hca"}}))
+    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False}).startswith("compressed attention layers [0, 1]")

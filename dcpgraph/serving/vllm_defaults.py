@@ -12,7 +12,7 @@ With ``world = tp`` (the ranks; pipeline parallelism is 1) and ``L = max_model_l
   ``max_num_seqs`` is the one given or its default below.
 * ``max_num_seqs = min(S · world, max_num_batched_tokens)``, ``S`` = 256 for ``LLM``, 128 for serve.
 * prefix caching on where the model supports it; compile decides it off, with one reason the
-  start-up line names, for recurrent layers and ``hybrid_kv_cache``.
+  start-up line names, for compressed (V4) layers and ``hybrid_kv_cache``.
 * KV cache on the host, when no size and no ``gpu_memory_utilization`` is given:
   ``$VLLM_CPU_KVCACHE_SPACE`` GiB per rank, else 4 GiB, and no more blocks than ``max_num_seqs``
   sequences of ``L`` take (a block past that could never be used). Its pages are mapped lazily

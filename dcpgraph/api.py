@@ -16,7 +16,10 @@ from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .devices import resolve_device
 from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
-from .frontends.compressed_layers import compressed_layer_indices, refuse_compiling_compressed_layers
+from .frontends.compressed_layers import (
+    compressed_layer_indices,
+    refuse_compiling_compressed_layers,
+)
 from .memory import (
     MemorySizing,
     agreed_blocks,

@@ -81,16 +81,12 @@ def test_the_advice_reaches_the_kernel(monkeypatch):
 
 
 def test_engine_caches_on_the_host_use_it():
-    from dcpgraph.program import Lowering
+    from dcpgraph.program import CacheSpec, Lowering
     from dcpgraph.runtime.executors import allocate_caches
-
-    class Spec:
-        def __init__(self, name):
-            self.name, self.heads, self.dim, self.dtype = name, 2, 128, torch.bfloat16
 
     class Program:
         lowering = Lowering(block_size=16)
-        caches = [Spec("k0"), Spec("v0")]
+        caches = [CacheSpec(name, 0, role, heads=2, dim=128, dtype=torch.bfloat16) for name, role in (("k0", "k"), ("v0", "v"))]
         recurrent_states = ()  # an attention-only model
 
     caches = allocate_caches(Program(), 512)  # 4 MiB each

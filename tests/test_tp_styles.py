@@ -129,7 +129,11 @@ STYLE_CASES = {
                           {"replicate", "sequence_parallel", "replicated_with_grad_allreduce", "local_params"}),
     "glm4 gather_output+split_input": ("glm4", {}, {}, {"colwise_gather_output", "rowwise_split_input"}),
     # Aria's experts store gate_up as [E, in, 2·out]: packed_rowwise splits its packed last dim.
-    "aria packed_rowwise experts": ("aria_text", MOE, {}, {"packed_rowwise", "moe_tp_experts"}),
+    # transformers 5.24's own plan for Aria (5.25 dropped the expert entries from it, so it is given).
+    "aria packed_rowwise experts": ("aria_text", MOE, {"model.layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+                                                       "model.layers.*.mlp.experts.down_proj": "colwise",
+                                                       "model.layers.*.mlp.experts": "moe_tp_experts"},
+                                    {"packed_rowwise", "moe_tp_experts"}),
     "qwen3_moe experts all_reduce": ("qwen3_moe", MOE, {"model.layers.*.mlp.experts": "all_reduce"},
                                      {"packed_colwise", "all_reduce"}),
 }

@@ -26,7 +26,7 @@ from dcpgraph.testing.server import running_server
 pytestmark = pytest.mark.slow  # a server subprocess per module (~45 s on 2 cores)
 
 KEY = "sk-vllm-env-key"
-LONG = {"model": "tiny", "prompt": "x", "max_tokens": 120, "n": 4, "temperature": 0, "ignore_eos": True}
+LONG = {"model": "tiny", "prompt": "x", "max_tokens": 120, "n": 8, "temperature": 0, "ignore_eos": True}
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_call_id is defined %}"
             "#{{ m.tool_call_id }}{% endif %}\n{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
             "[no-think]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -205,7 +205,7 @@ def test_reset_prefix_cache_and_a_disconnected_non_streamed_request_is_aborted(s
     assert freed.status_code == 200 and freed.json()["freed_blocks"] >= len(prompt) // 4 - 1
     assert post(server, "/reset_prefix_cache", {}).json()["freed_blocks"] == 0
     with pytest.raises(httpx.ReadTimeout):  # the client gives up, closing its connection
-        httpx.post(server.url + "/v1/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+        httpx.post(server.url + "/v1/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.25)
     wait_for(lambda: "client went away" in server.log())
     wait_for(lambda: httpx.get(server.url + "/load", timeout=10).json() == {"server_load": 0})
     assert "request cmpl-" in server.log() and "SamplingParams(" in server.log()  # --enable-log-requests

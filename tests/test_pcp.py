@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from pcp_models import pcp_config, pcp_model
 
 import dcpgraph
 from dcpgraph import ConfigError, Mesh
@@ -42,7 +43,7 @@ def test_acceptance_meshes_validate(tp, pcp, dcp, kv):
 
 
 def test_compile_validates_the_pcp_mesh_before_anything_runs():
-    model = tf.LlamaForCausalLM(_config(tf.LlamaConfig, kv=1))
+    model = tf.LlamaForCausalLM(pcp_config(tf.LlamaConfig, kv=1))
     with pytest.raises(ConfigError, match=r"\(tp · pcp\) % dcp|max\(tp // num_kv_heads, 1\) · pcp"):
         dcpgraph.compile(model, tp=1, pcp=2, dcp=4)
 
@@ -95,23 +96,6 @@ def test_rank_attention_merged_equals_dense_causal(n, cached, pcp):
 
 
 # -- end to end: greedy tokens against HF generate -------------------------------------------------
-def _config(cls, kv: int):
-    return cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=kv, head_dim=8, max_position_embeddings=256, initializer_range=0.2)
-
-
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def _model(name: str) -> torch.nn.Module:
-    if name not in _MODELS:
-        torch.manual_seed(7)
-        cls, cfg = {"llama": (tf.LlamaForCausalLM, _config(tf.LlamaConfig, kv=1)),
-                    "qwen3": (tf.Qwen3ForCausalLM, _config(tf.Qwen3Config, kv=2))}[name]
-        _MODELS[name] = cls(cfg).to(torch.float64).eval()
-    return _MODELS[name]
-
-
 def _matches_hf(model, prompt, tokens) -> bool:
     """HF greedy gives ``tokens`` (it stops after an EOS, so a shorter answer must be a prefix)."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False)
@@ -126,7 +110,7 @@ GREEDY_CASES = [(name, *mesh) for name in ("llama", "qwen3")
 
 @pytest.mark.parametrize("name, tp, pcp, dcp", GREEDY_CASES)
 def test_greedy_tokens_match_hf_generate(name, tp, pcp, dcp):
-    model = _model(name)
+    model = pcp_model(name)
     mesh = Mesh(tp=tp, dcp=dcp, pcp=pcp)
     g = torch.Generator().manual_seed(3)
     for length, chunk, interleave in [(1, None, 1), (6, 4, 2), (45, 8, 1), (101, 32, 4)]:
@@ -140,7 +124,7 @@ def test_greedy_tokens_match_hf_generate(name, tp, pcp, dcp):
 
 @pytest.mark.parametrize("pcp, dcp", [(2, 2), (4, 2)])
 def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
-    model, mesh = _model("qwen3"), Mesh(tp=1, dcp=dcp, pcp=pcp)
+    model, mesh = pcp_model("qwen3"), Mesh(tp=1, dcp=dcp, pcp=pcp)
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 128, (24,), generator=g).tolist()
     first = shared + torch.randint(0, 128, (9,), generator=g).tolist()
@@ -153,7 +137,7 @@ def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
 
 def test_eager_path_refuses_what_it_does_not_run():
     with pytest.raises(ConfigError, match=r"max\(tp // num_kv_heads, 1\) · pcp"):
-        generate_greedy(_model("qwen3"), Mesh(tp=2, dcp=4, pcp=2), [1, 2, 3], 1)
+        generate_greedy(pcp_model("qwen3"), Mesh(tp=2, dcp=4, pcp=2), [1, 2, 3], 1)
     gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                  num_hidden_layers=1, num_attention_heads=2,
                                                  num_key_value_heads=1, head_dim=16))
@@ -162,9 +146,9 @@ def test_eager_path_refuses_what_it_does_not_run():
     for bad in (dict(prompt=[]), dict(max_new_tokens=0), dict(prefill_chunk=0)):
         args = {"prompt": [1, 2, 3], "max_new_tokens": 1, **bad}
         with pytest.raises(ConfigError, match="non-empty prompt, max_new_tokens >= 1"):
-            generate_greedy(_model("llama"), Mesh(tp=1, dcp=1, pcp=2), **args)
+            generate_greedy(pcp_model("llama"), Mesh(tp=1, dcp=1, pcp=2), **args)
     with pytest.raises(ConfigError, match=r"reused_len must be in \[0, 3\)"):
-        generate_greedy(_model("llama"), Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1, reused_len=3)
+        generate_greedy(pcp_model("llama"), Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1, reused_len=3)
 
 
 def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_path):

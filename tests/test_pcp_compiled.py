@@ -10,29 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from pcp_models import pcp_model
 
 import dcpgraph
 from dcpgraph.errors import ConfigError
 from dcpgraph.pcp.split import rank_token_indices
 from dcpgraph.pcp.step_rows import pcp_step_rows
 from dcpgraph.testing.checkpoints import tiny_model
-
-
-def _config(cls, kv: int):
-    return cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=kv, head_dim=8, max_position_embeddings=256, initializer_range=0.2)
-
-
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def _model(name: str) -> torch.nn.Module:
-    if name not in _MODELS:
-        torch.manual_seed(7)
-        cls, cfg = {"llama": (tf.LlamaForCausalLM, _config(tf.LlamaConfig, kv=1)),
-                    "qwen3": (tf.Qwen3ForCausalLM, _config(tf.Qwen3Config, kv=2))}[name]
-        _MODELS[name] = cls(cfg).to(torch.float64).eval()
-    return _MODELS[name]
 
 
 def _hf(model, prompt: list[int], n: int) -> list[int]:
@@ -59,7 +43,7 @@ def test_step_rows_cover_every_token_once_in_zigzag_order():
 
 
 def test_compiled_pcp_matches_hf_with_chunks_interleave_and_prefix_cache():
-    model = _model("qwen3")
+    model = pcp_model("qwen3")
     engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=2, interleave=2, max_num_batched_tokens=12,
                               enable_prefix_caching=True, backend="eager")
     graph = engine.program.graph_module.graph
@@ -82,7 +66,7 @@ MESHES = [(1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 2)]
 @pytest.mark.parametrize("name, tp, pcp, dcp", [(n, *m) for n in ("llama", "qwen3") for m in MESHES
                                                   if not (n == "qwen3" and m == (2, 2, 4))])
 def test_compiled_pcp_matches_hf_on_every_acceptance_mesh(name, tp, pcp, dcp):
-    model = _model(name)
+    model = pcp_model(name)
     engine = dcpgraph.compile(model, tp=tp, pcp=pcp, dcp=dcp, max_num_batched_tokens=16,
                               enable_prefix_caching=True, backend="eager")
     assert ("split_pcp_attention" in engine.program.passes_run()) == (dcp == 1)  # dcp = 1: queries stay local
@@ -104,7 +88,7 @@ def test_compiled_pcp_mla_matches_hf(tp, pcp, dcp):
 
 
 def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
-    model = _model("llama")
+    model = pcp_model("llama")
     with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative decoding.*runs for GQA"):
         dcpgraph.compile(model, tp=1, pcp=2, dcp=1, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -117,7 +101,7 @@ def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
 
 
 def _gloo_rank(rank: int, world: int, dcp: int, prompts: list[list[int]]):
-    model = _model("qwen3")
+    model = pcp_model("qwen3")
     engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=dcp, max_num_batched_tokens=8, enable_prefix_caching=True,
                               backend="eager")
     first = engine.generate(prompts, 5)
@@ -134,7 +118,7 @@ def test_compiled_pcp_on_gloo_processes_matches_hf(dcp):
 
     prompts = _prompts(9, [1, 7, 45])
     results = spawn(_gloo_rank, 2, dcp, prompts, timeout_s=240)
-    model = _model("qwen3")
+    model = pcp_model("qwen3")
     reference = [_hf(model, p, 5) for p in prompts] + [_hf(model, prompts[-1][:40] + [3, 1], 5)]
     for result in results:
         assert result["executor"] == "distributed"

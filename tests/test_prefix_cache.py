@@ -301,3 +301,18 @@ def test_mla_prefix_hits_match_hf():
     stats = _stats(engine)
     assert stats["hit_tokens"] == 2 * 3 * BLOCK_SIZE * 2
     assert stats["prompt_tokens_computed"] == sum(len(p) for p in prompts) - stats["hit_tokens"]
+
+
+def test_registered_hash_is_the_chain_of_the_registered_blocks():
+    """The state prefix cache keys a kept state by the hash of a request's last full block, read
+    from the block manager's chain (no rehash of the whole context at every block boundary)."""
+    m = BlockManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(3, 17))  # 3 full blocks of 4, and 2 tokens more
+    m.allocate(1, len(tokens))
+    m.register(1, tokens, 8)
+    assert m.registered_hash(1, 2) == block_hashes(tokens[:8], 4)[-1]
+    assert m.registered_hash(1, 3) is None  # not hashed yet
+    m.register(1, tokens, 12)
+    assert m.registered_hash(1, 3) == block_hashes(tokens[:12], 4)[-1]
+    assert m.registered_hash(1, 2) is None  # the chain has moved on
+    assert m.registered_hash(2, 1) is None  # not a request it holds

@@ -155,6 +155,12 @@ class BlockManager:
                 self._hash_of[block] = h
         self._chain[request_id] = (full, new[-1])
 
+    def registered_hash(self, request_id: int, blocks: int) -> bytes | None:
+        """The chained hash of ``request_id``'s first ``blocks`` full blocks when :meth:`register`
+        has hashed exactly that many (O(1): the chain's last link), else ``None``."""
+        done, last = self._chain.get(request_id, (0, None))
+        return last if done == blocks else None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``): no block is matched by
         :meth:`match_prefix` afterwards. Cached-free blocks return to the never-hashed free pool

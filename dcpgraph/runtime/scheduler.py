@@ -452,8 +452,11 @@ class Scheduler:
             self.blocks.register(request.id, request.tokens, request.computed)
         per_block = self.blocks.tokens_per_block
         if self.state_prefix is not None and request.state_slot is not None and n and request.computed % per_block == 0:
-            tokens = request.tokens[: request.computed]
-            self.state_prefix.save(block_hashes(tokens, per_block)[-1], request.state_slot)
+            full = request.computed // per_block
+            last = self.blocks.registered_hash(request.id, full)  # register just hashed it; else hash the chain
+            if last is None:
+                last = block_hashes(request.tokens[: request.computed], per_block)[-1]
+            self.state_prefix.save(last, request.state_slot)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)

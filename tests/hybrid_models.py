@@ -213,7 +213,7 @@ def run_through_preemption(model: torch.nn.Module, program):
     got = drain(engine)
     assert [got[i] for i in range(len(PROMPTS))] == want
     assert engine.scheduler.stats["preemptions"] >= 1  # 7 blocks of 4 cannot hold all three
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+    assert sorted(engine.scheduler.state_slots.free) == list(range(engine.program.lowering.state_slots))
     return engine
 
 

@@ -121,7 +121,7 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
     got = drain(engine)
     assert [got[i] for i in range(len(PROMPTS))] == want
     assert engine.scheduler.stats["preemptions"] >= 1
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+    assert sorted(engine.scheduler.state_slots.free) == list(range(engine.program.lowering.state_slots))
     lowered = engine.program
     targets = {n.target for n in lowered.graph_module.graph.nodes if n.op == "call_function"}
     assert not targets & {DCP.compress_windows.default, DCP.compressed_topk.default, DCP.compressed_attention.default}

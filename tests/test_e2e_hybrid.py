@@ -44,7 +44,7 @@ def test_state_slots_follow_running_requests(case):
     _, program = case
     engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=32, max_num_seqs=2)
     scheduler = engine.scheduler
-    assert scheduler.state_slots == 2
+    assert scheduler.state_slots.count == 2
     report = engine.memory_report()
     pools = engine.program.recurrent_states
     allocated = sum(t.numel() * t.element_size() for name, t in engine.executor.caches[0].items()
@@ -58,14 +58,14 @@ def test_state_slots_follow_running_requests(case):
     running = {r.id: r.state_slot for r in scheduler.running}
     assert sorted(running.values()) == [0, 1] and scheduler.get(c).state_slot is None  # c waits: no slot
     engine.abort(a)
-    assert scheduler._free_state_slots == [running[a]]
+    assert scheduler.state_slots.free == [running[a]]
     drain(engine)
-    assert sorted(scheduler._free_state_slots) == [0, 1] and scheduler.get(b) is None
+    assert sorted(scheduler.state_slots.free) == [0, 1] and scheduler.get(b) is None
     adopted = _request()  # a transferred request (P/D) takes a state slot at adoption, gives it back at its end
     scheduler.adopt(adopted, ())
-    assert adopted.state_slot in (0, 1) and len(scheduler._free_state_slots) == 1
+    assert adopted.state_slot in (0, 1) and len(scheduler.state_slots.free) == 1
     scheduler.abort(adopted.id)
-    assert sorted(scheduler._free_state_slots) == [0, 1]
+    assert sorted(scheduler.state_slots.free) == [0, 1]
 
 
 def _request():

@@ -88,7 +88,7 @@ def _run(engine, refs):
     assert engine.scheduler.stats["preemptions"] >= 1
     stats = engine.speculative_report()
     assert stats["drafted"] > stats["accepted"] and stats["state_replays"]["rows"] > 0, stats  # rolled back
-    assert sorted(engine.scheduler._free_state_slots) == list(range(MAX_SEQS))
+    assert sorted(engine.scheduler.state_slots.free) == list(range(MAX_SEQS))
     return engine
 
 

@@ -36,7 +36,7 @@ def hybrid(request):
 def all_free(engine) -> bool:
     scheduler = engine.scheduler
     return (not scheduler.has_work() and engine.blocks.free_blocks == engine.blocks.num_blocks
-            and sorted(scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots)))
+            and sorted(scheduler.state_slots.free) == list(range(engine.program.lowering.state_slots)))
 
 
 def test_decode_engine_continues_hybrid_requests_with_their_state(hybrid):
@@ -92,7 +92,7 @@ def test_a_detached_request_keeps_its_state_slot_until_released():
     scheduler.add(held)
     assert [item.request for item in scheduler.schedule()] == [held] and held.state_slot == 0
     scheduler.detach(held.id)
-    assert scheduler.held_state_slot(held.id) == 0 and scheduler._free_state_slots == []
+    assert scheduler.held_state_slot(held.id) == 0 and scheduler.state_slots.free == []
     scheduler.add(waiting)
     assert scheduler.schedule() == []  # waits: the only slot is kept
     with pytest.raises(dcpgraph.RequestError, match="no free recurrent-state slot"):

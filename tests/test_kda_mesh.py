@@ -59,7 +59,7 @@ def _run(model, program, tp: int, dcp: int):
     got = drain(engine)
     assert [got[i] for i in range(len(PROMPTS))] == want
     assert engine.scheduler.stats["preemptions"] >= (1 if dcp <= 2 else 0)
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.program.lowering.state_slots))
+    assert sorted(engine.scheduler.state_slots.free) == list(range(engine.program.lowering.state_slots))
     return engine
 
 

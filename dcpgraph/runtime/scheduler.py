@@ -53,6 +53,7 @@ from .acceptance import AcceptanceStats
 from .blocks import BlockManager, block_hashes
 from .rejection import accept
 from .sampling_params import SamplingParams
+from .state_slots import StateSlots
 from .step_inputs import Chunk
 
 
@@ -168,12 +169,7 @@ class Scheduler:
         if state_slots and state_slots < max_num_seqs:
             raise ValueError(f"state_slots ({state_slots}) must cover max_num_seqs ({max_num_seqs}) running requests")
         self.max_waiting = max_waiting
-        # Recurrent-state slots (hybrid models): one per running request, taken when it starts
-        # running and given back when it stops (finish, abort, preemption: it restarts from 0);
-        # a request detached for a P/D transfer keeps its slot until the transfer is done.
-        self.state_slots = state_slots
-        self._free_state_slots = list(range(state_slots - 1, -1, -1))
-        self._held_state_slots: dict[int, int] = {}  # detached request id -> the slot its state is in
+        self.state_slots = StateSlots(state_slots)  # recurrent-state rows (hybrid models), one per running request
         self.state_prefix = None  # a StatePrefixCache when a hybrid runs with prefix caching
         self.whole_request = kv_allocation == "whole_request"
         self.blocks = blocks
@@ -210,8 +206,8 @@ class Scheduler:
         ``prefix``: cached blocks (:meth:`BlockManager.match_prefix`) its table starts with."""
         if len(self.running) >= self.max_num_seqs:
             raise RequestError(f"no free sequence slot: max_num_seqs={self.max_num_seqs} requests are running")
-        if not self._state_slot_free():
-            raise RequestError(f"no free recurrent-state slot: {len(self._held_state_slots)} of {self.state_slots} "
+        if not self.state_slots.available():
+            raise RequestError(f"no free recurrent-state slot: {self.state_slots.held_count} of {self.state_slots.count} "
                                "are kept by prefilled requests waiting for their transfer")
         tokens = request.reserve_tokens if self.whole_request else len(request.tokens)
         if not self.blocks.can_allocate(tokens, prefix):
@@ -233,26 +229,17 @@ class Scheduler:
             raise RequestError(f"request {request_id} is not running")
         self.running.remove(request)
         if request.state_slot is not None:
-            self._held_state_slots[request.id] = request.state_slot
+            self.state_slots.hold(request.id, request.state_slot)
         self._drop(request)
         return request
 
     def held_state_slot(self, request_id: int) -> int | None:
         """The state slot a detached request keeps (``None``: none kept, or no recurrent layers)."""
-        return self._held_state_slots.get(request_id)
+        return self.state_slots.held(request_id)
 
     def release_state_slot(self, request_id: int) -> bool:
         """Give back the state slot :meth:`detach` kept for ``request_id``; ``False`` if none."""
-        slot = self._held_state_slots.pop(request_id, None)
-        if slot is None:
-            return False
-        self._free_state_slots.append(slot)
-        return True
-
-    def _state_slot_free(self) -> bool:
-        """Whether a request could start running now as far as state slots go (always, without
-        recurrent layers; with them, slots kept by detached requests are taken)."""
-        return not self.state_slots or bool(self._free_state_slots)
+        return self.state_slots.release(request_id)
 
     def get(self, request_id: int) -> Request | None:
         """The live (waiting or running) request with this id; ``None`` once it ended."""
@@ -302,7 +289,7 @@ class Scheduler:
             room = max(0, min(room, self.blocks.room(request.id) - end))  # drafts never preempt anyone
             if self._fit(request, end + room, plan):
                 self._chunk(request, n, plan)
-        while (self.waiting and len(self.running) < self.max_num_seqs and self._state_slot_free()
+        while (self.waiting and len(self.running) < self.max_num_seqs and self.state_slots.available()
                and self.stats["preemptions"] == preemptions):
             budget = self._budget(plan)
             if budget == 0 or not self._admit(self.waiting[0], budget, plan):
@@ -353,8 +340,7 @@ class Scheduler:
         return self.state_prefix.take_copies() if self.state_prefix is not None else []
 
     def _run(self, request: Request) -> None:
-        if self.state_slots:
-            request.state_slot = self._free_state_slots.pop()
+        request.state_slot = self.state_slots.take()
         self.running.append(request)
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
 
@@ -467,7 +453,7 @@ class Scheduler:
     def _stop_running(self, request: Request) -> None:
         """Give back ``request``'s recurrent-state slot (a later run restarts its state at 0)."""
         if request.state_slot is not None:
-            self._free_state_slots.append(request.state_slot)
+            self.state_slots.give_back(request.state_slot)
             request.state_slot = None
 
     def _drop(self, request: Request) -> None:

@@ -114,6 +114,30 @@ def test_speculative_drafts_are_checked_against_the_grammar(model_dir, llm):
         jsonschema.validate(loads(text), SCHEMA)
 
 
+def test_speculative_drafts_under_a_grammar_with_a_recurrent_hybrid(tmp_path):
+    """A hybrid (LFM2's short convolutions) verifies ngram drafts under a grammar: the rows that
+    ran more tokens than they keep are replayed with the count each kept, not with the grammar's
+    list of allowed drafts (a name the runner once reused). Greedy tokens equal those without
+    speculation."""
+    import transformers
+
+    config = transformers.Lfm2Config(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                                     layer_types=["conv", "full_attention", "conv"], eos_token_id=257)
+    torch.manual_seed(0)
+    transformers.Lfm2ForCausalLM(config).save_pretrained(tmp_path)
+    byte_level_tokenizer(320).save_pretrained(tmp_path)
+    prompts = ["ab-12x ab-12x ab-12x ab-", "cc-99yz cc-99yz c"]
+    args = {"dtype": "float32", "max_model_len": 64, "block_size": 4}
+    with LLM(str(tmp_path), **args) as plain:
+        want = texts(plain, {"regex": REGEX}, max_tokens=30, prompts=prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(str(tmp_path), **args, speculative_config=spec) as drafted:
+        assert texts(drafted, {"regex": REGEX}, max_tokens=30, prompts=prompts) == want
+        replays = drafted.engine.report()["speculative"]["state_replays"]
+    assert replays["rows"] > 0
+
+
 def test_outputs_satisfy_their_constraint_tp2_dcp2(model_dir, llm):
     with LLM(model_dir, dtype="float64", max_model_len=256, block_size=4, tensor_parallel_size=2,
              decode_context_parallel_size=2, distributed_executor_backend="emulated") as sharded:

@@ -69,7 +69,7 @@ class ModelRunner:
         query_len = self.last_query_len
         if self.last_hidden is not None and hasattr(self.proposer, "observe"):
             self.proposer.observe(plan, chunks, self.last_hidden)  # MTP: the target's hidden states
-        outputs, row, kept = [], 0, []
+        outputs, row, cached = [], 0, []  # cached: each chunk's tokens validly in the cache (for the replay)
         for item, chunk, draft in zip(plan, chunks, drafts):
             rows = logits[row : row + chunk.logits_rows]
             row += chunk.logits_rows
@@ -79,8 +79,9 @@ class ModelRunner:
             if draft.tokens:  # verification: greedy agreement or rejection sampling
                 checked = draft
                 if grammar is not None:  # drafts cut at the first one the grammar refuses
-                    rows, kept = grammar.mask_verify_rows(rows, draft.tokens)
-                    checked = replace(draft, tokens=kept, probs=None if draft.probs is None else draft.probs[: len(kept)])
+                    rows, allowed = grammar.mask_verify_rows(rows, draft.tokens)
+                    checked = replace(draft, tokens=allowed,
+                                      probs=None if draft.probs is None else draft.probs[: len(allowed)])
                 tokens = verify(rows, checked, request.params, request.generator)
             elif item.samples:
                 if grammar is not None:
@@ -89,12 +90,14 @@ class ModelRunner:
                                  self.eos_token_ids)]
             else:
                 tokens = []
+            accepted = accept(draft.tokens, tokens) if draft.tokens else 0
             if grammar is not None and tokens:
-                grammar.advance(tokens[: accept(draft.tokens, tokens) + 1] if draft.tokens else tokens)
+                grammar.advance(tokens[: accepted + 1] if draft.tokens else tokens)
             outputs.append(RowOutput(tokens, draft.tokens, _logprobs(item, rows, tokens), prompt_logprobs))
-            kept.append(len(item.chunk.tokens) + (accept(draft.tokens, tokens) if draft.tokens else 0))
+            if snapshot is not None:
+                cached.append(len(item.chunk.tokens) + accepted)
         if snapshot is not None:
-            self._replay(chunks, kept, [query_len or len(c.tokens) for c in chunks])
+            self._replay(chunks, cached, [query_len or len(c.tokens) for c in chunks])
         return outputs
 
     def dummy_forward(self) -> None:

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import torch
 
+from .compressed import closing_rows
 from .compressed_attention import with_sinks
-from .compressor import OpenWindow, compress_stream
+from .compressor import OpenWindow, compress_stream, visible_entries
 from .sparse_kernels import attend_selected, index_scores, select_topk
 
 NS = "dcpgraph"
@@ -115,7 +116,7 @@ def compress_windows_(kv, gate, position_bias, open_windows, state_slots, cu_seq
         pooled, _ = compress_stream(state, kv[0, start:end], gate[0, start:end], position_bias, rate=rate,
                                     overlap=overlap)
         if pooled.shape[0]:
-            closes = torch.arange(state.entries + 1, state.entries + 1 + pooled.shape[0]) * rate - 1
+            closes = torch.arange(state.entries + 1, state.entries + 1 + pooled.shape[0], device=kv.device) * rate - 1
             out[0, start + closes - context] = pooled
         if slot >= 0:
             rows = torch.cat([held, new])[-keep:]
@@ -123,12 +124,13 @@ def compress_windows_(kv, gate, position_bias, open_windows, state_slots, cu_seq
     return out
 
 
-def _closing(positions: torch.Tensor, rate: int) -> torch.Tensor:
-    return torch.remainder(positions + 1, rate) == 0
+def _visible(pos: torch.Tensor, count: int, rate: int) -> torch.Tensor:
+    """``[n, count]``: whether the query at each position may read entry ``w`` (``w < (p + 1) // m``)."""
+    return torch.arange(count, device=pos.device).unsqueeze(0) < visible_entries(pos, rate).unsqueeze(1)
 
 
 def _write_entries(cache, table_row, rows, positions, rate, block_size) -> None:
-    closes = _closing(positions, rate)
+    closes = closing_rows(positions, rate)
     if bool(closes.any()):
         entries = torch.div(positions[closes] + 1, rate, rounding_mode="floor") - 1
         _write(cache, entry_slots(table_row, entries, rate, block_size), rows[closes])
@@ -141,10 +143,10 @@ def compressed_topk_(index_q, weights, index_keys, positions, index_cache, block
         pos = positions[0, start:end].to(torch.int64)
         _write_entries(index_cache, block_table[r], index_keys[0, start:end], pos, rate, block_size)
         count = (context + end - start) // rate
-        keys = _read(index_cache, entry_slots(block_table[r], torch.arange(count), rate, block_size))[:, 0]
+        keys = _read(index_cache, entry_slots(block_table[r], torch.arange(count, device=pos.device), rate,
+                                              block_size))[:, 0]
         scores = index_scores(index_q[0, start:end], keys, weights[0, start:end], scale)  # [n, E]
-        visible = torch.arange(count).unsqueeze(0) < torch.div(pos + 1, rate, rounding_mode="floor").unsqueeze(1)
-        out[0, start:end] = select_topk(scores.masked_fill(~visible, float("-inf")), topk)[1]
+        out[0, start:end] = select_topk(scores.masked_fill(~_visible(pos, count, rate), float("-inf")), topk)[1]
     return out
 
 
@@ -157,16 +159,18 @@ def compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cach
         _write(kv_cache, paged_slots(raw_table, pos, kv_cache.shape[1]), kv[0, 0, start:end])
         _write_entries(entry_cache, table, entries[0, start:end], pos, rate, block_size)
         first = max(int(pos.min()) - window + 1, 0)
-        raw_pos = torch.arange(first, int(pos.max()) + 1)
+        raw_pos = torch.arange(first, int(pos.max()) + 1, device=pos.device)
         count = (context + end - start) // rate
         keys = torch.cat([_read(kv_cache, paged_slots(raw_table, raw_pos, kv_cache.shape[1])),
-                          _read(entry_cache, entry_slots(table, torch.arange(count), rate, block_size))])
+                          _read(entry_cache, entry_slots(table, torch.arange(count, device=pos.device), rate, block_size))])
         p = pos.unsqueeze(1)
         in_window = (raw_pos.unsqueeze(0) <= p) & (raw_pos.unsqueeze(0) > p - window)
-        readable = torch.arange(count).unsqueeze(0) < torch.div(pos + 1, rate, rounding_mode="floor").unsqueeze(1)
-        if selected is not None:
+        readable = _visible(pos, count, rate)
+        if selected is not None and count:  # CSA: only the top-k entries (-1: none): O(n·(count + k))
             chosen = selected[0, start:end]
-            readable &= (torch.arange(count).view(1, -1, 1) == chosen.unsqueeze(1)).any(-1)
+            picked = torch.zeros(readable.shape, dtype=torch.int32, device=readable.device)
+            picked.scatter_add_(1, chosen.clamp(min=0), (chosen >= 0).to(torch.int32))
+            readable &= picked > 0
         keys = keys.to(q.dtype)
         o, lse = attend_selected(q[0, :, start:end].transpose(0, 1), keys, keys,
                                  torch.cat([in_window, readable], dim=1), scale)

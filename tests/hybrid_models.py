@@ -2,7 +2,8 @@
 ``test_recurrent_program``, ``test_e2e_hybrid``, and the Mamba-2 ones: ``test_frontend_mamba2``,
 ``test_mamba2_layer``, ``test_e2e_mamba2``, and ``test_lightning_mesh``, ``test_olmo_hybrid_mesh``;
 the Kimi delta attention ones: ``test_kimi_delta_layer``, ``test_kda_mesh``; and the acceptance
-matrix, ``test_hybrid_acceptance``), as transformers builds them by default.
+matrix, ``test_hybrid_acceptance``), with transformers' default implementations (weights
+initialised at 0.2, not 0.02, so greedy tokens vary).
 
 ``qwen3_next``: 4 layers, 3 gated-delta-net layers (2 key heads, 4 value heads, head dims 8, conv
 kernel 4) and one gated attention layer, dense MLPs (``mlp_only_layers``). ``lfm2``: short
@@ -165,7 +166,7 @@ def llama_draft() -> torch.nn.Module:
 # Kimi delta attention (KDA) hybrids: KDA, KDA, MLA attention, KDA; KDA heads of 8 channels
 # (q, k and v alike), conv kernel 4; MLA with latent rank 16, nope/rope/v dims 8, 4 heads (one
 # latent KV head after absorption, so DCP up to tp); layer 0 a dense MLP, the others MoE with 4
-# experts (top 2) and a shared expert, as transformers builds them by default.
+# experts (top 2) and a shared expert, with transformers' default experts implementation.
 _KDA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, q_lora_rank=None,

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 through ``dcpgraph.compile`` (dcp=1; tp=1, and tp=4 over four output groups): the cached forms of the compressed ops
+"""DeepSeek-V4 through ``dcpgraph.compile`` (dcp=1; tp=1, and tp=2 and 4 over four output groups): the cached forms of the compressed ops
 over paged caches and open-window slots against the canonical ops on whole sequences (default
 tier), and the compiled engine's greedy tokens against HF ``generate`` on the tiny model of
 ``tests/dsv4_models.py`` through chunked prefill and a preemption (slow tier: the export takes

@@ -1,6 +1,7 @@
 """The hybrid acceptance matrix: each named hybrid (qwen3_5_text, qwen3_next, kimi_linear,
 nemotron_h, granitemoehybrid, falcon_h1, minimax, lfm2; and bamba) in its mesh variant
-(:data:`hybrid_models.ACCEPTANCE_MODELS`, as transformers builds it, fp32) gives HF ``generate``'s
+(:data:`hybrid_models.ACCEPTANCE_MODELS`: transformers' classes and default implementations, fp32, weights
+initialised at 0.2 rather than the default 0.02 so that greedy tokens differ between positions) gives HF ``generate``'s
 greedy tokens
 
 * with ``ngram`` speculation at tp=1 and tp4·dcp4 and a one-layer Llama ``draft_model`` at
@@ -9,7 +10,7 @@ greedy tokens
 * with its state bytes per request, per rank, equal to the byte table of
   docs/user-guide/hybrid-models.md written out by hand below (not dcpgraph's own shape classes),
   divided by tp (every mesh here splits every recurrent layer), and the slots and snapshot rows counted per rank;
-* with prefix caching refused by name;
+* with prefix caching hits that restore a kept recurrent state;
 * on real gloo processes at tp2·dcp2 (one world serving all nine in turn).
 
 Every mesh without speculation (tp4·dcp2 included), and the meshes that replicate a recurrent

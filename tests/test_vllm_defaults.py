@@ -1,7 +1,7 @@
 """vLLM CPU's scheduler and cache defaults for ``LLM`` and ``dcpgraph serve``
 (:mod:`dcpgraph.serving.vllm_defaults`): the formulas against vLLM's own figures
 (``EngineArgs.get_batch_defaults`` on CPU, then its clamps with chunked prefill), the KV space
-variable, the start-up line, and prefix caching decided off for a recurrent hybrid."""
+variable, the start-up line, and prefix caching decided on for a recurrent hybrid (with the reasons it is decided off)."""
 
 from __future__ import annotations
 

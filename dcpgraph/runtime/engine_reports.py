@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..kv_budget import kv_bytes_per_block, kv_bytes_per_block_by_layer
 from ..program import weight_bytes_per_rank
 from .layer_groups import HybridBlockManager, layer_group_report
+from .state_rollback import pool_rows
 
 
 def memory_report(engine) -> dict:
@@ -51,8 +52,7 @@ def _recurrent_state_memory(engine) -> dict:
     prefix_rows = int(engine.program.lowering.state_prefix_rows or 0)
     return {"recurrent_state_bytes_per_request": per_request, "recurrent_state_slots": slots,
             "recurrent_state_snapshot_slots": snapshots, "recurrent_state_prefix_rows": prefix_rows,
-            "recurrent_state_bytes_per_rank": [per_request * (slots + snapshots + prefix_rows)
-                                               for _ in engine.mesh.ranks]}
+            "recurrent_state_bytes_per_rank": [per_request * pool_rows(engine.program) for _ in engine.mesh.ranks]}
 
 
 def kv_sizing_report(engine) -> dict:

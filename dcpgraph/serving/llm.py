@@ -149,7 +149,7 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
 
         check_expert_replicas(tf.AutoConfig.from_pretrained(model), tp=tp, replicas=parallel.data_parallel_size,
                               speculative=spec.speculative_config is not None,
-                              device=resolve_device(parallel.device).name)
+                              device=device)
     engine_options = _engine_options(settings)
     engine_options["device"] = device  # every rank runs the front end's choice
     if defaults.kv_cache_space_bytes is not None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pcp import _matches_hf, _model
+from pcp_models import pcp_model
+from test_pcp import _matches_hf
 
 from dcpgraph.runtime.distributed import spawn
 
@@ -37,7 +38,7 @@ def _rank(rank: int, world: int, tp: int, pcp: int, dcp: int):
     def run(programs):
         return {r: run_distributed(p, groups) for r, p in programs.items()}
 
-    model = _model("qwen3")
+    model = pcp_model("qwen3")
     first, second = _prompts()
     _, caches = generate_greedy(model, mesh, first, 2, prefill_chunk=9, ranks=[rank], run=run, interleave=2)
     reused = {rank: caches[rank].truncated(SHARED)}
@@ -52,4 +53,4 @@ def test_pcp_on_gloo_matches_hf(tp, pcp, dcp):
     results = spawn(_rank, tp * pcp, tp, pcp, dcp, timeout_s=300)
     _, second = _prompts()
     assert all(tokens == results[0] for tokens in results)
-    assert _matches_hf(_model("qwen3"), second, results[0])
+    assert _matches_hf(pcp_model("qwen3"), second, results[0])

@@ -4,8 +4,10 @@ Each replica is a worker group of ``tp`` ranks with its own scheduler, KV cache 
 (:class:`~.workers.RemoteEngine`); the front end holds all of them as one
 :class:`~dcpgraph.runtime.engine_client.EngineClient`. Invariants:
 
-- a request lives on one replica for its whole life; it goes to the replica with the fewest live
-  requests (ties: the lowest index), vLLM's least-outstanding balancing;
+- a request lives on one replica for its whole life; it goes where :class:`~.prefix_routing.PrefixAwareRouter`
+  says: the replica with the fewest live requests (ties: the lowest index), vLLM's least-outstanding
+  balancing, unless another replica holds a longer prefix of the prompt and is at most
+  ``balance_slack`` requests busier;
 - request ids are the client's own (``0, 1, ...``), mapped to each replica's ids, so events and
   aborts never mix replicas;
 - a step starts on every replica that has live requests before waiting for any, so replicas run
@@ -33,14 +35,17 @@ from ..errors import ConfigError, QueueFullError, RequestError
 from ..runtime.engine_client import WAITING_IDS, EngineClient
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
+from .prefix_routing import PrefixAwareRouter
 from .workers import POLL_S, WorkerDiedError
 
 MERGED_OPS = {WAITING_IDS, "process.report", "reset_prefix_cache"}
 
 
 class DataParallelEngine(EngineClient):
-    def __init__(self, replicas: Sequence[EngineClient], *, lockstep: bool = False):
+    def __init__(self, replicas: Sequence[EngineClient], *, lockstep: bool = False,
+                 router: PrefixAwareRouter | None = None):
         self.replicas = list(replicas)
+        self.router = router if router is not None else PrefixAwareRouter(len(self.replicas))
         self.lockstep = lockstep  # replicas share the routed experts: every replica steps whenever one does
         self._owner: dict[int, tuple[int, int]] = {}  # client id -> (replica, replica's id)
         self._ids: list[dict[int, int]] = [{} for _ in self.replicas]  # per replica: its id -> client id
@@ -51,7 +56,7 @@ class DataParallelEngine(EngineClient):
         return len(self._ids[replica])
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
-        replica = min(range(len(self.replicas)), key=lambda i: (self.live(i), i))
+        replica = self.router.choose(prompt, [self.live(i) for i in range(len(self.replicas))])
         local = self.replicas[replica].add_request(prompt, max_new_tokens, **sampling)
         rid, self._next_id = self._next_id, self._next_id + 1
         self._owner[rid] = (replica, local)
@@ -149,7 +154,8 @@ class DataParallelEngine(EngineClient):
     def report(self) -> dict:
         reports = [r.report() for r in self.replicas]
         return {**reports[0], "data_parallel": {"size": len(reports), "requests_served": list(self.requests_served),
-                                                "live": [self.live(i) for i in range(len(reports))]},
+                                                "live": [self.live(i) for i in range(len(reports))],
+                                                "prefix_routed": self.router.prefix_routed},
                 "replicas": reports}
 
     def rank_call(self, name: str, args: dict) -> list:

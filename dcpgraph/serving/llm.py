@@ -52,6 +52,7 @@ from .logprobs import vllm_logprobs, vllm_prompt_logprobs
 from .nodes import NodeLayout
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
+from .prefix_routing import PrefixAwareRouter
 from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt, truncated
 from .vllm_defaults import FALLBACK_MAX_MODEL_LEN
 from .workers import RemoteEngine
@@ -205,8 +206,9 @@ class LLM:
         self._next_request = 0
         self.grammar_backend = None  # built on the first request with structured_outputs
         if parallel.data_parallel_size > 1:
-            self.engine = DataParallelEngine(self._replicas(parallel.data_parallel_size),
-                                             lockstep=parallel.enable_expert_parallel)
+            self.engine = DataParallelEngine(
+                self._replicas(parallel.data_parallel_size), lockstep=parallel.enable_expert_parallel,
+                router=PrefixAwareRouter(parallel.data_parallel_size, block_tokens=settings.cache.block_size))
         elif tp == 1 or in_world:
             if self.config.device != "cpu":  # this process's rank: its node's device, LOCAL_RANK mod count
                 place_rank(resolve_device(self.config.device), int(os.environ.get("LOCAL_RANK", "0")))

@@ -15,10 +15,14 @@ from __future__ import annotations
 import torch
 import transformers
 
+VOCAB = 67
+"""Not divisible by tp = 2 or 4, as many real checkpoints' vocabularies are not: the embedding and
+the LM head are split with a ragged last shard at every mesh these models run."""
+
 
 def qwen3_next(kv_heads: int = 2, key_heads: int = 2) -> torch.nn.Module:
     config = transformers.Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2, 3],
         initializer_range=0.2, eos_token_id=None)
@@ -28,7 +32,7 @@ def qwen3_next(kv_heads: int = 2, key_heads: int = 2) -> torch.nn.Module:
 
 def lfm2(kv_heads: int = 2) -> torch.nn.Module:
     config = transformers.Lfm2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=kv_heads, conv_L_cache=3, layer_types=["conv", "full_attention", "conv"],
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
@@ -39,7 +43,7 @@ def qwen3_5(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
     """qwen3_5_text: the split projection layout (``in_proj_qkv``, ``in_proj_z/b/a``); 3 gated delta
     net layers and one gated attention layer, as :func:`qwen3_next`'s dims."""
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=kv_heads, head_dim=8, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None)
@@ -52,7 +56,7 @@ def olmo_hybrid(kv_heads: int = 1, key_heads: int = 4) -> torch.nn.Module:
     ``β`` doubled by transformers' default ``linear_allow_neg_eigval``); 3 gated delta net layers
     and one attention layer, as :func:`qwen3_next`'s dims."""
     config = transformers.OlmoHybridConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=kv_heads, linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.2, eos_token_id=None,
@@ -70,7 +74,7 @@ and, for the gated delta nets (qwen3_next, qwen3_5_text), 4 key heads / 8 value 
 
 # Mamba-2 hybrids: 8 heads of 8 channels (I = 64 = 2·hidden), 2 groups of B/C with state 8, conv
 # kernel 4, HF's scan chunk 4 (so the reference itself runs several chunks).
-_MAMBA2 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+_MAMBA2 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                initializer_range=0.2, eos_token_id=None, pad_token_id=0)
 
 
@@ -126,7 +130,7 @@ def minimax(kv_heads: int = 1, heads: int = 4, block_size: int = 4) -> torch.nn.
     experts (top 2), HF's prefill block of ``block_size`` (so a prompt spans several blocks) and
     residual factors other than 1 (``*_alpha_factor``/``*_beta_factor``), so all are exercised."""
     config = transformers.MiniMaxConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=heads,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["linear_attention", "full_attention"] * 2, block_size=block_size,
         linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1, full_attn_alpha_factor=1.2,
@@ -144,10 +148,13 @@ SPEC_MODELS = {"qwen3_next": MESH_MODELS["qwen3_next"], "lfm2": MESH_MODELS["lfm
                "bamba": MAMBA2_MESH_MODELS["bamba"]}
 """One hybrid per recurrent kind (gated delta net, short convolution, Mamba-2), each valid at tp2·dcp2."""
 
-SPEC_PROMPTS = [[2, 4, 8, 16, 32, 2, 4, 8, 16], [3, 4, 3, 4, 3, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2]]
+SPEC_PROMPTS = [[3, 4, 3, 4, 3, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7, 5, 6, 7],
+                [3, 4, 3, 4, 3, 4, 3, 41, 37, 46, 35, 3, 4, 3, 4, 3]]
 SPEC_NEW_TOKENS = 16
 """Repetitive prompts: prompt lookup drafts from them, and on these seeded models some of those
-drafts are accepted and most are rejected."""
+drafts are accepted and most are rejected (each model accepts at least one: qwen3_next on the first
+prompt, lfm2 on the third, bamba on the last: the first prompt, bamba's first four greedy tokens
+after it, and the first prompt again; 16 tokens, so a request fits the gloo test's 32-token cache)."""
 
 
 def ngram(k: int = 3) -> dict:
@@ -155,9 +162,9 @@ def ngram(k: int = 3) -> dict:
 
 
 def llama_draft() -> torch.nn.Module:
-    """A one-layer Llama over the hybrids' 64-token vocabulary: a draft model without recurrent layers."""
+    """A one-layer Llama over the hybrids' vocabulary: a draft model without recurrent layers."""
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=1, head_dim=8, initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(1)
     return transformers.LlamaForCausalLM(config).eval()
@@ -167,7 +174,7 @@ def llama_draft() -> torch.nn.Module:
 # (q, k and v alike), conv kernel 4; MLA with latent rank 16, nope/rope/v dims 8, 4 heads (one
 # latent KV head after absorption, so DCP up to tp); layer 0 a dense MLP, the others MoE with 4
 # experts (top 2) and a shared expert, with transformers' default experts implementation.
-_KDA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+_KDA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, q_lora_rank=None,
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],

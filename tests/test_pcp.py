@@ -151,7 +151,7 @@ def test_eager_path_refuses_what_it_does_not_run():
         generate_greedy(pcp_model("llama"), Mesh(tp=1, dcp=1, pcp=2), [1, 2, 3], 1, reused_len=3)
 
 
-def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_path):
+def test_serve_flags_and_llm_take_pcp_and_refuse_what_it_does_not_run_before_any_rank_starts(tmp_path):
     import argparse
 
     from dcpgraph.serving.cli_args import add_cli_args
@@ -165,9 +165,9 @@ def test_serve_flags_and_llm_take_pcp_and_refuse_it_before_any_rank_starts(tmp_p
     path = save_tiny_checkpoint(tmp_path / "m", "qwen3", layers=1)
     with pytest.raises(ConfigError, match=r"\(tp · pcp\) % dcp == 0 failed.*valid dcp: \[1, 2\]"):
         LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=4)
-    with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 .*LLM and dcpgraph serve .*run "
-                                          "prefill_context_parallel_size=1 only"):
-        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 .*does not run in LLM / dcpgraph serve "
+                                          "with data_parallel_size=2"):
+        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2, data_parallel_size=2)
 
 
 # -- planner: the TTFT estimate --------------------------------------------------------------------

@@ -5,7 +5,8 @@ attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.
 — and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, without speculative decoding, ``hybrid_kv_cache``,
 data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
-``dcpgraph serve`` (which start one worker process per TP rank, and P/D) refuse ``pcp > 1``. The
+``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
+emulator), on one node, without data-parallel replicas, speculative decoding or P/D. The
 eager path (:mod:`dcpgraph.pcp.eager`) runs Llama/Qwen3 on real process groups.
 """
 
@@ -20,15 +21,23 @@ COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcp
             "of tp·pcp ranks, with chunked prefill and prefix caching")
 
 
-def refuse_pcp_execution(mesh: Mesh) -> None:
-    """``LLM`` / ``dcpgraph serve``: raise :class:`ConfigError` for ``pcp > 1``, naming what runs."""
+def refuse_pcp_execution(mesh: Mesh, *, speculative: bool = False, data_parallel: int = 1, nnodes: int = 1,
+                         kv_transfer: bool = False) -> None:
+    """``LLM`` / ``dcpgraph serve``: raise :class:`ConfigError` for what ``pcp > 1`` does not run
+    there (speculative decoding, data-parallel replicas, several nodes, P/D), naming what runs."""
     if mesh.pcp == 1:
         return
-    raise ConfigError(
-        f"prefill_context_parallel_size={mesh.pcp} (tp={mesh.tp}, dcp={mesh.dcp}) is a valid mesh, but LLM and "
-        "dcpgraph serve (worker processes, P/D) run prefill_context_parallel_size=1 only. pcp > 1 runs for "
-        f"{COMPILED}; and eagerly on process groups in dcpgraph.pcp.eager (see docs/user-guide/pcp.md)"
-    )
+    refused = [name for name, on in (("speculative decoding", speculative),
+                                     (f"data_parallel_size={data_parallel}", data_parallel > 1),
+                                     (f"nnodes={nnodes}", nnodes > 1),
+                                     ("P/D (kv_transfer_config)", kv_transfer)) if on]
+    if refused:
+        raise ConfigError(
+            f"prefill_context_parallel_size={mesh.pcp} (tp={mesh.tp}, dcp={mesh.dcp}) does not run in LLM / "
+            f"dcpgraph serve with {'; '.join(refused)}. LLM and dcpgraph serve run pcp > 1 with one worker process "
+            f"per rank of the tp·pcp world on one node, for {COMPILED}; use prefill_context_parallel_size=1 for the "
+            "rest (see docs/user-guide/pcp.md)"
+        )
 
 
 def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:

@@ -100,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         serving = settings.serving
         options = server_options(settings)
         kv_config = parse_kv_transfer_config(serving.kv_transfer_config) if serving.kv_transfer_config else None
+        if kv_config is not None:  # before any rank starts
+            from ..mesh import Mesh
+            from ..pcp.support import refuse_pcp_execution
+
+            par = settings.parallel
+            refuse_pcp_execution(Mesh(par.tensor_parallel_size, par.decode_context_parallel_size,
+                                      par.prefill_context_parallel_size), kv_transfer=True)
         llm = LLM(model=settings.model.model, usage_context="serve", **llm_kwargs(settings))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ class EngineConfig:
     dtype: str  # resolved (never "auto"), a key of checkpoint.DTYPES
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1  # the world is tp·pcp ranks (dcpgraph.mesh.Mesh)
     cp_kv_cache_interleave_size: int = 1
     block_size: int = 16
     max_model_len: int = 4096
@@ -35,6 +36,11 @@ class EngineConfig:
         """The device kind every rank runs on, as the front end resolved it ("cpu" when not set)."""
         return self.engine_options.get("device", "cpu")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: ``tensor_parallel_size · prefill_context_parallel_size``."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -46,12 +52,12 @@ class EngineConfig:
 def compile_rank(config: EngineConfig, executor: str = "auto") -> CompiledModel:
     """Trace the checkpoint's model on the meta device and compile it (no weights are read here:
     an executor reads its ranks' slices, :func:`~dcpgraph.checkpoints.loader.load_program`).
-    Inside an initialised world of size ``tp`` (a worker, or torchrun) every rank calls it, and
+    Inside an initialised world of size ``tp·pcp`` (a worker, or torchrun) every rank calls it, and
     "auto" picks the distributed executor."""
     program = load_program(config.model, config.dtype, config.load_format, config.device)
     return compile_programs(
         program, tp=config.tensor_parallel_size, dcp=config.decode_context_parallel_size,
-        interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
+        pcp=config.prefill_context_parallel_size, interleave=config.cp_kv_cache_interleave_size, block_size=config.block_size,
         max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         executor=executor, ranks_on_host=config.ranks_on_host, **config.engine_options,

@@ -16,7 +16,7 @@ def run_headless(config, layout: NodeLayout, *, timeout_s: float, start_method: 
     """A node other than the head: start its share of ranks, and wait for them. Returns 0 when they
     all stop cleanly (the head shut the group down), 1 as soon as one fails (the others are then
     stopped). SIGTERM or SIGINT stops them too."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     ranks = layout.local_ranks(world)
     address = layout.world_address("")
     procs = start_workers(config, ranks, world_address=address, front_end=layout.front_end_address(""),

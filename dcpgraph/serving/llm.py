@@ -7,8 +7,8 @@
     outputs = llm.generate(["The future of AI is"], SamplingParams(temperature=0.8, top_p=0.95))
     print(outputs[0].outputs[0].text)
 
-Where the ranks run: ``tensor_parallel_size == 1`` in this process; inside a ``torch.distributed``
-world of size ``tp`` (``torchrun``) this process is one rank and every rank runs the same script
+Where the ranks run (``tp·pcp`` of them): one in this process; inside a ``torch.distributed``
+world of size ``tp·pcp`` (``torchrun``) this process is one rank and every rank runs the same script
 (on an accelerator it takes its node's device ``LOCAL_RANK mod count``);
 otherwise one worker process per rank (:class:`~.workers.RemoteEngine`, real gloo collectives)
 driven from here over loopback sockets. ``distributed_executor_backend="emulated"`` runs every
@@ -132,7 +132,8 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
     pcp = parallel.prefill_context_parallel_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
                               interleave=interleave, tokenizer=tokenizer, load_format=load_format, pcp=pcp)
-    refuse_pcp_execution(Mesh(tp, dcp, pcp))
+    refuse_pcp_execution(Mesh(tp, dcp, pcp), speculative=spec.speculative_config is not None,
+                         data_parallel=parallel.data_parallel_size, nnodes=parallel.nnodes)
     limit = info.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
     if scheduler.max_model_len is not None and not 0 < scheduler.max_model_len <= limit:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
@@ -161,10 +162,10 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
             interleave=interleave, tokenizer=tokenizer)
     config = EngineConfig(
         model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-        cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=defaults.max_model_len,
+        prefill_context_parallel_size=pcp, cp_kv_cache_interleave_size=interleave, block_size=cache.block_size, max_model_len=defaults.max_model_len,
         enable_prefix_caching=cache.enable_prefix_caching, max_num_seqs=defaults.max_num_seqs,
         max_num_batched_tokens=defaults.max_num_batched_tokens, engine_options=engine_options,
-        ranks_on_host=parallel.data_parallel_size * tp // parallel.nnodes, load_format=load_format,
+        ranks_on_host=parallel.data_parallel_size * tp * pcp // parallel.nnodes, load_format=load_format,
     )
     return CheckedCheckpoint(tokenizer, info, config, defaults)
 
@@ -195,21 +196,21 @@ class LLM:
             trust_remote_code=trust_remote_code, quantization=quantization, **engine_options,
         )  # every option checked, before the model directory is read
         parallel = settings.parallel
-        tp = parallel.tensor_parallel_size
+        world = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
         checked = checked_checkpoint(settings, usage_context)
         self.tokenizer, self.info, self.config = checked.tokenizer, checked.info, checked.config
         self.defaults = checked.defaults
         self.seed = settings.model.seed
         self.max_model_len = checked.config.max_model_len
         self.eos_token_ids = checked.info.eos_token_ids
-        in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp
+        in_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() == world
         self._next_request = 0
         self.grammar_backend = None  # built on the first request with structured_outputs
         if parallel.data_parallel_size > 1:
             self.engine = DataParallelEngine(
                 self._replicas(parallel.data_parallel_size), lockstep=parallel.enable_expert_parallel,
                 router=PrefixAwareRouter(parallel.data_parallel_size, block_tokens=settings.cache.block_size))
-        elif tp == 1 or in_world:
+        elif world == 1 or in_world:
             if self.config.device != "cpu":  # this process's rank: its node's device, LOCAL_RANK mod count
                 place_rank(resolve_device(self.config.device), int(os.environ.get("LOCAL_RANK", "0")))
             self.engine = build_engine(self.config, "auto")
@@ -374,7 +375,7 @@ _ALWAYS = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_
 # where the ranks run across machines (the parallel section's fields LLM takes by keyword)
 NODE_FIELDS = ("data_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "headless")
 # what EngineConfig carries in its own fields, by compile's names
-_ENGINE_CONFIG_OPTIONS = ("tp", "dcp", "interleave", "block_size", "max_model_len", "enable_prefix_caching",
+_ENGINE_CONFIG_OPTIONS = ("tp", "dcp", "pcp", "interleave", "block_size", "max_model_len", "enable_prefix_caching",
                           "max_num_seqs", "max_num_batched_tokens")
 
 

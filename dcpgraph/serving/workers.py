@@ -1,7 +1,7 @@
 """One worker process per rank, one engine among them: :class:`RemoteEngine`.
 
 The process that serves (the ``LLM`` or the server: the front end) listens on ``127.0.0.1`` (or
-the interface the operator names) and starts ``tp`` processes. Each rank connects back
+the interface the operator names) and starts ``tp·pcp`` processes. Each rank connects back
 (:mod:`multiprocessing.connection`, authenticated with a fresh key), takes its device (the node's
 accelerator ``local_rank mod count``, or the host), joins the world (NCCL, HCCL or gloo) and
 compiles the checkpoint's programs (:func:`~.engine_config.compile_rank`: every rank the same).
@@ -195,7 +195,7 @@ def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: 
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
-                         args=(rank, config.tensor_parallel_size, world_address, front_end, authkey,
+                         args=(rank, config.world_size, world_address, front_end, authkey,
                                config.to_json(), timeout_s, local_rank))
              for local_rank, rank in enumerate(ranks)]
     for proc in procs:
@@ -237,7 +237,7 @@ class RemoteEngine(EngineClient):
         self.started = False  # every rank said it is ready (from then on a follower's message means failure)
         self.last_step_rank_seconds: list[float] = []  # rank 0's own time in its last step
         self.last_step_broadcast_seconds = 0.0  # of which broadcasting the step to the other ranks
-        world = config.tensor_parallel_size
+        world = config.world_size
         authkey = layout.authkey()
         listener = Listener(layout.front_end_address(host), authkey=authkey)
         self.conns: list[Connection | None] = [None] * world

@@ -1,0 +1,59 @@
+"""``LLM(..., prefill_context_parallel_size=2)`` and ``dcpgraph serve -pcp 2`` on tp·pcp gloo worker
+processes: greedy tokens equal HF ``generate`` (fp64, same weights) with chunked prefill and a
+prefix-cache hit, and what does not run with pcp > 1 is refused by name before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpgraph import LLM, ConfigError, SamplingParams
+from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
+from dcpgraph.testing.generation import hf_greedy
+
+NEW = 6
+SHARED = [(7 * i + 3) % 300 + 5 for i in range(24)]  # a prefix of six 4-token blocks
+PROMPTS = [SHARED + [11, 12, 13], [5, 9, 4, 77, 30, 31, 32, 33, 34, 35, 36], SHARED + [40, 41]]
+
+
+def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
+    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*does not run in LLM / dcpgraph serve "
+                                          r"with speculative decoding.*use prefill_context_parallel_size=1"):
+        LLM(checkpoints["qwen3"], prefill_context_parallel_size=2, decode_context_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+
+
+@pytest.mark.gloo
+@pytest.mark.slow  # four worker processes each compiling and generating: ~30-60 s on 2 loaded cores
+def test_pcp_llm_on_workers_equals_hf_with_chunks_and_a_prefix_hit(checkpoints):
+    path = checkpoints["qwen3"]
+    hf = load_model(path, "float64")
+    with LLM(model=path, dtype="float64", block_size=4, prefill_context_parallel_size=2,
+             decode_context_parallel_size=2, max_num_batched_tokens=8, enable_prefix_caching=True,
+             max_model_len=128, worker_timeout_s=300) as llm:
+        assert len(llm.engine.worker_pids()) == 2  # world = tp·pcp = 1·2
+        first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=NEW))
+        again = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(temperature=0, max_tokens=NEW))
+        hits = llm.engine.report()["prefix_cache"]["hit_tokens"]
+    got = [o.outputs[0].token_ids for o in first + again]
+    assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert hits >= 16  # the shared prefix's blocks, read from the PCP-written, DCP-sharded cache
+
+
+@pytest.mark.gloo
+@pytest.mark.slow  # a server with two worker processes: ~30-60 s on 2 loaded cores
+def test_serve_with_pcp2_answers_the_openai_client_like_hf(checkpoints, tmp_path):
+    import openai
+
+    from dcpgraph.testing.server import running_server
+
+    path = checkpoints["qwen3"]
+    hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
+    prompts = ["The future of AI is", "héllo wörld héllo wörld héllo"]
+    args = ("-pcp", "2", "-dcp", "2", "--dtype", "float64", "--block-size", "4", "--max-model-len", "128",
+            "--max-num-batched-tokens", "8")
+    with running_server(path, *args, log_path=str(tmp_path / "serve.log")) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        answers = [api.completions.create(model=path, prompt=p, max_tokens=NEW, temperature=0) for p in prompts]
+    for prompt, answer in zip(prompts, answers):
+        expected = tokenizer.decode(hf_greedy(hf, tokenizer(prompt)["input_ids"], NEW), skip_special_tokens=True)
+        assert answer.choices[0].text == expected, prompt

@@ -1,4 +1,5 @@
-"""Time to first token of a long prompt with prefill context parallelism, pcp=1 vs pcp=2 (tp=1).
+"""Time to first token of a long prompt with prefill context parallelism, pcp=1 vs pcp=2 (and any
+``--pcp`` sizes; tp=1), beside the planner's prediction.
 
 Each rank is a real gloo process running the eager PCP prefill (:mod:`dcpgraph.pcp.eager`) of one
 ``--tokens`` prompt through a seeded random Llama (``--layers`` layers, hidden 512, 8 query heads
@@ -8,15 +9,20 @@ interleaved rep by rep:
 
 * ``pcp1_t{N}``: one process with N torch threads (N = the machine's cores: the baseline that uses
   the whole machine; and 1 thread, for the per-core view);
-* ``pcp2``: two processes of one thread each (the same cores).
+* ``pcp{P}``: P processes of one thread each (``--pcp``, default 2: the same cores).
 
 Reported beside the times: prefill attention FLOPs (``4·Hq·D·Σ_i (i+1)`` per layer, the QKᵀ and PV
 products over causal keys; per rank under PCP, from the zigzag split), the bytes each rank receives
 in the per-layer K/V all-gather (``(pcp−1)/pcp·n·2·Hkv·D·itemsize`` per layer), and the load average
-before and after (the machine is shared). Target: TTFT at pcp=2 ≤ 0.65× pcp=1 (all cores) at 8K.
+before and after (the machine is shared). Beside each one-thread-per-rank time, the planner's
+TTFT (:func:`dcpgraph.plan.prefill_cost.prefill_estimate`: the busiest rank's dense + attention
+FLOPs ÷ ``compute_flops``, plus the K/V exchange bytes ÷ link bandwidth and a latency per layer) on
+``--hardware`` (default ``this-machine``: the planner's own calibration of this CPU and of a gloo
+link, measured once before the runs), and the measured ÷ predicted ratio. Target: TTFT at pcp=2 ≤ 0.65× pcp=1 (all cores) at 8K.
 
     python benchmarks/pcp_ttft.py                       # 8K and 16K tokens, bf16, 8 layers
     python benchmarks/pcp_ttft.py --tokens 2048 --dtype float32 --reps 1   # a quick look
+    python benchmarks/pcp_ttft.py --tokens 4096 --pcp 2 4 --hardware h200   # pcp 4, a preset's figures
 """
 
 from __future__ import annotations
@@ -68,16 +74,36 @@ def exchange_bytes(tokens: int, pcp: int, layers: int, itemsize: int) -> float:
     return (pcp - 1) / pcp * tokens * 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * itemsize * layers
 
 
+def planner_ttft(tokens: int, pcp: int, layers: int, dtype: str, hw) -> tuple[float, float, float]:
+    """The planner's (TTFT seconds, busiest rank's attention FLOPs, exchange bytes per rank) for
+    the benchmark's model at (tp=1, pcp)."""
+    from dcpgraph.plan.model_shape import from_config
+    from dcpgraph.plan.prefill_cost import prefill_estimate
+
+    shape = from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE,
+                         "num_hidden_layers": layers, "torch_dtype": dtype})
+    est = prefill_estimate(shape, hw, tp=1, pcp=pcp, prompt_tokens=tokens)
+    return est.ttft_s, est.attention_flops, est.exchange_bytes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--pcp", type=int, nargs="+", default=[2], help="PCP sizes beside pcp=1 (one thread a rank)")
+    parser.add_argument("--hardware", default="this-machine",
+                        help="the planner's hardware for the prediction: this-machine (measured here) or a preset")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/pcp_ttft.json)")
     args = parser.parse_args(argv)
 
+    from dcpgraph.plan.calibration import get_hardware
     from dcpgraph.runtime.distributed import spawn
+
+    hw = get_hardware(args.hardware)
+    print(f"planner hardware: {hw.name}: {hw.compute_flops / 1e9:.1f} GFLOP/s, link {hw.link_bandwidth / 1e9:.2f} GB/s, "
+          f"{hw.link_latency_s * 1e6:.0f} us ({hw.source})", flush=True)
 
     cores = os.cpu_count() or 1
     itemsize = 2 if args.dtype == "bfloat16" else 4
@@ -86,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.tokens:
         config = f"{n} tokens, {args.layers} layers, {args.dtype}"
         ttft: dict[str, list[float]] = {}
-        variants = [(f"pcp1_t{cores}", 1, cores), ("pcp1_t1", 1, 1), ("pcp2", 2, 1)]
+        variants = [(f"pcp1_t{cores}", 1, cores), ("pcp1_t1", 1, 1), *((f"pcp{p}", p, 1) for p in args.pcp)]
         for _ in range(args.reps):  # interleaved: one rep of each variant in turn
             for label, world, threads in variants:
                 per_rank = spawn(_rank, world, n, args.layers, args.dtype, threads, 1, timeout_s=3600)
@@ -94,12 +120,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{config}: {label} {ttft[label][-1]:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         for label, _, _ in variants:
             records.append(record(name, config, f"ttft_{label}", min(ttft[label]), "s"))
-        base, pcp2 = min(ttft[f"pcp1_t{cores}"]), min(ttft["pcp2"])
-        rec = record(name, config, "ttft_pcp2_over_pcp1", pcp2, "s", baseline=base)
-        if n == 8192:
-            rec = with_target(rec, "TTFT at pcp=2 <= 0.65x pcp=1 at 8K", pcp2 / base <= 0.65,
-                              f"ratio {pcp2 / base:.2f}")
-        records.append(rec)
+        if "pcp2" in ttft:
+            base, pcp2 = min(ttft[f"pcp1_t{cores}"]), min(ttft["pcp2"])
+            rec = record(name, config, "ttft_pcp2_over_pcp1", pcp2, "s", baseline=base)
+            if n == 8192:
+                rec = with_target(rec, "TTFT at pcp=2 <= 0.65x pcp=1 at 8K", pcp2 / base <= 0.65,
+                                  f"ratio {pcp2 / base:.2f}")
+            records.append(rec)
+        for label, p in (("pcp1_t1", 1), *((f"pcp{p}", p) for p in args.pcp)):
+            predicted, flops, moved = planner_ttft(n, p, args.layers, args.dtype, hw)
+            measured = min(ttft[label])
+            print(f"{config}: {label} measured {measured:.2f} s, planner {predicted:.2f} s "
+                  f"(x{measured / predicted:.2f}); attention {flops / 1e9:.1f} GFLOP, exchange {moved / 1e6:.1f} MB "
+                  "per rank", flush=True)
+            records.append(record(name, config, f"planner_ttft_{label}", predicted, "s", baseline=measured))
+            records.append(record(name, config, f"planner_attention_flops_{label}", flops, "FLOP"))
+            records.append(record(name, config, f"planner_exchange_bytes_{label}", moved, "B"))
         records.append(record(name, config, "attention_flops_pcp1", attention_flops(n, 1, 0, args.layers), "FLOP"))
         records.append(record(name, config, "attention_flops_pcp2_max_rank",
                               max(attention_flops(n, 2, r, args.layers) for r in range(2)), "FLOP"))

@@ -4,6 +4,8 @@ prefix-cache hit, and what does not run with pcp > 1 is refused by name before a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dcpgraph import LLM, ConfigError, SamplingParams
@@ -22,8 +24,19 @@ def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
 
 
+
+def test_serve_with_pcp_refuses_pd_before_any_rank_starts(checkpoints, capsys):
+    from dcpgraph.serving.cli import main
+    from dcpgraph.testing.pd import kv_config
+
+    code = main([checkpoints["qwen3"], "-pcp", "2", "-dcp", "2", "--kv-transfer-config",
+                 kv_config("kv_producer", 0, 2, 15000)])
+    assert code == 2
+    assert re.search(r"prefill_context_parallel_size=2 .*with P/D \(kv_transfer_config\)", capsys.readouterr().err)
+
+
 @pytest.mark.gloo
-@pytest.mark.slow  # four worker processes each compiling and generating: ~30-60 s on 2 loaded cores
+@pytest.mark.slow  # two worker processes each compiling and generating: ~30-60 s on 2 loaded cores
 def test_pcp_llm_on_workers_equals_hf_with_chunks_and_a_prefix_hit(checkpoints):
     path = checkpoints["qwen3"]
     hf = load_model(path, "float64")

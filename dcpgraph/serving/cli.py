@@ -15,6 +15,8 @@ import sys
 from ..config import DcpgraphConfig
 from ..errors import ConfigError, DcpGraphError
 from ..memory import size_text
+from ..mesh import Mesh
+from ..pcp.support import refuse_pcp_execution
 from .cli_args import add_cli_args
 
 
@@ -101,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         options = server_options(settings)
         kv_config = parse_kv_transfer_config(serving.kv_transfer_config) if serving.kv_transfer_config else None
         if kv_config is not None:  # before any rank starts
-            from ..mesh import Mesh
-            from ..pcp.support import refuse_pcp_execution
-
             par = settings.parallel
             refuse_pcp_execution(Mesh(par.tensor_parallel_size, par.decode_context_parallel_size,
                                       par.prefill_context_parallel_size), kv_transfer=True)

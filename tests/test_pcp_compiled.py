@@ -89,8 +89,9 @@ def test_compiled_pcp_mla_matches_hf(tp, pcp, dcp):
 
 def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
     model = pcp_model("llama")
-    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative decoding.*runs for GQA"):
-        dcpgraph.compile(model, tp=1, pcp=2, dcp=1, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative method 'draft_model'.*runs for GQA"):
+        dcpgraph.compile(model, tp=1, pcp=2, dcp=1,
+                         speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": model})
     gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                                  head_dim=16, sliding_window=8))

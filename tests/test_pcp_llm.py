@@ -1,6 +1,6 @@
 """``LLM(..., prefill_context_parallel_size=2)`` and ``dcpgraph serve -pcp 2`` on tp·pcp gloo worker
 processes: greedy tokens equal HF ``generate`` (fp64, same weights) with chunked prefill and a
-prefix-cache hit, and what does not run with pcp > 1 is refused by name before any rank starts."""
+prefix-cache hit (and, through ``LLM``, ngram speculative decoding), and what does not run with pcp > 1 is refused by name before any rank starts."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.testing.generation import hf_greedy
 
 NEW = 6
-SHARED = [(7 * i + 3) % 300 + 5 for i in range(24)]  # a prefix of six 4-token blocks
+SHARED = [5, 9, 4, 77, 30, 31] * 4  # a prefix of six 4-token blocks that repeats (ngram drafts)
 PROMPTS = [SHARED + [11, 12, 13], [5, 9, 4, 77, 30, 31, 32, 33, 34, 35, 36], SHARED + [40, 41]]
 
 
 def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
+    path = checkpoints["qwen3"]
     with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*does not run in LLM / dcpgraph serve "
-                                          r"with speculative decoding.*use prefill_context_parallel_size=1"):
-        LLM(checkpoints["qwen3"], prefill_context_parallel_size=2, decode_context_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+                                          r"with speculative decoding other than ngram.*use prefill_context_parallel_size=1"):
+        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": path})
 
 
 
@@ -37,19 +38,23 @@ def test_serve_with_pcp_refuses_pd_before_any_rank_starts(checkpoints, capsys):
 
 @pytest.mark.gloo
 @pytest.mark.slow  # two worker processes each compiling and generating: ~30-60 s on 2 loaded cores
-def test_pcp_llm_on_workers_equals_hf_with_chunks_and_a_prefix_hit(checkpoints):
+def test_pcp_llm_on_workers_equals_hf_with_chunks_a_prefix_hit_and_ngram_drafts(checkpoints):
     path = checkpoints["qwen3"]
     hf = load_model(path, "float64")
     with LLM(model=path, dtype="float64", block_size=4, prefill_context_parallel_size=2,
              decode_context_parallel_size=2, max_num_batched_tokens=8, enable_prefix_caching=True,
-             max_model_len=128, worker_timeout_s=300) as llm:
+             max_model_len=128, worker_timeout_s=300,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                 "prompt_lookup_max": 3}) as llm:
         assert len(llm.engine.worker_pids()) == 2  # world = tp·pcp = 1·2
         first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=NEW))
         again = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(temperature=0, max_tokens=NEW))
-        hits = llm.engine.report()["prefix_cache"]["hit_tokens"]
+        report = llm.engine.report()
+        hits, spec = report["prefix_cache"]["hit_tokens"], report["speculative"]
     got = [o.outputs[0].token_ids for o in first + again]
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
     assert hits >= 16  # the shared prefix's blocks, read from the PCP-written, DCP-sharded cache
+    assert spec["drafted"] > spec["accepted"] > 0  # verify steps that kept drafts and ones that dropped some
 
 
 @pytest.mark.gloo

@@ -2,7 +2,9 @@
 
 ``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
 attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
-— and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, without speculative decoding, ``hybrid_kv_cache``,
+— and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
+verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk; no draft
+model or MTP), without ``hybrid_kv_cache``,
 data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
@@ -18,16 +20,24 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 
 COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
-            "of tp·pcp ranks, with chunked prefill and prefix caching")
+            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram speculative decoding")
+
+
+def speculative_method(config: Any) -> str | None:
+    """The method of a ``speculative_config`` (vLLM's dict or the checked record); None when off."""
+    if config is None:
+        return None
+    return config.get("method") if isinstance(config, dict) else getattr(config, "method", None)
 
 
 def refuse_pcp_execution(mesh: Mesh, *, speculative: bool = False, data_parallel: int = 1, nnodes: int = 1,
                          kv_transfer: bool = False) -> None:
     """``LLM`` / ``dcpgraph serve``: raise :class:`ConfigError` for what ``pcp > 1`` does not run
-    there (speculative decoding, data-parallel replicas, several nodes, P/D), naming what runs."""
+    there (a speculative method other than ngram, data-parallel replicas, several nodes, P/D),
+    naming what runs."""
     if mesh.pcp == 1:
         return
-    refused = [name for name, on in (("speculative decoding", speculative),
+    refused = [name for name, on in (("speculative decoding other than ngram", speculative),
                                      (f"data_parallel_size={data_parallel}", data_parallel > 1),
                                      (f"nnodes={nnodes}", nnodes > 1),
                                      ("P/D (kv_transfer_config)", kv_transfer)) if on]
@@ -50,8 +60,9 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
         refused.append("compressed attention layers (only dense GQA and MLA attention is split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
-    if opts.get("speculative_config") is not None:
-        refused.append("speculative decoding")
+    method = speculative_method(opts.get("speculative_config"))
+    if method not in (None, "ngram"):
+        refused.append(f"speculative method {method!r} (ngram runs: its verify step is split like a prefill chunk)")
     if opts.get("hybrid_kv_cache"):
         refused.append("hybrid_kv_cache")
     if opts.get("expert_replicas") is not None:

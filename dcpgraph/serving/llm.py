@@ -38,7 +38,7 @@ from ..config import DcpgraphConfig, config_fields, option_name
 from ..devices import place_rank, resolve_device
 from ..errors import ConfigError, RequestError
 from ..mesh import Mesh
-from ..pcp.support import refuse_pcp_execution
+from ..pcp.support import refuse_pcp_execution, speculative_method
 from ..runtime.grammar import GrammarBackend
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
@@ -132,7 +132,7 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
     pcp = parallel.prefill_context_parallel_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
                               interleave=interleave, tokenizer=tokenizer, load_format=load_format, pcp=pcp)
-    refuse_pcp_execution(Mesh(tp, dcp, pcp), speculative=spec.speculative_config is not None,
+    refuse_pcp_execution(Mesh(tp, dcp, pcp), speculative=speculative_method(spec.speculative_config) not in (None, "ngram"),
                          data_parallel=parallel.data_parallel_size, nnodes=parallel.nnodes)
     limit = info.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
     if scheduler.max_model_len is not None and not 0 < scheduler.max_model_len <= limit:

@@ -87,6 +87,19 @@ def test_compiled_pcp_mla_matches_hf(tp, pcp, dcp):
     assert engine.generate(prompts, 6) == [_hf(model, p, 6) for p in prompts]
 
 
+@pytest.mark.slow  # a compile and ~20 emulated verify steps against HF: ~10-15 s on 2 loaded cores
+def test_compiled_pcp_ngram_speculation_matches_hf_with_local_queries():
+    model = pcp_model("qwen3")
+    engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=1, max_num_batched_tokens=12, backend="eager",
+                              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    repeat = [1, 2, 3, 4, 5] * 2 + [1, 2, 3]
+    prompts = [repeat, _prompts(11, [20])[0] + repeat]
+    assert engine.generate(prompts, 8) == [_hf(model, p, 8) for p in prompts]
+    spec = engine.report()["speculative"]
+    assert spec["drafted"] > spec["accepted"] > 0  # verify steps that kept drafts and ones that dropped some
+
+
 def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
     model = pcp_model("llama")
     with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative method 'draft_model'.*runs for GQA"):

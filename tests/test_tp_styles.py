@@ -7,7 +7,8 @@ Styles and where they are exercised:
 * ``packed_colwise`` + ``rowwise`` on grouped experts, ``moe_tp_experts``, ``grouped_gemm`` +
   ``ep_dispatch_experts``: tests/test_e2e_moe.py (Qwen3-MoE, DeepSeek-V3);
 * here: GLM-4's own plan (``colwise_gather_output`` fused gate/up + ``rowwise_split_input``
-  down), and Llama with plans overridden to ``colwise_rep`` + ``rowwise_rep``,
+  down), and Llama with plans overridden to ``colwise_rep`` + ``rowwise_rep``, MiniCPM-5-MoE's
+  ``unit_colwise`` attention + ``unit_rowwise`` (2 KV heads: replicated at tp = 4),
   ``embedding_colwise``, and the replicated styles (``replicate``,
   ``sequence_parallel``, ``replicated_with_grad_allreduce``, ``local_params``) on norms;
 * every style above and ``packed_rowwise`` (Aria's grouped experts) and ``all_reduce`` (a module
@@ -60,6 +61,10 @@ LLAMA_VARIANTS = {
                                 "model.layers.*.mlp.up_proj": "colwise_rep",
                                 "model.layers.*.mlp.down_proj": "rowwise_rep"},
     "embedding_colwise": {"model.embed_tokens": "embedding_colwise"},
+    "unit_colwise+unit_rowwise": {"model.layers.*.self_attn.q_proj": "unit_colwise",
+                                  "model.layers.*.self_attn.k_proj": "unit_colwise",
+                                  "model.layers.*.self_attn.v_proj": "unit_colwise",
+                                  "model.layers.*.self_attn.o_proj": "unit_rowwise"},
     "replicated styles": {"model.norm": "sequence_parallel", "model.layers.*.input_layernorm": "replicate",
                           "model.layers.*.post_attention_layernorm": "replicated_with_grad_allreduce",
                           "model.layers.*.self_attn": "local_params"},

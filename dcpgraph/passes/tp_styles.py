@@ -11,11 +11,15 @@ style                                   effect on rank ``r`` of ``tp``
 ======================================  ============================================================
 ``colwise``                             output features split (dim -2; a bias or 1-D parameter such
                                         as attention sinks: dim -1); the output stays sharded
+``unit_colwise``                        colwise on a query/key/value projection, split by whole heads;
+                                        with fewer KV heads than ranks each head is replicated
+                                        (``tp // n_kv`` ranks a head), as for ``colwise``
 ``colwise_rep``,                        colwise, then all-gather of the output's last dim
 ``colwise_gather_output``
 ``rowwise``                             input features split (dim -1); on a linear an all-reduce
                                         follows and a bias is added once after it; on a grouped-
                                         expert parameter the owning ``moe_tp_experts`` module reduces
+``unit_rowwise``                        rowwise on an attention output projection (by whole heads)
 ``rowwise_split_input``, ``rowwise_rep``  rowwise whose input arrives replicated: the rank's slice of
                                         the input's last dim is taken first
 ``packed_colwise`` / ``packed_rowwise``   like colwise / rowwise on a fused ``[gate; up]`` dim: each
@@ -56,9 +60,10 @@ import torch
 from ..errors import ConfigError
 from ..program import ShardRule
 
-COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "qkv_colwise"})
+COLWISE = frozenset({"colwise", "unit_colwise", "colwise_rep", "colwise_gather_output", "packed_colwise",
+                     "qkv_colwise"})
 GATHER_OUTPUT = frozenset({"colwise_rep", "colwise_gather_output"})
-ROWWISE = frozenset({"rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"})
+ROWWISE = frozenset({"rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"})
 SPLIT_INPUT = frozenset({"rowwise_split_input", "rowwise_rep"})
 PACKED = frozenset({"packed_colwise", "packed_rowwise"})
 EMBEDDING = frozenset({"embedding_rowwise", "vocab_parallel", "embedding_colwise"})

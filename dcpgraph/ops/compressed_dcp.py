@@ -43,8 +43,15 @@ import torch
 from .. import layout
 from .compressed import closing_rows
 from .compressed_attention import with_sinks
-from .compressed_cached import _read, _requests, _visible, _write
-from .sparse_kernels import INDEX_DTYPE, NEG_INF, acc_dtype, attend_selected, index_scores, select_topk
+from .compressed_cached import _read, _requests, _write
+from .sparse_kernels import (
+    INDEX_DTYPE,
+    NEG_INF,
+    acc_dtype,
+    attend_selected,
+    index_scores,
+    select_topk,
+)
 
 NS = "dcpgraph"
 _lib = torch.library.Library(NS, "FRAGMENT")

@@ -30,6 +30,7 @@ import torch
 
 import dcpgraph
 from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
+from dcpgraph.frontends.compressed_layers import compressed_layer_indices
 from dcpgraph.frontends.layer_kinds import check_layer_types
 from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers, declared_stateless_layers
 from dcpgraph.mesh import Mesh
@@ -163,7 +164,7 @@ def tiny_config(model_type: str):
     try:  # the model kind itself, before tiny values that its validators may reject
         text_default = default.get_text_config() if hasattr(default, "get_text_config") else default
         check_layer_types(text_default, declared_recurrent_layers(text_default)
-                          + declared_stateless_layers(text_default))
+                          + declared_stateless_layers(text_default) + compressed_layer_indices(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
     mla = TINY_MLA if _declares(default, "kv_lora_rank") else {}

@@ -30,6 +30,7 @@ import torch
 
 import dcpgraph
 from dcpgraph.errors import DcpGraphError, UnsupportedModelError, VerificationError
+from dcpgraph.frontends.compressed_layers import compressed_layer_indices
 from dcpgraph.frontends.layer_kinds import check_layer_types
 from dcpgraph.frontends.recurrent_layers import declared_recurrent_layers, declared_stateless_layers
 from dcpgraph.mesh import Mesh
@@ -58,6 +59,15 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v2": dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
                         topk_method="greedy", n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=8),
     "diffllama": dict(num_key_value_heads=2),  # its differential attention needs an even count
+    # DeepSeek-V4: a sliding layer, an HCA and a CSA layer with rates, window and top-k small enough
+    # that the 13-token run emits entries, slides and selects (the default rates 4 and 128 and top-512
+    # would leave HCA empty and select every entry); a 32-wide head with an 8-wide rope slice.
+    "deepseek_v4": dict(num_hidden_layers=3, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24,
+                        o_groups=4, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=2,
+                        layer_types=["sliding_attention", "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
     "dots1": dict(n_shared_experts=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # the default leaves it None
     # Hybrids with gated delta nets: the default interval of 4 leaves two layers without attention,
@@ -163,7 +173,7 @@ def tiny_config(model_type: str):
     try:  # the model kind itself, before tiny values that its validators may reject
         text_default = default.get_text_config() if hasattr(default, "get_text_config") else default
         check_layer_types(text_default, declared_recurrent_layers(text_default)
-                          + declared_stateless_layers(text_default))
+                          + declared_stateless_layers(text_default) + compressed_layer_indices(text_default))
     except UnsupportedModelError as exc:
         return str(exc)
     mla = TINY_MLA if _declares(default, "kv_lora_rank") else {}

@@ -199,3 +199,18 @@ def sharded_greedy(model, prompt, max_new_tokens: int, *, chunk: int, tp: int = 
         out.append(int(logits.argmax()))
         logits = runner.step([out[-1]])
     return out
+
+
+_TRACED: dict = {}
+
+
+def traced(**config_overrides):
+    """``(model, dcpgraph.trace(model))`` of :func:`build`, traced once per process and overrides
+    (the V4 export takes 20-70 s here; test modules share it)."""
+    import dcpgraph
+
+    key = tuple(sorted(config_overrides.items()))
+    if key not in _TRACED:
+        model = build(**config_overrides)
+        _TRACED[key] = (model, dcpgraph.trace(model))
+    return _TRACED[key]

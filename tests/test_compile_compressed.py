@@ -145,8 +145,7 @@ def test_compiled_v4_gives_hf_greedy_tokens_through_chunks_and_a_preemption(trac
 
 @pytest.fixture(scope="module")
 def traced_four_groups():
-    model = dsv4_models.build(o_groups=4)
-    return model, dcpgraph.trace(model)
+    return dsv4_models.traced(o_groups=4)  # shared with test_compile_compressed_dcp
 
 
 @pytest.mark.slow  # a second V4 export (~25 s) and 8-40 s per mesh of emulated ranks on 2 loaded cores

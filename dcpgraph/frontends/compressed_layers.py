@@ -157,18 +157,20 @@ def refuse_loading_compressed_layers(config) -> None:
 
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
-    name before any pass or collective. Compiled: ``dcp = pcp = 1`` and any ``tp`` dividing the
-    grouped output projection's ``o_groups`` (:mod:`.compressed_tp`) on the emulated executor with
+    name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
+    output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
+    entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`) on the emulated executor with
     the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
-    raw window joins the sliding group (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
+    raw window joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
     layers = compressed_layer_indices(model)
     if not layers:
         return
     opts = opts or {}
     unsupported = []
-    if (dcp, pcp) != (1, 1):
-        unsupported.append(f"dcp={dcp}, pcp={pcp} (only dcp=1, pcp=1: the entries and raw window are not "
-                           "sharded over DCP ranks yet)")
+    if pcp != 1:
+        unsupported.append(f"pcp={pcp} (only pcp=1: prefill context parallelism of the compressor is not built)")
+    if dcp > 1 and opts.get("hybrid_kv_cache"):
+        unsupported.append(f"hybrid_kv_cache=True at dcp={dcp} (the raw window joins the sliding group at dcp=1 only)")
     groups = output_groups(model)
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
@@ -184,6 +186,5 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: dcp=1, pcp=1, tp dividing o_groups, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
-            "speculative decoding or P/D. The exact DCP-sharded reference runs eagerly in "
-            "dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")
+            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
+            "speculative decoding or P/D; per-rank bytes: dcpgraph plan")

@@ -45,7 +45,7 @@ REFUSED_LAYER_TYPES: dict[str, str] = {
 
 # What does run for a refused kind, appended to its refusal.
 REFUSED_LAYER_HINTS: dict[str, str] = {
-    kind: ("; a built (in-memory) model compiles at dcp=1 and any tp dividing o_groups (dcpgraph.compile; no prefix caching, "
+    kind: ("; a built (in-memory) model compiles at any tp dividing o_groups and dcp dividing tp (dcpgraph.compile; no prefix caching, "
            "speculative decoding or P/D) but a checkpoint directory is not loaded (its tensor names are not "
            "mapped); its exact DCP-sharded reference runs eagerly in dcpgraph.ops.compressed_attention and "
            "dcpgraph.ops.compressor, its per-rank bytes come from dcpgraph plan")

@@ -26,15 +26,20 @@ its blocks hold it. The raw rows' table (the second ``block_table``) is the one
 dtype, ``rows = 2m`` for an overlapping compressor and ``m`` otherwise) are per-request state:
 ``state_slots`` is the step input the engine fills from the request's slot.
 
-Runs after ``insert_kv_cache`` (whose step metadata it reads) at ``tp = dcp = 1`` (refused
-otherwise by :func:`dcpgraph.frontends.compressed_layers.refuse_compiling_compressed_layers`).
+At ``dcp = N > 1`` (option ``dcp``) an entry cache holds ``R`` rows per block, ``R = ceil(B / m)``
+rounded up to a multiple of the interleave ``I`` (``tokens_per_row = B // R``, so ``R`` must divide
+``B``), and ``shard_dcp`` deals the entries over the group by entry index
+(:mod:`dcpgraph.ops.compressed_dcp`).
+
+Runs after ``insert_kv_cache`` (whose step metadata it reads); what the cached layer does not
+support is refused by :func:`dcpgraph.frontends.compressed_layers.refuse_compiling_compressed_layers`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import VerificationError
+from ..errors import ConfigError, VerificationError
 from ..ops import compressed_cached as _cached_ops  # noqa: F401  (registers the cached forms)
 from ..program import CACHE, META, RECURRENT, CacheSpec, InputSpec, Program, RecurrentStateSpec
 from .graph_edit import add_placeholders, output_node
@@ -105,13 +110,30 @@ def _replace(graph, node, target, args) -> None:
     graph.erase_node(node)
 
 
+def entry_tokens_per_row(rate: int, block_size: int, dcp: int, interleave: int) -> int:
+    """``CacheSpec.tokens_per_row`` of an entry cache: ``m`` at ``dcp = 1``; at ``dcp > 1``
+    ``B // R`` with ``R = ceil(B / m)`` rounded up to a multiple of ``I`` (entries dealt in runs of
+    ``I`` over blocks of ``R`` entries), which needs ``R`` to divide ``B``."""
+    if dcp == 1:
+        return rate
+    rows = -(-block_size // rate)
+    rows = -(-rows // interleave) * interleave
+    if block_size % rows:
+        raise ConfigError(f"DeepSeek-V4 entries at dcp={dcp}: {rows} entry rows per block (ceil(block_size / "
+                          f"{rate}) rounded up to interleave={interleave}) must divide block_size={block_size}; "
+                          "valid: interleave=block_size, or rates m dividing block_size with interleave "
+                          "dividing block_size // m")
+    return block_size // rows
+
+
 @program_pass("insert_compressed_cache", requires=[HAS_COMPRESSED, HAS_STEP_METADATA], ensures=[_none_left])
-def insert_compressed_cache(program: Program):
+def insert_compressed_cache(program: Program, dcp: int = 1):
     gm = program.copy_graph()
     graph = gm.graph
     found = layer_nodes(program.replace(graph_module=gm))
     caches: list[CacheSpec] = []
     pools: list[RecurrentStateSpec] = []
+    block, interleave = int(program.lowering.block_size), int(program.lowering.interleave)
     plan = []  # (node, its pool or caches names)
     for layer, compress, topk, attention in found:
         index_of = {}
@@ -128,19 +150,20 @@ def insert_compressed_cache(program: Program):
         dtype = attention.args[1].meta["val"].dtype
         caches.append(CacheSpec(f"compressed_kv_{layer}", layer, ROLES["compressed_kv"], 1, dim, dtype))
         rate = int(attention.args[7])
-        caches.append(CacheSpec(f"entries_{layer}", layer, ROLES["entries"], 1, dim, dtype, tokens_per_row=rate))
+        caches.append(CacheSpec(f"entries_{layer}", layer, ROLES["entries"], 1, dim, dtype,
+                                tokens_per_row=entry_tokens_per_row(rate, block, dcp, interleave)))
         plan.append((attention, (f"compressed_kv_{layer}", f"entries_{layer}")))
         if topk is not None:
             keys = topk.args[2].meta["val"]
             caches.append(CacheSpec(f"index_entries_{layer}", layer, ROLES["index_entries"], 1, int(keys.shape[-1]),
-                                    keys.dtype, tokens_per_row=int(topk.args[5])))
+                                    keys.dtype, tokens_per_row=entry_tokens_per_row(int(topk.args[5]), block, dcp,
+                                                                                    interleave)))
             plan.append((topk, f"index_entries_{layer}"))
     has_slots = any(s.name == SLOTS_ROLE for s in program.inputs)
     names = [c.name for c in caches] + [p.name for p in pools] + ([] if has_slots else [SLOTS_ROLE])
     add_placeholders(graph, names)
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     slots, cu, context, table = (by_name[k] for k in (SLOTS_ROLE, "cu_seqlens_q", "context_lens", "block_table"))
-    block = int(program.lowering.block_size)
     for node, where in plan:
         if node.target is dcp_ops.compress_windows.default:
             kv, gate, bias, rate, overlap = node.args

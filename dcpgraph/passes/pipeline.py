@@ -126,7 +126,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
         passes.insert(at + 1, shard_recurrent_tp)
     if compressed:
         at = next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name)
-        passes.insert(at + 1, insert_compressed_cache)
+        passes.insert(at + 1, insert_compressed_cache.with_options(dcp=mesh.dcp))
     return passes
 
 

@@ -20,6 +20,8 @@ keys below a causal bound ``b`` its local prefix of ``local_len(b, r)``.
 
 Sparse (DSA) layers shard their indexer and merge the top-k exactly across the group before the
 sparse read, which is then gathered and merged like a context read (:mod:`.shard_dcp_sparse`).
+DeepSeek-V4's compressed layers read their window and entries on each rank, merge by LSE over the
+group and join the sink once after the merge (:mod:`.shard_dcp_compressed`).
 
 The KV writes stay as they are: the per-rank ``slot_mapping`` input carries −1 for tokens a rank
 does not own, so each new token lands in its owner's shard before the read. Every count of keys a
@@ -60,6 +62,7 @@ from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, context_reads, getitem_users, nodes_calling
 from .manager import program_pass
 from .shard_dcp_auto import auto_comm
+from .shard_dcp_compressed import shard_compressed
 from .shard_dcp_replicated import merge_all_heads, replicate_projections
 from .shard_dcp_sparse import shard_indexer
 from .verify import propagate_shapes
@@ -207,6 +210,7 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
     graph = gm.graph
     local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
     sharding = _ContextReadSharding(graph, program, comm, local_lens, dcp_rank)
+    compressed = shard_compressed(graph, sharding.e, dcp_rank, n, sharding.interleave)
     indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
     for indexer in indexers:
         shard_indexer(graph, sharding.e, indexer, dcp_rank, n, sharding.interleave, _emit_local_len)
@@ -231,7 +235,9 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
         f"dcp={n}, comm={comm}: {len(reads)} context attentions sharded"
         + (f"; {len(rules)} projection weights hold the DCP group's heads" if rules else "")
         + (f"; {overlapped} calls moved between a DCP collective and its wait" if overlapped else "")
-        + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else ""),
+        + (f"; {len(indexers)} sparse indexers sharded (local top-k, global merge)" if indexers else "")
+        + (f"; {compressed} compressed attentions sharded (entries by entry index, sink after the merge)"
+           if compressed else ""),
     )
 
 

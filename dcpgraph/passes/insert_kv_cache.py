@@ -122,11 +122,17 @@ def attention_nodes(graph) -> list:
 
 
 def _has_canonical_attention(program: Program) -> bool:
-    return bool(attention_nodes(program.graph_module.graph))
+    """Canonical attention nodes, or a model whose every attention layer is DeepSeek-V4's compressed
+    attention (its canonical ``compressed_attention`` nodes; the released V4 has no other kind):
+    there this pass only adds the step's metadata inputs, which ``insert_compressed_cache`` reads."""
+    graph = program.graph_module.graph
+    return bool(attention_nodes(graph)) or any(
+        n.op == "call_function" and n.target is torch.ops.dcpgraph.compressed_attention.default for n in graph.nodes)
 
 
 CANONICAL_ATTENTION = holds(
-    "canonical dcpgraph.attention nodes (made by canonicalize_attention, replaced by insert_kv_cache)",
+    "canonical dcpgraph.attention nodes (made by canonicalize_attention, replaced by insert_kv_cache), "
+    "or DeepSeek-V4's canonical compressed_attention nodes",
     _has_canonical_attention,
 )
 # MLA caches hold the latent form; decompressed K/V would cost H·(nope + v + rope) per token.
@@ -315,7 +321,7 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     gm = program.copy_graph()
     graph = gm.graph
     attn_nodes = attention_nodes(graph)
-    if not attn_nodes:
+    if not attn_nodes and not _has_canonical_attention(program):
         raise VerificationError("insert_kv_cache found no canonical attention node")
     fp8 = cache_dtype_of(kv_cache_dtype, program.facts.dtype) == FP8
     if fp8 and any(is_sparse(n) for n in attn_nodes):
@@ -355,6 +361,8 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     windows = sorted(w for w in rw.window_starts if w > 0)
     chunks = sorted(-w for w in rw.window_starts if w < 0)
     modified = (f"; sliding windows {windows}" if windows else "") + (f"; chunks {chunks}" if chunks else "")
+    if not rw.cache_specs:  # every layer compressed: only the step metadata, for insert_compressed_cache
+        return result, f"no dense attention node; step metadata inputs added (block {block_size})"
     return result, (f"{len(attn_nodes)} attention nodes -> paged KV cache (block {block_size}, "
                     f"{kv_cache_dtype}: {rw.cache_specs[0].dtype}){modified}")
 

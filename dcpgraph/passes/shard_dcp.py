@@ -114,6 +114,8 @@ def shard_dcp(program: Program, comm: str = "auto", workload=None):
         return program.replace(lowering=program.lowering.decided(comm="none")), "dcp=1: nothing to shard"
     if comm != "auto":
         return _lower(program, comm)
+    if not context_reads(program.graph_module.graph):  # every layer compressed: no dense merge to price
+        return _lower(program, "a2a")
     choice = auto_comm(program, workload)
     if choice.comm == "ag":  # its checks passed; its graph must also verify, else the next cheapest
         try:

@@ -158,8 +158,8 @@ def refuse_loading_compressed_layers(config) -> None:
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
     name before any pass or collective. Compiled: ``dcp = pcp = 1`` and any ``tp`` dividing the
-    grouped output projection's ``o_groups`` (:mod:`.compressed_tp`) on the emulated executor with
-    the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
+    grouped output projection's ``o_groups`` (:mod:`.compressed_tp`) on the emulated or the
+    distributed executor with the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
     raw window joins the sliding group (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
     layers = compressed_layer_indices(model)
     if not layers:
@@ -179,11 +179,9 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         unsupported.append("speculative_config (the open windows are not rolled back for rejected drafts)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
-    if opts.get("executor", "auto") == "distributed":
-        unsupported.append("executor='distributed' (only the emulated executor)")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: dcp=1, pcp=1, tp dividing o_groups, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
+            + ". Supported: dcp=1, pcp=1, tp dividing o_groups, kv_cache_dtype='auto', no prefix caching, "
             "speculative decoding or P/D. The exact DCP-sharded reference runs eagerly in "
             "dcpgraph.ops.compressed_attention; per-rank bytes: dcpgraph plan")

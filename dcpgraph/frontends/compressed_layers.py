@@ -207,7 +207,8 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         if misaligned:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
     if opts.get("speculative_config") is not None:
-        unsupported.append("speculative_config (the open windows are not rolled back for rejected drafts)")
+        unsupported.append("speculative_config (not exact yet: the open windows' snapshot and replay past "
+                           "rejected drafts leaves HF's greedy tokens once drafts are kept)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
     if unsupported:

@@ -18,6 +18,7 @@ from .errors import ConfigError, UnsupportedModelError
 from .frontends import fx, hf
 from .frontends.compressed_layers import (
     compressed_layer_indices,
+    prefix_block_misaligned,
     refuse_compiling_compressed_layers,
 )
 from .memory import (
@@ -206,14 +207,18 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
                          _compiled_draft(config, comm_workload), config, sizing)
 
 
-def prefix_caching_refusal(program: Program, opts: dict[str, Any]) -> str | None:
+def prefix_caching_refusal(program: Program, opts: dict[str, Any], dcp: int = 1) -> str | None:
     """Why prefix caching cannot run for the traced ``program`` under ``opts``, None when it can:
-    compressed (DeepSeek-V4) layers (their open window at a cached prefix's end is not kept) or
-    ``hybrid_kv_cache`` (a sliding layer's dropped blocks cannot serve a later hit). Recurrent
-    layers can: their state is kept at cached block boundaries (:mod:`.runtime.state_prefix_cache`)."""
+    compressed (DeepSeek-V4) layers at ``dcp > 1`` or whose compress rates do not divide
+    ``block_size·dcp`` (a cached prefix would end inside an entry), or ``hybrid_kv_cache`` (a sliding layer's dropped blocks
+    cannot serve a later hit). Recurrent layers and the compressors' open windows can: their state
+    is kept at cached block boundaries (:mod:`.runtime.state_prefix_cache`)."""
     compressed = compressed_layer_indices(program)
-    if compressed:
-        return f"compressed attention layers {compressed[:8]} keep no open window at a cached prefix"
+    if compressed and dcp > 1:
+        return f"compressed attention layers {compressed[:8]} at dcp={dcp}: prefix caching runs at dcp=1 only"
+    misaligned = compressed and prefix_block_misaligned(program, block_size=opts["block_size"], dcp=dcp)
+    if misaligned:
+        return f"compressed attention layers {compressed[:8]}: {misaligned}"
     if opts["hybrid_kv_cache"]:
         return "hybrid_kv_cache: a sliding layer's dropped blocks cannot serve a later prefix hit"
     return None
@@ -225,7 +230,7 @@ def _prefix_caching_decided(program: Program, config: _Configuration) -> _Config
     (``prefix_caching_off_reason``) for the engine's report. True and False stay as given."""
     if config.opts["enable_prefix_caching"] is not None:
         return config
-    reason = prefix_caching_refusal(program, config.opts)
+    reason = prefix_caching_refusal(program, config.opts, config.mesh.dcp)
     return dataclasses.replace(config, opts={**config.opts, "enable_prefix_caching": reason is None},
                                prefix_caching_off_reason=reason)
 

@@ -81,7 +81,7 @@ def test_mesh_rule_is_named():
     ({"tp": 2, "pcp": 2}, r"pcp=2 \(only pcp=1"),
     ({"tp": 2, "dcp": 2, "hybrid_kv_cache": True}, r"hybrid_kv_cache=True at dcp=2"),
     ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
-    ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
+    ({"enable_prefix_caching": True, "block_size": 6}, r"enable_prefix_caching=True with block_size·dcp=6"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
 ])

@@ -119,7 +119,8 @@ def test_prefix_caching_defaults_on_for_a_recurrent_hybrid(tmp_path, caplog):
 
 
 def test_prefix_caching_default_names_why_it_is_off():
-    """The reasons compile decides the default off: hybrid_kv_cache, and compressed (V4) layers."""
+    """The reasons compile decides the default off: hybrid_kv_cache, and compressed (V4) layers at
+    dcp > 1 or whose compress rates do not divide block_size·dcp (it stays on where they do)."""
     import types
 
     from dcpgraph.api import prefix_caching_refusal
@@ -127,5 +128,10 @@ def test_prefix_caching_default_names_why_it_is_off():
     plain = types.SimpleNamespace(facts=types.SimpleNamespace(extra={}))
     assert prefix_caching_refusal(plain, {"hybrid_kv_cache": False}) is None
     assert prefix_caching_refusal(plain, {"hybrid_kv_cache": True}).startswith("hybrid_kv_cache")
-    v4 = types.SimpleNamespace(facts=types.SimpleNamespace(extra={"compressed_layers": {0: "csa", 1: "hca"}}))
-    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False}).startswith("compressed attention layers [0, 1]")
+    v4 = types.SimpleNamespace(facts=types.SimpleNamespace(extra={"compressed_layers": {0: "csa", 1: "hca"},
+                                                                  "compress_rates": {0: 4, 1: 128}}))
+    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 16}).startswith(
+        "compressed attention layers [0, 1]: block_size·dcp=16 is not a multiple of lcm of the compress rates [4, 128]")
+    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 128}) is None
+    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 64}, dcp=2).endswith(
+        "at dcp=2: prefix caching runs at dcp=1 only")

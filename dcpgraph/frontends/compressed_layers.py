@@ -21,6 +21,7 @@ V4's sliding-only layers hold no compressor and trace through the ordinary atten
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from collections.abc import Iterator
 
@@ -141,6 +142,32 @@ def compressed_layer_indices(model) -> list[int]:
     return [i for i, kind in enumerate(kinds) if kind in COMPRESSED_LAYER_TYPES]
 
 
+def compress_rates(model) -> dict[int, int]:
+    """Layer index → compress rate ``m`` of each compressed layer: from an ``nn.Module``'s (or an
+    HF config's) ``compress_rates`` by layer type, or a traced Program's facts."""
+    if hasattr(model, "facts"):
+        return dict(model.facts.extra.get("compress_rates") or {})
+    config = getattr(model, "config", model)
+    rates = getattr(config, "compress_rates", None) or {}
+    return {i: int(rates[kind]) for i, kind in enumerate(getattr(config, "layer_types", None) or ())
+            if kind in COMPRESSED_LAYER_TYPES}
+
+
+def prefix_block_misaligned(model, *, block_size: int, dcp: int = 1) -> str | None:
+    """Why a cached prefix (a multiple of ``block_size·dcp`` tokens) would not end on an entry
+    boundary of every compressed layer, None when it does: ``block_size·dcp`` must be a multiple
+    of ``lcm(m)`` over the layers' rates, so the entries before the prefix's end are closed and its
+    open windows start empty or hold exactly the tokens after the last closed window."""
+    rates = sorted(set(compress_rates(model).values()))
+    if not rates:
+        return None
+    need = math.lcm(*rates)
+    if (block_size * dcp) % need == 0:
+        return None
+    return (f"block_size·dcp={block_size * dcp} is not a multiple of lcm of the compress rates {rates} = {need} "
+            f"(valid block_size: multiples of {need // math.gcd(need, dcp)})")
+
+
 def _named(layers: list[int]) -> str:
     return f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}"
 
@@ -159,9 +186,12 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
     name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
     output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
-    entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`) on the emulated executor with
-    the default KV dtype, no prefix caching, no speculative decoding; with ``hybrid_kv_cache`` the
-    raw window joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
+    entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
+    dtype and no speculative decoding; on the emulated executor, and on the distributed one at
+    ``dcp = 1``; prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
+    rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
+    state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
+    joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
     layers = compressed_layer_indices(model)
     if not layers:
         return
@@ -175,16 +205,24 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
                            "by whole groups)")
-    if opts.get("enable_prefix_caching"):
-        unsupported.append("enable_prefix_caching=True (the open window at a cached prefix's end is not kept)")
+    if dcp > 1 and opts.get("executor", "auto") == "distributed":
+        unsupported.append(f"executor='distributed' at dcp={dcp} (the DCP-sharded layer is tested on the emulated "
+                           "executor only; the distributed one runs it at dcp=1)")
+    if dcp > 1 and opts.get("enable_prefix_caching"):
+        unsupported.append(f"enable_prefix_caching=True at dcp={dcp} (the open windows are kept at block "
+                           "boundaries at dcp=1 only; entries dealt by entry index are not checked against a hit)")
+    elif opts.get("enable_prefix_caching"):
+        misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp)
+        if misaligned:
+            unsupported.append(f"enable_prefix_caching=True with {misaligned}")
     if opts.get("speculative_config") is not None:
-        unsupported.append("speculative_config (the open windows are not rolled back for rejected drafts)")
+        unsupported.append("speculative_config (not exact yet: the open windows' snapshot and replay past "
+                           "rejected drafts leaves HF's greedy tokens once drafts are kept)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
-    if opts.get("executor", "auto") == "distributed":
-        unsupported.append("executor='distributed' (only the emulated executor)")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, the emulated executor, kv_cache_dtype='auto', no prefix caching, "
-            "speculative decoding or P/D; per-rank bytes: dcpgraph plan")
+            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; the distributed "
+            "executor and prefix caching (block_size a multiple of the compress rates) at dcp=1; no speculative "
+            "decoding or P/D; per-rank bytes: dcpgraph plan")

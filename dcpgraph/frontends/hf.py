@@ -19,7 +19,7 @@ import torch.fx
 
 from ..errors import UnsupportedModelError
 from ..program import ModelFacts, Program
-from .compressed_layers import canonical_compressed_layers, compressed_modules
+from .compressed_layers import canonical_compressed_layers, compress_rates, compressed_modules
 from .compressed_tp import output_groups, v4_attention_tp_plan
 from .export import TokenShapeRefusal, finish, program_from_export, run_export
 from .head_sharding import head_sharded_attention
@@ -303,7 +303,8 @@ def export_program(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, t
         facts = dataclasses.replace(facts, extra={**facts.extra, "stateless_layers": stateless})
     if compressed:  # DeepSeek-V4's CSA/HCA layers (dcpgraph.compressed_attention)
         facts = dataclasses.replace(facts, extra={**facts.extra, "compressed_layers": dict(sorted(compressed.items())),
-                                                  "o_groups": output_groups(model)})
+                                                  "o_groups": output_groups(model),
+                                                  "compress_rates": compress_rates(model)})
     beside = sorted(set(recurrent) & {i for i in callers.values() if i is not None})
     if beside:  # falcon_h1: attention and a Mamba-2 mixer in parallel in one decoder layer
         facts = dataclasses.replace(facts, extra={**facts.extra, "attention_beside_recurrent": beside})

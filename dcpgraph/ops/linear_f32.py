@@ -34,10 +34,12 @@ EXTENSION = NativeExtension(
     "native fp32 linear kernel", "fp32 linears run on torch's kernel",
 )
 # Rows up to which the native kernel runs: register blocks take 4 rows per pass over a W block (the
-# rest of the rows read it from cache). Measured on one Zen 2 core (benchmarks/linear_f32.py): 0.34-0.92x
-# torch's time at M = 2..8 on every shape, but at M = 16 up to 1.8x on a K = 512 weight, whose packed
-# GEMM is then compute-bound and better blocked than these register blocks.
-MAX_ROWS = 8
+# rest of the rows read it from cache), so W streams from memory once whatever the rows. In isolation
+# (benchmarks/linear_f32.py, a weight warm in cache) torch's packed GEMM beat it at M = 16 on a K = 512
+# weight, but in a decode step every weight comes from memory: on the 28M-parameter fp32 Qwen3 of the
+# vLLM comparison (engine steps A/B in one process, one Zen 2 core) a batch-12/16 step took 0.68-0.74x
+# of the step with torch's GEMM beyond 8 rows and a batch-32 step 0.86x.
+MAX_ROWS = 32
 
 _state: dict[str, object] = {}
 _check_lock = threading.Lock()

@@ -29,6 +29,7 @@ from .memory import (
     size_for_utilization,
 )
 from .mesh import Mesh
+from .passes.insert_kv_cache import has_attention
 from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
 from .pcp.support import refuse_pcp_compile
@@ -344,6 +345,11 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
     parallelism, MTP's hidden states, the hybrid cache's layer-group tables)."""
 
     opts = config.opts
+    if not has_attention(program):  # before any pass: the pipeline's requirements would fail in absorb_mla
+        raise UnsupportedModelError(
+            f"{program.facts.architecture}: no attention layer was recognised in the traced graph "
+            "(canonicalize_attention rewrote no attention call into dcpgraph.attention), so there is no KV "
+            "cache to place: this model's attention form is not supported yet")
     return compile_program(
         program, config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],

@@ -121,7 +121,7 @@ def attention_nodes(graph) -> list:
             and n.target in (dcp_ops.attention.default, dcp_ops.sparse_attention.default)]
 
 
-def _has_canonical_attention(program: Program) -> bool:
+def has_attention(program: Program) -> bool:
     """Canonical attention nodes, or a model whose every attention layer is DeepSeek-V4's compressed
     attention (its canonical ``compressed_attention`` nodes; the released V4 has no other kind):
     there this pass only adds the step's metadata inputs, which ``insert_compressed_cache`` reads."""
@@ -133,7 +133,7 @@ def _has_canonical_attention(program: Program) -> bool:
 CANONICAL_ATTENTION = holds(
     "canonical dcpgraph.attention nodes (made by canonicalize_attention, replaced by insert_kv_cache), "
     "or DeepSeek-V4's canonical compressed_attention nodes",
-    _has_canonical_attention,
+    has_attention,
 )
 # MLA caches hold the latent form; decompressed K/V would cost H·(nope + v + rope) per token.
 _MLA_ABSORBED = holds(
@@ -321,7 +321,7 @@ def insert_kv_cache(program: Program, block_size: int = 16, kv_cache_dtype: str 
     gm = program.copy_graph()
     graph = gm.graph
     attn_nodes = attention_nodes(graph)
-    if not attn_nodes and not _has_canonical_attention(program):
+    if not attn_nodes and not has_attention(program):
         raise VerificationError("insert_kv_cache found no canonical attention node")
     fp8 = cache_dtype_of(kv_cache_dtype, program.facts.dtype) == FP8
     if fp8 and any(is_sparse(n) for n in attn_nodes):

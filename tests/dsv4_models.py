@@ -214,3 +214,18 @@ def traced(**config_overrides):
         model = build(**config_overrides)
         _TRACED[key] = (model, dcpgraph.trace(model))
     return _TRACED[key]
+
+
+def chunk_steps(lengths, cuts):
+    """Per step: ``[(request, start, end)]`` of each request's next chunk (cut sizes cycle)."""
+    done, steps, i = [0] * len(lengths), [], 0
+    while any(d < n for d, n in zip(done, lengths)):
+        step = []
+        for r, n in enumerate(lengths):
+            if done[r] < n:
+                size = min(cuts[(i + r) % len(cuts)], n - done[r])
+                step.append((r, done[r], done[r] + size))
+                done[r] += size
+        steps.append(step)
+        i += 1
+    return steps

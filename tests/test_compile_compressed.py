@@ -15,21 +15,7 @@ from dcpgraph.ops import compressed_cached  # noqa: F401  (registers the cached 
 
 DCP = torch.ops.dcpgraph
 BLOCK = 4
-
-
-def _steps(lengths, cuts):
-    """Per step: ``[(request, start, end)]`` of each request's next chunk (cut sizes cycle)."""
-    done, steps, i = [0] * len(lengths), [], 0
-    while any(d < n for d, n in zip(done, lengths)):
-        step = []
-        for r, n in enumerate(lengths):
-            if done[r] < n:
-                size = min(cuts[(i + r) % len(cuts)], n - done[r])
-                step.append((r, done[r], done[r] + size))
-                done[r] += size
-        steps.append(step)
-        i += 1
-    return steps
+_steps = dsv4_models.chunk_steps
 
 
 @pytest.mark.parametrize("overlap", [False, True])

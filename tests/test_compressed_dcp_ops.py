@@ -6,6 +6,7 @@ against dense formulas and HF in ``test_compressed_attention`` / ``test_frontend
 
 from __future__ import annotations
 
+import dsv4_models
 import pytest
 import torch
 
@@ -14,20 +15,7 @@ from dcpgraph.passes.insert_compressed_cache import entry_tokens_per_row
 
 DCP = torch.ops.dcpgraph
 BLOCK = 4
-
-
-def _steps(lengths, cuts):
-    done, steps, i = [0] * len(lengths), [], 0
-    while any(d < n for d, n in zip(done, lengths)):
-        step = []
-        for r, n in enumerate(lengths):
-            if done[r] < n:
-                size = min(cuts[(i + r) % len(cuts)], n - done[r])
-                step.append((r, done[r], done[r] + size))
-                done[r] += size
-        steps.append(step)
-        i += 1
-    return steps
+_steps = dsv4_models.chunk_steps
 
 
 @pytest.mark.parametrize("dcp,interleave,rate", [(2, 1, 2), (2, 2, 3), (3, 1, 2), (4, 4, 2)])

@@ -116,6 +116,14 @@ def test_dispatch_and_combine_match_a_hand_loop(tp, replicas, counts):
         torch.testing.assert_close(got, hand_loop(block, *inputs[replica]), rtol=1e-12, atol=1e-12)
 
 
+def test_the_rewrite_emits_the_same_code_every_time():
+    """Ranks compare their programs' code across processes before serving; the rewrite must not
+    depend on where its nodes happen to live in memory (set order), so repeated rewrites agree."""
+    block = Block()
+    codes = {rewritten(block, 2, 2).code for _ in range(6)}
+    assert len(codes) == 1
+
+
 def test_foreign_experts_contribute_nothing():
     """Two replicas whose tokens all pick replica 0's experts: replica 1's ranks compute only
     zeros for them, and the combine still gives both replicas the hand loop's rows."""

@@ -106,10 +106,12 @@ class ReplicaDispatch:
         gathered, output reduce-scattered and cut to this replica's rows. ``is_param(node)``:
         whether an input from outside is a parameter (left alone). Returns how many there are."""
         members = set(nodes)
-        outside = {a for n in nodes for a in n.all_input_nodes if a not in members}
+        # graph order, not set order: every rank must emit the same code (the programs' fingerprints
+        # are compared across processes, and a set of nodes iterates by address)
+        outside = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
         params = {a for a in outside if is_param(a)}
-        tokens = [a for a in outside - params if isinstance(a.meta.get("val"), torch.Tensor)]
-        sizes = [a for a in outside - params if not isinstance(a.meta.get("val"), torch.Tensor)]
+        tokens = [a for a in outside if a not in params and isinstance(a.meta.get("val"), torch.Tensor)]
+        sizes = [a for a in outside if a not in params and not isinstance(a.meta.get("val"), torch.Tensor)]
         if not tokens:
             raise UnsupportedModelError(f"{path}: the experts module takes no token inputs")
         count = _token_dim(tokens[0])
@@ -120,7 +122,7 @@ class ReplicaDispatch:
             raise UnsupportedModelError(
                 f"{path}: the experts module reads sizes from outside other than the token count "
                 f"({[a.name for a in sizes]}); dispatching its tokens would leave them stale")
-        gathered = {a: self.gather(a, nodes[0]) for a in sorted(tokens, key=lambda n: n.name)}
+        gathered = {a: self.gather(a, nodes[0]) for a in tokens}
         first = gathered[tokens[0]]
         with self.graph.inserting_before(nodes[0]):
             rows = self.e(aten.sym_size.int, first, 0)

@@ -51,13 +51,31 @@ def test_replicas_share_requests_and_keep_their_ids_apart():
 
 
 def test_data_parallel_settings_are_checked():
-    with pytest.raises(ConfigError, match="replicas over several machines"):
-        DcpgraphConfig.from_fields(data_parallel_size=2, nnodes=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"data_parallel_size=3 replicas do not split evenly over nnodes=2 \(each "
+                                          r"node runs whole replicas\); use nnodes in \[1, 3\]"):
+        DcpgraphConfig.from_fields(data_parallel_size=3, nnodes=2, tensor_parallel_size=2)
+    # whole replicas a node: tp=3 need not split over the two nodes
+    assert DcpgraphConfig.from_fields(data_parallel_size=2, nnodes=2, tensor_parallel_size=3).parallel.nnodes == 2
     with pytest.raises(ConfigError, match="use prefill_context_parallel_size=1"):
         DcpgraphConfig.from_fields(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2,
                                    prefill_context_parallel_size=2)
     assert DcpgraphConfig.from_fields(data_parallel_size=2, enable_expert_parallel=True).parallel.enable_expert_parallel
     assert DcpgraphConfig.from_fields(data_parallel_size=2).parallel.data_parallel_size == 2
+
+
+def test_replicas_are_placed_whole_on_nodes_with_their_own_ports():
+    from dcpgraph.serving.nodes import NodeLayout
+
+    head = NodeLayout(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=4000)
+    other = NodeLayout(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=4000)
+    placed = head.replica_placements(4)
+    assert [p.node for p in placed] == [0, 0, 1, 1]
+    assert [list(p.local_ranks(2)) for p in placed] == [[0, 1], [0, 1], [], []]
+    assert [list(p.local_ranks(2)) for p in other.replica_placements(4)] == [[], [], [0, 1], [0, 1]]
+    assert [p.front_end_address("") for p in placed] == [("10.0.0.1", 4001 + d) for d in range(4)]
+    assert head.expert_group_address("") == other.expert_group_address("") == ("10.0.0.1", 4000)
+    one = NodeLayout().replica_placements(2)
+    assert all(p.here for p in one) and one[1].front_end_address("127.0.0.1") == ("127.0.0.1", 0)
 
 
 @pytest.mark.gloo

@@ -8,6 +8,12 @@ KV head) at tp=4 / dcp=2 and MLA (DeepSeek-V2) at tp=4 / dcp=4. Then the headles
 (SIGKILL to its process and its workers): the head's ``/health`` must fail and a request must end
 with a 5xx, both within 60 s, and the head must still stop cleanly.
 
+Data parallelism across the two nodes: ``-dp 2`` puts one whole replica on each (tp=1, so the
+head sees the other node only through that replica's rank 0), for a dense Qwen3 and for a
+Qwen3-MoE with ``--enable-expert-parallel`` (the experts partitioned over both nodes): concurrent
+requests land on both replicas and equal HF, and losing the headless node fails the head's
+``/health`` within 60 s.
+
 Slow tier: five processes compile the model on two cores (~1–2 min per case).
 """
 
@@ -21,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -28,6 +35,7 @@ import pytest
 
 from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
 from dcpgraph.runtime.ports import free_port
+from dcpgraph.testing.checkpoints import save_tiny_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 from dcpgraph.testing.server import running_server
 
@@ -38,15 +46,18 @@ PROMPTS = ["The future of AI is", "héllo wörld"]
 MAX_TOKENS = 12
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (the rendezvous and the head's worker listener)."""
+def free_port_pair(count: int = 2) -> int:
+    """A port P with P + 1, ..., P + count - 1 free too (the rendezvous and the head's worker
+    listeners: one, or one per data-parallel replica)."""
     for _ in range(50):
         port = free_port("127.0.0.1")
         with contextlib.suppress(OSError):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            with contextlib.ExitStack() as held:
+                for extra in range(1, count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port + extra))
             return port
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @contextlib.contextmanager
@@ -94,3 +105,40 @@ def test_two_nodes_serve_hf_greedy_and_a_lost_node_fails_the_head(arch, checkpoi
                        timeout=60)
         assert r.status_code >= 500 and time.monotonic() - lost < 60, r.text
     assert head.process.returncode is not None  # stopped by the fixture, not left running
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_two_nodes_each_running_a_whole_data_parallel_replica(arch, checkpoints, tmp_path):
+    """qwen3: independent replicas; qwen3_moe with --enable-expert-parallel: the replicas' routed
+    experts partitioned over both nodes (the EP group meets at the head's master port)."""
+    if arch == "qwen3":
+        model, extra = checkpoints["qwen3"], ()
+    else:
+        model, extra = save_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe"), ("--enable-expert-parallel",)
+    port = free_port_pair(3)  # the EP group's store and the two replicas' listeners
+    args = ("-dp", "2", *extra, *COMMON, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    hf, tokenizer = load_model(model, "float64"), load_tokenizer(model)
+    node1_log = str(tmp_path / "node1.log")
+    with headless_node(model, args, node1_log) as node1, \
+            running_server(model, *args, "--node-rank", "0", log_path=str(tmp_path / "head.log")) as head:
+        api = openai.OpenAI(base_url=head.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        prompts = ["The future of AI is", "héllo wörld", "one two three", "zzz"]
+        with ThreadPoolExecutor(len(prompts)) as pool:  # at once: the router spreads them over both replicas
+            outs = list(pool.map(lambda p: api.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS,
+                                                                   temperature=0), prompts))
+        for prompt, out in zip(prompts, outs):
+            ids = tokenizer(prompt)["input_ids"]
+            assert out.choices[0].text == tokenizer.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        served = re.findall(r'vllm:request_success_total\{[^}]*engine="(\d)"[^}]*\} (\d+)',
+                            httpx.get(head.url + "/metrics", timeout=10).text)
+        per_engine = {}
+        for engine, count in served:
+            per_engine[engine] = per_engine.get(engine, 0) + int(count)
+        assert per_engine.get("0", 0) > 0 and per_engine.get("1", 0) > 0, served
+        for pid in [node1.pid, *worker_pids(node1_log)]:  # the machine goes away
+            os.kill(pid, signal.SIGKILL)
+        lost = time.monotonic()
+        while httpx.get(head.url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() - lost < 60, "the head still reports healthy a minute after losing a node"
+            time.sleep(0.5)
+    assert head.process.returncode is not None

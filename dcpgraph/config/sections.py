@@ -93,7 +93,8 @@ class ParallelConfig(Section):
     data_parallel_size: int = setting(1, "replicas of the deployment (each tp ranks with its own scheduler and KV "
                                          "cache) behind one server", flags=("--data-parallel-size", "-dp"),
                                       option=None, low=1)
-    nnodes: int = setting(1, "machines the tensor-parallel ranks span (tp ranks split evenly over them)",
+    nnodes: int = setting(1, "machines the deployment spans: the tp ranks split evenly over them, or with "
+                             "--data-parallel-size D each runs D/nnodes whole replicas",
                           option=None, low=1)
     node_rank: int = setting(0, "this machine's index among --nnodes: 0 is the head (the server, rank 0's "
                                 "engine), the others run --headless", option=None, low=0)
@@ -147,9 +148,9 @@ class ParallelConfig(Section):
 
     def _validate_data_parallel(self) -> None:
         dp = self.data_parallel_size
-        if self.nnodes > 1:
-            raise ConfigError(f"data_parallel_size={dp} with nnodes={self.nnodes}: replicas over several machines "
-                              "are not supported yet; use one or the other")
+        if dp % self.nnodes:
+            raise ConfigError(f"data_parallel_size={dp} replicas do not split evenly over nnodes={self.nnodes} (each "
+                              f"node runs whole replicas); use nnodes in {[n for n in range(1, dp + 1) if dp % n == 0]}")
         if self.distributed_executor_backend == "emulated":
             raise ConfigError(f"data_parallel_size={dp} runs each replica in its own worker processes; "
                               "distributed_executor_backend='emulated' cannot")
@@ -162,7 +163,7 @@ class ParallelConfig(Section):
         nnodes, node, tp = self.nnodes, self.node_rank, self.tensor_parallel_size
         if not 0 <= node < nnodes:
             raise ConfigError(f"node_rank must be in [0, nnodes={nnodes}), got {node}")
-        if tp % nnodes:
+        if tp % nnodes and self.data_parallel_size == 1:
             raise ConfigError(f"tensor_parallel_size={tp} ranks do not split evenly over nnodes={nnodes}; "
                               f"use nnodes in {[n for n in range(1, tp + 1) if tp % n == 0]}")
         if node > 0 and not self.headless:

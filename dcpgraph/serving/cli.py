@@ -81,7 +81,9 @@ def run_headless_node(settings: DcpgraphConfig) -> int:
     from .nodes import NodeLayout
 
     checked = checked_checkpoint(settings, "serve")
-    return run_headless(checked.config, NodeLayout.of(settings.parallel), timeout_s=settings.serving.worker_timeout_s)
+    parallel = settings.parallel
+    return run_headless(checked.config, NodeLayout.of(parallel), timeout_s=settings.serving.worker_timeout_s,
+                        replicas=parallel.data_parallel_size, expert_parallel=parallel.enable_expert_parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from ..errors import ConfigError
 from ..passes.experts_over_replicas import check_experts_divide
-from ..runtime.ports import free_port
 from .engine_config import EngineConfig
+from .nodes import NodeLayout
 from .workers import RemoteEngine
 
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -61,17 +61,21 @@ def replica_configs(config: EngineConfig, count: int, host: str, port: int) -> l
                     expert_group=[host, port, size, d]) for d in range(count)]
 
 
-def start_expert_replicas(config: EngineConfig, count: int, *, host: str, timeout_s: float) -> list[RemoteEngine]:
+def start_expert_replicas(config: EngineConfig, count: int, *, host: str, timeout_s: float,
+                          nodes: NodeLayout | None = None) -> list[RemoteEngine]:
     """``count`` worker groups started at once (their ranks meet in the EP group while starting);
-    if one fails, the others are stopped at once rather than left waiting for it."""
-    configs = replica_configs(config, count, host, free_port(host))
+    if one fails, the others are stopped at once rather than left waiting for it. Across ``nodes``,
+    each replica runs whole on its node and the EP group meets at the head (:mod:`.nodes`)."""
+    nodes = nodes or NodeLayout()
+    configs = replica_configs(config, count, *nodes.expert_group_address(host))
+    placements = nodes.replica_placements(count)
     abort, lock = threading.Event(), threading.Lock()
     started: list[RemoteEngine | None] = [None] * count
     errors: list[BaseException] = []  # in the order they happened: the first is the cause
 
     def start(d: int) -> None:
         try:
-            started[d] = RemoteEngine(configs[d], host=host, timeout_s=timeout_s, abort=abort)
+            started[d] = RemoteEngine(configs[d], host=host, timeout_s=timeout_s, abort=abort, layout=placements[d])
         except BaseException as err:  # noqa: BLE001 - re-raised below
             with lock:
                 errors.append(err)

@@ -234,15 +234,18 @@ class LLM:
 
     def _replicas(self, count: int) -> list[RemoteEngine]:
         """``count`` worker groups of ``tp`` ranks (one at a time; a failed start stops the started
-        ones). Replicas that share the routed experts (``enable_expert_parallel``) start together,
+        ones), each whole on one node (:class:`~.nodes.ReplicaPlacement`). Replicas that share the routed experts (``enable_expert_parallel``) start together,
         each compiling its own slice of the experts, since their ranks join one EP group."""
         serving = self.settings.serving
+        nodes = NodeLayout.of(self.settings.parallel)
         if self.settings.parallel.enable_expert_parallel:
-            return start_expert_replicas(self.config, count, host=serving.worker_host, timeout_s=serving.worker_timeout_s)
+            return start_expert_replicas(self.config, count, host=serving.worker_host, timeout_s=serving.worker_timeout_s,
+                                         nodes=nodes)
         replicas: list[RemoteEngine] = []
         try:
-            for _ in range(count):
-                replicas.append(RemoteEngine(self.config, host=serving.worker_host, timeout_s=serving.worker_timeout_s))
+            for placement in nodes.replica_placements(count):
+                replicas.append(RemoteEngine(self.config, host=serving.worker_host, timeout_s=serving.worker_timeout_s,
+                                             layout=placement))
         except BaseException:
             for replica in replicas:
                 replica.close()

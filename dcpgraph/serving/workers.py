@@ -42,7 +42,7 @@ from ..runtime.scheduler import StepEvent
 from ..runtime.step_broadcast import ControlGroup, driver_executors, follow
 from .engine_config import EngineConfig, compile_rank
 from .kv_connector import rank_ops  # noqa: F401  (registers the KV transfer's rank ops on every worker)
-from .nodes import NodeLayout
+from .nodes import NodeLayout, ReplicaPlacement
 
 POLL_S = 0.25
 
@@ -227,7 +227,7 @@ class RemoteEngine(EngineClient):
     """The front end's handle on a worker group: calls go to rank 0, where the engine is."""
 
     def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 start_method: str | None = None, layout: NodeLayout | None = None,
+                 start_method: str | None = None, layout: NodeLayout | ReplicaPlacement | None = None,
                  abort: threading.Event | None = None):
         layout = layout or NodeLayout()
         self.start_aborted = abort  # set by another replica that failed to start (replicas sharing the experts)

@@ -1,4 +1,7 @@
-"""Public entry points: ``trace``, ``compile`` and ``explain``."""
+"""Public entry points: ``compile`` (and ``trace``, from :mod:`.tracing`), and the stages every
+rank runs the same way: :func:`compile_programs` (configuration → traced, lowered programs, their
+KV blocks and backend graphs: a :class:`CompiledModel`) and :func:`engine_for` (the engine that
+schedules them). What is decided before tracing is :mod:`.compile_config`."""
 
 from __future__ import annotations
 
@@ -10,17 +13,18 @@ from typing import Any
 import torch
 
 from .backends import compile_backend, use_compile_cache_dir
-from .checkpoints.files import DTYPES
-from .checkpoints.loader import load_program
+from .compile_config import (
+    CompileConfiguration,
+    configuration,
+    prefix_caching_decided,
+    prefix_caching_refusal,
+    refuse_recurrent_state_options,
+    validate_mesh,
+)
 from .config import CACHE_SIZE_OPTIONS, DcpgraphConfig
 from .devices import resolve_device
-from .errors import ConfigError, UnsupportedModelError
-from .frontends import fx, hf
-from .frontends.compressed_layers import (
-    compressed_layer_indices,
-    prefix_block_misaligned,
-    refuse_compiling_compressed_layers,
-)
+from .errors import UnsupportedModelError
+from .frontends.compressed_layers import refuse_compiling_compressed_layers
 from .memory import (
     MemorySizing,
     agreed_blocks,
@@ -28,62 +32,18 @@ from .memory import (
     ranks_sharing,
     size_for_utilization,
 )
-from .mesh import Mesh
 from .passes.insert_kv_cache import has_attention
 from .passes.pipeline import compile_program
 from .passes.shard_dcp_auto import compile_workload
-from .pcp.support import refuse_pcp_compile
 from .program import Program
-from .recurrent_state import refuse_recurrent_state_features
 from .runtime.engine import Engine, blocks_for_budget
-from .runtime.executors import DistributedExecutor, EmulatedExecutor
-from .runtime.layer_groups import check_hybrid_options
-from .speculative.draft_model import check_draft
-from .speculative.mtp import check_mtp_target
 from .speculative.mtp_module import load_mtp_program
+from .tracing import facts_of, trace, traced_program
+
+__all__ = ["CompiledModel", "compile", "compile_programs", "engine_for", "facts_of", "placed",
+           "prefix_caching_refusal", "program_device", "trace"]
 
 log = logging.getLogger("dcpgraph")
-
-
-def trace(model: torch.nn.Module, example_inputs=None) -> Program:
-    """The model's forward as a functional FX Program with canonical attention nodes.
-
-    HF transformers causal LMs go through the registered attention implementation; other
-    ``nn.Module``s through SDPA or hand-written attention recognition. Raises
-    :class:`UnsupportedModelError` for attention the pipeline cannot implement.
-    """
-
-    if hf.is_hf_model(model):
-        program = hf.trace_hf(model, example_inputs)
-    else:
-        program = fx.trace_module(model, example_inputs)
-    count = sum(
-        1 for n in program.graph_module.graph.nodes
-        if n.op == "call_function" and n.target in (torch.ops.dcpgraph.attention.default,
-                                                    torch.ops.dcpgraph.sparse_attention.default,
-                                                    torch.ops.dcpgraph.compressed_attention.default)
-    )
-    extra = program.facts.extra
-    count += len(extra.get("recurrent_layers") or {}) + len(extra.get("stateless_layers") or [])
-    count -= len(extra.get("attention_beside_recurrent") or [])  # one layer holding both
-    if count == 0:
-        raise UnsupportedModelError(f"{type(model).__name__}: no recognisable attention in the traced graph")
-    if count != program.facts.num_layers:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: found {count} attention nodes for {program.facts.num_layers} layers; "
-            "some attention was not recognised"
-        )
-    return program
-
-
-def facts_of(model: torch.nn.Module | Program):
-    if isinstance(model, Program):
-        return model.facts
-
-    if hf.is_hf_model(model):
-        return hf.model_facts(model)
-
-    return fx.module_facts(model)
 
 
 def compile(  # noqa: A001 - the library's verb, like torch.compile
@@ -178,7 +138,7 @@ class CompiledModel:
     num_blocks: int
     graphs: Any
     draft: tuple[Program, Any] | None
-    config: _Configuration
+    config: CompileConfiguration
     memory_sizing: MemorySizing | None = None  # how num_blocks came from gpu_memory_utilization, if it did
 
 
@@ -189,12 +149,12 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     (``dcpgraph serve``'s workers; see :func:`dcpgraph.memory.ranks_sharing`)."""
     if not isinstance(model, (torch.nn.Module, Program)):
         raise TypeError(f"compile takes an nn.Module or a Program from dcpgraph.trace, not {type(model).__name__}")
-    config = _configuration(model, DcpgraphConfig.from_compile_options(**options))
+    config = configuration(model, DcpgraphConfig.from_compile_options(**options))
     refuse_compiling_compressed_layers(model, tp=config.mesh.tp, dcp=config.mesh.dcp, pcp=config.mesh.pcp,
                                        opts=config.opts)
-    program = placed(_traced_program(model), config.opts["device"])
-    _validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
-    config = _prefix_caching_decided(program, config)
+    program = placed(traced_program(model), config.opts["device"])
+    validate_mesh(config.mesh, program.facts, config.opts)  # the graph's per-layer KV heads, before any pass
+    config = prefix_caching_decided(program, config)
     refuse_recurrent_state_options(program, config)
     comm_workload = _comm_workload(program, config)
     program = _lowered_program(program, config, comm_workload)
@@ -206,43 +166,6 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
     return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
                          _compiled_draft(config, comm_workload), config, sizing)
-
-
-def prefix_caching_refusal(program: Program, opts: dict[str, Any], dcp: int = 1) -> str | None:
-    """Why prefix caching cannot run for the traced ``program`` under ``opts``, None when it can:
-    compressed (DeepSeek-V4) layers at ``dcp > 1`` or whose compress rates do not divide
-    ``block_size·dcp`` (a cached prefix would end inside an entry), or ``hybrid_kv_cache`` (a sliding layer's dropped blocks
-    cannot serve a later hit). Recurrent layers and the compressors' open windows can: their state
-    is kept at cached block boundaries (:mod:`.runtime.state_prefix_cache`)."""
-    compressed = compressed_layer_indices(program)
-    if compressed and dcp > 1:
-        return f"compressed attention layers {compressed[:8]} at dcp={dcp}: prefix caching runs at dcp=1 only"
-    misaligned = compressed and prefix_block_misaligned(program, block_size=opts["block_size"], dcp=dcp)
-    if misaligned:
-        return f"compressed attention layers {compressed[:8]}: {misaligned}"
-    if opts["hybrid_kv_cache"]:
-        return "hybrid_kv_cache: a sliding layer's dropped blocks cannot serve a later prefix hit"
-    return None
-
-
-def _prefix_caching_decided(program: Program, config: _Configuration) -> _Configuration:
-    """``enable_prefix_caching=None`` (vLLM's default, which LLM and serve pass) decided: on unless
-    :func:`prefix_caching_refusal` names a reason, which the configuration keeps
-    (``prefix_caching_off_reason``) for the engine's report. True and False stay as given."""
-    if config.opts["enable_prefix_caching"] is not None:
-        return config
-    reason = prefix_caching_refusal(program, config.opts, config.mesh.dcp)
-    return dataclasses.replace(config, opts={**config.opts, "enable_prefix_caching": reason is None},
-                               prefix_caching_off_reason=reason)
-
-
-def refuse_recurrent_state_options(program: Program, config: _Configuration) -> None:
-    """Refuse by name, before any pass or collective, a hybrid with MTP drafts, and a draft model
-    with recurrent layers (options whose state is not kept)."""
-    recurrent = program.facts.extra.get("recurrent_layers") or {}
-    draft = config.draft_program
-    draft_recurrent = (draft.facts.extra.get("recurrent_layers") or {}) if draft is not None else {}
-    refuse_recurrent_state_features(sorted(recurrent), config.spec, sorted(draft_recurrent))
 
 
 def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
@@ -259,76 +182,7 @@ def engine_for(compiled: CompiledModel, executor_cls=None) -> Engine:
     )
 
 
-@dataclass(frozen=True)
-class _Configuration:
-    """Everything :func:`compile` decides before tracing: the checked configuration (and its
-    options by compile's names, ``opts``), the executor, the model's facts, the context length and
-    the speculative draft's source (at most one of ``mtp_checkpoint`` and ``draft_program`` is set)."""
-
-    settings: DcpgraphConfig
-    mesh: Mesh
-    opts: dict[str, Any]
-    executor_cls: type
-    facts: Any
-    max_model_len: int
-    mtp_checkpoint: Any = None
-    draft_program: Program | None = None
-    prefix_caching_off_reason: str | None = None  # why enable_prefix_caching=None was decided False
-
-    @property
-    def spec(self):
-        return self.opts["speculative_config"]
-
-    @property
-    def distributed(self) -> bool:
-        return self.executor_cls is DistributedExecutor
-
-
-def _configuration(model: torch.nn.Module | Program, settings: DcpgraphConfig) -> _Configuration:
-    """Checks the mesh against the model, the MTP target and the draft model, all before any
-    tracing; ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 4096."""
-
-    parallel = settings.parallel
-    mesh = Mesh(parallel.tensor_parallel_size, parallel.decode_context_parallel_size,
-                parallel.prefill_context_parallel_size)
-    opts = settings.compile_options()
-    executor_cls = _executor_for(opts["executor"], mesh, EmulatedExecutor, DistributedExecutor)
-    spec = opts["speculative_config"]
-    facts = facts_of(model)
-    _validate_mesh(mesh, facts, opts)
-    refuse_pcp_compile(mesh, facts, opts)
-    max_model_len = int(opts["max_model_len"]
-                        or min(facts.extra.get("max_position_embeddings", 4096) or 4096, 4096))
-    if opts["hybrid_kv_cache"]:
-        check_hybrid_options(enable_prefix_caching=opts["enable_prefix_caching"] is True, kv_allocation=opts["kv_allocation"],
-                             draft_model=spec is not None and spec.method == "draft_model")
-    if opts["enable_expert_parallel"] and not facts.extra.get("ep_plan"):
-        raise ConfigError(f"enable_expert_parallel=True: {facts.architecture} has no expert-parallel plan "
-                          "(no routed experts); use enable_expert_parallel=False")
-    mtp_checkpoint = draft_program = None
-    if spec is not None and spec.method == "mtp":
-        mtp_checkpoint = check_mtp_target(facts, model)
-    if spec is not None and spec.method == "draft_model":
-        draft_program = _draft_program(spec.model, facts.dtype)
-        check_draft(facts, draft_program.facts, mesh, block_size=opts["block_size"], interleave=opts["interleave"],
-                    max_model_len=max_model_len)
-    return _Configuration(settings, mesh, opts, executor_cls, facts, max_model_len, mtp_checkpoint, draft_program)
-
-
-def _validate_mesh(mesh: Mesh, facts, opts: dict[str, Any]) -> None:
-    """The mesh against the model, per attention layer where the layers' KV heads differ."""
-    mesh.validate(
-        attention=facts.attention, num_q_heads=facts.num_q_heads, num_kv_heads=facts.num_kv_heads,
-        block_size=opts["block_size"], interleave=opts["interleave"], layer_kv_heads=facts.layer_kv_heads,
-    )
-
-
-def _traced_program(model: torch.nn.Module | Program) -> Program:
-    """The target's Program: traced unless given as one."""
-    return model if isinstance(model, Program) else trace(model)
-
-
-def _comm_workload(program: Program, config: _Configuration):
+def _comm_workload(program: Program, config: CompileConfiguration):
     """The workload ``comm="auto"`` picks DCP's collectives for; None when there is no choice to
     make (an explicit ``comm``, or no DCP)."""
     opts = config.opts
@@ -340,7 +194,7 @@ def _comm_workload(program: Program, config: _Configuration):
                             cache_size={k: opts[k] for k in CACHE_SIZE_OPTIONS})
 
 
-def _lowered_program(program: Program, config: _Configuration, comm_workload) -> Program:
+def _lowered_program(program: Program, config: CompileConfiguration, comm_workload) -> Program:
     """The target through the pass pipeline, with the passes its configuration asks for (expert
     parallelism, MTP's hidden states, the hybrid cache's layer-group tables)."""
 
@@ -360,7 +214,7 @@ def _lowered_program(program: Program, config: _Configuration, comm_workload) ->
     )
 
 
-def _num_blocks(program: Program, config: _Configuration,
+def _num_blocks(program: Program, config: CompileConfiguration,
                 ranks_on_host: int | None = None) -> tuple[int, MemorySizing | None]:
     """KV-cache blocks per rank: from the cache size given; else from ``gpu_memory_utilization``
     (given, or 0.9 on an accelerator; :func:`dcpgraph.memory.size_for_utilization`, the smallest
@@ -415,7 +269,7 @@ def program_device(program: Program) -> torch.device:
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
-def _compiled_graphs(program: Program, config: _Configuration):
+def _compiled_graphs(program: Program, config: CompileConfiguration):
     """The backend's graphs for ``program``, compiled now, in ``compile_cache_dir`` when given."""
 
     if config.opts["compile_cache_dir"] is not None:
@@ -423,7 +277,7 @@ def _compiled_graphs(program: Program, config: _Configuration):
     return compile_backend(program, config.opts["backend"], distributed=config.distributed)
 
 
-def _compiled_draft(config: _Configuration, comm_workload):
+def _compiled_draft(config: CompileConfiguration, comm_workload):
     """``(program, graphs)`` of the speculative draft (a draft model or the checkpoint's MTP
     layer) on the target's mesh, or None without one."""
 
@@ -440,33 +294,3 @@ def _compiled_draft(config: _Configuration, comm_workload):
     )
     return draft_program, compile_backend(draft_program, opts["backend"], distributed=config.distributed)
 
-
-def _draft_program(model, dtype: torch.dtype) -> Program:
-    """The draft as a traced Program: a directory is loaded shard by shard (each rank reads its
-    slices, :func:`~dcpgraph.checkpoints.loader.load_program`), an ``nn.Module`` is traced, a Program
-    is used as is."""
-    if isinstance(model, Program):
-        return model
-    if isinstance(model, str):
-        return load_program(model, next((k for k, v in DTYPES.items() if v == dtype), "auto"))
-    return trace(model)
-
-
-def _executor_for(choice: str, mesh: Mesh, emulated, distributed):
-    import torch.distributed as dist
-
-    running = dist.is_available() and dist.is_initialized()
-    if choice == "auto":
-        if running and dist.get_world_size() == mesh.world_size:
-            return distributed
-        return emulated
-    if choice == "emulated":
-        return emulated
-    if choice == "distributed":
-        if not running:
-            raise ConfigError("executor='distributed' needs an initialised torch.distributed (e.g. torchrun)")
-        if dist.get_world_size() != mesh.world_size:
-            raise ConfigError(f"torch.distributed world size {dist.get_world_size()} != tp·pcp={mesh.world_size} "
-                              f"(tp={mesh.tp}, pcp={mesh.pcp})")
-        return distributed
-    raise ConfigError(f"executor must be 'auto', 'emulated' or 'distributed', got {choice!r}")

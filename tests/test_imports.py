@@ -39,9 +39,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("plan",),  # the cost model comm="auto" uses; calibration runs runtime's host collectives
     ("passes",),
     ("frontends", "backends"),
+    ("tracing",),  # trace: a model's forward as a Program with canonical attention
     ("checkpoints",),
     ("config",),  # the configuration tree compile, LLM and serve build; options is its dict view
     ("speculative", "options"),
+    ("compile_config",),  # what compile decides before tracing, and the refusals it makes by name
     ("api",),
     ("explain", "serving"),
     ("dcpgraph", "testing"),

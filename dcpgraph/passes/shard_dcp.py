@@ -261,34 +261,43 @@ def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q):
     """Pack ``[o ‖ lse]`` per (token, head) straight into head-block order, exchange head blocks,
     merge locally. The ``cat`` writes the all-to-all's contiguous ``[N, T, H, Dv+1]`` input in one
     copy from the permuted views of the attention's outputs."""
-    dtype = q.meta["val"].dtype
-    acc = torch.promote_types(torch.float32, dtype)
-    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
     o_blocks = e(aten.permute.default, e(aten.view.default, o_c, [-1, n, heads, dv]), [1, 0, 2, 3])
     lse_blocks = e(aten.permute.default, e(aten.view.default, lse_c, [-1, n, heads]), [1, 0, 2])
-    blocks = e(aten.cat.default, [_to(e, o_blocks, o_dtype, acc),
-                                  e(aten.unsqueeze.default, _to(e, lse_blocks, lse_dtype, acc), -1)], -1)
+    blocks = _packed_partial(e, read, q, o_blocks, lse_blocks)
     received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
-    outs = e(aten.slice.Tensor, received, -1, 0, dv)
-    lses = e(aten.select.int, received, -1, dv)
-    merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
-    return _to(e, merged, acc, dtype), lse
+    return _merged_partials(e, q, received, dv)
 
 
 def _merge_same_queries(graph, e, read, o_c, lse_c, n, dv, q):
     """Every rank of the group attended the same queries over its shard: all-gather the packed
     ``[o ‖ lse]`` partials ``[T, H, Dv+1]`` and merge the ``n`` of them by LSE on every rank."""
-    dtype = q.meta["val"].dtype
-    acc = torch.promote_types(torch.float32, dtype)
-    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
-    packed = e(aten.cat.default, [_to(e, o_c, o_dtype, acc), e(aten.unsqueeze.default, _to(e, lse_c, lse_dtype, acc), -1)],
-               -1)
+    packed = _packed_partial(e, read, q, o_c, lse_c)
     heads = q.meta["val"].shape[1]
     received = e(aten.view.default, coll.all_gather(graph, packed, n, "dcp"), [n, -1, heads, dv + 1])
+    return _merged_partials(e, q, received, dv)
+
+
+def _accumulation_dtype(q) -> torch.dtype:
+    """Partials travel and merge in fp32 at least (fp64 stays fp64)."""
+    return torch.promote_types(torch.float32, q.meta["val"].dtype)
+
+
+def _packed_partial(e, read, q, o, lse):
+    """``[..., Dv] ‖ [..., 1]``: a rank's partial output and its LSE in one tensor of the
+    accumulation dtype, so one collective carries both."""
+    acc = _accumulation_dtype(q)
+    o_dtype, lse_dtype = (v.dtype for v in read.meta["val"][:2])
+    return e(aten.cat.default, [_to(e, o, o_dtype, acc), e(aten.unsqueeze.default, _to(e, lse, lse_dtype, acc), -1)],
+             -1)
+
+
+def _merged_partials(e, q, received, dv: int):
+    """The LSE merge over dim 0 of ``received`` ``[N, ..., Dv+1]`` (each row a packed partial),
+    as ``(out in q's dtype, lse)``."""
     outs = e(aten.slice.Tensor, received, -1, 0, dv)
     lses = e(aten.select.int, received, -1, dv)
     merged, lse = e.pair(dcp_ops.merge_attention.default, outs, lses)
-    return _to(e, merged, acc, dtype), lse
+    return _to(e, merged, _accumulation_dtype(q), q.meta["val"].dtype), lse
 
 
 def _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, dcp_rank):

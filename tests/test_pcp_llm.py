@@ -26,14 +26,16 @@ def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
 
 
 
-def test_serve_with_pcp_refuses_pd_before_any_rank_starts(checkpoints, capsys):
+def test_serve_with_pcp_refuses_a_pd_consumer_before_any_rank_starts(checkpoints, capsys):
     from dcpgraph.serving.cli import main
     from dcpgraph.testing.pd import kv_config
 
-    code = main([checkpoints["qwen3"], "-pcp", "2", "-dcp", "2", "--kv-transfer-config",
-                 kv_config("kv_producer", 0, 2, 15000)])
-    assert code == 2
-    assert re.search(r"prefill_context_parallel_size=2 .*with P/D \(kv_transfer_config\)", capsys.readouterr().err)
+    for role in ("kv_consumer", "kv_both"):
+        code = main([checkpoints["qwen3"], "-pcp", "2", "-dcp", "2", "--kv-transfer-config",
+                     kv_config(role, 0, 2, 15000)])
+        assert code == 2
+        assert re.search(rf"prefill_context_parallel_size=2 .*with P/D kv_role='{role}' .*as kv_producer only",
+                         capsys.readouterr().err)
 
 
 @pytest.mark.gloo

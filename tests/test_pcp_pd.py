@@ -65,20 +65,18 @@ def _hand_over(tp, pcp, dcp, consumers):
         assert consumer.scheduler.prompt_tokens_computed == 0  # nothing received was recomputed
 
 
-def test_pcp_producer_hands_its_kv_to_a_tp2_consumer_equal_to_hf():
-    # (2,2,2): global rank != attention index, so a plan by global rank would mix the heads' tokens
-    _hand_over(2, 2, 2, [dict(tp=2)])
-
-
-@pytest.mark.slow  # three emulated engines of 4 ranks each, ~25 s on 2 loaded cores
-@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 2), (2, 2, 2)])
-def test_pcp_producer_hands_its_kv_to_dcp_consumers_equal_to_hf(tp, pcp, dcp):
-    _hand_over(tp, pcp, dcp, [dict(tp=1), dict(tp=4, dcp=2, interleave=4)])  # one rank; whole blocks over DCP
+@pytest.mark.slow  # an emulated 4-rank producer and two consumers: ~25 s on 2 loaded cores
+def test_pcp_producer_hands_its_kv_to_dcp_consumers_equal_to_hf():
+    # (2,2,2): global rank != attention index, so a plan by global rank would mix the heads' tokens;
+    # consumers: tp=2 (row mode) and tp=4, dcp=2 with interleave == block_size (whole blocks)
+    _hand_over(2, 2, 2, [dict(tp=2), dict(tp=4, dcp=2, interleave=4)])
 
 
 @pytest.mark.gloo
-@pytest.mark.slow  # a server of two worker processes, one in process and the proxy: ~60 s on 2 loaded cores
-def test_serve_pcp_producer_hands_over_to_a_tp1_consumer_through_the_proxy_like_hf(checkpoints, tmp_path):
+@pytest.mark.slow  # a server of two worker processes, one in process and the proxy: ~70-130 s on 2 loaded cores
+def test_serve_pcp_producer_answers_and_hands_over_to_a_tp1_consumer_like_hf(checkpoints, tmp_path):
+    """``dcpgraph serve -pcp 2 -dcp 2`` as a P/D producer: it answers the ``openai`` client on its own,
+    and through ``dcpgraph proxy`` hands every request's KV to a tp=1 consumer that decodes like HF."""
     import openai
 
     from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
@@ -96,6 +94,10 @@ def test_serve_pcp_producer_hands_over_to_a_tp1_consumer_through_the_proxy_like_
                            log_path=str(tmp_path / "d.log")) as consumer, \
             running_dcpgraph("proxy", "--prefill", producer.url, "--decode", consumer.url,
                              log_path=str(tmp_path / "proxy.log")) as proxy:
+        direct = openai.OpenAI(base_url=producer.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt in ("héllo wörld héllo wörld héllo",):  # the PCP server on its own, no P/D in the request
+            want = tokenizer.decode(hf_greedy(hf, tokenizer.encode(prompt), 8), skip_special_tokens=True)
+            assert direct.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text == want
         api = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         crossing = 0  # requests whose KV crosses (not when the first token is the EOS: the producer ends them)
         for prompt in prompts:

@@ -4,8 +4,9 @@
 attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
 — and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
 verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk; no draft
-model or MTP), without ``hybrid_kv_cache``,
-data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
+model or MTP), with graph-mode decode and verification buckets (a padded bucket's PCP rows are
+split anew, :func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or
+data-parallel expert replicas:
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
 emulator), on one node, without data-parallel replicas or speculative decoding other than ngram;

@@ -1,6 +1,7 @@
-"""Graph-mode decode (and ngram verification) buckets with ``pcp > 1``: a padded bucket's PCP rows
-are split anew, so every step of one bucket has the same input shapes on every rank (what a
-backend captures once), and the greedy tokens equal HF ``generate`` on the same weights."""
+"""Graph-mode decode and verification buckets with ``pcp > 1``: a padded bucket's PCP rows are
+split anew, so every step of one bucket has the same input shapes on every rank (what a backend
+captures once), and the greedy tokens equal HF ``generate`` on the same weights; draft-model
+speculation with ``pcp > 1`` (its verification steps in those buckets)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ def test_pcp_decode_buckets_are_static_and_exact_at_1_2_2():
     _check(engine, model, "decode")  # 3 decode rows padded to bucket 4 with the PCP rows split anew
 
 
-@pytest.mark.slow  # an emulated (1,2,1) engine with ngram drafts: ~15 s on 2 loaded cores
-def test_pcp_verify_buckets_with_ngram_drafts_are_static_and_exact_at_1_2_1():
+@pytest.mark.slow  # an emulated (1,2,2) target and its draft: ~28 s on 2 loaded cores
+def test_pcp_draft_model_speculation_with_verify_buckets_is_exact_and_accepts_its_own_drafts():
+    """A draft equal to the target, compiled on the same (1,2,2) mesh (its own steps split over the
+    PCP ranks too), must have every draft accepted: its KV stays in step with the accepted tokens."""
     model = pcp_model("qwen3")
-    engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=1, capture_limit=4, block_size=4, max_num_batched_tokens=8,
-                              backend="eager", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    report = _check(engine, model, "verify")
-    assert report["speculative"]["drafted"] > report["speculative"]["accepted"] > 0
+    engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=2, capture_limit=4, block_size=4, max_num_batched_tokens=8,
+                              backend="eager", speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                                   "model": model})
+    stats = _check(engine, model, "verify")["speculative"]
+    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"], stats

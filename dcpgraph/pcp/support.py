@@ -3,8 +3,9 @@
 ``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
 attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
 — and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
-verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk; no draft
-model or MTP), with graph-mode decode and verification buckets (a padded bucket's PCP rows are
+verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk) and
+draft-model speculative decoding (the draft is compiled on the same mesh, so its own steps are split
+the same way; no MTP), with graph-mode decode and verification buckets (a padded bucket's PCP rows are
 split anew, :func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or
 data-parallel expert replicas:
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
@@ -23,7 +24,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 
 COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
-            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram speculative decoding")
+            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model speculative decoding")
 
 
 def speculative_method(config: Any) -> str | None:
@@ -70,8 +71,9 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     method = speculative_method(opts.get("speculative_config"))
-    if method not in (None, "ngram"):
-        refused.append(f"speculative method {method!r} (ngram runs: its verify step is split like a prefill chunk)")
+    if method not in (None, "ngram", "draft_model"):
+        refused.append(f"speculative method {method!r} (ngram and draft_model run: a verify step is split like a "
+                       "prefill chunk)")
     if opts.get("hybrid_kv_cache"):
         refused.append("hybrid_kv_cache")
     if opts.get("expert_replicas") is not None:

@@ -1,6 +1,7 @@
-"""``LLM(..., prefill_context_parallel_size=2)`` and ``dcpgraph serve -pcp 2`` on tp·pcp gloo worker
-processes: greedy tokens equal HF ``generate`` (fp64, same weights) with chunked prefill and a
-prefix-cache hit (and, through ``LLM``, ngram speculative decoding), and what does not run with pcp > 1 is refused by name before any rank starts."""
+"""``LLM(..., prefill_context_parallel_size=2)`` on tp·pcp gloo worker processes: greedy tokens
+equal HF ``generate`` (fp64, same weights) with chunked prefill, a prefix-cache hit and ngram
+speculative decoding, and what does not run with pcp > 1 in ``LLM`` / ``dcpgraph serve`` is refused
+by name before any rank starts (``dcpgraph serve -pcp 2`` itself: tests/test_pcp_pd.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import pytest
 
 from dcpgraph import LLM, ConfigError, SamplingParams
-from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
+from dcpgraph.checkpoints.model_dir import load_model
 from dcpgraph.testing.generation import hf_greedy
 
 NEW = 6
@@ -26,14 +27,16 @@ def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
 
 
 
-def test_serve_with_pcp_refuses_pd_before_any_rank_starts(checkpoints, capsys):
+def test_serve_with_pcp_refuses_a_pd_consumer_before_any_rank_starts(checkpoints, capsys):
     from dcpgraph.serving.cli import main
     from dcpgraph.testing.pd import kv_config
 
-    code = main([checkpoints["qwen3"], "-pcp", "2", "-dcp", "2", "--kv-transfer-config",
-                 kv_config("kv_producer", 0, 2, 15000)])
-    assert code == 2
-    assert re.search(r"prefill_context_parallel_size=2 .*with P/D \(kv_transfer_config\)", capsys.readouterr().err)
+    for role in ("kv_consumer", "kv_both"):
+        code = main([checkpoints["qwen3"], "-pcp", "2", "-dcp", "2", "--kv-transfer-config",
+                     kv_config(role, 0, 2, 15000)])
+        assert code == 2
+        assert re.search(rf"prefill_context_parallel_size=2 .*with P/D kv_role='{role}' .*as kv_producer only",
+                         capsys.readouterr().err)
 
 
 @pytest.mark.gloo
@@ -55,23 +58,3 @@ def test_pcp_llm_on_workers_equals_hf_with_chunks_a_prefix_hit_and_ngram_drafts(
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
     assert hits >= 16  # the shared prefix's blocks, read from the PCP-written, DCP-sharded cache
     assert spec["drafted"] > spec["accepted"] > 0  # verify steps that kept drafts and ones that dropped some
-
-
-@pytest.mark.gloo
-@pytest.mark.slow  # a server with two worker processes: ~30-60 s on 2 loaded cores
-def test_serve_with_pcp2_answers_the_openai_client_like_hf(checkpoints, tmp_path):
-    import openai
-
-    from dcpgraph.testing.server import running_server
-
-    path = checkpoints["qwen3"]
-    hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
-    prompts = ["The future of AI is", "héllo wörld héllo wörld héllo"]
-    args = ("-pcp", "2", "-dcp", "2", "--dtype", "float64", "--block-size", "4", "--max-model-len", "128",
-            "--max-num-batched-tokens", "8")
-    with running_server(path, *args, log_path=str(tmp_path / "serve.log")) as server:
-        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        answers = [api.completions.create(model=path, prompt=p, max_tokens=NEW, temperature=0) for p in prompts]
-    for prompt, answer in zip(prompts, answers):
-        expected = tokenizer.decode(hf_greedy(hf, tokenizer(prompt)["input_ids"], NEW), skip_special_tokens=True)
-        assert answer.choices[0].text == expected, prompt

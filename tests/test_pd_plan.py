@@ -8,19 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from pd_moves import move as hand_over
 
 import dcpgraph
 from dcpgraph.models import build_model
 from dcpgraph.runtime.kv_transfer import export_kv
-from dcpgraph.serving.kv_connector.plan import (
-    KVSide,
-    block_mode,
-    buffer_bytes,
-    check_compatible,
-    gather,
-    scatter,
-    transfer_plan,
-)
+from dcpgraph.serving.kv_connector.plan import KVSide, check_compatible
 from dcpgraph.testing.generation import drain, hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
@@ -42,28 +35,7 @@ def model(request):
 
 
 def move(p_engine, c_engine, prompt, new=NEW):
-    """Prefill on ``p_engine``, hand over to ``c_engine`` by the plan; returns (consumer rid, first
-    token, start, bytes moved)."""
-    rid = p_engine.add_request(prompt, 2)
-    while not p_engine.scheduler.get(rid).output:
-        p_engine.step()
-    tokens, computed, prompt_len = p_engine.hold_for_transfer(rid)
-    c_rid, start = c_engine.adopt_transferred(tokens[:prompt_len], tokens[prompt_len:], new)
-    producer, consumer = KVSide.of_engine(p_engine), KVSide.of_engine(c_engine)
-    check_compatible(producer, consumer)
-    blocks = block_mode(producer, consumer)
-    p_table, c_table = p_engine.blocks.table(rid), c_engine.blocks.table(c_rid)
-    caches_p = {r: [p_engine.executor.rank_caches(r)[c.name] for c in p_engine.program.caches] for r in range(producer.tp)}
-    caches_c = {r: [c_engine.executor.rank_caches(r)[c.name] for c in c_engine.program.caches] for r in range(consumer.tp)}
-    moved, covered = 0, set()
-    for pair in transfer_plan(producer, consumer, start, computed):
-        buf = gather(producer, pair.src, caches_p[pair.src], p_table, pair, consumer, blocks)
-        assert len(buf) == buffer_bytes(consumer, pair.dst, pair, producer, pair.src, blocks)
-        scatter(consumer, pair.dst, caches_c[pair.dst], c_table, pair, producer, blocks, buf)
-        moved += len(buf)
-        covered |= {(pair.dst, int(u)) for u in pair.units}
-    assert p_engine.release_held(rid) and p_engine.blocks.free_blocks == p_engine.blocks.num_blocks
-    return c_rid, tokens[prompt_len:], start, moved, blocks
+    return hand_over(p_engine, c_engine, prompt, new)
 
 
 def fit(name, config):

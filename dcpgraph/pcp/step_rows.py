@@ -38,3 +38,15 @@ def pcp_step_rows(counts: list[int], pcp: int) -> tuple[list[torch.Tensor], torc
     padded = [torch.tensor(r + [0] * (longest - len(r)), dtype=torch.int64) for r in rows]
     cu = [torch.tensor(b[:-1] + [longest], dtype=torch.int32) for b in bounds]
     return padded, torch.tensor(order, dtype=torch.int64), cu
+
+
+def add_pcp_rows(shared: dict[str, torch.Tensor], per_rank: list[dict[str, torch.Tensor]], counts: list[int],
+                 mesh) -> None:
+    """Set a step's PCP inputs in place for rows of ``counts`` tokens: ``pcp_order`` in ``shared``,
+    ``pcp_rows`` and ``pcp_cu_seqlens_q`` in each rank's dict (``per_rank`` in global rank order).
+    A padded graph-mode bucket calls it with the bucket's counts, so its shapes depend on the bucket
+    alone: a decode bucket of ``R_b`` one-token rows is ``L = R_b`` rows on every rank (PCP rank 0
+    computes them all, the others row 0 as padding)."""
+    rows, shared["pcp_order"], cu = pcp_step_rows(counts, mesh.pcp)
+    for rank, own in zip(mesh.ranks, per_rank):
+        own["pcp_rows"], own["pcp_cu_seqlens_q"] = rows[mesh.pcp_rank(rank)], cu[mesh.pcp_rank(rank)]

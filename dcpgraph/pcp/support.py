@@ -3,12 +3,16 @@
 ``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
 attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
 — and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
-verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk; no draft
-model or MTP), without ``hybrid_kv_cache``,
-data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
+verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk) and
+draft-model speculative decoding (the draft is compiled on the same mesh, so its own steps are split
+the same way; no MTP), with graph-mode decode and verification buckets (a padded bucket's PCP rows are
+split anew, :func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or
+data-parallel expert replicas:
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
-emulator), on one node, without data-parallel replicas, speculative decoding or P/D. The
+emulator), on one node, without data-parallel replicas or speculative decoding other than ngram;
+as a P/D producer (``kv_role`` ``kv_producer``: the connector places its ranks in attention order)
+but not as a consumer. The
 eager path (:mod:`dcpgraph.pcp.eager`) runs Llama/Qwen3 on real process groups.
 """
 
@@ -20,7 +24,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 
 COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
-            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram speculative decoding")
+            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model speculative decoding")
 
 
 def speculative_method(config: Any) -> str | None:
@@ -31,21 +35,27 @@ def speculative_method(config: Any) -> str | None:
 
 
 def refuse_pcp_execution(mesh: Mesh, *, speculative: bool = False, data_parallel: int = 1, nnodes: int = 1,
-                         kv_transfer: bool = False) -> None:
+                         kv_role: str | None = None) -> None:
     """``LLM`` / ``dcpgraph serve``: raise :class:`ConfigError` for what ``pcp > 1`` does not run
-    there (a speculative method other than ngram, data-parallel replicas, several nodes, P/D),
-    naming what runs."""
+    there (a speculative method other than ngram, data-parallel replicas, several nodes, a P/D
+    consumer: ``kv_role`` ``kv_consumer`` or ``kv_both``), naming what runs. A P/D producer runs:
+    after a PCP prefill its ``tp·pcp`` ranks hold the DCP layout, moved by the connector's plan in
+    attention order. A consumer only decodes, where PCP replicas repeat the dense work: the same
+    ranks at ``tp·pcp`` TP with DCP hold the same KV shards and split that work instead."""
     if mesh.pcp == 1:
         return
+    consumer = kv_role in ("kv_consumer", "kv_both")
     refused = [name for name, on in (("speculative decoding other than ngram", speculative),
                                      (f"data_parallel_size={data_parallel}", data_parallel > 1),
                                      (f"nnodes={nnodes}", nnodes > 1),
-                                     ("P/D (kv_transfer_config)", kv_transfer)) if on]
+                                     (f"P/D kv_role={kv_role!r} (a PCP instance runs P/D as kv_producer only: "
+                                      "serve the decode side at prefill_context_parallel_size=1)", consumer)) if on]
     if refused:
         raise ConfigError(
             f"prefill_context_parallel_size={mesh.pcp} (tp={mesh.tp}, dcp={mesh.dcp}) does not run in LLM / "
             f"dcpgraph serve with {'; '.join(refused)}. LLM and dcpgraph serve run pcp > 1 with one worker process "
-            f"per rank of the tp·pcp world on one node, for {COMPILED}; use prefill_context_parallel_size=1 for the "
+            f"per rank of the tp·pcp world on one node, for {COMPILED} (and as a P/D kv_producer); use "
+            "prefill_context_parallel_size=1 for the "
             "rest (see docs/user-guide/pcp.md)"
         )
 
@@ -61,8 +71,9 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     method = speculative_method(opts.get("speculative_config"))
-    if method not in (None, "ngram"):
-        refused.append(f"speculative method {method!r} (ngram runs: its verify step is split like a prefill chunk)")
+    if method not in (None, "ngram", "draft_model"):
+        refused.append(f"speculative method {method!r} (ngram and draft_model run: a verify step is split like a "
+                       "prefill chunk)")
     if opts.get("hybrid_kv_cache"):
         refused.append("hybrid_kv_cache")
     if opts.get("expert_replicas") is not None:

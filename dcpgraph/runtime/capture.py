@@ -74,7 +74,7 @@ def _capture_runner(runner, seconds: dict[str, float], prefix: str) -> None:
     for bucket in verify.sizes if verify is not None else ():
         q = verify.query_len
         shared, per_rank = _quiet_inputs((q,), (q,), 1, runner)
-        shared, per_rank = verify.pad(shared, per_rank, bucket)
+        shared, per_rank = verify.pad(shared, per_rank, bucket, runner.mesh)
         start = time.perf_counter()
         _run(runner, shared, per_rank, ("verify", f"{bucket}x{q}"))
         seconds[f"{prefix}verify[{bucket}x{q}]"] = time.perf_counter() - start

@@ -109,7 +109,7 @@ class Engine(EngineClient):
 
             self.scheduler.state_prefix = StatePrefixCache(max_num_seqs + (snapshots or 0), prefix_rows)
         buckets = verify_buckets = None
-        if capture_limit > 0 and program.mesh.pcp == 1:  # pcp > 1: every step runs the dynamic graph
+        if capture_limit > 0:
             width = math.ceil(max_model_len / (self.block_size * self.mesh.dcp))
             sizes = default_buckets(min(capture_limit, max_num_seqs))
             buckets = DecodeBuckets(sizes, width)

@@ -9,7 +9,9 @@ Steps beyond the largest bucket, and prefill or mixed steps, run the dynamic-sha
 Padding rows are dummy requests of one token each: position 0, context 0, slot −1 (nothing is
 written), block-table row 0 (never read: the context is empty), logits index 0. Every attention
 op is per request (the context part is empty: ``lse = −inf``, contributing nothing), and every
-other op is per token, so real rows are unaffected.
+other op is per token, so real rows are unaffected. With ``pcp > 1`` the padded step's PCP rows are
+split anew (:func:`dcpgraph.pcp.step_rows.add_pcp_rows`): every one-token row on PCP rank 0, the
+other PCP ranks computing padding, as in a dynamic decode step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import Mesh
+from ..pcp.step_rows import add_pcp_rows
 
 
 def default_buckets(capture_limit: int) -> tuple[int, ...]:
@@ -67,4 +70,6 @@ class DecodeBuckets:
                 **{k: torch.cat([own[k], no_slot]) for k in ("slot_mapping", "slot_mapping_sliding") if k in own},
                 "local_context_lens": torch.cat([own["local_context_lens"], zeros_i32]),
             })
+        if mesh.pcp > 1:  # the bucket's rows split anew: its PCP shapes depend on the bucket alone
+            add_pcp_rows(padded, ranks, [1] * bucket, mesh)
         return padded, ranks

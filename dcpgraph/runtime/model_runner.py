@@ -143,7 +143,7 @@ class ModelRunner:
             bucket = self.verify_buckets.bucket_for(counts)
             if bucket is not None:
                 pick = self.verify_buckets.real_rows(shared, [c.logits_rows for c in chunks])
-                shared, per_rank = self.verify_buckets.pad(shared, per_rank, bucket)
+                shared, per_rank = self.verify_buckets.pad(shared, per_rank, bucket, self.mesh)
                 q = self.verify_buckets.query_len
                 key, name = ("verify", f"{bucket}x{q}"), f"verify[{bucket}x{q}]"
         if state_copies is not None:

@@ -14,12 +14,16 @@ static-shape graph per ``(R_b, q)``. The padding follows decode's rules:
   :mod:`.state_rollback` restores it to the kept tokens.
 
 Every row yields ``q`` logits rows; :meth:`VerifyBuckets.real_rows` picks the real ones back out
-in the unpadded order. Lengths, tables and slots stay graph inputs.
+in the unpadded order. Lengths, tables and slots stay graph inputs. With ``pcp > 1`` (``mesh``
+given) the padded rows' ``q`` tokens are split over the PCP ranks anew, like a prefill chunk's.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..mesh import Mesh
+from ..pcp.step_rows import add_pcp_rows
 
 
 class VerifyBuckets:
@@ -35,7 +39,8 @@ class VerifyBuckets:
             return None
         return next((s for s in self.sizes if s >= len(counts)), None)
 
-    def pad(self, shared: dict[str, torch.Tensor], per_rank: list[dict[str, torch.Tensor]], bucket: int):
+    def pad(self, shared: dict[str, torch.Tensor], per_rank: list[dict[str, torch.Tensor]], bucket: int,
+            mesh: Mesh | None = None):
         q = self.query_len
         cu = shared["cu_seqlens_q"].to(torch.int64)
         counts = (cu[1:] - cu[:-1]).tolist()
@@ -73,6 +78,8 @@ class VerifyBuckets:
                     slots[name] = torch.full((bucket * q,), -1, dtype=torch.int64)
                     slots[name][dest] = own[name]
             ranks.append({**own, **slots, "local_context_lens": torch.cat([own["local_context_lens"], zeros_i32])})
+        if mesh is not None and mesh.pcp > 1:  # every padded row's q tokens split over the PCP ranks anew
+            add_pcp_rows(padded, ranks, [q] * bucket, mesh)
         return padded, ranks
 
     def real_rows(self, shared: dict[str, torch.Tensor], logits_rows: list[int]) -> torch.Tensor:

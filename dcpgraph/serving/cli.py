@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if kv_config is not None:  # before any rank starts
             par = settings.parallel
             refuse_pcp_execution(Mesh(par.tensor_parallel_size, par.decode_context_parallel_size,
-                                      par.prefill_context_parallel_size), kv_transfer=True)
+                                      par.prefill_context_parallel_size), kv_role=kv_config.kv_role)
         llm = LLM(model=settings.model.model, usage_context="serve", **llm_kwargs(settings))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ provides. Two planes:
   (:meth:`KVConnector.poll_requests`); either side can mark a transfer failed
   (:meth:`KVConnector.fail`) so the other stops waiting early (:meth:`KVConnector.failure`);
 - *data*, between ranks: every rank of both instances joins one short-lived transfer group of
-  ``producer tp + consumer tp`` members (producer ranks first) and moves one byte buffer per
+  ``producer tp·pcp + consumer tp·pcp`` members (producer ranks first) and moves one byte buffer per
   (producer rank, consumer rank) pair (:meth:`KVConnector.exchange`).
 
 Every wait is bounded by ``timeout_s``; a failure or timeout raises

@@ -1,13 +1,17 @@
 """Which producer rank sends which KV rows to which consumer rank, and how they are packed.
 
-A side (:class:`KVSide`) is one instance's cache layout: ``tp``, ``dcp``, interleave, block size,
-and its caches. KV head ``h`` of a cache lives on the *replica set* ``g = rank // replicas``
-(``replicas`` = ``tp`` for MLA's one latent head, ``tp // num_kv_heads`` for GQA when ``tp >
-num_kv_heads``, else 1), which holds the contiguous global heads ``[g·H, (g+1)·H)`` (``H`` =
-the cache's heads per rank); inside a replica set each DCP group holds every token, token ``t`` on
-member ``owner(t) = (t // I) % dcp``. So consumer rank ``c`` needs, for positions ``[start, end)``
+A side (:class:`KVSide`) is one instance's cache layout: ``tp``, ``pcp``, ``dcp``, interleave,
+block size, and its caches. Its ``tp·pcp`` ranks are placed in *attention order* ``a = t·pcp + p``
+(global rank ``p·tp + t``, :meth:`dcpgraph.mesh.Mesh.attention_index`; ``a = rank`` when ``pcp =
+1``): after a PCP prefill every rank holds the tokens its DCP rank ``a % dcp`` owns, so a PCP
+side is a DCP side of ``tp·pcp`` attention ranks. KV head ``h`` of a cache lives on the *replica
+set* ``g = a // replicas`` (``replicas`` = ``tp·pcp`` for MLA's one latent head, ``max(tp //
+num_kv_heads, 1)·pcp`` for GQA), which holds the contiguous global heads ``[g·H, (g+1)·H)``
+(``H`` = the cache's heads per rank); inside a replica set each DCP group holds every token, token
+``t`` on member ``owner(t) = (t // I) % dcp``. So consumer rank ``c`` needs, for positions ``[start, end)``
 it owns and for its heads, rows that live on exactly one rank of the *first* DCP group of each
-producer replica set its heads overlap: that rank sends them (:func:`transfer_plan`). This covers
+producer replica set its heads overlap: that rank sends them (:func:`transfer_plan`; plans name
+global ranks). This covers
 different ``dcp`` and different ``tp`` (heads re-split) on the two sides.
 
 Packing: every pair moves one flat byte buffer, each cache's rows in cache order
@@ -33,6 +37,7 @@ import torch
 
 from ... import layout
 from ...errors import UnsupportedModelError
+from ...mesh import Mesh
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
 
@@ -50,6 +55,7 @@ class KVSide:
     caches: tuple[tuple[str, str, int, int, str], ...]  # (name, role, heads per rank, dim, dtype)
     # hybrid models: (name, shape per slot on a rank, dtype) of every recurrent state pool
     states: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    pcp: int = 1  # PCP replicas of the TP group: the side has tp·pcp ranks
 
     @classmethod
     def of_engine(cls, engine) -> KVSide:
@@ -63,20 +69,22 @@ class KVSide:
         return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
                    int(facts.num_kv_heads),
                    tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches),
-                   tuple((p.name, tuple(int(n) for n in p.shape), str(p.dtype)) for p in program.recurrent_states))
+                   tuple((p.name, tuple(int(n) for n in p.shape), str(p.dtype)) for p in program.recurrent_states),
+                   engine.mesh.pcp)
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "dcp": self.dcp, "interleave": self.interleave, "block_size": self.block_size,
                 "attention": self.attention, "num_kv_heads": self.num_kv_heads,
                 "caches": [list(c) for c in self.caches],
-                "states": [[name, list(shape), dtype] for name, shape, dtype in self.states]}
+                "states": [[name, list(shape), dtype] for name, shape, dtype in self.states], "pcp": self.pcp}
 
     @classmethod
     def from_json(cls, data: dict) -> KVSide:
         return cls(int(data["tp"]), int(data["dcp"]), int(data["interleave"]), int(data["block_size"]),
                    str(data["attention"]), int(data["num_kv_heads"]),
                    tuple((str(n), str(r), int(h), int(d), str(t)) for n, r, h, d, t in data["caches"]),
-                   tuple((str(n), tuple(int(x) for x in shape), str(t)) for n, shape, t in data.get("states", ())))
+                   tuple((str(n), tuple(int(x) for x in shape), str(t)) for n, shape, t in data.get("states", ())),
+                   int(data.get("pcp", 1)))
 
     @property
     def state_bytes(self) -> int:
@@ -84,20 +92,46 @@ class KVSide:
         return sum(math.prod(shape) * DTYPES[dtype].itemsize for _, shape, dtype in self.states)
 
     @property
+    def ranks(self) -> int:
+        """The side's world: ``tp·pcp`` ranks."""
+        return self.tp * self.pcp
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.tp, self.dcp, self.pcp)
+
+    def attention_index(self, rank: int) -> int:
+        """Global rank ``p·tp + t`` -> attention order ``t·pcp + p`` (the identity when ``pcp = 1``)."""
+        return self.mesh.attention_index(rank)
+
+    def rank_at(self, attention_index: int) -> int:
+        """Attention order ``t·pcp + p`` -> global rank ``p·tp + t``."""
+        t, p = divmod(attention_index, self.pcp)
+        return p * self.tp + t
+
+    def dcp_rank(self, rank: int) -> int:
+        """The DCP rank of global ``rank``: it holds the tokens ``t`` with ``owner(t)`` equal to it."""
+        return self.attention_index(rank) % self.dcp
+
+    @property
     def replicas(self) -> int:
-        """Ranks holding the same KV heads (a multiple of ``dcp``)."""
+        """Attention ranks holding the same KV heads (a multiple of ``dcp``)."""
         if self.attention == "mla":
-            return self.tp
-        return self.tp // self.num_kv_heads if self.tp > self.num_kv_heads else 1
+            return self.tp * self.pcp
+        return (self.tp // self.num_kv_heads if self.tp > self.num_kv_heads else 1) * self.pcp
 
     @property
     def head_groups(self) -> int:
-        return self.tp // self.replicas
+        return self.ranks // self.replicas
+
+    def head_group(self, rank: int) -> int:
+        """The replica set of global ``rank``."""
+        return self.attention_index(rank) // self.replicas
 
     def head_range(self, rank: int, cache: int) -> tuple[int, int]:
-        """Global heads ``[lo, hi)`` of cache number ``cache`` on ``rank``."""
+        """Global heads ``[lo, hi)`` of cache number ``cache`` on global ``rank``."""
         heads = self.caches[cache][2]
-        g = rank // self.replicas
+        g = self.head_group(rank)
         return g * heads, (g + 1) * heads
 
     @property
@@ -118,7 +152,7 @@ def check_compatible(producer: KVSide, consumer: KVSide) -> None:
         if (p[1], p[3], p[4], p_total) != (c[1], c[3], c[4], c_total):
             raise ValueError(f"cache {i} differs: producer (role, dim, dtype, heads) = {(p[1], p[3], p[4], p_total)}, "
                              f"consumer {(c[1], c[3], c[4], c_total)}")
-    if (producer.states or consumer.states) and producer.tp != consumer.tp:
+    if (producer.states or consumer.states) and (producer.tp, producer.pcp) != (consumer.tp, consumer.pcp):
         raise ValueError(f"a hybrid model's recurrent state is split over tp by heads and moves rank to rank, so "
                          f"both sides need the same tp (producer tp={producer.tp}, consumer tp={consumer.tp}; "
                          "any dcp on either side)")
@@ -164,14 +198,14 @@ class PairPlan:
 
 def _heads_overlap(producer: KVSide, src: int, consumer: KVSide, dst: int) -> bool:
     """Whether the replica sets of ``src`` and ``dst`` share a head (as fractions of all heads)."""
-    gp, gc = src // producer.replicas, dst // consumer.replicas
+    gp, gc = producer.head_group(src), consumer.head_group(dst)
     np_, nc = producer.head_groups, consumer.head_groups
     return gp * nc < (gc + 1) * np_ and gc * np_ < (gp + 1) * nc
 
 
 def transfer_plan(producer: KVSide, consumer: KVSide, start: int, end: int) -> list[PairPlan]:
-    """Every non-empty (producer rank, consumer rank) message for positions ``[start, end)``;
-    each consumer row of each head is covered exactly once."""
+    """Every non-empty (producer rank, consumer rank) message for positions ``[start, end)``, by
+    global rank; each consumer row of each head is covered exactly once."""
     blocks = block_mode(producer, consumer)
     if blocks:
         if start % producer.block_size:
@@ -183,16 +217,16 @@ def transfer_plan(producer: KVSide, consumer: KVSide, start: int, end: int) -> l
         p_owner = layout.owner(units, producer.dcp, producer.interleave)
         c_owner = layout.owner(units, consumer.dcp, consumer.interleave)
     plans = []
-    for dst in range(consumer.tp):
-        mine = c_owner == dst % consumer.dcp
+    for dst in range(consumer.ranks):
+        mine = c_owner == consumer.dcp_rank(dst)
         for group in range(producer.head_groups):
-            first = group * producer.replicas  # the first DCP group of this replica set sends
-            if not _heads_overlap(producer, first, consumer, dst):
+            first = group * producer.replicas  # the first DCP group of this replica set sends (attention order)
+            if not _heads_overlap(producer, producer.rank_at(first), consumer, dst):
                 continue
             for d in range(producer.dcp):
                 sel = units[mine & (p_owner == d)]
                 if len(sel):
-                    plans.append(PairPlan(first + d, dst, sel))
+                    plans.append(PairPlan(producer.rank_at(first + d), dst, sel))
     return plans
 
 
@@ -207,7 +241,7 @@ def unit_indices(side: KVSide, rank: int, units: torch.Tensor, table: list[int],
     if blocks:
         return row[units // side.dcp]
     rows = row.expand(len(units), -1)
-    slots = layout.slot_mapping(units, rows, rank % side.dcp, side.dcp, side.block_size, side.interleave)
+    slots = layout.slot_mapping(units, rows, side.dcp_rank(rank), side.dcp, side.block_size, side.interleave)
     assert bool((slots >= 0).all()), "a planned row is not owned by this rank"
     return slots
 

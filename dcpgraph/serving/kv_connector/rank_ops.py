@@ -109,14 +109,14 @@ def send_rows(state: RankState, table: list[int], state_slot: int | None, side: 
     rank = state.rank
     mine, peer, plans, blocks = _plan(side, consumer, True, start, end)
     caches = _caches(state)
-    sends = {mine.tp + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
+    sends = {mine.ranks + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
     if mine.states:
         packed = pack_states(mine, state.caches, state_slot)
-        twin = mine.tp + rank  # the consumer rank with this rank's heads
+        twin = mine.ranks + rank  # the consumer rank with this rank's heads
         sends[twin] = torch.cat([sends[twin], packed]) if twin in sends else packed
     if _fault("producer_exit_before_send"):
         os._exit(17)
-    parse_kv_transfer_config(config).connector().exchange(transfer_id, rank, mine.tp + peer.tp, sends, {})
+    parse_kv_transfer_config(config).connector().exchange(transfer_id, rank, mine.ranks + peer.ranks, sends, {})
     return sum(len(b) for b in sends.values())
 
 
@@ -133,9 +133,9 @@ def recv_rows(state: RankState, table: list[int], state_slot: int | None, side: 
         sizes[rank] = sizes.get(rank, 0) + mine.state_bytes
     connector = parse_kv_transfer_config(config).connector()
     if _fault("consumer_exit_mid_transfer"):  # the group is up, the producer is sending: die
-        connector.join_group(transfer_id, peer.tp + rank, mine.tp + peer.tp)
+        connector.join_group(transfer_id, peer.ranks + rank, mine.ranks + peer.ranks)
         os._exit(17)
-    received = connector.exchange(transfer_id, peer.tp + rank, mine.tp + peer.tp, {}, sizes)
+    received = connector.exchange(transfer_id, peer.ranks + rank, mine.ranks + peer.ranks, {}, sizes)
     caches = _caches(state)
     for p in mine_plans:
         scatter(mine, rank, caches, table, p, peer, blocks, received[p.src][: kv_sizes[p.src]])

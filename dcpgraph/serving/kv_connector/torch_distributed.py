@@ -4,7 +4,7 @@ the same calls run on HCCL/NCCL process groups where those devices exist).
 Rendezvous is its own: a ``TCPStore`` on ``kv_ip:kv_port``, hosted by the instance with
 ``kv_rank == 0`` (:meth:`TorchDistributedConnector.host_store`), never an instance's TP world.
 Signalling keys live under ``kv/<transfer id>/``. Each transfer builds a fresh gloo group of
-``producer tp + consumer tp`` ranks on a ``PrefixStore`` of that id and drops it afterwards, so a
+``producer tp·pcp + consumer tp·pcp`` ranks on a ``PrefixStore`` of that id and drops it afterwards, so a
 peer that died fails only the transfer it was in: the next transfer rendezvouses anew. Every wait
 (the store, the group's connect, each send and receive, the closing barrier) is bounded by
 ``timeout_s``.

@@ -46,6 +46,7 @@ aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 ATTENTION = dcp_ops.attention.default
 PAGED = dcp_ops.paged_attention.default
+SPARSE = dcp_ops.sparse_attention.default
 
 
 def _ensures(program: Program) -> None:
@@ -54,6 +55,10 @@ def _ensures(program: Program) -> None:
         return
     for node in nodes_calling(graph, ATTENTION):
         for operand in node.args[1:3]:  # the query too, unless split_pcp_attention reads it locally
+            if not _step_ordered(operand):
+                raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
+    for node in nodes_calling(graph, SPARSE):
+        for operand in (*node.args[:3], *node.args[3].args[:3]):  # q, k, v and the indexer's q, k, weights
             if not _step_ordered(operand):
                 raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
     linear = find_logits_linear(graph)
@@ -69,7 +74,8 @@ def _step_ordered(node) -> bool:
         if x.op == "call_function" and x.target is aten.index_select.default and x.args[2].name == "pcp_order":
             return True
         seen.add(x)
-        if x.op == "call_function" and x.target in (aten.transpose.int, aten.unsqueeze.default):
+        if x.op == "call_function" and (x.target in (aten.transpose.int, aten.unsqueeze.default)
+                                        or (x.target is aten.slice.Tensor and x.args[1] in (-1, 3))):
             stack.extend(a for a in x.all_input_nodes if a not in seen)
     return False
 
@@ -106,24 +112,33 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
         selected += 1
     if "input_ids" not in placeholders:
         raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
-    attentions = nodes_calling(graph, ATTENTION)
-    modified = [n.name for n in attentions if attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n)]
+    attentions = [n for n in graph.nodes if n.op == "call_function" and n.target in (ATTENTION, SPARSE)]
+    sparse = [n for n in attentions if n.target is SPARSE]
+    modified = [n.name for n in attentions
+                if n.target is ATTENTION and (attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n))]
     if modified or len(attentions) != program.facts.num_layers:
         raise UnsupportedModelError(
             f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
-            f"dense attention (GQA or MLA) in every layer; sliding-window, soft-capped, sink or chunked attention "
-            f"({modified[:4]}), sparse (SFA/DSA) attention and layers without attention are not split over PCP "
-            "ranks; use pcp=1")
+            f"dense (GQA or MLA) or sparse (SFA/DSA) attention in every layer; sliding-window, soft-capped, sink or "
+            f"chunked attention ({modified[:4]}) and layers without attention are not split over PCP ranks; "
+            "use pcp=1")
+    if sparse and local_queries:
+        raise VerificationError("split_pcp_prefill: sparse (SFA) attention gathers its queries (local_queries=False)")
+    indexers: list = []  # gathered once each, in graph order (a shared-indexer layer reads an earlier one)
     for node in attentions:
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
             raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "
                                     f"{[tuple(x.meta['val'].shape) for x in node.args[:3]]}")
-        q = node.args[0]
+        q, k, v = node.args[:3]
         with graph.inserting_before(node):
-            gathered = [_gather_heads_first(graph, e, x, order, mesh.pcp) for x in node.args[1:3]]
+            if node.target is SPARSE and node.args[3] not in indexers:
+                indexers.append(node.args[3])
+                _gather_indexer(graph, e, node.args[3], order, mesh.pcp)
+            gathered_k = _gather_heads_first(graph, e, k, order, mesh.pcp)
+            gathered_v = _value_of(e, k, v, gathered_k) or _gather_heads_first(graph, e, v, order, mesh.pcp)
             if not local_queries:
                 q = _gather_heads_first(graph, e, q, order, mesh.pcp)
-        node.args = (q, *gathered, *node.args[3:])
+        node.args = (q, gathered_k, gathered_v, *node.args[3:])
         if local_queries:
             continue
         users = list(node.users)
@@ -141,9 +156,10 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
     gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
+    indexed = f", {len(indexers)} indexers' q/k/weights" if indexers else ""
     return (program.replace(graph_module=gm, inputs=inputs),
-            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered} and "
-            "the LM head's input all-gathered over the PCP group")
+            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered}"
+            f"{indexed} and the LM head's input all-gathered over the PCP group")
 
 
 def _ensures_local(program: Program) -> None:
@@ -195,3 +211,31 @@ def _gather_heads_first(graph, e: Emitter, x, order, pcp: int):
     tokens_first = e(aten.clone.default, e(aten.transpose.int, e(aten.squeeze.dim, x, 0), 0, 1),
                      memory_format=torch.contiguous_format)  # [L, H, D]
     return e(aten.unsqueeze.default, e(aten.transpose.int, _gather_rows(graph, e, tokens_first, order, pcp), 0, 1), 0)
+
+
+def _value_of(e: Emitter, k, v, gathered_k):
+    """MLA's latent value is a slice of its key (``v = k[..., a:b]``): the same slice of the gathered
+    key, so it is not exchanged twice; None when ``v`` is a tensor of its own."""
+    if not (v.op == "call_function" and v.target is aten.slice.Tensor and v.args[0] is k and v.args[1] in (-1, 3)):
+        return None
+    return e(aten.slice.Tensor, gathered_k, *v.args[1:])
+
+
+def _gather_indexer(graph, e: Emitter, indexer, order, pcp: int) -> None:
+    """Gather a canonical ``indexer_topk(q [1, S, Hi, D], k [1, T, D], weights [1, S, Hi], ...)``'s
+    token-major operands over the PCP group (in place): every rank then scores every step query
+    against every step key, so its top-k is the ``pcp = 1`` selection of every row."""
+    iq, ik, w = indexer.args[:3]
+    for x in (iq, ik, w):
+        if x.meta["val"].shape[0] != 1:
+            raise VerificationError(f"{indexer.name}: PCP splits [1, T, ...] indexer operands, got "
+                                    f"{tuple(x.meta['val'].shape)}")
+    with graph.inserting_before(indexer):
+        step = [_gather_tokens_first(graph, e, x, order, pcp) for x in (iq, ik, w)]
+    indexer.args = (*step, *indexer.args[3:])
+
+
+def _gather_tokens_first(graph, e: Emitter, x, order, pcp: int):
+    """``x [1, L, ...]`` of every PCP rank as ``[1, T, ...]`` in step order."""
+    rows = e(aten.clone.default, e(aten.squeeze.dim, x, 0), memory_format=torch.contiguous_format)
+    return e(aten.unsqueeze.default, _gather_rows(graph, e, rows, order, pcp), 0)

@@ -5,7 +5,9 @@ indexer decides what each query attends to). ``split_pcp_prefill`` gathers the i
 key and head weights over the PCP group beside the latent query/key, so every rank takes each
 row's top-k over all earlier keys as ``pcp = 1`` does. Every case prefills in forced 8-token chunks
 (``max_num_batched_tokens``) with 4-token blocks, several requests share a step, and a second round
-hits the prefix cache. Reference: HF ``generate(do_sample=False)`` prompt by prompt.
+hits the prefix cache. Reference: HF ``generate(do_sample=False)`` prompt by prompt. The slow tier
+runs (1,2,1), (1,2,2), (2,2,4) emulated and (1,2,2) on two gloo processes; (2,2,1), (2,2,2) and
+(1,4,2) give the same tokens too (``setup.check``), left out of CI for time.
 """
 
 from __future__ import annotations
@@ -48,20 +50,16 @@ def setup() -> Setup:
     return Setup()
 
 
-def test_sfa_with_pcp_matches_hf_and_gathers_the_indexer(setup):
-    engine = setup.check(1, 2, 2, rounds=ROUNDS[1:])
+@pytest.mark.slow  # the V3.2 trace (~10 s) and a ~5 s compile and ~150 emulated steps a mesh: ~45 s on 2 loaded cores
+@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 1), (1, 2, 2), (2, 2, 4)])
+def test_sfa_with_pcp_matches_hf_and_gathers_the_indexer(setup, tp, pcp, dcp):
+    engine = setup.check(tp, pcp, dcp)
     graph = engine.program.graph_module.graph
     gathers = [n for n in graph.nodes if n.op == "call_function" and "all_gather" in str(n.target)
                and "dcpgraph.pcp" in n.args]
     # per layer the latent q and k (v is a slice of the gathered k) and the indexer's q, k, weights; the LM head
     assert len(gathers) == 5 * sfa_models.LAYERS + 1
     assert "split_pcp_attention" not in engine.program.passes_run()  # the sparse path reads the whole step
-
-
-@pytest.mark.slow  # a ~5 s compile and ~150 emulated steps a case on 2 loaded cores (~20 s in all)
-@pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 1), (2, 2, 4), (1, 4, 2)])
-def test_sfa_with_pcp_matches_hf_on_acceptance_meshes(setup, tp, pcp, dcp):
-    setup.check(tp, pcp, dcp)
 
 
 def _gloo_rank(rank: int, world: int, rounds):

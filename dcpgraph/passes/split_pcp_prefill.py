@@ -38,7 +38,6 @@ from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
-from .insert_kv_cache import attention_chunk, attention_modifiers
 from .manager import not_yet_run, program_pass
 from .select_logits import find_logits_linear
 
@@ -114,14 +113,12 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
         raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
     attentions = [n for n in graph.nodes if n.op == "call_function" and n.target in (ATTENTION, SPARSE)]
     sparse = [n for n in attentions if n.target is SPARSE]
-    modified = [n.name for n in attentions
-                if n.target is ATTENTION and (attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n))]
-    if modified or len(attentions) != program.facts.num_layers:
+    if len(attentions) != program.facts.num_layers:
         raise UnsupportedModelError(
-            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
-            f"dense (GQA or MLA) or sparse (SFA/DSA) attention in every layer; sliding-window, soft-capped, sink or "
-            f"chunked attention ({modified[:4]}) and layers without attention are not split over PCP ranks; "
-            "use pcp=1")
+            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for attention "
+            f"(dense GQA or MLA, sliding-window, soft-capped, sink or chunked, or sparse SFA/DSA) in every layer; "
+            f"{program.facts.num_layers - len(attentions)} of {program.facts.num_layers} layers have none "
+            "(layers without attention are not split over PCP ranks); use pcp=1")
     if sparse and local_queries:
         raise VerificationError("split_pcp_prefill: sparse (SFA) attention gathers its queries (local_queries=False)")
     indexers: list = []  # gathered once each, in graph order (a shared-indexer layer reads an earlier one)
@@ -177,7 +174,8 @@ def _ensures_local(program: Program) -> None:
 def split_pcp_attention(program: Program):
     """After ``split_pcp_prefill(local_queries=True)``: each fused paged read takes this rank's
     ``L`` queries, so its query boundaries become ``pcp_cu_seqlens_q`` and its causal bounds
-    (``position + 1`` of every step row) are read at ``pcp_rows``. Its key counts (context plus the
+    (``position + 1`` of every step row) and window or chunk starts (``kv_start``, per query) are
+    read at ``pcp_rows``; a soft-cap and a sink are per head, the same for every row. Its key counts (context plus the
     request's new tokens, all written to the cache from the gathered K/V) stay the step's. Each
     rank then attends only its zigzag rows: the causal work splits ``1/pcp``."""
     gm = program.copy_graph()
@@ -186,15 +184,24 @@ def split_pcp_attention(program: Program):
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     (cu,) = add_placeholders(graph, ["pcp_cu_seqlens_q"])
     local: dict = {}
+
+    def mine(per_query):
+        """``per_query [T]`` at this rank's rows, emitted once per node."""
+        if per_query not in local:
+            with graph.inserting_after(per_query):
+                local[per_query] = e(aten.index_select.default, per_query, 0, placeholders["pcp_rows"])
+        return local[per_query]
+
     reads = nodes_calling(graph, PAGED)
     for read in reads:
         bound = read.args[6]
         if bound is None:
             raise VerificationError(f"{read.name} has no causal bound: split_pcp_attention needs fuse_new_tokens' read")
-        if bound not in local:
-            with graph.inserting_after(bound):
-                local[bound] = e(aten.index_select.default, bound, 0, placeholders["pcp_rows"])
-        read.args = (*read.args[:4], cu, read.args[5], local[bound], *read.args[7:])
+        start = read.args[8] if len(read.args) > 8 else read.kwargs.get("kv_start")
+        if "kv_start" in read.kwargs:
+            raise VerificationError(f"{read.name}: split_pcp_attention reads kv_start positionally")
+        tail = (*read.args[7:8], mine(start), *read.args[9:]) if start is not None else read.args[7:]
+        read.args = (*read.args[:4], cu, read.args[5], mine(bound), *tail)
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_cu_seqlens_q", RANK, "pcp_cu_seqlens_q"))
     return (program.replace(graph_module=gm, inputs=inputs),

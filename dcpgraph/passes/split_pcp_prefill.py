@@ -16,7 +16,14 @@ group's longest share), and ``pcp_order [T]``, the row of every step token in a 
 - the LM head's input is all-gathered the same way, so ``select_logits`` picks step rows and every
   rank samples from the same logits.
 
-With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``) the queries stay local
+Sparse attention (SFA/DSA): each ``indexer_topk``'s query, key and head weights ``[1, L, ...]``
+are all-gathered the same way, so every rank scores every step query against every earlier index
+key and takes the ``pcp = 1`` top-k of each row; its queries are always gathered (the sparse path
+reads the whole step). MLA's value, a slice of its key, is sliced from the gathered key.
+A window's, chunk's, soft-cap's or sink's bound is per query position or per head, so windowed
+attention splits like causal attention.
+
+With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``, no sparse layer) the queries stay local
 (``local_queries``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
 ``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
 and causal bounds (``position + 1`` at ``pcp_rows``), so each rank attends its zigzag rows only

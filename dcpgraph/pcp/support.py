@@ -1,8 +1,8 @@
 """What runs with ``pcp > 1``, refused by name before any tracing, pass or collective.
 
-``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
-attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
-— and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
+``dcpgraph.compile`` runs ``pcp > 1`` for GQA, MLA and sparse (SFA/DSA) attention, with sliding
+windows, soft-caps, sinks or chunks (no compressed attention, no recurrent layers; layers without
+attention are refused by :mod:`dcpgraph.passes.split_pcp_prefill`), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
 verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk; no draft
 model or MTP), without ``hybrid_kv_cache``,
 data-parallel expert replicas or graph-mode decode buckets (the engine turns those off):
@@ -19,7 +19,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..mesh import Mesh
 
-COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
+COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3) and SFA (DeepSeek-V3.2) models, sliding-window, soft-capped "
+            "and sink attention included, through dcpgraph.compile, emulated or on a torch.distributed world "
             "of tp·pcp ranks, with chunked prefill, prefix caching and ngram speculative decoding")
 
 
@@ -57,7 +58,7 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
     extra = facts.extra
     refused = []
     if extra.get("compressed_layers"):
-        refused.append("compressed attention layers (only dense GQA and MLA attention is split over PCP ranks)")
+        refused.append("compressed attention layers (dense GQA/MLA and sparse SFA attention are split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     method = speculative_method(opts.get("speculative_config"))

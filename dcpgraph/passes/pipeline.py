@@ -41,6 +41,8 @@ a draft model and an MTP layer all go through it.
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
 from ..program import Program
@@ -83,7 +85,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
                    windows: tuple[int, ...] | None = None, recurrent: bool = False,
                    expert_replicas: tuple[int, int] | None = None,
-                   compressed: bool = False) -> list[ProgramPass]:
+                   compressed: bool = False, sparse: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
@@ -93,7 +95,9 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     ``shard_tp``; with ``expert_replicas = (D, d)`` (replica ``d`` of ``D``, which needs
     ``expert_parallel_experts``) ``experts_over_replicas`` right before ``shard_tp``; with
     ``compressed`` (DeepSeek-V4's CSA/HCA layers) ``insert_compressed_cache`` right after
-    ``insert_kv_cache``."""
+    ``insert_kv_cache``. With ``pcp > 1`` ``split_pcp_prefill`` runs before ``insert_kv_cache``,
+    with ``split_pcp_attention`` after ``fuse_new_tokens`` where the queries stay local (``dcp = 1``,
+    the fused read, no ``sparse`` attention: its indexer and selection read the whole step)."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
@@ -103,7 +107,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if mesh.pcp > 1:
-        local = mesh.dcp == 1 and fuse_new  # the fused read can take this rank's queries alone
+        local = mesh.dcp == 1 and fuse_new and not sparse  # the fused read can take this rank's queries alone
         passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name),
                       split_pcp_prefill.with_options(mesh=mesh, local_queries=local))
         if local:
@@ -188,5 +192,7 @@ def compile_program(
                             windows=model_windows(program) if hybrid_kv_cache else None,
                             recurrent=bool(program.facts.extra.get("recurrent_layers")),
                             expert_replicas=expert_replicas,
-                            compressed=bool(program.facts.extra.get("compressed_layers")))
+                            compressed=bool(program.facts.extra.get("compressed_layers")),
+                            sparse=any(n.target is torch.ops.dcpgraph.sparse_attention.default
+                                       for n in program.graph_module.graph.nodes))
     return run_passes(program, passes, verify=verify)

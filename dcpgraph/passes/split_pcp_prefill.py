@@ -16,7 +16,14 @@ group's longest share), and ``pcp_order [T]``, the row of every step token in a 
 - the LM head's input is all-gathered the same way, so ``select_logits`` picks step rows and every
   rank samples from the same logits.
 
-With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``) the queries stay local
+Sparse attention (SFA/DSA): each ``indexer_topk``'s query, key and head weights ``[1, L, ...]``
+are all-gathered the same way, so every rank scores every step query against every earlier index
+key and takes the ``pcp = 1`` top-k of each row; its queries are always gathered (the sparse path
+reads the whole step). MLA's value, a slice of its key, is sliced from the gathered key.
+A window's, chunk's, soft-cap's or sink's bound is per query position or per head, so windowed
+attention splits like causal attention.
+
+With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``, no sparse layer) the queries stay local
 (``local_queries``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
 ``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
 and causal bounds (``position + 1`` at ``pcp_rows``), so each rank attends its zigzag rows only
@@ -38,7 +45,6 @@ from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling
-from .insert_kv_cache import attention_chunk, attention_modifiers
 from .manager import not_yet_run, program_pass
 from .select_logits import find_logits_linear
 
@@ -46,6 +52,7 @@ aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
 ATTENTION = dcp_ops.attention.default
 PAGED = dcp_ops.paged_attention.default
+SPARSE = dcp_ops.sparse_attention.default
 
 
 def _ensures(program: Program) -> None:
@@ -54,6 +61,10 @@ def _ensures(program: Program) -> None:
         return
     for node in nodes_calling(graph, ATTENTION):
         for operand in node.args[1:3]:  # the query too, unless split_pcp_attention reads it locally
+            if not _step_ordered(operand):
+                raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
+    for node in nodes_calling(graph, SPARSE):
+        for operand in (*node.args[:3], *node.args[3].args[:3]):  # q, k, v and the indexer's q, k, weights
             if not _step_ordered(operand):
                 raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
     linear = find_logits_linear(graph)
@@ -69,7 +80,8 @@ def _step_ordered(node) -> bool:
         if x.op == "call_function" and x.target is aten.index_select.default and x.args[2].name == "pcp_order":
             return True
         seen.add(x)
-        if x.op == "call_function" and x.target in (aten.transpose.int, aten.unsqueeze.default):
+        if x.op == "call_function" and (x.target in (aten.transpose.int, aten.unsqueeze.default)
+                                        or (x.target is aten.slice.Tensor and x.args[1] in (-1, 3))):
             stack.extend(a for a in x.all_input_nodes if a not in seen)
     return False
 
@@ -106,24 +118,31 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
         selected += 1
     if "input_ids" not in placeholders:
         raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
-    attentions = nodes_calling(graph, ATTENTION)
-    modified = [n.name for n in attentions if attention_modifiers(n) != (0, 0.0, None) or attention_chunk(n)]
-    if modified or len(attentions) != program.facts.num_layers:
+    attentions = [n for n in graph.nodes if n.op == "call_function" and n.target in (ATTENTION, SPARSE)]
+    sparse = [n for n in attentions if n.target is SPARSE]
+    if len(attentions) != program.facts.num_layers:
         raise UnsupportedModelError(
-            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for plain causal "
-            f"dense attention (GQA or MLA) in every layer; sliding-window, soft-capped, sink or chunked attention "
-            f"({modified[:4]}), sparse (SFA/DSA) attention and layers without attention are not split over PCP "
-            "ranks; use pcp=1")
+            f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for attention "
+            f"(dense GQA or MLA, sliding-window, soft-capped, sink or chunked, or sparse SFA/DSA) in every layer; "
+            f"{program.facts.num_layers - len(attentions)} of {program.facts.num_layers} layers have none "
+            "(layers without attention are not split over PCP ranks); use pcp=1")
+    if sparse and local_queries:
+        raise VerificationError("split_pcp_prefill: sparse (SFA) attention gathers its queries (local_queries=False)")
+    indexers: list = []  # gathered once each, in graph order (a shared-indexer layer reads an earlier one)
     for node in attentions:
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
             raise VerificationError(f"{node.name}: PCP splits [1, H, T, D] attention operands, got "
                                     f"{[tuple(x.meta['val'].shape) for x in node.args[:3]]}")
-        q = node.args[0]
+        q, k, v = node.args[:3]
         with graph.inserting_before(node):
-            gathered = [_gather_heads_first(graph, e, x, order, mesh.pcp) for x in node.args[1:3]]
+            if node.target is SPARSE and node.args[3] not in indexers:
+                indexers.append(node.args[3])
+                _gather_indexer(graph, e, node.args[3], order, mesh.pcp)
+            gathered_k = _gather_heads_first(graph, e, k, order, mesh.pcp)
+            gathered_v = _value_of(e, k, v, gathered_k) or _gather_heads_first(graph, e, v, order, mesh.pcp)
             if not local_queries:
                 q = _gather_heads_first(graph, e, q, order, mesh.pcp)
-        node.args = (q, *gathered, *node.args[3:])
+        node.args = (q, gathered_k, gathered_v, *node.args[3:])
         if local_queries:
             continue
         users = list(node.users)
@@ -141,9 +160,10 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
     gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
+    indexed = f", {len(indexers)} indexers' q/k/weights" if indexers else ""
     return (program.replace(graph_module=gm, inputs=inputs),
-            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered} and "
-            "the LM head's input all-gathered over the PCP group")
+            f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered}"
+            f"{indexed} and the LM head's input all-gathered over the PCP group")
 
 
 def _ensures_local(program: Program) -> None:
@@ -161,7 +181,8 @@ def _ensures_local(program: Program) -> None:
 def split_pcp_attention(program: Program):
     """After ``split_pcp_prefill(local_queries=True)``: each fused paged read takes this rank's
     ``L`` queries, so its query boundaries become ``pcp_cu_seqlens_q`` and its causal bounds
-    (``position + 1`` of every step row) are read at ``pcp_rows``. Its key counts (context plus the
+    (``position + 1`` of every step row) and window or chunk starts (``kv_start``, per query) are
+    read at ``pcp_rows``; a soft-cap and a sink are per head, the same for every row. Its key counts (context plus the
     request's new tokens, all written to the cache from the gathered K/V) stay the step's. Each
     rank then attends only its zigzag rows: the causal work splits ``1/pcp``."""
     gm = program.copy_graph()
@@ -170,15 +191,24 @@ def split_pcp_attention(program: Program):
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     (cu,) = add_placeholders(graph, ["pcp_cu_seqlens_q"])
     local: dict = {}
+
+    def mine(per_query):
+        """``per_query [T]`` at this rank's rows, emitted once per node."""
+        if per_query not in local:
+            with graph.inserting_after(per_query):
+                local[per_query] = e(aten.index_select.default, per_query, 0, placeholders["pcp_rows"])
+        return local[per_query]
+
     reads = nodes_calling(graph, PAGED)
     for read in reads:
         bound = read.args[6]
         if bound is None:
             raise VerificationError(f"{read.name} has no causal bound: split_pcp_attention needs fuse_new_tokens' read")
-        if bound not in local:
-            with graph.inserting_after(bound):
-                local[bound] = e(aten.index_select.default, bound, 0, placeholders["pcp_rows"])
-        read.args = (*read.args[:4], cu, read.args[5], local[bound], *read.args[7:])
+        start = read.args[8] if len(read.args) > 8 else read.kwargs.get("kv_start")
+        if "kv_start" in read.kwargs:
+            raise VerificationError(f"{read.name}: split_pcp_attention reads kv_start positionally")
+        tail = (*read.args[7:8], mine(start), *read.args[9:]) if start is not None else read.args[7:]
+        read.args = (*read.args[:4], cu, read.args[5], mine(bound), *tail)
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_cu_seqlens_q", RANK, "pcp_cu_seqlens_q"))
     return (program.replace(graph_module=gm, inputs=inputs),
@@ -195,3 +225,31 @@ def _gather_heads_first(graph, e: Emitter, x, order, pcp: int):
     tokens_first = e(aten.clone.default, e(aten.transpose.int, e(aten.squeeze.dim, x, 0), 0, 1),
                      memory_format=torch.contiguous_format)  # [L, H, D]
     return e(aten.unsqueeze.default, e(aten.transpose.int, _gather_rows(graph, e, tokens_first, order, pcp), 0, 1), 0)
+
+
+def _value_of(e: Emitter, k, v, gathered_k):
+    """MLA's latent value is a slice of its key (``v = k[..., a:b]``): the same slice of the gathered
+    key, so it is not exchanged twice; None when ``v`` is a tensor of its own."""
+    if not (v.op == "call_function" and v.target is aten.slice.Tensor and v.args[0] is k and v.args[1] in (-1, 3)):
+        return None
+    return e(aten.slice.Tensor, gathered_k, *v.args[1:])
+
+
+def _gather_indexer(graph, e: Emitter, indexer, order, pcp: int) -> None:
+    """Gather a canonical ``indexer_topk(q [1, S, Hi, D], k [1, T, D], weights [1, S, Hi], ...)``'s
+    token-major operands over the PCP group (in place): every rank then scores every step query
+    against every step key, so its top-k is the ``pcp = 1`` selection of every row."""
+    iq, ik, w = indexer.args[:3]
+    for x in (iq, ik, w):
+        if x.meta["val"].shape[0] != 1:
+            raise VerificationError(f"{indexer.name}: PCP splits [1, T, ...] indexer operands, got "
+                                    f"{tuple(x.meta['val'].shape)}")
+    with graph.inserting_before(indexer):
+        step = [_gather_tokens_first(graph, e, x, order, pcp) for x in (iq, ik, w)]
+    indexer.args = (*step, *indexer.args[3:])
+
+
+def _gather_tokens_first(graph, e: Emitter, x, order, pcp: int):
+    """``x [1, L, ...]`` of every PCP rank as ``[1, T, ...]`` in step order."""
+    rows = e(aten.clone.default, e(aten.squeeze.dim, x, 0), memory_format=torch.contiguous_format)
+    return e(aten.unsqueeze.default, _gather_rows(graph, e, rows, order, pcp), 0)

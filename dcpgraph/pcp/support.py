@@ -1,13 +1,14 @@
 """What runs with ``pcp > 1``, refused by name before any tracing, pass or collective.
 
-``dcpgraph.compile`` runs ``pcp > 1`` for GQA and MLA models (no sparse/SFA or compressed
-attention, no sliding windows, soft-caps or sinks — refused by :mod:`dcpgraph.passes.split_pcp_prefill`
-— and no recurrent layers), emulated or on a ``torch.distributed`` world of ``tp·pcp`` ranks, with ngram speculative decoding (a
-verify step of ``k + 1`` tokens a request is split over the PCP ranks like a prefill chunk) and
-draft-model speculative decoding (the draft is compiled on the same mesh, so its own steps are split
-the same way; no MTP), with graph-mode decode and verification buckets (a padded bucket's PCP rows are
-split anew, :func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or
-data-parallel expert replicas:
+``dcpgraph.compile`` runs ``pcp > 1`` for GQA, MLA and sparse (SFA/DSA) attention, with sliding
+windows, soft-caps, sinks or chunks (no compressed attention, no recurrent layers; layers without
+attention are refused by :mod:`dcpgraph.passes.split_pcp_prefill`), emulated or on a ``torch.distributed``
+world of ``tp·pcp`` ranks, with ngram speculative decoding (a verify step of ``k + 1`` tokens a
+request is split over the PCP ranks like a prefill chunk) and draft-model speculative decoding (the
+draft is compiled on the same mesh, so its own steps are split the same way; no MTP), with
+graph-mode decode and verification buckets (a padded bucket's PCP rows are split anew,
+:func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or data-parallel expert
+replicas:
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
 emulator), on one node, without data-parallel replicas or speculative decoding other than ngram;
@@ -23,8 +24,10 @@ from typing import Any
 from ..errors import ConfigError
 from ..mesh import Mesh
 
-COMPILED = ("GQA (Llama, Qwen3, ...) and MLA (DeepSeek-V2/V3) models through dcpgraph.compile, emulated or on a torch.distributed world "
-            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model speculative decoding")
+COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3) and SFA (DeepSeek-V3.2) models, sliding-window, soft-capped "
+            "and sink attention included, through dcpgraph.compile, emulated or on a torch.distributed world "
+            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model "
+            "speculative decoding")
 
 
 def speculative_method(config: Any) -> str | None:
@@ -67,7 +70,7 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
     extra = facts.extra
     refused = []
     if extra.get("compressed_layers"):
-        refused.append("compressed attention layers (only dense GQA and MLA attention is split over PCP ranks)")
+        refused.append("compressed attention layers (dense GQA/MLA and sparse SFA attention are split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     method = speculative_method(opts.get("speculative_config"))

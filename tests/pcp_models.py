@@ -1,6 +1,7 @@
 """The tiny GQA models the PCP tests run, eager and compiled: Llama with one KV head and Qwen3
 with two (so some meshes shard a KV head's cache over PCP ranks and some are refused), fp64,
-built once per process."""
+built once per process. Their vocabulary (131) divides by no tp > 1, as real checkpoints' often
+do not; prompts draw ids below 128."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import transformers as tf
 
 def pcp_config(cls, kv: int):
     """The PCP test models' shape for config class ``cls`` with ``kv`` KV heads."""
-    return cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    return cls(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=kv, head_dim=8, max_position_embeddings=256, initializer_range=0.2)
 
 

@@ -3,7 +3,8 @@ tests (``test_e2e_sliding``, ``test_e2e_sliding_gloo``).
 
 Every model has 2 or 3 layers, 8 query heads over 1 KV head (so every DCP size up to 4 is valid at
 tp=4), random fp64 weights with a large ``initializer_range`` and a window of ``WINDOW`` = 5
-tokens, shorter than most test prompts. :data:`FEATURES` says what each exercises.
+tokens, shorter than most test prompts, and a vocabulary (131) no tp > 1 divides. :data:`FEATURES`
+says what each exercises.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import transformers
 
 WINDOW = 5
 COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=1,
+    vocab_size=131, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=1,
     max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )

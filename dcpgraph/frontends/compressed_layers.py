@@ -187,8 +187,9 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
     output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
-    dtype and no speculative decoding; on the emulated executor, and on the distributed one at
-    ``dcp = 1``; prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
+    dtype; speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
+    and the engine keeps block 0 as the scratch block padding rows write into); on the emulated executor,
+    and on the distributed one at ``dcp = 1``; prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
     rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
     state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
     joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
@@ -215,14 +216,11 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp)
         if misaligned:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
-    if opts.get("speculative_config") is not None:
-        unsupported.append("speculative_config (not exact yet: the open windows' snapshot and replay past "
-                           "rejected drafts leaves HF's greedy tokens once drafts are kept)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
             + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; the distributed "
-            "executor and prefix caching (block_size a multiple of the compress rates) at dcp=1; no speculative "
-            "decoding or P/D; per-rank bytes: dcpgraph plan")
+            "executor and prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            "per-rank bytes: dcpgraph plan")

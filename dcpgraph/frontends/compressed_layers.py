@@ -188,8 +188,8 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
     dtype; speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
-    and the engine keeps block 0 as the scratch block padding rows write into); on the emulated executor,
-    and on the distributed one at ``dcp = 1``; prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
+    and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
+    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives); prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
     rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
     state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
     joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
@@ -206,9 +206,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
                            "by whole groups)")
-    if dcp > 1 and opts.get("executor", "auto") == "distributed":
-        unsupported.append(f"executor='distributed' at dcp={dcp} (the DCP-sharded layer is tested on the emulated "
-                           "executor only; the distributed one runs it at dcp=1)")
     if dcp > 1 and opts.get("enable_prefix_caching"):
         unsupported.append(f"enable_prefix_caching=True at dcp={dcp} (the open windows are kept at block "
                            "boundaries at dcp=1 only; entries dealt by entry index are not checked against a hit)")
@@ -221,6 +218,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; the distributed "
-            "executor and prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; prefix "
+            "caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
             "per-rank bytes: dcpgraph plan")

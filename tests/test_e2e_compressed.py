@@ -94,14 +94,3 @@ def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(option
                        + r".*Supported: pcp=1, tp dividing o_groups, dcp dividing tp"):
         dcpgraph.compile(_model(), **options)
 
-
-def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
-    """The checkpoint path refuses from the config, before V4's tensors are looked up (its saved
-    names are not the modules' own)."""
-    from dcpgraph.testing.checkpoints import tiny_tokenizer
-
-    _model().save_pretrained(tmp_path)
-    tiny_tokenizer(96).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
-                                                     r"\[1, 2, 3\]: loading a V4 checkpoint directory"):
-        dcpgraph.LLM(model=str(tmp_path), dtype="float64")

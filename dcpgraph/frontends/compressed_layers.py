@@ -172,16 +172,6 @@ def _named(layers: list[int]) -> str:
     return f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}"
 
 
-def refuse_loading_compressed_layers(config) -> None:
-    """A V4 checkpoint directory (its HF ``config``), refused by name before its tensors are looked
-    up: the names V4 saves its tensors under are not mapped to the modules' yet."""
-    layers = compressed_layer_indices(config)
-    if layers:
-        raise UnsupportedModelError(
-            f"{_named(layers)}: loading a V4 checkpoint directory is not supported (its tensor names are not mapped "
-            "to the modules'); build the HF model and pass it to dcpgraph.compile (tp=1, dcp=1)")
-
-
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
     name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped

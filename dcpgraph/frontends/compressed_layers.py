@@ -177,7 +177,7 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
     output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
-    dtype; speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
+    dtype; ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
     and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
     distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives); prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
     rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
@@ -203,11 +203,16 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp)
         if misaligned:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
+    spec = opts.get("speculative_config")
+    method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+    if spec is not None and method != "ngram":
+        unsupported.append(f"speculative_config method={method!r} (only 'ngram' is checked against HF; transformers "
+                           "does not instantiate V4's MTP layers)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; prefix "
-            "caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
+            "prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
             "per-rank bytes: dcpgraph plan")

@@ -83,7 +83,6 @@ def test_mesh_rule_is_named():
     ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
     ({"enable_prefix_caching": True, "block_size": 6}, r"enable_prefix_caching=True with block_size·dcp=6"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
 ])
 def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(options, named):
     """The cached layer compiles at tp dividing o_groups and dcp dividing tp
@@ -96,13 +95,11 @@ def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(option
         dcpgraph.compile(_model(), **options)
 
 
-def test_llm_on_a_v4_directory_is_refused_by_name(tmp_path):
-    """The checkpoint path refuses from the config, before V4's tensors are looked up (its saved
-    names are not the modules' own)."""
-    from dcpgraph.testing.checkpoints import tiny_tokenizer
+def test_speculation_other_than_ngram_is_refused_by_name():
+    """ngram runs (``test_compressed_speculative``); a draft model is refused before any trace."""
+    from dcpgraph.frontends.compressed_layers import refuse_compiling_compressed_layers
 
-    _model().save_pretrained(tmp_path)
-    tiny_tokenizer(96).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
-                                                     r"\[1, 2, 3\]: loading a V4 checkpoint directory"):
-        dcpgraph.LLM(model=str(tmp_path), dtype="float64")
+    with pytest.raises(UnsupportedModelError, match=r"does not support speculative_config method='draft_model' "
+                                                     r"\(only 'ngram'"):
+        refuse_compiling_compressed_layers(_model(), opts={"speculative_config": {"method": "draft_model"}})
+    refuse_compiling_compressed_layers(_model(), opts={"speculative_config": {"method": "ngram"}})

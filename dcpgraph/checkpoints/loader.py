@@ -22,7 +22,6 @@ import re
 import torch
 
 from ..errors import ConfigError
-from ..frontends.compressed_layers import refuse_loading_compressed_layers
 from ..program import STATE_KINDS, Program
 from .composite import LanguageModelFiles, text_config_of
 from .names import CheckpointNames
@@ -47,7 +46,6 @@ def meta_model(path: str, dtype: torch.dtype | None):
 
     config = tf.AutoConfig.from_pretrained(path)
     config = text_config_of(config) or config
-    refuse_loading_compressed_layers(config)  # DeepSeek-V4: by name, before its tensors are looked up
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
@@ -60,8 +58,9 @@ def _tied(model) -> dict[str, str]:
     return dict(tied)
 
 
-def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]:
-    """Buffers the checkpoint does not store (rotary frequencies, Gemma's embedding scale,
+def _computed_buffers(model, files: SafetensorsFiles, names: CheckpointNames) -> dict[str, torch.Tensor]:
+    """Buffers the checkpoint does not store, under their own name or one ``names`` renames
+    (rotary frequencies, Gemma's embedding scale,
     Falcon-H1's µP vector), computed on the CPU the way ``from_pretrained`` does: the missing
     buffers made real, then ``_init_weights`` of their modules and of those modules' ancestors,
     descendants first (``nn.Module.apply``'s order: Falcon-H1 fills its mixers' buffers from the
@@ -73,7 +72,7 @@ def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]
     modules = dict(model.named_modules())
     for module_name, module in modules.items():
         missing = [b for b, v in module.named_buffers(recurse=False)
-                   if v is not None and f"{module_name}.{b}".lstrip(".") not in files]
+                   if v is not None and not _stored(f"{module_name}.{b}".lstrip("."), tuple(v.shape), files, names)]
         if missing:
             owners[module_name] = missing
             for b in missing:
@@ -97,13 +96,17 @@ def _computed_buffers(model, files: SafetensorsFiles) -> dict[str, torch.Tensor]
             for module_name, missing in owners.items() for b in missing}
 
 
+def _stored(name: str, shape: tuple[int, ...], files: SafetensorsFiles, names: CheckpointNames) -> bool:
+    return name in files or names.source(name, shape, files) is not None
+
+
 def model_sources(model, files: SafetensorsFiles) -> dict[str, object]:
     """A source for every parameter and buffer of ``model`` (by its name); raises ConfigError for
     missing, unexpected or mismatched checkpoint tensors, naming them all."""
     block = fp8_block_size(model.config, files.path)  # refuses other quantizations before any lookup
     tied = _tied(model)
-    computed = _computed_buffers(model, files)
     names = CheckpointNames.for_model_type(getattr(model.config, "model_type", None))
+    computed = _computed_buffers(model, files, names)
     sources: dict[str, object] = {}
     missing: list[str] = []
     expected = [(n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
@@ -225,7 +228,7 @@ def dummy_sources(model, path: str) -> dict[str, object]:
     shares its target's values) and the config's computed buffers; no weight file is opened."""
     tied = _tied(model)
     sources: dict[str, object] = {n: InMemory(t, f"{n} (computed from the config)")
-                                  for n, t in _computed_buffers(model, _NoFiles(path)).items()}
+                                  for n, t in _computed_buffers(model, _NoFiles(path), CheckpointNames((), ())).items()}
     for name, param in model.named_parameters(remove_duplicate=False):
         sources[name] = Dummy(tuple(param.shape), tied.get(name, name))
     return sources

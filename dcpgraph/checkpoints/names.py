@@ -9,12 +9,20 @@ exactly and answers, for a model tensor, the stored tensors it is built from, as
 (:mod:`.tensor_sources`: nothing is read until a rank reads its slice). Entries of other kinds
 are not read; a tensor only they would provide stays missing and the loader names it.
 
+Renamings written as regular expressions (DeepSeek-V4's ``\\.attn\\.`` → ``.self_attn.``, then
+``\\.wkv\\.`` → ``.kv_proj.``, chained) are not inverted: every stored name is run forward through
+all of them in order, as transformers renames a checkpoint key when it loads
+(``core_model_loading.rename_source_key``), and a model tensor is found under the stored name
+that renames to it (:func:`forward_names`).
+
 Without a mapping for the model type, fused experts are looked for under the per-expert names
 most checkpoints use (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``).
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 from .tensor_sources import Concatenated, SafetensorsFiles, Stacked, Stored
@@ -37,20 +45,23 @@ class ExpertMerge:
 class CheckpointNames:
     renamings: tuple[tuple[str, str], ...]  # (checkpoint piece, model piece), literal substrings
     merges: tuple[ExpertMerge, ...]
+    patterns: tuple[tuple[str, str], ...] = ()  # (checkpoint regex, model text): every renaming, in order
 
     @classmethod
     def for_model_type(cls, model_type: str | None) -> CheckpointNames:
-        renamings, merges = [], []
+        renamings, merges, patterns = [], [], []
         for entry in _conversion_mapping(model_type):
             kind = type(entry).__name__
             sources, targets = list(entry.source_patterns), list(entry.target_patterns)
             if kind == "WeightRenaming" and len(sources) == len(targets) == 1 and _literal(sources[0] + targets[0]):
                 renamings.append((sources[0], targets[0]))
+            if kind == "WeightRenaming" and len(sources) == len(targets) == 1 and "\\" not in targets[0]:
+                patterns.append((sources[0], targets[0]))
             elif kind == "WeightConverter" and len(targets) == 1 and _is_expert_merge(entry, len(sources)):
-                merges.append(ExpertMerge(targets[0], tuple(sources)))
+                merges.append(ExpertMerge(_unescaped(targets[0]), tuple(_unescaped(p) for p in sources)))
         if not merges:
             merges = [ExpertMerge(t, s) for t, s in DEFAULT_MERGES]
-        return cls(tuple(renamings), tuple(merges))
+        return cls(tuple(renamings), tuple(merges), tuple(patterns))
 
     def checkpoint_names(self, name: str) -> list[str]:
         """``name`` and each single renaming of it back into the checkpoint's pieces."""
@@ -61,6 +72,9 @@ class CheckpointNames:
         for candidate in self.checkpoint_names(name)[1:]:
             if candidate in files:
                 return Stored(files, candidate)
+        renamed = forward_names(self.patterns, files).get(name) if self.patterns else None
+        if renamed is not None:
+            return Stored(files, renamed)
         for merge in self.merges:
             if not name.endswith(merge.target) or not shape:
                 continue
@@ -73,7 +87,30 @@ class CheckpointNames:
         return None
 
     def _stored(self, name: str, files: SafetensorsFiles) -> str | None:
-        return next((n for n in self.checkpoint_names(name) if n in files), None)
+        found = next((n for n in self.checkpoint_names(name) if n in files), None)
+        if found is None and self.patterns:
+            found = forward_names(self.patterns, files).get(name)
+        return found
+
+
+@functools.lru_cache(maxsize=4)
+def forward_names(patterns: tuple[tuple[str, str], ...], files: SafetensorsFiles) -> dict[str, str]:
+    """Model-side name → stored name, for every stored name that ``patterns`` rename: each
+    ``(regex, text)`` in order replaces its first match (they chain). A model-side name two
+    stored names rename to is left out (ambiguous)."""
+    compiled = [(re.compile(source), target) for source, target in patterns]
+    out: dict[str, str] = {}
+    clashes = set()
+    for stored in files.names():
+        name = stored
+        for regex, target in compiled:
+            name = regex.sub(lambda _m, t=target: t, name, count=1)
+        if name == stored:
+            continue
+        if name in out:
+            clashes.add(name)
+        out[name] = stored
+    return {k: v for k, v in out.items() if k not in clashes}
 
 
 def _conversion_mapping(model_type: str | None) -> list:
@@ -96,10 +133,15 @@ def _literal(text: str) -> bool:
     return not any(c in text for c in "^$*+?()[]{}|\\")
 
 
+def _unescaped(pattern: str) -> str:
+    """A pattern with its escaped dots (``\\.``) as plain dots."""
+    return pattern.replace("\\.", ".")
+
+
 def _is_expert_merge(entry, n_sources: int) -> bool:
     """``MergeModulelist(dim=0)``, then for several sources ``Concatenate(dim=1)``: the stack of
     per-expert tensors, each the concatenation of its sources along their first dim."""
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in (getattr(entry, "operations", None) or [])]
     want = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if n_sources > 1 else [])
     patterns = list(entry.source_patterns)
-    return ops == want and all(p.count("*") == 1 and _literal(p.replace("*", "")) for p in patterns)
+    return ops == want and all(p.count("*") == 1 and _literal(_unescaped(p).replace("*", "")) for p in patterns)

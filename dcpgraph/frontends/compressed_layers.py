@@ -172,23 +172,14 @@ def _named(layers: list[int]) -> str:
     return f"DeepSeek-V4 compressed attention (CSA/HCA) at layers {layers[:8]}{'…' if len(layers) > 8 else ''}"
 
 
-def refuse_loading_compressed_layers(config) -> None:
-    """A V4 checkpoint directory (its HF ``config``), refused by name before its tensors are looked
-    up: the names V4 saves its tensors under are not mapped to the modules' yet."""
-    layers = compressed_layer_indices(config)
-    if layers:
-        raise UnsupportedModelError(
-            f"{_named(layers)}: loading a V4 checkpoint directory is not supported (its tensor names are not mapped "
-            "to the modules'); build the HF model and pass it to dcpgraph.compile (tp=1, dcp=1)")
-
-
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
     name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
     output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
-    dtype and no speculative decoding; on the emulated executor, and on the distributed one at
-    ``dcp = 1``; prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
+    dtype; ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
+    and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
+    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives); prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
     rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
     state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
     joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
@@ -205,9 +196,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
                            "by whole groups)")
-    if dcp > 1 and opts.get("executor", "auto") == "distributed":
-        unsupported.append(f"executor='distributed' at dcp={dcp} (the DCP-sharded layer is tested on the emulated "
-                           "executor only; the distributed one runs it at dcp=1)")
     if dcp > 1 and opts.get("enable_prefix_caching"):
         unsupported.append(f"enable_prefix_caching=True at dcp={dcp} (the open windows are kept at block "
                            "boundaries at dcp=1 only; entries dealt by entry index are not checked against a hit)")
@@ -215,14 +203,16 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp)
         if misaligned:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
-    if opts.get("speculative_config") is not None:
-        unsupported.append("speculative_config (not exact yet: the open windows' snapshot and replay past "
-                           "rejected drafts leaves HF's greedy tokens once drafts are kept)")
+    spec = opts.get("speculative_config")
+    method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+    if spec is not None and method != "ngram":
+        unsupported.append(f"speculative_config method={method!r} (only 'ngram' is checked against HF; transformers "
+                           "does not instantiate V4's MTP layers)")
     if opts.get("kv_cache_dtype", "auto") != "auto":
         unsupported.append(f"kv_cache_dtype={opts['kv_cache_dtype']!r} (only 'auto')")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto'; the distributed "
-            "executor and prefix caching (block_size a multiple of the compress rates) at dcp=1; no speculative "
-            "decoding or P/D; per-rank bytes: dcpgraph plan")
+            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
+            "prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            "per-rank bytes: dcpgraph plan")

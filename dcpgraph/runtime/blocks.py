@@ -44,7 +44,11 @@ Invariants:
 - with prefix caching off nothing is hashed and allocation order is exactly that of a FIFO free
   queue: never-used blocks in id order first, then released blocks least recently released first
   (as vLLM's free-block queue), so with on-demand allocation a block is reused only once every
-  block has been used.
+  block has been used;
+- with ``scratch_block`` (a program whose cached ops address their caches by block table and
+  position rather than by ``slot_mapping``: DeepSeek-V4's compressed layers), block 0 is never
+  handed out. The padding rows of a static-shape decode or verification step (zero table entries,
+  :mod:`.graph_mode`, :mod:`.verify_buckets`) then write into a block no request reads.
 """
 
 from __future__ import annotations
@@ -76,19 +80,23 @@ def block_hashes(tokens: Sequence[int], tokens_per_block: int, parent: bytes | N
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = False, *,
+                 scratch_block: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        # scratch_block: block 0 is never handed out; the caches hold num_blocks + 1 blocks
+        first = 1 if scratch_block else 0
+        self.cache_blocks = num_blocks + first
         # never-hashed free blocks, handed out from the right: never-used ones in id order first, then
         # released ones least recently released first (release appends on the left)
-        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
+        self._free: deque[int] = deque(range(self.cache_blocks - 1, first - 1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, count 0; LRU first
         self._tables: dict[int, list[int]] = {}
         self._frozen: dict[int, tuple[int, ...]] = {}  # request -> its table as a tuple, until it changes
-        self._ref = [0] * num_blocks
+        self._ref = [0] * self.cache_blocks
         self._hash_of: dict[int, bytes] = {}  # block id -> hash (registered blocks only)
         self._by_hash: dict[bytes, int] = {}  # hash -> block id
         self._chain: dict[int, tuple[int, bytes | None]] = {}  # request -> (blocks hashed, last hash)

@@ -67,8 +67,9 @@ class HybridBlockManager(BlockManager):
     ``table(r)`` is the full group's table, :meth:`group_table` the sliding group's (same length,
     dead entries :data:`NULL_BLOCK`)."""
 
-    def __init__(self, num_blocks: int, sliding_blocks: int, tokens_per_block: int, window: int):
-        super().__init__(num_blocks, tokens_per_block, enable_prefix_caching=False)
+    def __init__(self, num_blocks: int, sliding_blocks: int, tokens_per_block: int, window: int, *,
+                 scratch_block: bool = False):
+        super().__init__(num_blocks, tokens_per_block, enable_prefix_caching=False, scratch_block=scratch_block)
         if sliding_blocks < 2:
             raise ValueError(f"the sliding pool needs the null block and at least one more, got {sliding_blocks}")
         if window < 1:
@@ -161,15 +162,19 @@ def make_block_manager(program, num_blocks: int, *, enable_prefix_caching: bool,
                        max_num_seqs: int, decode_tokens: int, step_tokens: int):
     """``(block manager, cache block counts)`` for ``program``: a plain :class:`BlockManager` and
     one count for every cache, or for a ``hybrid_kv_cache`` program a :class:`HybridBlockManager`
-    and ``{"full": num_blocks, "sliding": pool}``."""
+    and ``{"full": …, "sliding": pool}``. A program with compressed layers (V4) gets the scratch
+    block 0 (:class:`BlockManager`), so its caches hold ``num_blocks + 1`` blocks."""
     tokens_per_block = int(program.lowering.block_size) * program.mesh.dcp
+    scratch = bool(program.facts.extra.get("compressed_layers"))  # V4: padding rows write into block 0
     if not program.lowering.sliding_caches:
-        return BlockManager(num_blocks, tokens_per_block, enable_prefix_caching), num_blocks
+        blocks = BlockManager(num_blocks, tokens_per_block, enable_prefix_caching, scratch_block=scratch)
+        return blocks, blocks.cache_blocks
     check_hybrid_options(enable_prefix_caching=enable_prefix_caching, kv_allocation=kv_allocation)
     window = int(program.lowering.sliding_window)
     pool = sliding_pool_blocks(num_blocks, window, decode_tokens=decode_tokens, step_tokens=step_tokens,
                                tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
-    return HybridBlockManager(num_blocks, pool, tokens_per_block, window), {"full": num_blocks, "sliding": pool}
+    blocks = HybridBlockManager(num_blocks, pool, tokens_per_block, window, scratch_block=scratch)
+    return blocks, {"full": blocks.cache_blocks, "sliding": pool}
 
 
 def layer_group_report(program, blocks: HybridBlockManager) -> dict:

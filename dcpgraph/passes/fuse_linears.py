@@ -68,18 +68,20 @@ def _key(node, specs: dict[str, InputSpec]):
 
 
 def sibling_groups(program: Program) -> list[list[torch.fx.Node]]:
-    """Groups of ≥ 2 fusable linears reading one input, in graph order (each group in graph
-    order, groups by their first linear): the same graph gives the same groups in every process."""
+    """Groups of ≥ 2 linears reading one input that all agree (:func:`_key`), in graph order
+    (each group in graph order, groups by their first linear), so the same graph gives the same
+    groups in every process. An input read by linears that disagree keeps them all apart."""
     specs = {s.name: s for s in program.inputs}
-    by_input: dict[tuple[torch.fx.Node, tuple], list[torch.fx.Node]] = {}
+    by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in program.graph_module.graph.nodes:
-        key = _key(node, specs)
-        if key is not None:
-            by_input.setdefault((node.args[0], key), []).append(node)
+        if node.op == "call_function" and node.target is aten.linear.default:
+            by_input.setdefault(node.args[0], []).append(node)
     groups = []
     for nodes in by_input.values():  # insertion order: graph order of each group's first linear
+        keys = {_key(n, specs) for n in nodes}
         weights = [n.args[1] for n in nodes]
-        if len(nodes) >= 2 and len(set(weights)) == len(weights) and _splittable(nodes, specs, program):
+        if (len(nodes) >= 2 and len(keys) == 1 and None not in keys and len(set(weights)) == len(weights)
+                and _splittable(nodes, specs, program)):
             groups.append(nodes)
     return groups
 

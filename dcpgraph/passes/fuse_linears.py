@@ -3,12 +3,14 @@
 Linears ``y_i = aten.linear(x, W_i, b_i?)`` that read the same node ``x`` (q/k/v; gate/up; an MLA
 model's ``q_a``/``kv_a``; a router next to a shared expert) become::
 
-    y = aten.linear(x, W, b?);   y_i = clone(slice(y, -1, o_i, o_i + n_i))
+    y = aten.linear(x, W, b?);   (y_1, …, y_k) = split_with_sizes(y, [n_1, …, n_k], -1)
 
 with ``W = cat(W_i)`` along dim 0 (``b = cat(b_i)``) and ``n_i`` the rows of rank's ``W_i``, so
 one GEMM (one parallel region, one read of ``x``) does what ``k`` did; each output is the same
-sum of the same products as before, so the values are exactly those of the separate linears.
-The slices are cloned contiguous so later ops see the layout a linear's output had.
+sum of the same products as before (a GEMM over a wider weight may block the sum differently:
+fp rounding only, as a TP all-reduce already does). The
+pieces are views (one op, no copy): strided along the rows when the step has more than one, which
+every consumer of a projection (views into heads, norms, rotary, the cache write) reads as is.
 
 Siblings fuse only when they all agree: every ``W_i`` a 2-D parameter of one dtype and device and
 the same input width, every ``b_i`` a 1-D parameter of that dtype, or none of them with one; and
@@ -28,6 +30,8 @@ lowers the fused linear like any other.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -150,15 +154,12 @@ def fuse_linears(program: Program, enabled: bool = True):
             added.setdefault(members[0].name, []).append(entry)
             originals.update(m.name for m in members)
             fused_args.append(placeholder)
+        widths = [int(linear.meta["val"].shape[-1]) for linear in linears]
         with graph.inserting_before(linears[0]):
             fused = graph.call_function(aten.linear.default, tuple(fused_args))
-            offset = 0
-            for linear in linears:
-                width = int(linear.meta["val"].shape[-1])
-                piece = graph.call_function(aten.slice.Tensor, (fused, -1, offset, offset + width))
-                own = graph.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-                linear.replace_all_uses_with(own)
-                offset += width
+            pieces = graph.call_function(aten.split_with_sizes.default, (fused, widths, -1))
+            for index, linear in enumerate(linears):
+                linear.replace_all_uses_with(graph.call_function(operator.getitem, (pieces, index)))
         for linear in linears:
             graph.erase_node(linear)
         sizes.append(len(linears))

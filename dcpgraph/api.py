@@ -149,9 +149,9 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     its context and this step's new tokens in one paged read bounded by position, under DCP each
     rank the new tokens it owns; False: a separate new-token attention and a two-way merge, which
     FusedInferAttentionScore needs, see :mod:`dcpgraph.passes.fuse_new_tokens`), ``fuse_linears``
-    (default True: linears that read one input, such as q/k/v and gate/up, run as one linear over
-    each rank's weights concatenated, then slices, the same values; False keeps them apart; see
-    :mod:`dcpgraph.passes.fuse_linears`).
+    (default False; True: linears that read one input, such as q/k/v and gate/up, run as one
+    linear over each rank's weights concatenated, then slices, the same values up to fp rounding;
+    see :mod:`dcpgraph.passes.fuse_linears`).
 
     A compiling backend compiles every decode bucket and the mixed graph before ``compile``
     returns (:mod:`dcpgraph.runtime.capture`): no request waits for a compile. Times per graph and

@@ -1,8 +1,7 @@
 """``fuse_linears``: sibling linears → one linear over each rank's concatenated shards.
 
-Checked against the unfused program (``fuse_linears=False``, the same pipeline otherwise) and
-against each rank's own sibling shards, cut by hand from the full HF tensors; greedy tokens vs
-HF with the pass on are the e2e suites' (it is on by default there).
+Checked against the unfused program (the default, the same pipeline otherwise) and against each
+rank's own sibling shards, cut by hand from the full HF tensors.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ def test_qkv_and_gate_up_fuse_with_biases_and_each_rank_holds_its_own_shards():
     rank's fused weight and bias are its q, k, v (gate, up) shards stacked, in that order."""
     model = tiny_model("qwen2", layers=2)
     program = dcpgraph.trace(model)
-    fused = compile_program(program, Mesh(2, 2))
-    plain = compile_program(program, Mesh(2, 2), fuse_linears=False)
+    fused = compile_program(program, Mesh(2, 2), fuse_linears=True)
+    plain = compile_program(program, Mesh(2, 2))
     assert _summary(fused, "fuse_linears") == "10 linears → 4 (2 groups of 2, 2 groups of 3)"
     assert _summary(plain, "fuse_linears") == "disabled"
     assert (_linears(fused), _linears(plain)) == (4 * 2 + 1, 7 * 2 + 1)
@@ -67,7 +66,7 @@ def test_qkv_and_gate_up_fuse_with_biases_and_each_rank_holds_its_own_shards():
         assert q.shape[0] == 64  # the replicated q rows come first, whole
     # the siblings' own entries left the program; the fingerprint-relevant code is deterministic
     assert not any(s.target == "model.layers.0.self_attn.q_proj.weight" for s in fused.inputs)
-    assert fused.graph_module.code == compile_program(program, Mesh(2, 2)).graph_module.code
+    assert fused.graph_module.code == compile_program(program, Mesh(2, 2), fuse_linears=True).graph_module.code
 
 
 def test_logits_equal_the_unfused_program_and_off_keeps_seven_linears():
@@ -75,8 +74,8 @@ def test_logits_equal_the_unfused_program_and_off_keeps_seven_linears():
     the same products), at tp=2 (gate/up split, q/k/v by head)."""
     model = tiny_model("qwen3", layers=2, dtype=torch.float64)
     tokens = [5, 17, 99, 3, 42, 8]
-    on = dcpgraph.compile(model, tp=2, executor="emulated", max_num_batched_tokens=1)
-    off = dcpgraph.compile(model, tp=2, executor="emulated", max_num_batched_tokens=1, fuse_linears=False)
+    on = dcpgraph.compile(model, tp=2, executor="emulated", max_num_batched_tokens=1, fuse_linears=True)
+    off = dcpgraph.compile(model, tp=2, executor="emulated", max_num_batched_tokens=1)
     assert _linears(on.program) == 4 * 2 + 1 and _linears(off.program) == 7 * 2 + 1
     a, b = teacher_forced_logits(on, tokens), teacher_forced_logits(off, tokens)
     assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
@@ -100,8 +99,8 @@ def test_checkpoint_reader_gives_each_rank_its_fused_rows(tmp_path):
     """From a checkpoint (meta state, rows read per rank) the fused entries equal the in-memory
     program's, rank by rank."""
     path = save_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
-    loaded = compile_program(load_program(path, "float32"), Mesh(2, 1))
-    memory = compile_program(dcpgraph.trace(tiny_model("qwen3")), Mesh(2, 1))
+    loaded = compile_program(load_program(path, "float32"), Mesh(2, 1), fuse_linears=True)
+    memory = compile_program(dcpgraph.trace(tiny_model("qwen3")), Mesh(2, 1), fuse_linears=True)
     assert [s.target for s in loaded.inputs] == [s.target for s in memory.inputs]
     fused = [i for i, s in enumerate(s for s in loaded.inputs if s.kind in STATE_KINDS) if s.target.startswith("cat(")]
     assert fused

@@ -174,7 +174,7 @@ def test_pass_rewrites_bf16_linears_to_the_bf16_op_only():
     bf16 = dcpgraph.compile(model.to(torch.bfloat16), backend="eager", max_num_seqs=2)
     targets = _targets(bf16)
     assert "aten.linear.default" not in targets
-    assert targets.count("dcpgraph.linear_bf16.default") == 4 * 2 + 1  # qkv, o, gate_up, down per layer + LM head
+    assert targets.count("dcpgraph.linear_bf16.default") == 7 * 2 + 1  # q,k,v,o,gate,up,down per layer + LM head
 
 
 def test_pass_keeps_torch_linears_when_the_kernel_is_off(monkeypatch):

@@ -12,7 +12,7 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
 6. ``shard_dcp``        paged reads sharded over DCP groups: local counts, LSE merge across ranks;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
 8. ``fuse_linears``     linears reading one input (q/k/v, gate/up) → one linear over their rank's
-                        weights concatenated, then slices (``fuse_linears=False`` keeps them apart);
+                        weights concatenated, then slices (with ``fuse_linears=True``; off by default);
 9. ``native_linear``    linears by bf16/fp32 CPU weights → ``linear_bf16``/``linear_f32`` (native for decode rows);
 10. ``native_rms_norm`` HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
 11. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
@@ -87,7 +87,7 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
                    windows: tuple[int, ...] | None = None, recurrent: bool = False,
                    expert_replicas: tuple[int, int] | None = None,
-                   compressed: bool = False, fuse_siblings: bool = True) -> list[ProgramPass]:
+                   compressed: bool = False, fuse_siblings: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
@@ -170,7 +170,7 @@ def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
     return_hidden: bool = False, comm_workload=None, fuse_new: bool = True, expert_parallel_experts: bool = False,
-    hybrid_kv_cache: bool = False, expert_replicas: tuple[int, int] | None = None, fuse_linears: bool = True,
+    hybrid_kv_cache: bool = False, expert_replicas: tuple[int, int] | None = None, fuse_linears: bool = False,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
     ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
@@ -178,8 +178,8 @@ def compile_program(
     ``fuse_new_tokens`` option). ``expert_parallel_experts`` and ``hybrid_kv_cache`` are
     ``compile``'s ``enable_expert_parallel`` and ``hybrid_kv_cache``; ``expert_replicas = (D, d)``
     compiles replica ``d`` of ``D`` data-parallel replicas whose routed experts are partitioned
-    over all of their ranks (:mod:`.experts_over_replicas`). ``fuse_linears=False`` keeps sibling
-    linears apart (:mod:`.fuse_linears`)."""
+    over all of their ranks (:mod:`.experts_over_replicas`). ``fuse_linears=True`` runs sibling
+    linears as one (:mod:`.fuse_linears`; off by default)."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"

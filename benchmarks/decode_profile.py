@@ -13,7 +13,14 @@ The profiler adds about a microsecond per op, which lands in the "other ops" sha
 ``--ab-rows R1 R2 ...``: instead, steps A/B over the native linear's row limit (the C++ rule and
 ``MAX_ROWS`` set before each pair of steps, the limits alternating in one process), median per limit.
 
+``--ab-fuse``: instead, two engines on the same weights, ``fuse_linears`` on (A) and off (B),
+stepped in alternation in one process: per batch the median decode step of each and B ÷ A, then
+the median of ``--prefill-rounds`` single 2,048-token prefill chunks (one request's prompt, one
+step) of each, alternating. ``--shape peer`` is ``peer_vllm.py``'s default ~125M-parameter
+checkpoint shape (12 layers, hidden 768, 12 / 4 heads of 64, MLP 2048, vocab 32,000).
+
     python benchmarks/decode_profile.py [--batches 1 4 8 16] [--threads 1] [--ab-rows 8 32]
+    python benchmarks/decode_profile.py --ab-fuse --shape peer --batches 1 4 8 16 32 --prompt 128
 """
 
 from __future__ import annotations
@@ -32,14 +39,18 @@ from dcpgraph.ops import linear_f32  # noqa: E402
 
 SHAPE = dict(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+PEER = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+            num_attention_heads=12, num_key_value_heads=4, head_dim=64)
 LINEAR_OPS = ("dcpgraph::linear_f32", "aten::mm", "aten::addmm")
+PREFILL_CHUNK = 2048
 
 
-def started_engine(program, batch: int, prompt: int, steps: int):
+def started_engine(program, batch: int, prompt: int, steps: int, **options):
     engine = dcpgraph.compile(program, backend="eager", max_num_seqs=batch, max_num_batched_tokens=prompt * batch,
-                              max_model_len=prompt + steps + 16, kv_cache_tokens=(prompt + steps + 16) * batch)
+                              max_model_len=prompt + steps + 16, kv_cache_tokens=(prompt + steps + 16) * batch,
+                              **options)
     gen = torch.Generator().manual_seed(batch)
-    for ids in torch.randint(0, SHAPE["vocab_size"], (batch, prompt), generator=gen).tolist():
+    for ids in torch.randint(0, program.facts.vocab_size, (batch, prompt), generator=gen).tolist():
         engine.add_request(ids, max_new_tokens=steps + 8)
     engine.step()  # prefill and the first token
     engine.step()
@@ -87,6 +98,47 @@ def ab_rows(program, batch: int, prompt: int, steps: int, limits: list[int]) -> 
           flush=True)
 
 
+def _median_ms(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] * 1e3
+
+
+def ab_fuse_decode(program, batch: int, prompt: int, steps: int) -> None:
+    engines = {"fused": started_engine(program, batch, prompt, 2 * steps),
+               "unfused": started_engine(program, batch, prompt, 2 * steps, fuse_linears=False)}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for i in range(steps):
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):  # alternate who goes first
+            t0 = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - t0)
+    a, b = _median_ms(times["fused"]), _median_ms(times["unfused"])
+    print(f"batch {batch}: decode step fused {a:.2f} ms, unfused {b:.2f} ms, unfused / fused {b / a:.3f}", flush=True)
+
+
+def ab_fuse_prefill(program, rounds: int) -> None:
+    chunk = PREFILL_CHUNK
+    options = dict(backend="eager", max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=chunk + 16,
+                   kv_cache_tokens=2 * (chunk + 16))
+    engines = {"fused": dcpgraph.compile(program, **options),
+               "unfused": dcpgraph.compile(program, fuse_linears=False, **options)}
+    gen = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for i in range(rounds + 1):  # the first round warms up, untimed
+        ids = torch.randint(0, program.facts.vocab_size, (chunk,), generator=gen).tolist()
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+            engine = engines[name]
+            engine.add_request(ids, max_new_tokens=1)
+            t0 = time.perf_counter()
+            engine.step()  # the whole prompt in one chunk, and its one token
+            if i:
+                times[name].append(time.perf_counter() - t0)
+            while engine.scheduler.has_work():
+                engine.step()
+    a, b = _median_ms(times["fused"]), _median_ms(times["unfused"])
+    print(f"prefill {chunk} tokens: fused {a:.1f} ms, unfused {b:.1f} ms, unfused / fused {b / a:.3f} "
+          f"(median of {rounds})", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -94,9 +146,20 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--ab-rows", type=int, nargs="+", default=None)
+    p.add_argument("--ab-fuse", action="store_true")
+    p.add_argument("--prefill-rounds", type=int, default=3)
+    p.add_argument("--shape", choices=["quick", "peer"], default="quick")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    program = dcpgraph.trace(decode_step.build_model(SHAPE, torch.float32))
+    program = dcpgraph.trace(decode_step.build_model(PEER if args.shape == "peer" else SHAPE, torch.float32))
+    if args.ab_fuse:
+        print(f"shape {args.shape}, {args.threads} thread(s), prompt {args.prompt}, {args.steps} steps each",
+              flush=True)
+        for batch in args.batches:
+            ab_fuse_decode(program, batch, args.prompt, args.steps)
+        if args.prefill_rounds:
+            ab_fuse_prefill(program, args.prefill_rounds)
+        return 0
     if args.ab_rows and not linear_f32.native_enabled():
         print(f"native fp32 linear unavailable: {linear_f32.reason()}")
         return 1

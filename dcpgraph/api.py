@@ -108,7 +108,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     ``fuse_new_tokens`` (default None: True except on the Ascend backends; True: each layer reads
     its context and this step's new tokens in one paged read bounded by position, under DCP each
     rank the new tokens it owns; False: a separate new-token attention and a two-way merge, which
-    FusedInferAttentionScore needs, see :mod:`dcpgraph.passes.fuse_new_tokens`).
+    FusedInferAttentionScore needs, see :mod:`dcpgraph.passes.fuse_new_tokens`), ``fuse_linears``
+    (default False; True: linears that read one input, such as q/k/v and gate/up, run as one
+    linear over each rank's weights concatenated, then slices, the same values up to fp rounding;
+    see :mod:`dcpgraph.passes.fuse_linears`).
 
     A compiling backend compiles every decode bucket and the mixed graph before ``compile``
     returns (:mod:`dcpgraph.runtime.capture`): no request waits for a compile. Times per graph and
@@ -209,7 +212,7 @@ def _lowered_program(program: Program, config: CompileConfiguration, comm_worklo
         plan=opts["plan"], verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], mlapo=opts["mlapo"],
         return_hidden=config.mtp_checkpoint is not None, comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"], expert_parallel_experts=opts["enable_expert_parallel"],
-        hybrid_kv_cache=opts["hybrid_kv_cache"],
+        hybrid_kv_cache=opts["hybrid_kv_cache"], fuse_linears=opts["fuse_linears"],
         expert_replicas=tuple(opts["expert_replicas"]) if opts["expert_replicas"] is not None else None,
     )
 
@@ -290,7 +293,7 @@ def _compiled_draft(config: CompileConfiguration, comm_workload):
     draft_program = compile_program(
         placed(draft_program, opts["device"]), config.mesh, block_size=opts["block_size"], interleave=opts["interleave"], comm=opts["comm"],
         verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
-        fuse_new=opts["fuse_new_tokens"],
+        fuse_new=opts["fuse_new_tokens"], fuse_linears=opts["fuse_linears"],
     )
     return draft_program, compile_backend(draft_program, opts["backend"], distributed=config.distributed)
 

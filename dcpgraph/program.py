@@ -110,6 +110,63 @@ class ReplicaExpertShard(ShardRule):
         return index * chunk, (index + 1) * chunk
 
 
+def section_ranges(rule: ShardRule, rows: int, rank: int, tp: int) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` rows of a ``rows``-row tensor that ``rule`` keeps on rank ``rank`` of
+    ``tp``, in order, for a rule that replicates or splits that tensor's dim 0 (the caller checks
+    that ``rule.dim`` is dim 0 of its tensor): a plain, head-section (``row_ranges``) or packed
+    rule; None for any other (a padded or expert rule)."""
+    if rule.dim is None or tp == 1:
+        return [(0, rows)]
+    if rule.padded is not None:
+        return None
+    if hasattr(rule, "row_ranges"):
+        return list(rule.row_ranges(rank, tp))
+    packed = getattr(rule, "packed", None)
+    if packed:
+        half = rows // packed
+        chunk = half // tp
+        return [(h * half + rank * chunk, h * half + (rank + 1) * chunk) for h in range(packed)]
+    if type(rule) is not ShardRule:
+        return None
+    parts = rule.parts or tp
+    chunk, index = rows // parts, rank // (tp // parts)
+    return [(index * chunk, (index + 1) * chunk)]
+
+
+@dataclass(frozen=True)
+class RowSections(ShardRule):
+    """Dim 0 of a tensor stacked from sections (``sections``: each one's rows and own rule, which
+    splits or replicates its dim 0): rank ``r`` keeps, section after section, the rows that
+    section's rule gives it, so its piece is the concatenation of the sections' own local pieces
+    (:func:`section_ranges`)."""
+
+    dim: int | None = 0
+    sections: tuple[tuple[int, ShardRule], ...] = ()
+
+    def row_ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` rows of the full tensor that rank ``rank`` keeps, in order."""
+        out, offset = [], 0
+        for rows, rule in self.sections:
+            ranges = section_ranges(rule, rows, rank, tp)
+            if ranges is None:
+                raise ValueError(f"{rule} does not split dim 0 by rows")
+            out.extend((offset + a, offset + b) for a, b in ranges)
+            offset += rows
+        return out
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        if tp == 1:
+            return full
+        if full.shape[0] != sum(rows for rows, _ in self.sections):
+            raise ValueError(f"dim 0 of {tuple(full.shape)} is not the sections' {[r for r, _ in self.sections]}")
+        return torch.cat([full[a:b] for a, b in self.row_ranges(rank, tp)], 0).contiguous()
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        if tp == 1:
+            return tuple(shape)
+        return (sum(b - a for a, b in self.row_ranges(0, tp)), *shape[1:])
+
+
 @dataclass(frozen=True)
 class Lowering:
     """What the passes decided about a program, for later passes and the runtime to read: each
@@ -147,7 +204,9 @@ class StateSource:
     ``inputs`` (state keys), with ``args``. Entries without one are the model's own tensors.
 
     Ops: ``"mla_absorbed_uk"`` / ``"mla_absorbed_uv_t"`` with ``args = (nope, v_head_dim,
-    kv_lora_rank)``: :func:`dcpgraph.passes.absorb_mla.absorbed` of the up-projection weight.
+    kv_lora_rank)``: :func:`dcpgraph.passes.absorb_mla.absorbed` of the up-projection weight;
+    ``"concat_rows"``: ``torch.cat`` of the inputs along dim 0 (sibling linears' weights or biases
+    fused by :mod:`dcpgraph.passes.fuse_linears`).
     """
 
     op: str

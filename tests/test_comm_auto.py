@@ -66,7 +66,7 @@ def test_auto_picks_ag_on_a_gloo_mesh_generates_hf_tokens_and_says_why(llama, tr
     # projections whole on both ranks (dcp == tp).
     assert _dcp_collectives(program, ALL_GATHER.op) == layers
     assert _dcp_collectives(program, ALL_TO_ALL.op) == 0
-    rules = {s.target: s.shard for s in program.inputs}
+    rules = {s.target: s.shard for s in program.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
     assert rules["model.layers.0.self_attn.q_proj.weight"] == REPLICATE
     got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
     assert got == [hf_greedy(llama, p, MAX_NEW) for p in PROMPTS]

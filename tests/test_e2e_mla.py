@@ -460,7 +460,8 @@ def test_routed_experts_are_tensor_parallel_and_routing_agrees_on_every_rank(zoo
     # the router replicated on every TP rank of every engine
     for case in [c for c in CASES if c[0] == name and c[1] > 1]:
         program = zoo.engine(*case).program
-        rules = {s.target: s.shard.dim for s in program.inputs if s.kind in STATE_KINDS}
+        # the rules shard_tp gave (fuse_linears later stacks sibling projections into one entry)
+        rules = {s.target: s.shard.dim for s in program.stage("shard_tp").inputs if s.kind in STATE_KINDS}
         for layer in MOE_LAYERS:
             mlp = f"model.layers.{layer}.mlp"
             assert rules[f"{mlp}.experts.gate_up_proj"] == -2 and rules[f"{mlp}.experts.down_proj"] == -1

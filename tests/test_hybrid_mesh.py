@@ -86,7 +86,7 @@ def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_leng
     if isinstance(shape, GatedDeltaNetShape):
         want["recurrent_state"] = local.recurrent_state_shape(1)[1:]
     assert {(p.role, p.shape) for p in compiled.recurrent_states} == set(want.items())
-    rules = {s.target: s.shard for s in compiled.inputs}
+    rules = {s.target: s.shard for s in compiled.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
     conv, sections = (("conv", None) if arch == "lfm2" else ("conv1d", (32, 32, 64)))
     module = "conv" if arch == "lfm2" else "linear_attn"
     if arch == "qwen3_5":  # the split layout's fused [q | k | v] projection, by section

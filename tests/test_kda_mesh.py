@@ -71,7 +71,7 @@ def test_kda_hybrid_at_tp2_dcp2_gives_hf_tokens_with_heads_and_state_split(trace
     assert {(p.name, p.shape) for p in compiled.recurrent_states} == {
         *((f"conv_state_{i}", local.conv_state_shape(1)[1:]) for i in KDA_LAYERS),
         *((f"recurrent_state_{i}", local.recurrent_state_shape(1)[1:]) for i in KDA_LAYERS)}
-    rules = {s.target: s.shard for s in compiled.inputs}
+    rules = {s.target: s.shard for s in compiled.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
     prefix = "model.layers.0.self_attn."
     assert rules[prefix + "conv1d.weight"] == SectionShardRule(0, sections=(32, 32, 32))
     assert rules[prefix + "o_proj.weight"] == ShardRule(1) and rules[prefix + "q_proj.weight"] == ShardRule(0)

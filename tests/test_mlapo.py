@@ -263,9 +263,10 @@ def test_fp8_cache_and_escaping_intermediates_are_refused(programs):
                            kv_cache_dtype="fp8_e4m3").program
     assert _count(fp8, FUSED) == 0
     assert "layer 0 (latent_cache_0): an fp8 latent cache (mla_preprocess writes unquantised rows)" in _summary(fp8)
-    # an intermediate read elsewhere (here: the compressed-KV norm made a graph output) is refused
+    # an intermediate read elsewhere (here: the compressed-KV norm made a graph output) is refused;
+    # fuse_linears off, so q_a/kv_a stay the separate linears fuse_mla_preprocess sees in the pipeline
     off = dcpgraph.compile(programs["deepseek_v3"], tp=2, dcp=2, block_size=BLOCK_SIZE, num_blocks=8,
-                           mlapo=False).program
+                           mlapo=False, fuse_linears=False).program
     gm = off.copy_graph()
     graph = gm.graph
     weight = next(n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("layers_1_self_attn_kv_a_layernorm_weight"))

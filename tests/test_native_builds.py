@@ -14,12 +14,13 @@ import shutil
 import pytest
 import torch
 
-from dcpgraph.ops import linear, native, rms_norm, rotary
+from dcpgraph.ops import linear, native, rms_norm, rms_norm_f32, rotary
 
 EXTENSIONS = {
     "paged_decode": native.EXTENSION,
     "linear_bf16": linear.EXTENSION,
     "rms_norm_bf16": rms_norm.EXTENSION,
+    "rms_norm_f32": rms_norm_f32.EXTENSION,
     "rotary": rotary.EXTENSION,
 }
 

@@ -62,7 +62,7 @@ def test_olmo_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     assert [got[i] for i in range(len(PROMPTS))] == want
     if blocks:
         assert engine.scheduler.stats["preemptions"] >= 1
-    rules = {s.target: s.shard for s in engine.program.inputs}
+    rules = {s.target: s.shard for s in engine.program.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
     prefix = "model.layers.0.linear_attn."
     assert all(rules[f"{prefix}{name}_proj.weight"] == ShardRule(0) for name in "qkvgba")
     assert rules[prefix + "conv1d.weight"] == SectionShardRule(0, sections=(32, 32, 64))

@@ -46,12 +46,13 @@ def _count(engine, target):
     return sum(1 for n in engine.program.graph_module.graph.nodes if n.op == "call_function" and str(n.target) == target)
 
 
-def test_pass_fuses_every_bf16_norm_and_leaves_fp32_programs_alone():
+def test_pass_fuses_every_bf16_norm_to_the_bf16_op_only():
     _need_native()
     model = tiny_model("qwen3", layers=2)
-    fp32 = dcpgraph.compile(model, backend="eager", max_num_seqs=1)
+    fp32 = dcpgraph.compile(model, backend="eager", max_num_seqs=1)  # fp32 norms: rms_norm_f32's
     assert _count(fp32, "dcpgraph.rms_norm_bf16.default") == 0
-    assert _count(fp32, "aten.rsqrt.default") == 9
+    fp64 = dcpgraph.compile(tiny_model("qwen3", layers=2, dtype=torch.float64), backend="eager", max_num_seqs=1)
+    assert _count(fp64, "aten.rsqrt.default") == 9
     bf16 = dcpgraph.compile(model.to(torch.bfloat16), backend="eager", max_num_seqs=1)
     # input, post-attention, q and k norms per layer, and the final norm
     assert _count(bf16, "dcpgraph.rms_norm_bf16.default") == 4 * 2 + 1

@@ -58,6 +58,7 @@ def test_ag_generates_hf_tokens_with_one_gather_per_layer(model):
     # The attention's output all-reduce is gone: a2a reduces attention and MLP per layer.
     ag_reduces = _collectives(program, ALL_REDUCE.op).get("tp", 0)
     assert _collectives(a2a.program, ALL_REDUCE.op).get("tp", 0) - ag_reduces == layers
+    program = program.stage("fuse_mla_preprocess")  # before fuse_linears stacks q/k/v
     rules = {s.target: s.shard for s in program.inputs}
     for layer in range(layers):
         prefix = f"model.layers.{layer}.self_attn."
@@ -97,6 +98,7 @@ def test_ag_inside_a_larger_tp_group_keeps_o_proj_sharded(name):
     a2a = dcpgraph.compile(m, tp=4, dcp=2, comm="a2a", interleave=2, block_size=BLOCK_SIZE).program
     assert _collectives(program, ALL_REDUCE.op) == _collectives(a2a, ALL_REDUCE.op)  # o_proj's stays
     assert _collectives(a2a, ALL_GATHER.op).get("dcp") == layers  # a2a's is the query gather
+    program = program.stage("fuse_mla_preprocess")  # before fuse_linears stacks q/k/v
     rules = {s.target: s.shard for s in program.inputs}
     assert rules["model.layers.0.self_attn.q_proj.weight"] == ShardRule(0, 2)
     assert rules["model.layers.0.self_attn.o_proj.weight"] == ShardRule(1)
@@ -110,7 +112,8 @@ def test_ag_refuses_an_output_projection_without_its_own_all_reduce():
     from dcpgraph.errors import UnsupportedModelError
     from dcpgraph.passes.shard_dcp_replicated import replicate_projections
 
-    program = dcpgraph.compile(build_model("llama"), tp=2, dcp=1, block_size=BLOCK_SIZE).program
+    # fuse_linears off: shard_dcp (which calls this) sees q/k/v as separate linears
+    program = dcpgraph.compile(build_model("llama"), tp=2, dcp=1, block_size=BLOCK_SIZE, fuse_linears=False).program
     specs = {s.name: s for s in program.inputs}
     # A tp=2 graph's layer: column-parallel q_proj, row-parallel o_proj feeding its all-reduce, so
     # the first call lowers it; the second finds the all-reduce gone and refuses by name.

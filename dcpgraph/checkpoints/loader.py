@@ -173,8 +173,10 @@ def state_source(program: Program, target: str, sources: dict[str, object]):
     if derived.op in ("mla_absorbed_uk", "mla_absorbed_uv_t"):
         (up,) = derived.inputs
         return AbsorbedMLA(state_source(program, up, sources), derived.op, *derived.args)
+    if derived.op == "concat_rows":
+        return Concatenated(tuple(state_source(program, t, sources) for t in derived.inputs), 0)
     raise ConfigError(f"state entry {target!r} is derived by {derived.op!r}, which the loader cannot read; "
-                      "known: mla_absorbed_uk, mla_absorbed_uv_t")
+                      "known: mla_absorbed_uk, mla_absorbed_uv_t, concat_rows")
 
 
 class ShardedReader:

@@ -24,6 +24,7 @@ slots,scales)``                        per (token, head, 128 elements) written t
                                        natively (:mod:`dcpgraph.ops.linear`)
 ``linear_f32(input,weight,bias?)``      the same for fp32 (:mod:`dcpgraph.ops.linear_f32`)
 ``rms_norm_bf16(x, weight, eps)``      HF's RMSNorm of a bf16 tensor, one op (:mod:`dcpgraph.ops.rms_norm`)
+``rms_norm_f32(x, weight, eps)``       the same for fp32 (:mod:`dcpgraph.ops.rms_norm_f32`)
 ``rotary_embedding(x, cos, sin)``      HF's ``x·cos + rotate_half(x)·sin``, one op (:mod:`dcpgraph.ops.rotary`)
 ``mla_preprocess(x, weights…, w_uk,    MLA's query/KV projections, norms, rotary and latent cache
 rotary, rotary_sin, cache, slots,      write in one op → ``(q_lat, kv, q_c)``
@@ -51,6 +52,7 @@ from . import (
     paged,
     quant,
     rms_norm,
+    rms_norm_f32,
     rotary,
 )
 from .kernels import acc_dtype
@@ -92,6 +94,7 @@ _SCHEMAS = {
     "linear_bf16": "linear_bf16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     "linear_f32": "linear_f32(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
     "rms_norm_bf16": "rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor",
+    "rms_norm_f32": "rms_norm_f32(Tensor x, Tensor weight, float eps) -> Tensor",
     "rotary_embedding": "rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor",
 }
 for _schema in _SCHEMAS.values():
@@ -207,6 +210,7 @@ _register("mla_preprocess", mla_preprocess.mla_preprocess_reference, mla_preproc
 _register("linear_bf16", linear.linear_bf16, linear.linear_bf16_fake)
 _register("linear_f32", linear_f32.linear_f32, linear_f32.linear_f32_fake)
 _register("rms_norm_bf16", rms_norm.rms_norm_reference, rms_norm.rms_norm_fake)
+_register("rms_norm_f32", rms_norm_f32.rms_norm_f32_reference, rms_norm_f32.rms_norm_f32_fake)
 _register("rotary_embedding", rotary.rotary_reference, rotary.rotary_fake)
 
 ops = torch.ops.dcpgraph
@@ -221,5 +225,6 @@ mla_preprocess_op = ops.mla_preprocess
 linear_bf16 = ops.linear_bf16
 linear_f32_op = ops.linear_f32
 rms_norm_bf16 = ops.rms_norm_bf16
+rms_norm_f32_op = ops.rms_norm_f32
 rotary_embedding = ops.rotary_embedding
 from . import sparse  # noqa: E402,F401  (registers the sparse-attention ops beside these)

@@ -1,15 +1,19 @@
-"""``native_rms_norm``: HF's RMSNorm of bf16 activations → one ``dcpgraph.rms_norm_bf16`` op.
+"""``native_rms_norm``: HF's RMSNorm of bf16 or fp32 activations → one ``dcpgraph`` op.
 
-The traced chain, every intermediate used only inside it::
+The traced chain, every intermediate used only inside it (in fp32 the upcast, which returns ``x``
+itself, may have other readers: it then stays for them)::
 
     h = to(x, float32); m = mean(pow(h, 2), [-1], keepdim=True); r = rsqrt(add(m, eps))
-    y = mul(weight, to(mul(h, r), bfloat16))        (or mul(to(...), weight))
+    y = mul(weight, to(mul(h, r), x.dtype))        (or mul(to(...), weight))
 
-with ``x`` bf16, ``eps`` a number and ``weight`` a 1-D bf16 program parameter of ``x.shape[-1]``
-elements, becomes ``y = rms_norm_bf16(x, weight, eps)``: the same two roundings in one pass over
-each row (:mod:`dcpgraph.ops.rms_norm`). It applies only where that kernel is built and past its
-self-check in this process; fp32/fp64 programs never match (``x`` must be bf16), so their tokens
-are unchanged. It runs after ``fuse_mla_preprocess``, whose patterns contain this chain.
+with ``x`` bf16 or fp32 on the CPU, ``eps`` a number and ``weight`` a 1-D program parameter of
+``x``'s dtype and ``x.shape[-1]`` elements, becomes ``y = rms_norm_bf16(x, weight, eps)``
+(:mod:`dcpgraph.ops.rms_norm`: the same two roundings in one pass over each row) or
+``rms_norm_f32(x, weight, eps)`` (:mod:`dcpgraph.ops.rms_norm_f32`; in fp32 both casts return
+their input). Both kernels take the mean from ATen's own reduction and repeat the rest's IEEE
+operations, so the values are eager torch's. Each dtype's rewrite applies only where its kernel is
+built and past its self-check in this process; fp64 programs never match. It runs after
+``fuse_mla_preprocess``, whose patterns contain this chain.
 """
 
 from __future__ import annotations
@@ -18,11 +22,18 @@ import torch
 import torch.fx
 
 from ..ops import rms_norm as rms_norm_ops
+from ..ops import rms_norm_f32 as rms_norm_f32_ops
 from ..program import STATE_KINDS, Program
 from .graph_edit import replace_chains
 from .manager import program_pass, ran
 
 aten = torch.ops.aten
+
+# activation dtype → (the op, its module: native_enabled() and reason(), its name in summaries)
+_NATIVE = {
+    torch.bfloat16: (torch.ops.dcpgraph.rms_norm_bf16.default, rms_norm_ops, "bf16"),
+    torch.float32: (torch.ops.dcpgraph.rms_norm_f32.default, rms_norm_f32_ops, "fp32"),
+}
 
 
 def _call(node, target) -> bool:
@@ -46,7 +57,7 @@ def match_rms_norm(out: torch.fx.Node, state_names: set[str]):
     for weight, down in (out.args, out.args[::-1]):
         if not (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and weight.name in state_names):
             continue
-        if not (_call(down, aten.to.dtype) and down.args[1] == torch.bfloat16 and _only_user(down, out)
+        if not (_call(down, aten.to.dtype) and down.args[1] in _NATIVE and _only_user(down, out)
                 and not down.kwargs):
             continue
         scaled = down.args[0]
@@ -67,17 +78,22 @@ def match_rms_norm(out: torch.fx.Node, state_names: set[str]):
             continue
         up = square.args[0]
         if not (up is h and _call(up, aten.to.dtype) and up.args[1] == torch.float32 and not up.kwargs
-                and set(up.users) == {square, scaled}):
+                and {square, scaled} <= set(up.users)):
             continue
         x = up.args[0]
+        # an fp32 upcast of fp32 returns x itself, so other readers of it (HF's residual) may stay
+        shared_up = set(up.users) != {square, scaled}
+        if shared_up and _dtype(x) != torch.float32:
+            continue
         w_val = weight.meta.get("val")
         x_val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         if not (isinstance(w_val, torch.Tensor) and isinstance(x_val, torch.Tensor)):
             continue
-        if not (x_val.dtype == w_val.dtype == torch.bfloat16 and w_val.dim() == 1
+        if not (x_val.dtype == w_val.dtype == down.args[1] and w_val.dim() == 1
                 and x_val.device.type == w_val.device.type == "cpu" and w_val.shape[0] == x_val.shape[-1]):
             continue
-        return x, weight, float(add.args[1]), [up, square, mean, add, rsqrt, scaled, down, out]
+        chain = [square, mean, add, rsqrt, scaled, down, out]
+        return x, weight, float(add.args[1]), chain if shared_up else [up, *chain]
     return None
 
 
@@ -89,17 +105,34 @@ def native_rms_norm(program: Program, enabled: bool = True):
     if not enabled:
         return program, "disabled"
     state_names = {s.name for s in program.inputs if s.kind in STATE_KINDS}
-    found = [n for n in program.graph_module.graph.nodes if match_rms_norm(n, state_names)]
-    if not found:
-        return program, "no bf16 RMSNorm chain"
-    if not rms_norm_ops.native_enabled():
-        return program, f"{len(found)} bf16 RMSNorms kept as torch ops: {rms_norm_ops.reason()}"
-    gm = program.copy_graph()
 
-    def chain(node):
+    def dtype_of(node) -> torch.dtype | None:
         found = match_rms_norm(node, state_names)
-        return None if found is None else (found[:3], found[3])
+        return None if found is None else _dtype(found[0])
 
-    count = replace_chains(gm.graph, chain, torch.ops.dcpgraph.rms_norm_bf16.default)
+    found: dict[torch.dtype, int] = {}
+    for node in program.graph_module.graph.nodes:
+        dtype = dtype_of(node)
+        if dtype is not None:
+            found[dtype] = found.get(dtype, 0) + 1
+    if not found:
+        return program, "no bf16 or fp32 RMSNorm chain"
+    usable = {d for d in found if _NATIVE[d][1].native_enabled()}
+    kept = [f"{found[d]} {_NATIVE[d][2]} RMSNorms kept as torch ops: {_NATIVE[d][1].reason()}"
+            for d in found if d not in usable]
+    if not usable:
+        return program, "; ".join(kept)
+    gm = program.copy_graph()
+    done = []
+    for dtype in _NATIVE:  # one dtype's chains at a time, in graph order
+        if dtype not in usable:
+            continue
+
+        def chain(node, dtype=dtype):
+            found = match_rms_norm(node, state_names)
+            return None if found is None or _dtype(found[0]) != dtype else (found[:3], found[3])
+
+        count = replace_chains(gm.graph, chain, _NATIVE[dtype][0])
+        done.append(f"{count} {_NATIVE[dtype][2]} RMSNorms → dcpgraph.{_NATIVE[dtype][0].name().split('::')[1]}")
     gm.recompile()
-    return program.replace(graph_module=gm), f"{count} bf16 RMSNorms → dcpgraph.rms_norm_bf16"
+    return program.replace(graph_module=gm), "; ".join(done + kept)

@@ -11,9 +11,11 @@ Then, in this order (:data:`PIPELINE`; each pass's ``requires=`` says why it sit
                         Ascend backends, whose attention takes no causal bound in the cache);
 6. ``shard_dcp``        paged reads sharded over DCP groups: local counts, LSE merge across ranks;
 7. ``fuse_mla_preprocess`` MLA only, ``mlapo=True``: each layer's preprocess → ``mla_preprocess``;
-8. ``native_linear``    linears by bf16/fp32 CPU weights → ``linear_bf16``/``linear_f32`` (native for decode rows);
-9. ``native_rms_norm``  HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
-10. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
+8. ``fuse_linears``     linears reading one input (q/k/v, gate/up) → one linear over their rank's
+                        weights concatenated, then slices (with ``fuse_linears=True``; off by default);
+9. ``native_linear``    linears by bf16/fp32 CPU weights → ``linear_bf16``/``linear_f32`` (native for decode rows);
+10. ``native_rms_norm`` HF's RMSNorm chains on bf16 CPU activations → ``rms_norm_bf16``;
+11. ``native_rotary``   HF's rotary chains on CPU queries/keys (bf16, fp16, fp32) → ``rotary_embedding``.
 
 The configuration adds passes where it asks for them (:func:`default_passes`):
 
@@ -49,6 +51,7 @@ from ..program import Program
 from .absorb_mla import absorb_mla
 from .expert_parallel import expert_parallel
 from .experts_over_replicas import experts_over_replicas
+from .fuse_linears import fuse_linears
 from .fuse_mla_preprocess import fuse_mla_preprocess
 from .fuse_new_tokens import fuse_new_tokens
 from .insert_compressed_cache import insert_compressed_cache
@@ -74,6 +77,7 @@ PIPELINE: tuple[ProgramPass, ...] = (
     fuse_new_tokens,
     shard_dcp,
     fuse_mla_preprocess,
+    fuse_linears,
     native_linear,
     native_rms_norm,
     native_rotary,
@@ -85,7 +89,8 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
                    fuse_new: bool = True, expert_parallel_experts: bool = False,
                    windows: tuple[int, ...] | None = None, recurrent: bool = False,
                    expert_replicas: tuple[int, int] | None = None,
-                   compressed: bool = False, sparse: bool = False) -> list[ProgramPass]:
+                   compressed: bool = False, sparse: bool = False,
+                   fuse_siblings: bool = False) -> list[ProgramPass]:
     """:data:`PIPELINE` with the configuration's options bound to the passes that take them
     (``comm_workload``: what ``comm="auto"`` prices for, see :mod:`.shard_dcp_auto`), and the
     passes the configuration adds: ``expert_parallel`` with ``expert_parallel_experts``,
@@ -97,13 +102,15 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     ``compressed`` (DeepSeek-V4's CSA/HCA layers) ``insert_compressed_cache`` right after
     ``insert_kv_cache``. With ``pcp > 1`` ``split_pcp_prefill`` runs before ``insert_kv_cache``,
     with ``split_pcp_attention`` after ``fuse_new_tokens`` where the queries stay local (``dcp = 1``,
-    the fused read, no ``sparse`` attention: its indexer and selection read the whole step)."""
+    the fused read, no ``sparse`` attention: its indexer and selection read the whole step).
+    ``fuse_siblings`` is ``fuse_linears``'s ``enabled``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
         shard_tp.name: {"mesh": mesh, "plan": plan},
         shard_dcp.name: {"comm": comm, "workload": comm_workload},
         fuse_new_tokens.name: {"enabled": fuse_new},
         fuse_mla_preprocess.name: {"enabled": mlapo},
+        fuse_linears.name: {"enabled": fuse_siblings},
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if mesh.pcp > 1:
@@ -169,7 +176,7 @@ def compile_program(
     program: Program, mesh: Mesh, *, block_size: int = 16, interleave: int = 1,
     comm: str = "auto", plan=None, verify: bool = True, kv_cache_dtype: str = "auto", mlapo: bool = True,
     return_hidden: bool = False, comm_workload=None, fuse_new: bool = True, expert_parallel_experts: bool = False,
-    hybrid_kv_cache: bool = False, expert_replicas: tuple[int, int] | None = None,
+    hybrid_kv_cache: bool = False, expert_replicas: tuple[int, int] | None = None, fuse_linears: bool = False,
 ) -> Program:
     """Run the default pipeline on a traced ``program`` (from :func:`dcpgraph.trace`).
     ``fuse_new=False`` keeps the context/new split, for backends whose paged attention takes no
@@ -177,7 +184,8 @@ def compile_program(
     ``fuse_new_tokens`` option). ``expert_parallel_experts`` and ``hybrid_kv_cache`` are
     ``compile``'s ``enable_expert_parallel`` and ``hybrid_kv_cache``; ``expert_replicas = (D, d)``
     compiles replica ``d`` of ``D`` data-parallel replicas whose routed experts are partitioned
-    over all of their ranks (:mod:`.experts_over_replicas`)."""
+    over all of their ranks (:mod:`.experts_over_replicas`). ``fuse_linears=True`` runs sibling
+    linears as one (:mod:`.fuse_linears`; off by default)."""
     if not isinstance(program, Program):
         raise TypeError(
             f"compile_program takes a Program from dcpgraph.trace(model), not {type(program).__name__}"
@@ -194,5 +202,6 @@ def compile_program(
                             expert_replicas=expert_replicas,
                             compressed=bool(program.facts.extra.get("compressed_layers")),
                             sparse=any(n.target is torch.ops.dcpgraph.sparse_attention.default
-                                       for n in program.graph_module.graph.nodes))
+                                       for n in program.graph_module.graph.nodes),
+                            fuse_siblings=fuse_linears)
     return run_passes(program, passes, verify=verify)

@@ -18,6 +18,13 @@ def kv_bytes_per_block(program: Program) -> int:
     return bytes_per_block(cache_shapes(program.caches), int(program.lowering.block_size))
 
 
+def scratch_blocks(program: Program) -> int:
+    """Blocks a rank's caches hold beyond the ones requests get: 1 for a program with compressed
+    (DeepSeek-V4) layers, whose ops write padding rows into block 0, never handed out
+    (:mod:`dcpgraph.runtime.blocks`); 0 otherwise."""
+    return 1 if program.facts.extra.get("compressed_layers") else 0
+
+
 def kv_bytes_per_block_by_layer(program: Program) -> dict[int, int]:
     """Layer -> bytes of one physical block of that layer's caches on one rank (fp8 scales
     included); the values sum to :func:`kv_bytes_per_block`. Layers of different shapes (head dim,
@@ -69,7 +76,8 @@ def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None
     """Cache size in blocks from whichever budget the user gave (default: every sequence slot
     at ``max_model_len``). For a ``hybrid_kv_cache`` program these are the full group's blocks;
     a byte budget is split with the sliding pool (``decode_tokens``: 1 + draft tokens,
-    ``step_tokens``: one step's token budget; see :func:`split_byte_budget`)."""
+    ``step_tokens``: one step's token budget; see :func:`split_byte_budget`). A byte budget pays
+    for :func:`scratch_blocks` too; the count returned is the blocks requests get."""
     per_block = kv_bytes_per_block(program)
     tokens_per_block = int(program.lowering.block_size) * program.mesh.dcp
     given = [x is not None for x in (num_blocks, kv_cache_tokens, kv_cache_bytes_per_rank)]
@@ -82,7 +90,7 @@ def blocks_for_budget(program: Program, *, num_blocks=None, kv_cache_tokens=None
         return split_byte_budget(int(kv_cache_bytes_per_rank), full_bpb, sliding_bpb, int(program.lowering.sliding_window),
                                  decode_tokens=decode_tokens, step_tokens=step_tokens,
                                  tokens_per_block=tokens_per_block, max_num_seqs=max_num_seqs)
-    if kv_cache_bytes_per_rank is not None:
-        return max(1, int(kv_cache_bytes_per_rank) // per_block)
+    if kv_cache_bytes_per_rank is not None:  # the scratch block is paid from the same bytes
+        return max(1, int(kv_cache_bytes_per_rank) // per_block - scratch_blocks(program))
     tokens = kv_cache_tokens if kv_cache_tokens is not None else max_model_len * max_num_seqs
     return max(1, math.ceil(tokens / tokens_per_block))

@@ -57,3 +57,19 @@ def test_ngram_speculation_on_v4_gives_hf_greedy_tokens(traced_four_groups, mesh
     assert 0 < stats["accepted"] < stats["drafted"], stats  # drafts both kept and rejected
     assert stats["state_replays"]["rows"] > 0  # the open windows were rolled back
     assert any(name.startswith("verify[") for name in engine.report()["graph_steps"])  # padded verify steps
+
+
+@pytest.mark.slow  # the shared V4 export (~25 s once per process, reused); the compile takes a few seconds
+def test_the_scratch_block_is_counted_in_memory_and_paid_from_a_byte_budget(traced_four_groups):
+    """A byte budget of ``k`` blocks gives requests ``k − 1`` (the scratch block is paid from the
+    same bytes), and ``memory_report`` counts the bytes the caches hold, the scratch block included."""
+    from dcpgraph.kv_budget import kv_bytes_per_block
+
+    _, program = traced_four_groups
+    sized = dcpgraph.compile(program, block_size=4, num_blocks=2)
+    per_block = kv_bytes_per_block(sized.program)
+    engine = dcpgraph.compile(program, block_size=4, kv_cache_bytes_per_rank=5 * per_block)
+    report = engine.memory_report()
+    assert report["num_blocks"] == 4 and report["scratch_blocks"] == 1
+    assert report["kv_bytes_per_rank"] == [5 * per_block]
+    assert report["kv_capacity_tokens"] == 4 * 4

@@ -14,7 +14,7 @@ def memory_report(engine) -> dict:
     """What the engine holds per rank: KV bytes and capacity (per layer group with the hybrid
     cache), weights, the KV sizing, recurrent-state pools and a draft model's cache and weights."""
     per_block = kv_bytes_per_block(engine.program)
-    per_rank = per_block * engine.blocks.num_blocks
+    per_rank = per_block * engine.blocks.cache_blocks  # what the caches hold, the scratch block included
     capacity = engine.blocks.capacity_tokens
     groups = {}
     if isinstance(engine.blocks, HybridBlockManager):  # hybrid_kv_cache: sliding layers hold their window
@@ -27,6 +27,7 @@ def memory_report(engine) -> dict:
         "kv_capacity_tokens": capacity,
         "kv_bytes_per_block_by_layer": kv_bytes_per_block_by_layer(engine.program),
         "num_blocks": engine.blocks.num_blocks,
+        "scratch_blocks": engine.blocks.cache_blocks - engine.blocks.num_blocks,
         "block_size": engine.block_size,
         "virtual_block_tokens": engine.block_size * engine.mesh.dcp,
         "tp": engine.mesh.tp,

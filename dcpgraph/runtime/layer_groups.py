@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from ..errors import ConfigError
 from ..kv_budget import (  # noqa: F401  (re-exported: the engine sizes pools with them)
     group_bytes_per_block,
+    scratch_blocks,
     sliding_pool_blocks,
     split_byte_budget,
     window_blocks,
@@ -165,7 +166,7 @@ def make_block_manager(program, num_blocks: int, *, enable_prefix_caching: bool,
     and ``{"full": …, "sliding": pool}``. A program with compressed layers (V4) gets the scratch
     block 0 (:class:`BlockManager`), so its caches hold ``num_blocks + 1`` blocks."""
     tokens_per_block = int(program.lowering.block_size) * program.mesh.dcp
-    scratch = bool(program.facts.extra.get("compressed_layers"))  # V4: padding rows write into block 0
+    scratch = bool(scratch_blocks(program))  # V4: padding rows write into block 0
     if not program.lowering.sliding_caches:
         blocks = BlockManager(num_blocks, tokens_per_block, enable_prefix_caching, scratch_block=scratch)
         return blocks, blocks.cache_blocks

@@ -1,8 +1,8 @@
-"""``linear_bf16`` and ``linear_f32`` → aten ``linear``; ``rms_norm_bf16`` and ``rotary_embedding`` → their aten chains.
+"""``linear_bf16`` and ``linear_f32`` → aten ``linear``; ``rms_norm_bf16``, ``rms_norm_f32`` and ``rotary_embedding`` → their aten chains.
 
 These ops mean exactly what torch's ops mean (:mod:`dcpgraph.ops.linear`, :mod:`dcpgraph.ops.rms_norm`,
 :mod:`dcpgraph.ops.rotary`); the passes that emit them (``native_linear``, ``native_rms_norm``,
-``native_rotary``) only fire for CPU tensors (bf16; linear and rotary also fp32, rotary fp16), which an Ascend
+``native_rotary``) only fire for CPU tensors (bf16; linear, RMSNorm and rotary also fp32, rotary fp16), which an Ascend
 program meets when it is traced on the CPU before its weights move. On Ascend they become the
 aten ops GE converts (``MatMulV2``/``BiasAdd``, the RMSNorm and rotary chains), so a program that
 went through those passes lowers exactly as one that did not.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.rms_norm import rms_norm_reference
+from ...ops.rms_norm_f32 import rms_norm_f32_reference
 from ...ops.rotary import rotary_reference
 from .rules import register
 
@@ -32,6 +33,11 @@ def linear_f32_as_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @register(dcp_ops.rms_norm_bf16.default, "rms_norm_bf16->aten")
 def rms_norm_bf16_as_aten(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
+
+
+@register(dcp_ops.rms_norm_f32.default, "rms_norm_f32->aten")
+def rms_norm_f32_as_aten(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_f32_reference(x, weight, eps)
 
 
 @register(dcp_ops.rotary_embedding.default, "rotary_embedding->aten")

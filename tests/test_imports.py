@@ -30,7 +30,7 @@ PACKAGE_DIR = Path(dcpgraph.__file__).parent
 # layer). Top-level modules count as packages; "dcpgraph" is the root __init__.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "models"),
-    ("mesh", "layout", "capacity", "recurrent_state", "devices"),
+    ("mesh", "layout", "capacity", "recurrent_state", "devices", "shard_rules"),
     ("program", "ops", "collectives"),
     ("pcp",),  # prefill context parallel: the split, its attention and the eager PCP path
     ("kv_budget",),

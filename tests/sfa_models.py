@@ -58,3 +58,24 @@ def build(name: str = "deepseek_v32", *, seed: int = 1, **config_overrides) -> t
             if bname.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
     return model
+
+
+class TracedWithReferences:
+    """``name``'s tiny model (:func:`build`), its trace, and HF's greedy continuation of
+    ``max_new`` tokens per prompt, computed once per prompt."""
+
+    def __init__(self, max_new: int, name: str = "deepseek_v32"):
+        import dcpgraph
+
+        self.max_new = max_new
+        self.model = build(name)
+        self.program = dcpgraph.trace(self.model)
+        self._refs: dict[tuple[int, ...], list[int]] = {}
+
+    def ref(self, prompt) -> list[int]:
+        from dcpgraph.testing.generation import hf_greedy
+
+        key = tuple(prompt)
+        if key not in self._refs:
+            self._refs[key] = hf_greedy(self.model, prompt, self.max_new)
+        return self._refs[key]

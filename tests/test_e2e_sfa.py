@@ -48,17 +48,9 @@ CASES = _cases()
 FAST = {(2, 2, 1, "a2a")}
 
 
-class Setup:
+class Setup(sfa_models.TracedWithReferences):
     def __init__(self):
-        self.model = sfa_models.build("deepseek_v32")
-        self.program = dcpgraph.trace(self.model)
-        self._refs: dict = {}
-
-    def ref(self, prompt) -> list[int]:
-        key = tuple(prompt)
-        if key not in self._refs:
-            self._refs[key] = hf_greedy(self.model, prompt, MAX_NEW)
-        return self._refs[key]
+        super().__init__(MAX_NEW)
 
     def engine(self, tp, dcp, interleave=1, comm="auto", **kw):
         kw.setdefault("num_blocks", 40)

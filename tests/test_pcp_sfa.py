@@ -25,16 +25,9 @@ ROUNDS = ([*map(list, sfa_models.PROMPTS), [(5 * i + 1) % sfa_models.VOCAB for i
           [PREFIX + [1, 2], [9]], [PREFIX + [3], PREFIX[:10] + [4, 5]])
 
 
-class Setup:
+class Setup(sfa_models.TracedWithReferences):
     def __init__(self):
-        self.model = sfa_models.build("deepseek_v32")
-        self.program = dcpgraph.trace(self.model)
-        self._refs: dict = {}
-
-    def ref(self, prompt) -> list[int]:
-        if tuple(prompt) not in self._refs:
-            self._refs[tuple(prompt)] = hf_greedy(self.model, prompt, MAX_NEW)
-        return self._refs[tuple(prompt)]
+        super().__init__(MAX_NEW)
 
     def check(self, tp: int, pcp: int, dcp: int, rounds=ROUNDS) -> dcpgraph.Engine:
         engine = dcpgraph.compile(self.program, tp=tp, pcp=pcp, dcp=dcp, block_size=BLOCK, max_num_batched_tokens=8,

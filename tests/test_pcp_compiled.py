@@ -101,8 +101,8 @@ def test_compiled_pcp_ngram_speculation_matches_hf_with_local_queries():
 
 def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
     model = pcp_model("llama")
-    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*speculative method 'mtp'.*runs for GQA"):
-        dcpgraph.compile(model, tp=1, pcp=2, dcp=1, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*with hybrid_kv_cache.*runs for GQA"):
+        dcpgraph.compile(model, tp=1, pcp=2, dcp=1, hybrid_kv_cache=True)
     with pytest.raises(ConfigError, match=r"comm='ag' is not supported with prefill_context_parallel_size=2"):
         dcpgraph.compile(model, tp=1, pcp=2, dcp=2, comm="ag", backend="eager")
 

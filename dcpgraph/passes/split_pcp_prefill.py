@@ -16,6 +16,14 @@ group's longest share), and ``pcp_order [T]``, the row of every step token in a 
 - the LM head's input is all-gathered the same way, so ``select_logits`` picks step rows and every
   rank samples from the same logits.
 
+An MTP layer's program (:mod:`dcpgraph.speculative.mtp_module`) has a third token input,
+``hidden_states [1, T, H]`` (the target's final hidden state of every step row, the same on every
+rank), read at ``pcp_rows`` like the token ids, and returns its own output state ``x [1, L, H]``
+(``Lowering.hidden_states_output``) for chaining drafts: that output is all-gathered into step
+order ``[1, T, H]``, so every rank reads the state of any row (one more ``[T, H]`` gather per step).
+A target compiled for MTP gets its hidden-states output later (``return_hidden_states``), from the
+LM head's gathered input: it is in step order already.
+
 Sparse attention (SFA/DSA): each ``indexer_topk``'s query, key and head weights ``[1, L, ...]``
 are all-gathered the same way, so every rank scores every step query against every earlier index
 key and takes the ``pcp = 1`` top-k of each row; its queries are always gathered (the sparse path
@@ -44,7 +52,7 @@ from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
-from .graph_edit import Emitter, add_placeholders, nodes_calling
+from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
 from .manager import not_yet_run, program_pass
 from .select_logits import find_logits_linear
 
@@ -70,6 +78,9 @@ def _ensures(program: Program) -> None:
     linear = find_logits_linear(graph)
     if not _step_ordered(linear.args[0]):
         raise VerificationError(f"the LM head {linear.name} reads rows not gathered over the PCP group")
+    index = program.lowering.hidden_states_output
+    if index is not None and not _step_ordered(_outputs(graph)[index]):
+        raise VerificationError(f"hidden-states output {index} is not all-gathered over the PCP group")
 
 
 def _step_ordered(node) -> bool:
@@ -106,7 +117,7 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
     rows, order = add_placeholders(graph, ["pcp_rows", "pcp_order"])
     first = next(n for n in graph.nodes if n.op != "placeholder")
     selected = 0
-    for name in ("input_ids", "position_ids"):
+    for name in ("input_ids", "position_ids", "hidden_states"):  # hidden_states: an MTP layer's [1, T, H]
         token_input = placeholders.get(name)
         if token_input is None:
             continue
@@ -156,14 +167,28 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
         flat = e(aten.clone.default, e(aten.squeeze.dim, hidden, 0), memory_format=torch.contiguous_format)
         step = e(aten.unsqueeze.default, _gather_rows(graph, e, flat, order, mesh.pcp), 0)
     linear.args = (step, *linear.args[1:])
+    hidden_output = program.lowering.hidden_states_output
+    if hidden_output is not None:  # an MTP layer's own state x [1, L, H]: every row, for chaining drafts
+        out = output_node(graph)
+        outputs = list(_outputs(graph))
+        with graph.inserting_before(out):
+            outputs[hidden_output] = _gather_tokens_first(graph, e, outputs[hidden_output], order, mesh.pcp)
+        out.args = (tuple(outputs),)
     graph.eliminate_dead_code()
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
     gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
     indexed = f", {len(indexers)} indexers' q/k/weights" if indexers else ""
+    state = f", hidden-states output {hidden_output}" if hidden_output is not None else ""
     return (program.replace(graph_module=gm, inputs=inputs),
             f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered}"
-            f"{indexed} and the LM head's input all-gathered over the PCP group")
+            f"{indexed}{state} and the LM head's input all-gathered over the PCP group")
+
+
+def _outputs(graph) -> tuple:
+    """The graph's outputs as a tuple."""
+    outputs = output_node(graph).args[0]
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
 def _ensures_local(program: Program) -> None:

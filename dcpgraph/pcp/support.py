@@ -4,8 +4,10 @@
 windows, soft-caps, sinks or chunks (no compressed attention, no recurrent layers; layers without
 attention are refused by :mod:`dcpgraph.passes.split_pcp_prefill`), emulated or on a ``torch.distributed``
 world of ``tp·pcp`` ranks, with ngram speculative decoding (a verify step of ``k + 1`` tokens a
-request is split over the PCP ranks like a prefill chunk) and draft-model speculative decoding (the
-draft is compiled on the same mesh, so its own steps are split the same way; no MTP), with
+request is split over the PCP ranks like a prefill chunk), draft-model speculative decoding (the
+draft is compiled on the same mesh, so its own steps are split the same way) and MTP speculative
+decoding (the MTP layer's program is split the same way: its ``hidden_states`` input, the target's
+gathered final hidden states, is read at the rank's rows and its output state gathered back), with
 graph-mode decode and verification buckets (a padded bucket's PCP rows are split anew,
 :func:`dcpgraph.pcp.step_rows.add_pcp_rows`), without ``hybrid_kv_cache`` or data-parallel expert
 replicas:
@@ -27,7 +29,7 @@ from ..mesh import Mesh
 COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3) and SFA (DeepSeek-V3.2) models, sliding-window, soft-capped "
             "and sink attention included, through dcpgraph.compile, emulated or on a torch.distributed world "
             "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model "
-            "speculative decoding")
+            "or MTP speculative decoding")
 
 
 def speculative_method(config: Any) -> str | None:
@@ -73,10 +75,6 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
         refused.append("compressed attention layers (dense GQA/MLA and sparse SFA attention are split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
-    method = speculative_method(opts.get("speculative_config"))
-    if method not in (None, "ngram", "draft_model"):
-        refused.append(f"speculative method {method!r} (ngram and draft_model run: a verify step is split like a "
-                       "prefill chunk)")
     if opts.get("hybrid_kv_cache"):
         refused.append("hybrid_kv_cache")
     if opts.get("expert_replicas") is not None:

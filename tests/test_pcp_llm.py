@@ -1,7 +1,8 @@
 """``LLM(..., prefill_context_parallel_size=2)`` on tp·pcp gloo worker processes: greedy tokens
 equal HF ``generate`` (fp64, same weights) with chunked prefill, a prefix-cache hit and ngram
-speculative decoding, and what does not run with pcp > 1 in ``LLM`` / ``dcpgraph serve`` is refused
-by name before any rank starts (``dcpgraph serve -pcp 2`` itself: tests/test_pcp_pd.py)."""
+speculative decoding, and with MTP speculative decoding; a draft model is checked on the PCP mesh
+and what does not run with pcp > 1 in ``LLM`` / ``dcpgraph serve`` is refused by name before any
+rank starts (``dcpgraph serve -pcp 2`` itself: tests/test_pcp_pd.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from dcpgraph import LLM, ConfigError, SamplingParams
 from dcpgraph.checkpoints.model_dir import load_model
+from dcpgraph.config import DcpgraphConfig
+from dcpgraph.serving.llm import checked_checkpoint
 from dcpgraph.testing.generation import hf_greedy
 
 NEW = 6
@@ -18,12 +21,20 @@ SHARED = [5, 9, 4, 77, 30, 31] * 4  # a prefix of six 4-token blocks that repeat
 PROMPTS = [SHARED + [11, 12, 13], [5, 9, 4, 77, 30, 31, 32, 33, 34, 35, 36], SHARED + [40, 41]]
 
 
-def test_pcp_llm_refuses_what_it_does_not_run_by_name(checkpoints):
+def test_pcp_llm_checks_a_draft_model_on_the_tp_pcp_mesh_before_any_rank_starts(checkpoints):
+    """The draft directory is inspected on the (tp, pcp, dcp) mesh it runs on: at (1,2,2) a DCP
+    group is the two PCP ranks, where the pcp = 1 rule (tp % dcp == 0) would refuse it; a draft
+    whose vocabulary differs is still refused by name."""
     path = checkpoints["qwen3"]
-    with pytest.raises(ConfigError, match=r"prefill_context_parallel_size=2 .*does not run in LLM / dcpgraph serve "
-                                          r"with speculative decoding other than ngram.*use prefill_context_parallel_size=1"):
-        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2,
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": path})
+    draft = {"method": "draft_model", "num_speculative_tokens": 2, "model": path}
+    settings = DcpgraphConfig.from_llm_kwargs(model=path, prefill_context_parallel_size=2,
+                                              decode_context_parallel_size=2, speculative_config=draft)
+    checked = checked_checkpoint(settings)
+    assert checked.config.prefill_context_parallel_size == 2
+    assert checked.config.engine_options["speculative_config"] == draft
+    other = {**draft, "model": checkpoints["deepseek_v2"]}
+    with pytest.raises(ConfigError, match=r"vocabulary 321 differs from the target's 333"):
+        LLM(path, prefill_context_parallel_size=2, decode_context_parallel_size=2, speculative_config=other)
 
 
 
@@ -58,3 +69,28 @@ def test_pcp_llm_on_workers_equals_hf_with_chunks_a_prefix_hit_and_ngram_drafts(
     assert got == [hf_greedy(hf, p, NEW) for p in PROMPTS]
     assert hits >= 16  # the shared prefix's blocks, read from the PCP-written, DCP-sharded cache
     assert spec["drafted"] > spec["accepted"] > 0  # verify steps that kept drafts and ones that dropped some
+
+
+@pytest.mark.gloo
+@pytest.mark.slow  # two worker processes each loading, tracing and compiling the target and its MTP layer
+def test_pcp_llm_on_workers_with_mtp_drafts_equals_hf(tmp_path):
+    """MTP at (1,2,2) on two gloo workers: each rank's proposer reads the target's hidden states
+    gathered over the PCP group and runs the split MTP program; drafts kept and dropped (an MTP
+    close to, not equal to, the target's next-token function), greedy tokens equal HF's."""
+    import torch
+    import transformers as tf
+
+    from dcpgraph.testing.checkpoints import make_mtp_predictable, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "v3", "deepseek_v3", layers=1, dtype=torch.float64, mtp_weights=True)
+    make_mtp_predictable(path, 0.01, hidden_part=0.3, mtp_attention=0.3)
+    prompts = PROMPTS[:2]
+    with LLM(model=path, dtype="float64", block_size=4, prefill_context_parallel_size=2,
+             decode_context_parallel_size=2, max_num_batched_tokens=8, max_model_len=64, enforce_eager=True,
+             worker_timeout_s=300, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        assert len(llm.engine.worker_pids()) == 2
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+        spec = llm.engine.report()["speculative"]
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()  # drops the MTP layer
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert spec["method"] == "mtp" and spec["drafted"] > spec["accepted"] > 0, spec

@@ -13,7 +13,7 @@ graph-mode decode and verification buckets (a padded bucket's PCP rows are split
 replicas:
 :mod:`dcpgraph.passes.split_pcp_prefill` splits each step's tokens over the PCP ranks. ``LLM`` and
 ``dcpgraph serve`` run ``pcp > 1`` with one worker process per rank of the ``tp·pcp`` world (or the
-emulator), on one node, without data-parallel replicas or speculative decoding other than ngram;
+emulator), on one node, with the same speculative methods, without data-parallel replicas;
 as a P/D producer (``kv_role`` ``kv_producer``: the connector places its ranks in attention order)
 but not as a consumer. The
 eager path (:mod:`dcpgraph.pcp.eager`) runs Llama/Qwen3 on real process groups.
@@ -28,30 +28,23 @@ from ..mesh import Mesh
 
 COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3) and SFA (DeepSeek-V3.2) models, sliding-window, soft-capped "
             "and sink attention included, through dcpgraph.compile, emulated or on a torch.distributed world "
-            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram or (dcpgraph.compile) draft-model "
-            "or MTP speculative decoding")
+            "of tp·pcp ranks, with chunked prefill, prefix caching and ngram, draft-model or MTP speculative "
+            "decoding")
 
 
-def speculative_method(config: Any) -> str | None:
-    """The method of a ``speculative_config`` (vLLM's dict or the checked record); None when off."""
-    if config is None:
-        return None
-    return config.get("method") if isinstance(config, dict) else getattr(config, "method", None)
-
-
-def refuse_pcp_execution(mesh: Mesh, *, speculative: bool = False, data_parallel: int = 1, nnodes: int = 1,
+def refuse_pcp_execution(mesh: Mesh, *, data_parallel: int = 1, nnodes: int = 1,
                          kv_role: str | None = None) -> None:
     """``LLM`` / ``dcpgraph serve``: raise :class:`ConfigError` for what ``pcp > 1`` does not run
-    there (a speculative method other than ngram, data-parallel replicas, several nodes, a P/D
-    consumer: ``kv_role`` ``kv_consumer`` or ``kv_both``), naming what runs. A P/D producer runs:
-    after a PCP prefill its ``tp·pcp`` ranks hold the DCP layout, moved by the connector's plan in
-    attention order. A consumer only decodes, where PCP replicas repeat the dense work: the same
+    there (data-parallel replicas, several nodes, a P/D consumer: ``kv_role`` ``kv_consumer`` or
+    ``kv_both``), naming what runs. Every speculative method runs: each worker's proposer drives
+    its rank's copy of the draft or MTP program, split over the PCP group like the target's. A P/D
+    producer runs: after a PCP prefill its ``tp·pcp`` ranks hold the DCP layout, moved by the
+    connector's plan in attention order. A consumer only decodes, where PCP replicas repeat the dense work: the same
     ranks at ``tp·pcp`` TP with DCP hold the same KV shards and split that work instead."""
     if mesh.pcp == 1:
         return
     consumer = kv_role in ("kv_consumer", "kv_both")
-    refused = [name for name, on in (("speculative decoding other than ngram", speculative),
-                                     (f"data_parallel_size={data_parallel}", data_parallel > 1),
+    refused = [name for name, on in ((f"data_parallel_size={data_parallel}", data_parallel > 1),
                                      (f"nnodes={nnodes}", nnodes > 1),
                                      (f"P/D kv_role={kv_role!r} (a PCP instance runs P/D as kv_producer only: "
                                       "serve the decode side at prefill_context_parallel_size=1)", consumer)) if on]

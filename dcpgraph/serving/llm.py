@@ -38,7 +38,7 @@ from ..config import DcpgraphConfig, config_fields, option_name
 from ..devices import place_rank, resolve_device
 from ..errors import ConfigError, RequestError
 from ..mesh import Mesh
-from ..pcp.support import refuse_pcp_execution, speculative_method
+from ..pcp.support import refuse_pcp_execution
 from ..runtime.grammar import GrammarBackend
 from ..runtime.speculative_config import speculative_config
 from ..speculative.mtp import check_mtp
@@ -132,8 +132,7 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
     pcp = parallel.prefill_context_parallel_size
     info = inspect_checkpoint(model, dtype=settings.model.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
                               interleave=interleave, tokenizer=tokenizer, load_format=load_format, pcp=pcp)
-    refuse_pcp_execution(Mesh(tp, dcp, pcp), speculative=speculative_method(spec.speculative_config) not in (None, "ngram"),
-                         data_parallel=parallel.data_parallel_size, nnodes=parallel.nnodes)
+    refuse_pcp_execution(Mesh(tp, dcp, pcp), data_parallel=parallel.data_parallel_size, nnodes=parallel.nnodes)
     limit = info.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
     if scheduler.max_model_len is not None and not 0 < scheduler.max_model_len <= limit:
         raise ConfigError(f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
@@ -158,7 +157,7 @@ def checked_checkpoint(settings: DcpgraphConfig, usage_context: str = "llm") -> 
         engine_options["kv_cache_space_bytes"] = defaults.kv_cache_space_bytes
     if spec.speculative_config is not None:
         engine_options["speculative_config"] = check_speculative_config(
-            spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, block_size=cache.block_size,
+            spec.speculative_config, info, dtype=info.dtype, tp=tp, dcp=dcp, pcp=pcp, block_size=cache.block_size,
             interleave=interleave, tokenizer=tokenizer)
     config = EngineConfig(
         model=model, dtype=info.dtype, tensor_parallel_size=tp, decode_context_parallel_size=dcp,

@@ -107,6 +107,26 @@ def test_compiled_pcp_refuses_what_it_does_not_run_by_name():
         dcpgraph.compile(model, tp=1, pcp=2, dcp=2, comm="ag", backend="eager")
 
 
+def test_compiled_pcp_from_a_checkpoint_reads_every_replica_its_tp_shard(checkpoints):
+    """A Program loaded from a checkpoint (what LLM and serve compile) reads rank ``r``'s slices
+    for its TP rank ``r mod tp``: at (2,2,1) ranks 2 and 3 hold ranks 0 and 1's shards, and the
+    greedy tokens equal HF's."""
+    from dcpgraph.checkpoints.loader import load_program
+    from dcpgraph.checkpoints.model_dir import load_model
+    from dcpgraph.testing.generation import hf_greedy
+
+    path = checkpoints["qwen3"]
+    engine = dcpgraph.compile(load_program(path, "float64"), tp=2, pcp=2, dcp=1, block_size=4,
+                              max_num_batched_tokens=8, capture_limit=0, backend="eager")
+    states = engine.executor.states
+    for rank in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(states[rank], states[rank - 2]))
+    assert not all(torch.equal(a, b) for a, b in zip(states[0], states[1]))  # TP shards differ
+    hf = load_model(path, "float64")
+    prompts = [[5, 9, 4, 77, 30, 31, 32, 33, 34, 35, 36], [7]]
+    assert engine.generate(prompts, 4) == [hf_greedy(hf, p, 4) for p in prompts]
+
+
 def _gloo_rank(rank: int, world: int, dcp: int, prompts: list[list[int]]):
     model = pcp_model("qwen3")
     engine = dcpgraph.compile(model, tp=1, pcp=2, dcp=dcp, max_num_batched_tokens=8, enable_prefix_caching=True,

@@ -180,7 +180,8 @@ def state_source(program: Program, target: str, sources: dict[str, object]):
 
 
 class ShardedReader:
-    """``Program.state_reader``: rank ``r``'s state entries read from the checkpoint by slice."""
+    """``Program.state_reader``: rank ``r``'s state entries read from the checkpoint by slice,
+    the slices of its TP rank (``r mod tp``: every PCP replica holds the same TP shard)."""
 
     def __init__(self, sources: dict[str, object], checkpoint: str | None = None):
         self.sources = sources
@@ -188,15 +189,17 @@ class ShardedReader:
 
     def __call__(self, program: Program, rank: int) -> list[torch.Tensor]:
         out = []
+        tp_rank = program.mesh.tp_rank(rank)
         for spec in program.inputs:
             if spec.kind not in STATE_KINDS:
                 continue
             expected = program.state[spec.target]
             source = state_source(program, spec.target, self.sources)
-            local = read_local(source, spec.shard, rank, program.mesh.tp).to(expected.dtype).contiguous()
+            local = read_local(source, spec.shard, tp_rank, program.mesh.tp).to(expected.dtype).contiguous()
             want = spec.shard.local_shape(tuple(expected.shape), program.mesh.tp)
             if tuple(local.shape) != want:
-                raise ConfigError(f"{spec.target}: read {tuple(local.shape)} for rank {rank}, expected {want}")
+                raise ConfigError(f"{spec.target}: read {tuple(local.shape)} for rank {rank} (TP rank {tp_rank}), "
+                                  f"expected {want}")
             out.append(local)
         return out
 

@@ -42,7 +42,7 @@ def mtp_case(tmp_path_factory):
 
 # (1,2,2): gathered queries, the MTP cache sharded by DCP over the PCP ranks; (1,2,1): local queries
 # (split_pcp_attention on the MTP layer's reads too). Each case compiles the target and traces and
-# compiles the MTP layer: ~10-12 s at load 7 on 2 cores, so the second mesh is slow-tier.
+# compiles the MTP layer: ~5 s at load 2, ~10-12 s at load 7 on 2 cores, so the second mesh is slow-tier.
 @pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 2), pytest.param(1, 2, 1, marks=pytest.mark.slow)])
 def test_pcp_mtp_drafts_equal_an_eager_loop_and_greedy_tokens_equal_hf(mtp_case, tp, pcp, dcp):
     program, target, mtp, reference = mtp_case

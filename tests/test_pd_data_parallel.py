@@ -141,16 +141,17 @@ def test_pd_with_two_replicas_on_each_side_equals_hf(checkpoints, tmp_path):
     from dcpgraph.testing.generation import hf_greedy
     from dcpgraph.testing.pd import SERVE_ARGS, kv_config, kv_stats, wait_kv_free
     from dcpgraph.testing.prometheus import scrape
-    from dcpgraph.testing.server import running_dcpgraph, running_server
+    from dcpgraph.testing.server import running_dcpgraph, running_servers
 
     path = checkpoints["qwen3"]
     hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
     prompts = ["The future of AI is", "héllo wörld", "a b c d e f g h", "one two three", "zz top", "x y"]
     port = two_free_ports()
-    with running_server(path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_producer", 0, 2, port),
-                        log_path=str(tmp_path / "p.log")) as p, \
-            running_server(path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config",
-                           kv_config("kv_consumer", 1, 2, port), log_path=str(tmp_path / "d.log")) as d, \
+    producer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_producer", 0, 2, port)),
+                str(tmp_path / "p.log"))
+    consumer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_consumer", 1, 2, port)),
+                str(tmp_path / "d.log"))
+    with running_servers(producer, consumer) as (p, d), \
             running_dcpgraph("proxy", "--prefill", p.url, "--decode", d.url,
                              log_path=str(tmp_path / "proxy.log")) as proxy:
         async def ask_all():

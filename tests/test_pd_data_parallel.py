@@ -3,7 +3,8 @@
 Default tier: replica ``r``'s rendezvous is ``kv_port + r`` and a producer's parameters name the
 replica holding the KV, so a consumer asks at that replica's store and only that replica's agent
 sees the ask (real ``TCPStore``s, replicas faked: no model runs); a consumer adopts on the replica
-its router picks; settings P/D cannot run with replicas are refused by name. Slow tier, on real
+its router picks; settings P/D cannot run with replicas are refused by name, by ``dcpgraph serve``
+before it reads the model. Slow tier, on real
 gloo workers: a ``-dp 2`` producer and a ``-dp 2`` consumer behind ``dcpgraph proxy`` answer
 concurrent ``openai`` clients with HF's greedy text, every replica on both sides serving.
 """
@@ -78,6 +79,19 @@ def test_settings_data_parallel_pd_cannot_run_are_refused_by_name():
         check_data_parallel_pd(consumer, 2, expert_parallel=True)
     with pytest.raises(ConfigError, match="replica 3 has no rendezvous port"):
         check_data_parallel_pd(KVTransferConfig("kv_consumer", 1, kv_port=65533), 4)
+
+
+def test_serve_refuses_them_before_reading_the_model(tmp_path, capsys):
+    from dcpgraph.serving.cli import main
+
+    empty = tmp_path / "m"  # no checkpoint: the refusal comes before anything reads it
+    empty.mkdir()
+    config = '{"kv_role": "kv_producer", "kv_rank": 1}'
+    assert main([str(empty), "-dp", "2", "--kv-transfer-config", config]) == 2
+    assert "must be kv_rank 0, got kv_rank 1" in capsys.readouterr().err
+    assert main([str(empty), "-dp", "2", "--enable-expert-parallel", "--kv-transfer-config",
+                 '{"kv_role": "kv_consumer", "kv_rank": 1}']) == 2
+    assert "--enable-expert-parallel is not supported" in capsys.readouterr().err
 
 
 def test_a_transfer_is_asked_for_at_the_replica_that_holds_it():

@@ -70,3 +70,26 @@ def test_v4_prefix_hits_at_dcp2_restore_open_windows_and_give_hf_tokens(v4):
     assert report["hit_requests"] - before[0]["hit_requests"] == 2
     assert report["hit_tokens"] - before[0]["hit_tokens"] == 16 + 16  # one virtual block of 8·2 tokens each
     assert stats["restored"] - before[1]["restored"] == 2
+
+
+def test_v4_kv_transfer_between_instances_is_refused_by_name():
+    """The connector between serving instances moves token rows (``serving.kv_connector.plan``); a
+    program with entry caches is refused when an instance states its side, before any transfer."""
+    import torch
+
+    from dcpgraph.errors import UnsupportedModelError
+    from dcpgraph.program import CacheSpec
+    from dcpgraph.serving.kv_connector.plan import KVSide
+
+    facts = SimpleNamespace(architecture="DeepseekV4ForCausalLM", layer_kv_heads=(), attention="gqa",
+                            num_kv_heads=1)
+    caches = (CacheSpec("compressed_kv_1", 1, "compressed_kv", 1, 32, torch.float64),
+              CacheSpec("entries_1", 1, "compressed_entries", 1, 32, torch.float64, tokens_per_row=4))
+    engine = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches, recurrent_states=()),
+                             mesh=SimpleNamespace(tp=1, dcp=1, pcp=1), interleave=1, block_size=4)
+    with pytest.raises(UnsupportedModelError, match=r"compressed layers \[1\] hold one row per compressed entry; "
+                                                    r"serve it without a KV connector"):
+        KVSide.of_engine(engine)
+    plain = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches[:1], recurrent_states=()),
+                            mesh=SimpleNamespace(tp=1, dcp=1, pcp=1), interleave=1, block_size=4)
+    assert KVSide.of_engine(plain).caches == (("compressed_kv_1", "compressed_kv", 1, 32, "torch.float64"),)

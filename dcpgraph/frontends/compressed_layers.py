@@ -194,10 +194,15 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
     dtype; ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
     and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
-    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives); prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
-    rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
-    state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
-    joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
+    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives);
+    prefix caching where a cached block holds exactly its own tokens' entries
+    (:func:`prefix_block_misaligned`: ``block_size`` a multiple of every compress rate at ``dcp = 1``,
+    of ``interleave·lcm(m)`` at ``dcp > 1``; the open windows kept at block boundaries as recurrent
+    state, :mod:`dcpgraph.runtime.state_prefix_cache`); P/D in one process between any two meshes
+    (``Engine.prefill`` / ``continue_from``, entries placed by :mod:`dcpgraph.runtime.entry_placement`);
+    with ``hybrid_kv_cache`` the raw window joins the sliding group at ``dcp = 1``
+    (:mod:`dcpgraph.passes.insert_compressed_cache`). KV transfer between serving instances is
+    refused when the connector states its side (:class:`dcpgraph.serving.kv_connector.plan.KVSide`)."""
     layers = compressed_layer_indices(model)
     if not layers:
         return
@@ -227,5 +232,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
             + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
-            "prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            "prefix caching (block_size a multiple of the compress rates at dcp=1, of interleave·lcm of them at "
+            "dcp>1); P/D in one process (Engine.prefill / continue_from), not between serving instances; "
             "per-rank bytes: dcpgraph plan")

@@ -58,7 +58,7 @@ class KVTransfer:
     caches: tuple[dict[str, torch.Tensor], ...]
     layout_key: tuple  # (name, heads, dim, dtype) per cache, (name, shape, dtype) per state pool
     finished: bool = False
-    # per TP rank: state pool name -> the request's slot [*shape] (hybrid models; empty otherwise)
+    # per TP rank: state pool name -> the request's slot [*shape] (hybrid models, V4's open windows; else empty)
     states: tuple[dict[str, torch.Tensor], ...] = ()
 
 
@@ -171,15 +171,16 @@ def check_transfer(engine, transfer: KVTransfer) -> None:
     """Refuse, before anything changes, a transfer this engine cannot take."""
     _emulated_caches(engine)
     whole = whole_on_every_rank(engine.program)
+    split_states = any(p.role not in REPLICATED_STATE_ROLES for p in engine.program.recurrent_states)
     if transfer.layout_key != _layout_key(engine) or (transfer.tp != engine.mesh.tp and not whole):
         raise RequestError(
             "KV transfer needs the same model and tp on both sides "
             f"(exported tp={transfer.tp}, caches {transfer.layout_key}; "
             f"importing tp={engine.mesh.tp}, caches {_layout_key(engine)})"
             + ("; a hybrid model's recurrent state is split over tp by heads and moves rank to rank, so "
-               "the two tp must be equal" if engine.program.recurrent_states else "")
-            + ("" if whole else "; tp may differ only where every cache and state is whole on every rank "
-               "(MLA's latent, a single KV head, DeepSeek-V4)")
+               "the two tp must be equal" if split_states else "")
+            + ("; tp may differ only where every cache and state is whole on every rank "
+               "(MLA's latent, a single KV head, DeepSeek-V4)" if transfer.tp != engine.mesh.tp and not whole else "")
         )
     if len(transfer.states) != (transfer.tp if engine.program.recurrent_states else 0):
         raise RequestError(f"the transfer carries recurrent state for {len(transfer.states)} rank(s); this engine "

@@ -125,14 +125,13 @@ def draft_program_of(model, dtype: torch.dtype) -> Program:
 
 def prefix_caching_refusal(program: Program, opts: dict[str, Any], dcp: int = 1) -> str | None:
     """Why prefix caching cannot run for the traced ``program`` under ``opts``, None when it can:
-    compressed (DeepSeek-V4) layers at ``dcp > 1`` or whose compress rates do not divide
-    ``block_size·dcp`` (a cached prefix would end inside an entry), or ``hybrid_kv_cache`` (a sliding layer's dropped blocks
+    compressed (DeepSeek-V4) layers whose cached blocks would not hold exactly their own entries
+    (:func:`~.frontends.compressed_layers.prefix_block_misaligned`), or ``hybrid_kv_cache`` (a sliding layer's dropped blocks
     cannot serve a later hit). Recurrent layers and the compressors' open windows can: their state
     is kept at cached block boundaries (:mod:`.runtime.state_prefix_cache`)."""
     compressed = compressed_layer_indices(program)
-    if compressed and dcp > 1:
-        return f"compressed attention layers {compressed[:8]} at dcp={dcp}: prefix caching runs at dcp=1 only"
-    misaligned = compressed and prefix_block_misaligned(program, block_size=opts["block_size"], dcp=dcp)
+    misaligned = compressed and prefix_block_misaligned(program, block_size=opts["block_size"], dcp=dcp,
+                                                        interleave=opts.get("interleave", 1))
     if misaligned:
         return f"compressed attention layers {compressed[:8]}: {misaligned}"
     if opts["hybrid_kv_cache"]:

@@ -279,6 +279,9 @@ def role_shapes(tokens: int, requests: int, table_width: int) -> dict[str, tuple
         "pcp_rows": ((t,), torch.int64),  # pcp > 1: the step's token rows this rank computes (padded)
         "pcp_order": ((t,), torch.int64),  # pcp > 1: each token's row in the PCP all-gather
         "pcp_cu_seqlens_q": ((r + 1,), torch.int32),  # pcp > 1, dcp = 1: request boundaries of pcp_rows
+        "pcp_group_rows": ((t,), torch.int64),  # 1 < dcp < pcp: the rows this rank's DCP group attends
+        "pcp_group_cu_seqlens_q": ((r + 1,), torch.int32),  # their request boundaries
+        "pcp_own_in_group": ((t,), torch.int64),  # where each of pcp_rows sits among pcp_group_rows
     }
 
 

@@ -46,7 +46,7 @@ def test_replicas_share_requests_and_keep_their_ids_apart():
             outputs[rid].append(token)
     assert [outputs[first], outputs[third]] == [reference[0], reference[2]]
     assert dp.kv_usage_per_rank() == [(0, 32)] * 2 and dp.report()["data_parallel"]["live"] == [0, 0]
-    with pytest.raises(ConfigError, match="P/D transfer is not supported with data parallelism"):
+    with pytest.raises(ConfigError, match="runs one KV agent per replica"):
         dp.rank_call("kv.side", {})
 
 

@@ -168,6 +168,7 @@ def test_consumer_agent_refuses_a_different_tp_before_adopting():
     """``KVAgent.receive`` compares the producer's side with its own before any rank op runs: a
     hybrid producer at tp=4 cannot hand over to a tp=2 consumer, and nothing is adopted."""
     from dcpgraph.errors import RequestError
+    from dcpgraph.serving.kv_connector import KVTransferConfig
     from dcpgraph.serving.kv_connector.agent import KVAgent
 
     class NoEngine:
@@ -182,7 +183,9 @@ def test_consumer_agent_refuses_a_different_tp_before_adopting():
     mine = KVSide(2, 2, 1, 4, "gqa", 1, cache, (("ssm_state_0", (4, 8, 8), "torch.float32"),))
     theirs = KVSide(4, 1, 1, 4, "gqa", 1, cache, (("ssm_state_0", (2, 8, 8), "torch.float32"),))
     agent = KVAgent.__new__(KVAgent)
-    agent.engine, agent.connector, agent.side = NoEngine(), NoFailure(), mine.to_json()
+    agent.engine, agent.side = NoEngine(), mine.to_json()
+    agent.base = KVTransferConfig("kv_consumer", kv_rank=1)
+    agent._connectors = {agent.base.kv_port: NoFailure()}  # the endpoint the params name (replica 0)
     agent.stats = {"failures": 0, "last_error": None}
     params = {"transfer_id": "t", "producer": theirs.to_json(), "prompt_token_ids": [1, 2], "output_token_ids": [3],
               "computed": 2}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -38,13 +40,40 @@ def test_decode_engine_continues_prefilled_requests(setup, prefill, decode):
     assert [list(t.tokens[t.prompt_len:]) + outputs[rid] for t, rid in zip(transfers, ids)] == refs
 
 
-def test_transfer_refuses_a_different_tp(setup):
-    program, _ = setup
+def test_a_different_tp_continues_where_every_cache_is_whole_on_every_rank(setup):
+    """Both models keep the whole KV on every rank (llama's single KV head, MLA's latent), so a
+    tp=2 prefill continues at tp=1 from the producer's first copy."""
+    program, refs = setup
     transfer = dcpgraph.compile(program, tp=2, dcp=1, block_size=4).prefill(PROMPTS[0])
     other = dcpgraph.compile(program, tp=1, block_size=4)
-    with pytest.raises(dcpgraph.RequestError, match="same model and tp"):
-        other.continue_from(transfer, NEW)
-    assert not other.scheduler.has_work() and other.blocks.free_blocks == other.blocks.num_blocks
+    rid = other.continue_from(transfer, NEW)
+    assert list(transfer.tokens[transfer.prompt_len:]) + drain(other)[rid] == refs[0]
+
+
+def _split_heads_engine(tp: int, kv_heads: int):
+    """An engine's face as ``check_transfer`` reads it: a GQA model with ``kv_heads`` KV heads split
+    over ``tp`` emulated ranks (one cache of ``kv_heads // tp`` heads, at least 1, per rank)."""
+    facts = SimpleNamespace(attention="gqa", num_kv_heads=kv_heads, layer_kv_heads=())
+    cache = SimpleNamespace(name="k_0", heads=max(kv_heads // tp, 1), dim=8, dtype=torch.float32)
+    program = SimpleNamespace(facts=facts, caches=(cache,), recurrent_states=(),
+                              lowering=SimpleNamespace(sliding_caches=()))
+    executor = SimpleNamespace(local_ranks=tuple(range(tp)), mode="emulated", rank_caches=lambda rank: {})
+    return SimpleNamespace(program=program, executor=executor, mesh=SimpleNamespace(tp=tp, ranks=range(tp)))
+
+
+def test_a_different_tp_is_refused_where_kv_heads_are_split():
+    """Two KV heads at tp=2 and tp=4: one head per rank on both sides (the same cache layout), but
+    rank 1 holds head 1 at tp=2 and head 0 at tp=4, so the copies differ and tp must be equal."""
+    from dcpgraph.runtime.kv_transfer import KVTransfer, _layout_key, check_transfer
+
+    producer, consumer = _split_heads_engine(2, 2), _split_heads_engine(4, 2)
+    assert _layout_key(producer) == _layout_key(consumer)
+    transfer = KVTransfer((1, 2), 2, 2, 2, ({}, {}), _layout_key(producer))
+    with pytest.raises(dcpgraph.RequestError, match="tp may differ only where every cache and state is whole"):
+        check_transfer(consumer, transfer)
+    check_transfer(_split_heads_engine(2, 2), transfer)  # the same tp takes it
+    whole = KVTransfer((1, 2), 2, 2, 2, ({}, {}), _layout_key(_split_heads_engine(2, 1)))
+    check_transfer(_split_heads_engine(4, 1), whole)  # a single KV head: every rank's copy is the same
 
 
 class _OneRankView:

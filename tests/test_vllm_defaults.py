@@ -119,8 +119,9 @@ def test_prefix_caching_defaults_on_for_a_recurrent_hybrid(tmp_path, caplog):
 
 
 def test_prefix_caching_default_names_why_it_is_off():
-    """The reasons compile decides the default off: hybrid_kv_cache, and compressed (V4) layers at
-    dcp > 1 or whose compress rates do not divide block_size·dcp (it stays on where they do)."""
+    """The reasons compile decides the default off: hybrid_kv_cache, and compressed (V4) layers whose
+    compress rates do not divide block_size·dcp at dcp=1, or interleave·lcm(m) does not divide
+    block_size at dcp > 1 (it stays on where they do)."""
     import types
 
     from dcpgraph.api import prefix_caching_refusal
@@ -134,4 +135,7 @@ def test_prefix_caching_default_names_why_it_is_off():
         "compressed attention layers [0, 1]: block_size·dcp=16 is not a multiple of lcm of the compress rates [4, 128]")
     assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 128}) is None
     assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 64}, dcp=2).endswith(
-        "at dcp=2: prefix caching runs at dcp=1 only")
+        "(valid block_size: multiples of interleave·lcm = 128)")  # 64·2 tokens, but an entry row spans 128
+    assert prefix_caching_refusal(v4, {"hybrid_kv_cache": False, "block_size": 128, "interleave": 1}, dcp=2) is None
+    assert "interleave=2: each compress rate m in [4, 128] must divide block_size" in prefix_caching_refusal(
+        v4, {"hybrid_kv_cache": False, "block_size": 128, "interleave": 2}, dcp=2)

@@ -153,16 +153,31 @@ def compress_rates(model) -> dict[int, int]:
             if kind in COMPRESSED_LAYER_TYPES}
 
 
-def prefix_block_misaligned(model, *, block_size: int, dcp: int = 1) -> str | None:
-    """Why a cached prefix (a multiple of ``block_size·dcp`` tokens) would not end on an entry
-    boundary of every compressed layer, None when it does: ``block_size·dcp`` must be a multiple
-    of ``lcm(m)`` over the layers' rates, so the entries before the prefix's end are closed and its
-    open windows start empty or hold exactly the tokens after the last closed window."""
+def prefix_block_misaligned(model, *, block_size: int, dcp: int = 1, interleave: int = 1) -> str | None:
+    """Why a cached prefix (a whole number of virtual blocks of ``block_size·dcp`` tokens) would not
+    hold exactly its own entries, None when it does.
+
+    * ``dcp = 1``: ``block_size`` must be a multiple of ``lcm(m)`` over the layers' rates, so the
+      prefix ends on an entry boundary of every layer: its entries are closed (entry ``w`` in the
+      block of token ``w·m``) and its open windows start empty or hold exactly the tokens after the
+      last closed window.
+    * ``dcp = N > 1``: entries are dealt by entry index over blocks of ``R`` entries per rank
+      (:mod:`dcpgraph.passes.shard_dcp_compressed`), so virtual block ``k`` of an entry cache holds
+      entries ``[k·R·N, (k+1)·R·N)``. They are the entries of the virtual block's own tokens
+      ``[k·B·N, (k+1)·B·N)`` iff ``R·m = B``: every ``m`` divides ``B`` and the interleave ``I``
+      divides ``B / m``, that is ``B`` a multiple of ``I·lcm(m)``. Otherwise a later entry would
+      be written into a cached (shared) block."""
     rates = sorted(set(compress_rates(model).values()))
     if not rates:
         return None
     need = math.lcm(*rates)
-    if (block_size * dcp) % need == 0:
+    if dcp > 1:
+        if block_size % (need * interleave) == 0:
+            return None
+        return (f"block_size={block_size} at dcp={dcp} with interleave={interleave}: each compress rate m in {rates} "
+                f"must divide block_size and interleave must divide block_size // m, so a cached block holds exactly "
+                f"its own tokens' entries (valid block_size: multiples of interleave·lcm = {need * interleave})")
+    if block_size % need == 0:
         return None
     return (f"block_size·dcp={block_size * dcp} is not a multiple of lcm of the compress rates {rates} = {need} "
             f"(valid block_size: multiples of {need // math.gcd(need, dcp)})")
@@ -179,10 +194,15 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
     dtype; ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
     and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
-    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives); prefix caching at ``dcp = 1`` where ``block_size`` is a multiple of every compress
-    rate (:func:`prefix_block_misaligned`; the open windows kept at block boundaries as recurrent
-    state, :mod:`dcpgraph.runtime.state_prefix_cache`); with ``hybrid_kv_cache`` the raw window
-    joins the sliding group at ``dcp = 1`` (:mod:`dcpgraph.passes.insert_compressed_cache`)."""
+    distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives);
+    prefix caching where a cached block holds exactly its own tokens' entries
+    (:func:`prefix_block_misaligned`: ``block_size`` a multiple of every compress rate at ``dcp = 1``,
+    of ``interleave·lcm(m)`` at ``dcp > 1``; the open windows kept at block boundaries as recurrent
+    state, :mod:`dcpgraph.runtime.state_prefix_cache`); P/D in one process between any two meshes
+    (``Engine.prefill`` / ``continue_from``, entries placed by :mod:`dcpgraph.runtime.entry_placement`);
+    with ``hybrid_kv_cache`` the raw window joins the sliding group at ``dcp = 1``
+    (:mod:`dcpgraph.passes.insert_compressed_cache`). KV transfer between serving instances is
+    refused when the connector states its side (:class:`dcpgraph.serving.kv_connector.plan.KVSide`)."""
     layers = compressed_layer_indices(model)
     if not layers:
         return
@@ -196,11 +216,9 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
                            "by whole groups)")
-    if dcp > 1 and opts.get("enable_prefix_caching"):
-        unsupported.append(f"enable_prefix_caching=True at dcp={dcp} (the open windows are kept at block "
-                           "boundaries at dcp=1 only; entries dealt by entry index are not checked against a hit)")
-    elif opts.get("enable_prefix_caching"):
-        misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp)
+    if opts.get("enable_prefix_caching"):
+        misaligned = prefix_block_misaligned(model, block_size=opts.get("block_size", 16), dcp=dcp,
+                                             interleave=opts.get("interleave", 1))
         if misaligned:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
     spec = opts.get("speculative_config")
@@ -214,5 +232,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
             + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
-            "prefix caching (block_size a multiple of the compress rates) at dcp=1; no P/D; "
+            "prefix caching (block_size a multiple of the compress rates at dcp=1, of interleave·lcm of them at "
+            "dcp>1); P/D in one process (Engine.prefill / continue_from), not between serving instances; "
             "per-rank bytes: dcpgraph plan")

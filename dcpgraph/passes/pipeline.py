@@ -47,6 +47,7 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..mesh import Mesh
+from ..pcp.step_rows import grouped_queries
 from ..program import Program
 from .absorb_mla import absorb_mla
 from .expert_parallel import expert_parallel
@@ -101,8 +102,8 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     ``expert_parallel_experts``) ``experts_over_replicas`` right before ``shard_tp``; with
     ``compressed`` (DeepSeek-V4's CSA/HCA layers) ``insert_compressed_cache`` right after
     ``insert_kv_cache``. With ``pcp > 1`` ``split_pcp_prefill`` runs before ``insert_kv_cache``,
-    with ``split_pcp_attention`` after ``fuse_new_tokens`` where the queries stay local (``dcp = 1``,
-    the fused read, no ``sparse`` attention: its indexer and selection read the whole step).
+    with ``split_pcp_attention`` after ``fuse_new_tokens`` where a rank attends its own or its DCP
+    group's rows (:func:`pcp_query_rows`).
     ``fuse_siblings`` is ``fuse_linears``'s ``enabled``."""
     options = {
         insert_kv_cache.name: {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype},
@@ -114,12 +115,12 @@ def default_passes(mesh: Mesh, *, block_size: int, comm: str, plan=None, kv_cach
     }
     passes = [p.with_options(**options[p.name]) if p.name in options else p for p in PIPELINE]
     if mesh.pcp > 1:
-        local = mesh.dcp == 1 and fuse_new and not sparse  # the fused read can take this rank's queries alone
+        queries = pcp_query_rows(mesh, fuse_new=fuse_new, sparse=sparse)
         passes.insert(next(i for i, p in enumerate(passes) if p.name == insert_kv_cache.name),
-                      split_pcp_prefill.with_options(mesh=mesh, local_queries=local))
-        if local:
+                      split_pcp_prefill.with_options(mesh=mesh, queries=queries))
+        if queries != "step":
             passes.insert(next(i for i, p in enumerate(passes) if p.name == fuse_new_tokens.name) + 1,
-                          split_pcp_attention)
+                          split_pcp_attention.with_options(queries=queries))
     if return_hidden:
         passes.insert(passes.index(select_logits) + 1, return_hidden_states)
     if expert_parallel_experts:
@@ -151,6 +152,19 @@ def refuse_recurrent_layers_on(program: Program, mesh: Mesh) -> None:
             f"{program.facts.architecture}: recurrent layers ({describe_recurrent(without_rule)}) compile at "
             f"tp=1, dcp=1 only, got tp={mesh.tp}, dcp={mesh.dcp} (kinds split over TP: {sorted(TP_RULES)})"
         )
+
+
+def pcp_query_rows(mesh: Mesh, *, fuse_new: bool, sparse: bool) -> str:
+    """Which rows a PCP rank's attention queries are (:func:`split_pcp_prefill`'s ``queries``):
+    its own (``"rank"``) at ``dcp = 1``; its DCP group's (``"group"``) where the group is
+    ``1 < dcp < pcp`` PCP ranks of one TP rank; otherwise every step row (``"step"``: the group
+    spans all PCP ranks, so its rows are the step's). ``"rank"`` and ``"group"`` need the fused
+    paged read (per-query bounds) and no sparse layer (its indexer reads the whole step)."""
+    if not fuse_new or sparse:
+        return "step"
+    if mesh.dcp == 1:
+        return "rank"
+    return "group" if grouped_queries(mesh) else "step"
 
 
 def pcp_comm(mesh: Mesh, comm: str) -> str:

@@ -145,6 +145,10 @@ class _ContextReadSharding:
         # pcp > 1 with dcp | pcp: the group is ranks of one TP rank, holding the same heads and (after
         # split_pcp_prefill's gathers) the same queries, so only the partials are exchanged
         self.same_queries = program.mesh.pcp > 1 and program.mesh.pcp % self.n == 0
+        # pcp > 1 with pcp | dcp < ... : the group is n/pcp TP ranks' heads, each held by its pcp PCP
+        # ranks with the same (gathered) queries; a2a attends each distinct head block once
+        pcp = program.mesh.pcp
+        self.copies = pcp if pcp > 1 and self.n > pcp and self.n % pcp == 0 and comm == "a2a" else 1
         self.interleave = int(program.lowering.interleave)
         placeholders = {p.name: p for p in graph.nodes if p.op == "placeholder"}
         self.local: dict = {placeholders["context_lens"]: local_lens}
@@ -169,7 +173,14 @@ class _ContextReadSharding:
             return q  # now every head of the group, computed here
         with graph.inserting_before(node):
             q_heads_first = e(aten.clone.default, e(aten.transpose.int, q, 0, 1), memory_format=torch.contiguous_format)
-            return e(aten.transpose.int, coll.all_gather(graph, q_heads_first, self.n, "dcp"), 0, 1)
+            gathered = e(aten.transpose.int, coll.all_gather(graph, q_heads_first, self.n, "dcp"), 0, 1)
+            if self.copies == 1:
+                return gathered
+            # member j = (t·pcp + p) of the group holds head block t: keep the p = 0 copies
+            heads, d = q.meta["val"].shape[1:]
+            blocks = e(aten.view.default, gathered, [-1, self.n // self.copies, self.copies, heads, d])
+            return e(aten.view.default, e(aten.clone.default, e(aten.select.int, blocks, 2, 0),
+                                          memory_format=torch.contiguous_format), [-1, self.n // self.copies * heads, d])
 
     def shard(self, node) -> None:
         """Rewrite one context read; its output and LSE users then read the merged results."""
@@ -196,7 +207,7 @@ class _ContextReadSharding:
                 out, lse = merge_all_heads(graph, e, o_c, lse_c, n, n * heads, dv,
                                            *(v.dtype for v in node.meta["val"][:2]))
             elif self.comm == "a2a":
-                out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q)
+                out, lse = _merge_a2a(graph, e, node, o_c, lse_c, n, heads, dv, q, self.copies)
             else:
                 out, lse = _merge_ag_rs(graph, e, o_c, lse_c, n, heads, dv, q, self.dcp_rank)
         for index, result in ((0, out), (1, lse)):
@@ -257,12 +268,20 @@ def _to(e, x, have: torch.dtype, want: torch.dtype):
     return x if have == want else e(aten._to_copy.default, x, dtype=want)
 
 
-def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q):
+def _merge_a2a(graph, e, read, o_c, lse_c, n, heads, dv, q, copies: int = 1):
     """Pack ``[o ‖ lse]`` per (token, head) straight into head-block order, exchange head blocks,
     merge locally. The ``cat`` writes the all-to-all's contiguous ``[N, T, H, Dv+1]`` input in one
-    copy from the permuted views of the attention's outputs."""
-    o_blocks = e(aten.permute.default, e(aten.view.default, o_c, [-1, n, heads, dv]), [1, 0, 2, 3])
-    lse_blocks = e(aten.permute.default, e(aten.view.default, lse_c, [-1, n, heads]), [1, 0, 2])
+    copy from the permuted views of the attention's outputs. With ``copies > 1`` the read attended
+    ``n / copies`` distinct head blocks, member ``j`` of the group wanting block ``j // copies``:
+    each block is sent to its ``copies`` holders (an expand, copied once by the ``cat``)."""
+    m = n // copies
+    o_blocks = e(aten.permute.default, e(aten.view.default, o_c, [-1, m, heads, dv]), [1, 0, 2, 3])
+    lse_blocks = e(aten.permute.default, e(aten.view.default, lse_c, [-1, m, heads]), [1, 0, 2])
+    if copies > 1:
+        o_blocks = e(aten.reshape.default, e(aten.expand.default, e(aten.unsqueeze.default, o_blocks, 1),
+                                             [m, copies, -1, heads, dv]), [n, -1, heads, dv])
+        lse_blocks = e(aten.reshape.default, e(aten.expand.default, e(aten.unsqueeze.default, lse_blocks, 1),
+                                               [m, copies, -1, heads]), [n, -1, heads])
     blocks = _packed_partial(e, read, q, o_blocks, lse_blocks)
     received = coll.all_to_all(graph, blocks, n, "dcp")  # row i: rank i's partial for my heads
     return _merged_partials(e, q, received, dv)

@@ -32,11 +32,15 @@ A window's, chunk's, soft-cap's or sink's bound is per query position or per hea
 attention splits like causal attention.
 
 With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``, no sparse layer) the queries stay local
-(``local_queries``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
+(``queries="rank"``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
 ``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
 and causal bounds (``position + 1`` at ``pcp_rows``), so each rank attends its zigzag rows only
-and the causal work splits ``1/pcp`` as in the eager path. With ``dcp > 1`` the queries are
-gathered too and the attention runs on the whole step on every PCP rank (over its DCP shard).
+and the causal work splits ``1/pcp`` as in the eager path. Where the DCP group is ``1 < dcp <
+pcp`` PCP ranks of one TP rank (``queries="group"``) the gathered queries are read at the group's
+rows (``pcp_group_rows``, :func:`dcpgraph.pcp.step_rows.pcp_group_rows`) and the paged read is
+bounded the same way, so each of the group's ranks attends ``dcp/pcp`` of the rows over ``1/dcp``
+of the keys. Otherwise (``queries="step"``: the DCP group spans every PCP rank) the attention runs
+on the whole step on every PCP rank, over its ``1/dcp`` DCP shard.
 
 Every value a rank computes for a row is what ``pcp = 1`` computes for it (row-wise ops on the
 same inputs; attention over the same keys with the same bound), so the tokens are exact. The dense
@@ -58,6 +62,7 @@ from .select_logits import find_logits_linear
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcpgraph
+QUERY_ROWS = ("step", "rank", "group")
 ATTENTION = dcp_ops.attention.default
 PAGED = dcp_ops.paged_attention.default
 SPARSE = dcp_ops.sparse_attention.default
@@ -103,11 +108,18 @@ def _step_ordered(node) -> bool:
               not_yet_run("select_logits", "the LM head must read every step row before the logits rows are picked")],
     ensures=[_ensures],
 )
-def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False):
+def split_pcp_prefill(program: Program, mesh: Mesh, queries: str = "step"):
     """``mesh``: the one being compiled for (``program.mesh`` is set later, by ``shard_tp``).
-    ``local_queries``: gather only ``k``/``v`` and keep this rank's queries (``[1, H, L, D]``);
-    the attention is then only right once :func:`split_pcp_attention` has given the fused paged
-    read this rank's request boundaries and causal bounds."""
+    ``queries``: which rows each attention's queries are, one of :data:`QUERY_ROWS`: ``"step"``,
+    every step row (gathered over the PCP group); ``"rank"``, this rank's ``L`` rows (only
+    ``k``/``v`` are gathered); ``"group"``, the rows of this rank's DCP group
+    (``pcp_group_rows``, taken from the gathered step; the output is read back at
+    ``pcp_own_in_group``). With ``"rank"`` and ``"group"`` the attention is only right once
+    :func:`split_pcp_attention` has given the fused paged read those rows' request boundaries and
+    causal bounds."""
+    if queries not in QUERY_ROWS:
+        raise ValueError(f"queries must be one of {QUERY_ROWS}, got {queries!r}")
+    local_queries = queries == "rank"
     if mesh.pcp == 1:
         return program, "pcp=1: nothing to split"
     gm = program.copy_graph()
@@ -115,6 +127,8 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
     e = Emitter(graph)
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     rows, order = add_placeholders(graph, ["pcp_rows", "pcp_order"])
+    group_rows, own_in_group = add_placeholders(graph, ["pcp_group_rows", "pcp_own_in_group"]) \
+        if queries == "group" else (None, None)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     selected = 0
     for name in ("input_ids", "position_ids", "hidden_states"):  # hidden_states: an MTP layer's [1, T, H]
@@ -137,8 +151,9 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
             f"(dense GQA or MLA, sliding-window, soft-capped, sink or chunked, or sparse SFA/DSA) in every layer; "
             f"{program.facts.num_layers - len(attentions)} of {program.facts.num_layers} layers have none "
             "(layers without attention are not split over PCP ranks); use pcp=1")
-    if sparse and local_queries:
-        raise VerificationError("split_pcp_prefill: sparse (SFA) attention gathers its queries (local_queries=False)")
+    if sparse and queries != "step":
+        raise VerificationError(f"split_pcp_prefill: sparse (SFA) attention gathers every step query (queries='step', "
+                                f"not {queries!r})")
     indexers: list = []  # gathered once each, in graph order (a shared-indexer layer reads an earlier one)
     for node in attentions:
         if any(len(x.meta["val"].shape) != 4 or x.meta["val"].shape[0] != 1 for x in node.args[:3]):
@@ -153,12 +168,14 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
             gathered_v = _value_of(e, k, v, gathered_k) or _gather_heads_first(graph, e, v, order, mesh.pcp)
             if not local_queries:
                 q = _gather_heads_first(graph, e, q, order, mesh.pcp)
+            if group_rows is not None:
+                q = e(aten.index_select.default, q, 2, group_rows)
         node.args = (q, gathered_k, gathered_v, *node.args[3:])
         if local_queries:
             continue
         users = list(node.users)
         with graph.inserting_after(node):
-            back = e(aten.index_select.default, node, 2, rows)
+            back = e(aten.index_select.default, node, 2, rows if own_in_group is None else own_in_group)
         for user in users:
             user.replace_input_with(node, back)
     linear = find_logits_linear(graph)
@@ -177,7 +194,11 @@ def split_pcp_prefill(program: Program, mesh: Mesh, local_queries: bool = False)
     graph.eliminate_dead_code()
     gm.recompile()
     inputs = (*program.inputs, InputSpec("pcp_rows", RANK, "pcp_rows"), InputSpec("pcp_order", META, "pcp_order"))
-    gathered = "k/v (queries stay local)" if local_queries else "q/k/v"
+    if queries == "group":
+        inputs = (*inputs, InputSpec("pcp_group_rows", RANK, "pcp_group_rows"),
+                  InputSpec("pcp_own_in_group", RANK, "pcp_own_in_group"))
+    gathered = {"rank": "k/v (queries stay local)", "step": "q/k/v",
+                "group": "q/k/v (queries read at the DCP group's rows)"}[queries]
     indexed = f", {len(indexers)} indexers' q/k/weights" if indexers else ""
     state = f", hidden-states output {hidden_output}" if hidden_output is not None else ""
     return (program.replace(graph_module=gm, inputs=inputs),
@@ -193,7 +214,7 @@ def _outputs(graph) -> tuple:
 
 def _ensures_local(program: Program) -> None:
     for read in nodes_calling(program.graph_module.graph, PAGED):
-        if read.args[4].name != "pcp_cu_seqlens_q":
+        if read.args[4].name not in ("pcp_cu_seqlens_q", "pcp_group_cu_seqlens_q"):
             raise VerificationError(f"{read.name} reads rank-local queries with the step's request boundaries")
 
 
@@ -203,25 +224,32 @@ def _ensures_local(program: Program) -> None:
               not_yet_run("shard_dcp", "it applies at dcp = 1 only, where no DCP lowering follows")],
     ensures=[_ensures_local],
 )
-def split_pcp_attention(program: Program):
-    """After ``split_pcp_prefill(local_queries=True)``: each fused paged read takes this rank's
+def split_pcp_attention(program: Program, queries: str = "rank"):
+    """After ``split_pcp_prefill(queries="rank")``: each fused paged read takes this rank's
     ``L`` queries, so its query boundaries become ``pcp_cu_seqlens_q`` and its causal bounds
     (``position + 1`` of every step row) and window or chunk starts (``kv_start``, per query) are
     read at ``pcp_rows``; a soft-cap and a sink are per head, the same for every row. Its key counts (context plus the
     request's new tokens, all written to the cache from the gathered K/V) stay the step's. Each
-    rank then attends only its zigzag rows: the causal work splits ``1/pcp``."""
+    rank then attends only its zigzag rows: the causal work splits ``1/pcp``. After
+    ``split_pcp_prefill(queries="group")`` the same holds for the DCP group's rows
+    (``pcp_group_cu_seqlens_q``, bounds at ``pcp_group_rows``): each of the ``dcp`` ranks of the
+    group attends the group's ``dcp·L`` rows over its ``1/dcp`` of the keys, again ``1/pcp``."""
+    if queries not in ("rank", "group"):
+        raise ValueError(f"split_pcp_attention reads 'rank' or 'group' rows, got {queries!r}")
     gm = program.copy_graph()
     graph = gm.graph
     e = Emitter(graph)
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    (cu,) = add_placeholders(graph, ["pcp_cu_seqlens_q"])
+    cu_name, rows_name = (("pcp_cu_seqlens_q", "pcp_rows") if queries == "rank"
+                          else ("pcp_group_cu_seqlens_q", "pcp_group_rows"))
+    (cu,) = add_placeholders(graph, [cu_name])
     local: dict = {}
 
     def mine(per_query):
-        """``per_query [T]`` at this rank's rows, emitted once per node."""
+        """``per_query [T]`` at the rows this rank attends, emitted once per node."""
         if per_query not in local:
             with graph.inserting_after(per_query):
-                local[per_query] = e(aten.index_select.default, per_query, 0, placeholders["pcp_rows"])
+                local[per_query] = e(aten.index_select.default, per_query, 0, placeholders[rows_name])
         return local[per_query]
 
     reads = nodes_calling(graph, PAGED)
@@ -235,9 +263,10 @@ def split_pcp_attention(program: Program):
         tail = (*read.args[7:8], mine(start), *read.args[9:]) if start is not None else read.args[7:]
         read.args = (*read.args[:4], cu, read.args[5], mine(bound), *tail)
     gm.recompile()
-    inputs = (*program.inputs, InputSpec("pcp_cu_seqlens_q", RANK, "pcp_cu_seqlens_q"))
+    inputs = (*program.inputs, InputSpec(cu_name, RANK, cu_name))
+    whose = "this rank's rows" if queries == "rank" else "the DCP group's rows"
     return (program.replace(graph_module=gm, inputs=inputs),
-            f"{len(reads)} paged reads attend this rank's rows only (pcp_cu_seqlens_q, bounds at pcp_rows)")
+            f"{len(reads)} paged reads attend {whose} only ({cu_name}, bounds at {rows_name})")
 
 
 def _gather_rows(graph, e: Emitter, x, order, pcp: int):

@@ -18,7 +18,8 @@ Every scheduled token of every request is flattened into one sequence. For reque
 - for a model with recurrent layers: ``state_slots`` ``[R]``, each request's state slot;
 - with ``pcp > 1``: ``pcp_order`` ``[T]`` (shared) and per rank ``pcp_rows`` ``[L]`` and
   ``pcp_cu_seqlens_q`` ``[R+1]``: the rows this rank computes, where each row sits in the PCP
-  exchange, and its rows' request boundaries (:mod:`dcpgraph.pcp.step_rows`).
+  exchange, and its rows' request boundaries; with ``1 < dcp < pcp`` also its DCP group's rows
+  (``pcp_group_rows``, ``pcp_group_cu_seqlens_q``, ``pcp_own_in_group``) (:mod:`dcpgraph.pcp.step_rows`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from .. import layout
 from ..mesh import Mesh
-from ..pcp.step_rows import pcp_step_rows
+from ..pcp.step_rows import add_pcp_rows
 
 # Steps of at most this many tokens compute slots and lengths on Python ints; longer ones on tensors.
 SMALL_STEP_TOKENS = 256
@@ -149,9 +150,7 @@ def build_step_inputs(
             own["slot_mapping_sliding"] = slots(d, lambda c: c.sliding_table, sliding)
         per_rank.append(own)
     if mesh.pcp > 1:
-        pcp_rows, shared["pcp_order"], pcp_cu = pcp_step_rows([len(c.tokens) for c in chunks], mesh.pcp)
-        for rank, own in zip(mesh.ranks, per_rank):
-            own["pcp_rows"], own["pcp_cu_seqlens_q"] = pcp_rows[mesh.pcp_rank(rank)], pcp_cu[mesh.pcp_rank(rank)]
+        add_pcp_rows(shared, per_rank, [len(c.tokens) for c in chunks], mesh)
     return shared, per_rank
 
 

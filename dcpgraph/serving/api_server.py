@@ -239,8 +239,12 @@ class OpenAIServer:
         return JSONResponse(error_body(503, reason, "service_unavailable"), status_code=503)
 
     async def kv_transfer_stats(self):
-        """P/D counters; ``prompt_tokens_computed``: prompt tokens this instance's ranks ran."""
-        computed = self.engine_loop.snapshot()["prefix_cache"].get("prompt_tokens_computed")
+        """P/D counters; ``prompt_tokens_computed``: prompt tokens this instance's ranks ran (every
+        data-parallel replica's)."""
+        snap = self.engine_loop.snapshot()
+        counts = [e["prefix_cache"].get("prompt_tokens_computed") for e in snap["engines"]]
+        counts = counts or [snap["prefix_cache"].get("prompt_tokens_computed")]
+        computed = None if None in counts else sum(counts)
         return {**(self.kv_agent.stats if self.kv_agent else {"role": None}), "prompt_tokens_computed": computed}
 
     async def prometheus(self):

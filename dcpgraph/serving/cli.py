@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from .api_server import build_app
     from .kv_connector import parse_kv_transfer_config
     from .kv_connector.agent import KVAgent
+    from .kv_connector.replicas import ReplicaKVAgents, check_data_parallel_pd
     from .llm import LLM, llm_kwargs
 
     try:
@@ -108,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             par = settings.parallel
             refuse_pcp_execution(Mesh(par.tensor_parallel_size, par.decode_context_parallel_size,
                                       par.prefill_context_parallel_size), kv_role=kv_config.kv_role)
+            check_data_parallel_pd(kv_config, par.data_parallel_size, expert_parallel=par.enable_expert_parallel)
         llm = LLM(model=settings.model.model, usage_context="serve", **llm_kwargs(settings))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)
         return 2
     try:
-        kv_agent = KVAgent(kv_config, llm.engine) if kv_config else None
+        kv_agent = None
+        if kv_config is not None:  # data parallelism: one agent (and rendezvous port) per replica
+            replicated = settings.parallel.data_parallel_size > 1
+            kv_agent = (ReplicaKVAgents if replicated else KVAgent)(kv_config, llm.engine)
     except DcpGraphError as err:
         llm.shutdown()
         print(f"dcpgraph serve: {err}", file=sys.stderr)

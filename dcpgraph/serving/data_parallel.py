@@ -22,7 +22,9 @@ layer is a collective over all replicas' ranks, so a step starts on *every* repl
 has work (an idle one runs a dummy forward, :meth:`~dcpgraph.runtime.model_runner.ModelRunner.dummy_forward`)
 and a replica that fails stops the whole group at once (:meth:`_await_steps`).
 
-Not here yet: P/D transfer (refused when the KV agent starts).
+P/D transfer runs one KV agent per replica (:mod:`.kv_connector.replicas`): a producer's held
+request leaves this client (:meth:`detach`), a consumer's adopted one joins it on the replica the
+router chose (:meth:`route`, then :meth:`attach`).
 """
 
 from __future__ import annotations
@@ -56,13 +58,28 @@ class DataParallelEngine(EngineClient):
         return len(self._ids[replica])
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any) -> int:
-        replica = self.router.choose(prompt, [self.live(i) for i in range(len(self.replicas))])
-        local = self.replicas[replica].add_request(prompt, max_new_tokens, **sampling)
+        replica = self.route(prompt)
+        return self.attach(replica, self.replicas[replica].add_request(prompt, max_new_tokens, **sampling))
+
+    def route(self, prompt: Sequence[int]) -> int:
+        """The replica a new request for ``prompt`` goes to (recorded by the router)."""
+        return self.router.choose(prompt, [self.live(i) for i in range(len(self.replicas))])
+
+    def attach(self, replica: int, local: int) -> int:
+        """Take request ``local`` of ``replica`` (added there directly, e.g. adopted from a P/D
+        transfer) as one of this client's; returns its client id."""
         rid, self._next_id = self._next_id, self._next_id + 1
         self._owner[rid] = (replica, local)
         self._ids[replica][local] = rid
         self.requests_served[replica] += 1
         return rid
+
+    def detach(self, request_id: int) -> tuple[int, int]:
+        """Stop tracking ``request_id`` without aborting it (a producer holds its KV for a transfer);
+        returns ``(replica, the replica's id)``."""
+        replica, local = self._owner[request_id]
+        self._forget(replica, local)
+        return replica, local
 
     def enable_structured_outputs(self, backend) -> None:
         for replica in self.replicas:
@@ -161,11 +178,11 @@ class DataParallelEngine(EngineClient):
     def rank_call(self, name: str, args: dict) -> list:
         """Ops that ask every replica (waiting ids, in client ids; each rank's process report;
         resetting every prefix cache) run on all of them; any other op (the P/D transfer's) is
-        refused: it belongs to one engine."""
+        refused: it belongs to one engine (P/D calls each replica's own, through its KV agent)."""
         if name not in MERGED_OPS:
             raise ConfigError(f"rank op {name!r} needs one engine; with --data-parallel-size "
-                              f"{len(self.replicas)} there are several (P/D transfer is not supported with data "
-                              "parallelism yet)")
+                              f"{len(self.replicas)} there are several: call one replica's (data-parallel P/D "
+                              "runs one KV agent per replica)")
         values = [r.rank_call(name, args) for r in self.replicas]
         if name == WAITING_IDS:
             return [[self._ids[i][local] for i, v in enumerate(values) for local in v[0] if local in self._ids[i]]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..runtime.ports import free_port
 
-__all__ = ["ServerProcess", "free_port", "running_dcpgraph", "running_server"]
+__all__ = ["ServerProcess", "free_port", "running_dcpgraph", "running_server", "running_servers"]
 START_ATTEMPTS = 3  # fresh ports for a server whose own port was taken before it bound
 
 
@@ -62,6 +62,30 @@ def running_dcpgraph(subcommand: str, *args: str, log_path: str, start_timeout_s
         yield server
     finally:
         _stop(server)
+
+
+@contextlib.contextmanager
+def running_servers(*servers: tuple[tuple[str, ...], str], start_timeout_s: float = 600.0):
+    """Several ``dcpgraph serve`` processes, each ``(args, log_path)``: all start at once (their
+    start-ups overlap), then each is waited for as :func:`running_server` does; yields them in
+    order and stops them all when the block exits."""
+    started: list[ServerProcess] = []
+    try:
+        started += [_start("serve", args, log_path, None) for args, log_path in servers]
+        for i, (args, log_path) in enumerate(servers):
+            for attempt in range(START_ATTEMPTS):
+                try:
+                    _wait_healthy(started[i], start_timeout_s)
+                    break
+                except _PortTaken:
+                    _stop(started[i])
+                    if attempt + 1 == START_ATTEMPTS:
+                        raise
+                    started[i] = _start("serve", args, log_path, None)
+        yield list(started)
+    finally:
+        for server in started:
+            _stop(server)
 
 
 class _PortTaken(RuntimeError):

@@ -6,7 +6,8 @@
   ``TCPStore`` rendezvous;
 - :mod:`.plan`: which producer rank sends which rows (or whole blocks) to which consumer rank,
   across dcp, tp (KV heads re-split), interleave and block size;
-- :mod:`.rank_ops`: what a rank does next to its engine; :mod:`.agent`: what a driver does.
+- :mod:`.rank_ops`: what a rank does next to its engine; :mod:`.agent`: what a driver does;
+- :mod:`.replicas`: one agent per data-parallel replica (``-dp``), each at ``kv_port + r``.
 """
 
 from .base import KVConnector, KVTransferError

@@ -1,16 +1,19 @@
-"""``KVAgent``: the driver side of P/D in one serving instance, called only from its engine thread.
+"""``KVAgent``: the driver side of P/D in one engine (a serving instance, or one data-parallel
+replica of it, :mod:`.replicas`), called only from the instance's engine thread.
 
 Producer (``kv_producer``/``kv_both``): a request sent with ``kv_transfer_params:
 {"do_remote_decode": true}`` runs to its first token; then :meth:`KVAgent.hold` keeps its blocks
-under a fresh transfer id and answers the parameters a consumer needs. :meth:`KVAgent.tick` (every
-engine-loop turn) serves the consumers' asks: every rank gathers and sends, then the blocks are
-freed, whether the send succeeded or not. A held request nobody asked for within
-``hold_timeout_s`` is freed and marked failed.
+under a fresh transfer id and answers the parameters a consumer needs (``kv_replica`` names the
+replica whose endpoint holds it). :meth:`KVAgent.tick` (every engine-loop turn) serves the
+consumers' asks: every rank gathers and sends, then the blocks are freed, whether the send
+succeeded or not. A held request nobody asked for within ``hold_timeout_s`` is freed and marked
+failed.
 
 Consumer (``kv_consumer``/``kv_both``): :meth:`KVAgent.receive` adopts the request (its own prefix
 cache may already hold the first blocks: those are not received), asks the producer, and every rank
-receives its rows. Any failure (the producer died, never joined, the transfer timed out) aborts
-the request, so its blocks are free, and raises :class:`~dcpgraph.errors.KVTransferError`.
+receives its rows, all on the rendezvous of the replica the parameters name. Any failure (the
+producer died, never joined, the transfer timed out) aborts the request, so its blocks are free,
+and raises :class:`~dcpgraph.errors.KVTransferError`.
 
 Nothing waits longer than ``transfer_timeout_s`` per transfer; the engine thread is busy for the
 length of each transfer it serves (the decode side therefore pauses its other requests meanwhile).
@@ -23,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ...errors import KVTransferError, RequestError
+from ...errors import ConfigError, KVTransferError, RequestError
 from . import rank_ops
 from .config import KVTransferConfig
 from .plan import KVSide, check_compatible
@@ -40,15 +43,22 @@ class _Held:
 
 
 class KVAgent:
-    def __init__(self, config: KVTransferConfig, engine):
-        self.config = config
+    """The agent of one engine: the instance's, or data-parallel replica ``replica``'s (whose
+    endpoint is ``kv_port + replica``, :meth:`KVTransferConfig.for_replica`)."""
+
+    def __init__(self, config: KVTransferConfig, engine, *, replica: int = 0):
+        self.base = config  # the instance's configuration: other replicas' endpoints derive from it
+        self.config = config.for_replica(replica)
+        self.replica = replica
         self.engine = engine
-        self.connector = config.connector()
+        self.connector = self.config.connector()
+        self._connectors = {self.config.kv_port: self.connector}  # per endpoint this consumer pulled from
         if config.hosts_store:
             self.connector.host_store()
         self.side = self._call("side", {})[0]
         self.held: dict[str, _Held] = {}
-        self.stats = {"role": config.kv_role, "kv_rank": config.kv_rank, "transfers_sent": 0, "transfers_received": 0,
+        self.stats = {"role": config.kv_role, "kv_rank": config.kv_rank, "kv_replica": replica,
+                      "kv_port": self.config.kv_port, "transfers_sent": 0, "transfers_received": 0,
                       "bytes_sent": 0, "bytes_received": 0, "tokens_sent": 0, "tokens_received": 0,
                       "tokens_from_prefix_cache": 0, "failures": 0, "expired": 0, "held": 0,
                       "last_transfer_s": None, "last_error": None}
@@ -66,11 +76,12 @@ class KVAgent:
     # -- producer -----------------------------------------------------------------------------------
     def hold(self, rid: int) -> dict:
         info = self._call("hold", {"rid": rid})[0]
-        transfer_id = f"{self.config.kv_rank}-{uuid.uuid4().hex}"
+        transfer_id = f"{self.config.kv_rank}.{self.replica}-{uuid.uuid4().hex}"
         self.held[transfer_id] = _Held(rid, info["computed"], time.monotonic() + self.config.hold_timeout_s)
         self.stats["held"] = len(self.held)
         prompt_len = info["prompt_len"]
         return {"transfer_id": transfer_id, "producer": self.side, "kv_rank": self.config.kv_rank,
+                "kv_replica": self.replica,
                 "prompt_token_ids": info["tokens"][:prompt_len], "output_token_ids": info["tokens"][prompt_len:],
                 "computed": info["computed"]}
 
@@ -136,7 +147,12 @@ class KVAgent:
         if computed != len(prompt_ids):
             raise RequestError(f"kv_transfer_params: computed={computed}, expected the prompt length {len(prompt_ids)}")
         output = [int(t) for t in params["output_token_ids"]]
-        failure = self.connector.failure(transfer_id)
+        try:
+            endpoint = self.base.endpoint_of(params)
+        except ConfigError as err:
+            raise RequestError(str(err)) from None
+        connector = self._connector_at(endpoint)
+        failure = connector.failure(transfer_id)
         if failure is not None:
             raise self._failed(f"KV transfer {transfer_id} cannot happen: {failure}")
         try:  # refused here, before this side adopts anything or any rank joins a transfer group
@@ -148,9 +164,9 @@ class KVAgent:
         rid, start = adopted["rid"], adopted["start"]
         began = time.monotonic()
         try:
-            self.connector.request_kv(transfer_id, {"consumer": self.side, "start": start, "end": computed})
+            connector.request_kv(transfer_id, {"consumer": self.side, "start": start, "end": computed})
             received = sum(self._call("recv", {"rid": rid, "transfer_id": transfer_id, "producer": params["producer"],
-                                               "start": start, "end": computed, "config": self.config.to_json()}))
+                                               "start": start, "end": computed, "config": endpoint.to_json()}))
         except Exception as err:
             self.engine.abort(rid)
             raise self._failed(f"KV transfer {transfer_id} from the producer failed; the request was "
@@ -164,10 +180,17 @@ class KVAgent:
                  transfer_id, start, computed, start, received, self.stats["last_transfer_s"])
         return rid, output
 
+    def _connector_at(self, endpoint: KVTransferConfig):
+        """The signalling connector of ``endpoint`` (a producer replica's rendezvous), made once."""
+        if endpoint.kv_port not in self._connectors:
+            self._connectors[endpoint.kv_port] = endpoint.connector()
+        return self._connectors[endpoint.kv_port]
+
     def close(self) -> None:
         for transfer_id in list(self.held):
             try:
                 self._release(transfer_id)
             except Exception:
                 break
-        self.connector.close()
+        for connector in self._connectors.values():
+            connector.close()

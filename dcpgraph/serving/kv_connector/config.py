@@ -12,12 +12,18 @@ instance with ``kv_rank == 0`` hosts the rendezvous store on ``kv_ip:kv_port`` (
 127.0.0.1). ``kv_connector_extra_config``: ``transfer_timeout_s`` (bound on one transfer's
 rendezvous and data, default 30) and ``hold_timeout_s`` (how long a producer keeps a prefilled
 request's blocks for a consumer that has not asked yet, default 60).
+
+With data parallelism (``-dp D``) every replica ``r`` of an instance has its own KV agent and
+rendezvous endpoint, ``kv_ip:kv_port + r`` (:meth:`KVTransferConfig.for_replica`); the ``kv_rank
+0`` instance hosts one store per replica. A producer's replica ``r`` holds its transfers there
+and names ``r`` in the parameters it returns (``kv_replica``); a consumer pulls from that
+replica's endpoint (:meth:`KVTransferConfig.endpoint_of`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...errors import ConfigError
 
@@ -49,6 +55,26 @@ class KVTransferConfig:
     @property
     def hosts_store(self) -> bool:
         return self.kv_rank == 0
+
+    def replica_port(self, replica: int) -> int:
+        """The rendezvous port of data-parallel replica ``replica``: ``kv_port + replica``."""
+        port = self.kv_port + replica
+        if replica < 0 or port > 65535:
+            raise ConfigError(f"--kv-transfer-config: replica {replica} has no rendezvous port (kv_port {self.kv_port} "
+                              f"+ replica must be in [kv_port, 65535])")
+        return port
+
+    def for_replica(self, replica: int) -> KVTransferConfig:
+        """This configuration as replica ``replica``'s KV agent uses it (its own rendezvous port)."""
+        return replace(self, kv_port=self.replica_port(replica))
+
+    def endpoint_of(self, params: dict) -> KVTransferConfig:
+        """Where the KV of a producer's returned ``params`` is pulled from: the endpoint of the
+        replica they name (``kv_replica``, 0 when absent: a producer without data parallelism)."""
+        replica = params.get("kv_replica", 0)
+        if isinstance(replica, bool) or not isinstance(replica, int):
+            raise ConfigError(f"kv_transfer_params: kv_replica must be a replica index (int >= 0), got {replica!r}")
+        return self.for_replica(replica)
 
     def connector(self):
         from .torch_distributed import TorchDistributedConnector

@@ -38,6 +38,7 @@ import torch
 from ... import layout
 from ...errors import UnsupportedModelError
 from ...mesh import Mesh
+from ...runtime.entry_placement import is_entry_cache
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
 
@@ -66,6 +67,13 @@ class KVSide:
                 f"{facts.architecture}: KV transfer between instances (P/D) places every cache's heads by one "
                 f"KV head count, and this model's layers have {sorted(set(facts.layer_kv_heads))}; serve it "
                 "without a KV connector")
+        entries = sorted({c.layer for c in program.caches if is_entry_cache(c)})
+        if entries:
+            raise UnsupportedModelError(
+                f"{facts.architecture}: KV transfer between instances (P/D through dcpgraph serve) moves token rows, "
+                f"and the DeepSeek-V4 compressed layers {entries[:8]} hold one row per compressed entry; serve it "
+                "without a KV connector (in one process, Engine.prefill and continue_from move V4's entries and "
+                "open windows across meshes)")
         return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
                    int(facts.num_kv_heads),
                    tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches),

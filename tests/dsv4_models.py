@@ -5,7 +5,9 @@ Four layers cover every attention kind V4 ships: sliding-only, two heavily compr
 overlapping windows, lightning indexer keeping ``TOPK`` entries). The window ``WINDOW`` is shorter
 than the test prompts and ``TOPK`` is smaller than the number of entries a prompt emits, so the
 window, the compressed entries and the selection all decide what later queries see. Layers 0-1
-route by token hash, 2-3 by a learned top-k router (both MoE kinds); ``hc_mult`` 2 streams.
+route by token hash, 2-3 by a learned top-k router (both MoE kinds); ``hc_mult`` 2 streams. The
+vocabulary (``VOCAB`` = 131) divides by no tp > 1, as real checkpoints' often do not, so a
+vocab-parallel embedding or LM head is padded.
 
 fp64 weights redrawn from N(0, 0.2) (norms N(1, 0.3), position biases and sinks N(0, 0.5)) so
 attention, gates and the indexer are far from uniform; the hash table ``tid2eid`` is drawn at
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-VOCAB = 128
+VOCAB = 131
 HEADS, HEAD_DIM, ROPE_DIM = 4, 32, 8
 WINDOW = 6
 CSA_RATE, HCA_RATE = 2, 4

@@ -21,7 +21,7 @@ from dcpgraph.runtime.blocks import BlockManager
 
 # Their greedy tokens repeat (drafts kept); three rows pad a verification step to the bucket of 4, whose padding
 # row writes into block 0, the first prompt's first block without the scratch block.
-PROMPTS = [[7], [5, 5, 5, 5], [101, 101, 101]]
+PROMPTS = [[9], [12, 12, 12], [50]]
 NEW_TOKENS = 10  # token 1 is the engine's EOS (HF's generate here has none): every run stays short of it
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 

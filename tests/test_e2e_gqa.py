@@ -241,6 +241,22 @@ def test_the_split_new_token_form_matches_hf_too(zoo, name, tp, dcp, interleave,
         assert tokens == zoo.reference(name, prompt), f"prompt of length {len(prompt)}"
 
 
+FUSED_CASES = [("qwen2", 2, 2, 1, "a2a")]  # q/k/v with biases split by head, gate/up split: both fuse
+
+
+@pytest.mark.parametrize(("name", "tp", "dcp", "interleave", "comm"), FUSED_CASES,
+                         ids=[f"{n}-tp{t}-dcp{d}-il{i}-{c}" for n, t, d, i, c in FUSED_CASES])
+def test_fused_sibling_linears_match_hf_too(zoo, name, tp, dcp, interleave, comm):
+    """``fuse_linears=True`` (off by default): each layer's q/k/v and gate/up run as one linear over
+    each rank's concatenated shards, and the tokens are still HF's."""
+    engine = zoo.engine(name, tp, dcp, interleave=interleave, comm=comm, fuse_linears=True)
+    summary = next(p.summary for p in engine.program.provenance if p.name == "fuse_linears")
+    assert summary.startswith("10 linears → 4"), summary  # 2 layers: q/k/v → 1, gate/up → 1
+    got = engine.generate([list(p) for p in PROMPTS], MAX_NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == zoo.reference(name, prompt), f"prompt of length {len(prompt)}"
+
+
 # -- KV memory ------------------------------------------------------------------------------------
 def _allocated(engine, rank: int) -> int:
     return sum(t.numel() * t.element_size() for t in engine.executor.caches[rank].values())

@@ -100,11 +100,18 @@ def test_qwen3_moe_traces_and_references_vary(zoo):
     assert all(len(set(r)) >= 3 for r in refs.values()), refs
 
 
-@pytest.mark.parametrize(("tp", "dcp"), QWEN3_MOE_MESHES, ids=[f"tp{t}-dcp{d}" for t, d in QWEN3_MOE_MESHES])
-def test_qwen3_moe_greedy_matches_hf(zoo, tp, dcp):
+# every mesh unfused, and tp2·dcp2 with fuse_linears (off by default): q/k/v one linear a layer
+QWEN3_MOE_CASES = [(tp, dcp, False) for tp, dcp in QWEN3_MOE_MESHES] + [(2, 2, True)]
+
+
+@pytest.mark.parametrize(("tp", "dcp", "fuse"), QWEN3_MOE_CASES,
+                         ids=[f"tp{t}-dcp{d}" + ("-fused" if f else "") for t, d, f in QWEN3_MOE_CASES])
+def test_qwen3_moe_greedy_matches_hf(zoo, tp, dcp, fuse):
     comm = "a2a" if (tp + dcp) % 2 else "ag_rs"
-    _, got = zoo.generate("qwen3_moe", tp, dcp, comm=comm, interleave=1 if dcp == 1 else 2)
+    engine, got = zoo.generate("qwen3_moe", tp, dcp, comm=comm, interleave=1 if dcp == 1 else 2, fuse_linears=fuse)
     assert got == zoo.references("qwen3_moe")
+    summary = next(p.summary for p in engine.program.provenance if p.name == "fuse_linears")
+    assert (summary == "disabled") != fuse, summary
 
 
 def test_deepseek_v3_valid_meshes(zoo):

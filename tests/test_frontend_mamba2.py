@@ -21,8 +21,9 @@ from dcpgraph.frontends.recurrent_layers import (
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_mesh_checks import count as _count  # noqa: E402
+from hybrid_mesh_checks import forward as _run  # noqa: E402
 from hybrid_models import MAMBA2_MODELS  # noqa: E402 - after the transformers check
-from test_frontend_recurrent import _count, _run  # noqa: E402
 
 DCP = torch.ops.dcpgraph
 # model → (recurrent layers, attention ops, stateless layers)

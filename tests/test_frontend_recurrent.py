@@ -12,26 +12,12 @@ from dcpgraph.errors import UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_mesh_checks import count as _count  # noqa: E402
+from hybrid_mesh_checks import forward as _run  # noqa: E402
 from hybrid_models import lfm2 as _lfm2  # noqa: E402 - after the transformers check
 from hybrid_models import qwen3_next as _qwen3_next  # noqa: E402
 
 DCP = torch.ops.dcpgraph
-
-
-def _run(program, ids):
-    args = []
-    for spec in program.inputs:
-        if spec.kind == "user":
-            args.append(ids if spec.target == "input_ids" else torch.arange(ids.shape[1]).unsqueeze(0))
-        else:
-            args.append(program.state[spec.target])
-    with torch.no_grad():
-        out = program.graph_module(*args)
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _count(program, op) -> int:
-    return sum(1 for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target == op)
 
 
 @pytest.mark.parametrize("build, kinds, convs, rules", [

@@ -22,19 +22,11 @@ from dcpgraph.passes.shard_recurrent_tp import shard_recurrent_tp
 from dcpgraph.passes.tp_styles import SectionShardRule
 from dcpgraph.program import PARAM, InputSpec, ShardRule
 from dcpgraph.recurrent_state import GatedDeltaNetShape, ShortConvShape
-from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_mesh_checks import BLOCK, reaches, recurrent_tp_summary, run_on_mesh, shard_rules  # noqa: E402
 from hybrid_models import MESH_MODELS, qwen3_next  # noqa: E402 - after the transformers check
-
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
-BLOCK = 4
-# Blocks per rank that hold the longest request alone (17 tokens over dcp ranks in blocks of 4)
-# but, at dcp <= 2, not the three at once (so one is preempted). At dcp=4 the smallest such cache
-# (2 blocks, 32 tokens) already runs the three without a preemption.
-PREEMPTING_BLOCKS = {1: 7, 2: 4, 4: 2}
 
 # The MESH_MODELS' recurrent layers: qwen3_next's 3 gated delta nets (Hk 4, Hv 8, Dk = Dv = 8,
 # K 4), lfm2's 2 short convolutions (C 32, K 3); fp32.
@@ -86,7 +78,7 @@ def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_leng
     if isinstance(shape, GatedDeltaNetShape):
         want["recurrent_state"] = local.recurrent_state_shape(1)[1:]
     assert {(p.role, p.shape) for p in compiled.recurrent_states} == set(want.items())
-    rules = {s.target: s.shard for s in compiled.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
+    rules = shard_rules(compiled)
     conv, sections = (("conv", None) if arch == "lfm2" else ("conv1d", (32, 32, 64)))
     module = "conv" if arch == "lfm2" else "linear_attn"
     if arch == "qwen3_5":  # the split layout's fused [q | k | v] projection, by section
@@ -97,12 +89,12 @@ def test_tp_splits_recurrent_weights_outputs_and_pools_and_dcp_keeps_global_leng
     pool_bytes = sum(torch.Size(p.shape).numel() * p.dtype.itemsize for p in compiled.recurrent_states)
     assert pool_bytes == count * shape.state_bytes_per_request(torch.float32, tp=2)
     assert 2 * pool_bytes == count * shape.state_bytes_per_request(torch.float32)
-    step = next(p for p in compiled.provenance if p.name == "shard_recurrent_tp")
-    assert "split by heads/channels" in step.summary and "replicated" not in step.summary
+    summary = recurrent_tp_summary(compiled)
+    assert "split by heads/channels" in summary and "replicated" not in summary
     reduces = [n for n in compiled.graph_module.graph.nodes if (collective_group(n) or ("",))[0] == "tp"]
     outs = [n for n in compiled.graph_module.graph.nodes if n.op == "call_function"
             and any(a.op == "placeholder" and a.name.endswith(f"_{module}_out_proj_weight") for a in n.all_input_nodes)]
-    assert len(outs) == count and all(any(_reaches(out, r) for r in reduces) for out in outs)  # row-parallel
+    assert len(outs) == count and all(reaches(out, reduces) for out in outs)  # row-parallel
 
 
 def test_memory_fraction_sizing_subtracts_the_state_pools(traced, compiled, monkeypatch):
@@ -119,16 +111,6 @@ def test_memory_fraction_sizing_subtracts_the_state_pools(traced, compiled, monk
     assert "recurrent state" in sizing.describe()
 
 
-def _reaches(node, target, depth: int = 4) -> bool:
-    """Whether ``target`` uses ``node`` within ``depth`` steps (through a collective's wrapper ops)."""
-    frontier = {node}
-    for _ in range(depth):
-        frontier = {u for n in frontier for u in n.users}
-        if target in frontier:
-            return True
-    return False
-
-
 @pytest.mark.slow  # ~15 s: two verified compiles
 def test_state_bytes_per_rank_halve_at_tp2(traced):
     arch, _, program = traced
@@ -141,33 +123,20 @@ def test_state_bytes_per_rank_halve_at_tp2(traced):
     assert reports[2]["recurrent_state_bytes_per_rank"] == [2 * per_request[2]] * 2
 
 
-def _run(model, program, tp: int, dcp: int, interleave: int = 1):
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, interleave=interleave, block_size=BLOCK,
-                              max_num_batched_tokens=8, num_blocks=PREEMPTING_BLOCKS[dcp])
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.stats["preemptions"] >= (1 if dcp <= 2 else 0)
-    return engine
-
-
 @pytest.mark.slow  # 2-30 s a case by load (verified compile, HF generate, ~20 engine steps); 21 cases
 @pytest.mark.parametrize("tp, dcp, interleave", [(2, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 2, 1), (4, 2, BLOCK),
                                                  (4, 4, 1), (4, 4, BLOCK)])
 def test_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp, interleave):
     _, model, program = traced
-    _run(model, program, tp, dcp, interleave)
+    run_on_mesh(model, program, tp, dcp, interleave)
 
 
 @pytest.mark.slow  # ~45 s: its own trace, a verified compile, HF generate
 def test_gated_delta_net_tp_does_not_divide_is_replicated():
     model = qwen3_next()  # 2 key heads, 2 KV heads: tp=4 replicates the gated delta nets and the KV heads
     program = dcpgraph.trace(model)
-    engine = _run(model, program, 4, 1)
-    step = next(p for p in engine.program.provenance if p.name == "shard_recurrent_tp")
-    assert "layers [0, 1, 2] replicated" in step.summary
+    engine = run_on_mesh(model, program, 4, 1)
+    assert "layers [0, 1, 2] replicated" in recurrent_tp_summary(engine.program)
     full = 3 * GatedDeltaNetShape(2, 4, 8, 8, 4).state_bytes_per_request(torch.float32)
     assert engine.memory_report()["recurrent_state_bytes_per_request"] == full
 

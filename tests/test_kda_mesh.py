@@ -15,19 +15,14 @@ import dcpgraph
 from dcpgraph.passes.tp_styles import SectionShardRule
 from dcpgraph.program import REPLICATE, ShardRule
 from dcpgraph.recurrent_state import KimiDeltaShape
-from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_models import KDA_MESH_MODELS, NEW_TOKENS, PROMPTS, kimi_linear  # noqa: E402
-from test_frontend_recurrent import _count  # noqa: E402
-from test_frontend_recurrent import _run as _forward  # noqa: E402
+from hybrid_mesh_checks import count, forward, recurrent_tp_summary, run_on_mesh, shard_rules  # noqa: E402
+from hybrid_models import KDA_MESH_MODELS, kimi_linear  # noqa: E402
 
 DCP = torch.ops.dcpgraph
 
-BLOCK = 4
-# Blocks per rank that hold the longest request alone but, at dcp <= 2, not the three at once.
-PREEMPTING_BLOCKS = {1: 7, 2: 4, 4: 2}
 SHAPE = KimiDeltaShape(4, 8, 4)  # the KDA_MESH_MODELS' three KDA layers: 4 heads of 8, conv kernel 4
 KDA_LAYERS = (0, 1, 3)
 
@@ -42,36 +37,23 @@ def test_kda_hybrid_traces_to_canonical_ops_with_hf_logits(traced):
     _, model, program = traced
     assert program.facts.extra["recurrent_layers"] == dict.fromkeys(KDA_LAYERS, "kimi delta attention")
     assert program.facts.attention == "mla"
-    assert _count(program, DCP.kimi_delta_rule.default) == _count(program, DCP.causal_conv1d.default) == 3
-    assert _count(program, DCP.attention.default) == 1
+    assert count(program, DCP.kimi_delta_rule.default) == count(program, DCP.causal_conv1d.default) == 3
+    assert count(program, DCP.attention.default) == 1
     ids = torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    torch.testing.assert_close(_forward(program, ids), ref, atol=1e-4, rtol=1e-4)
-
-
-def _run(model, program, tp: int, dcp: int):
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=BLOCK, max_num_batched_tokens=8,
-                              num_blocks=PREEMPTING_BLOCKS[dcp])
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.stats["preemptions"] >= (1 if dcp <= 2 else 0)
-    assert sorted(engine.scheduler.state_slots.free) == list(range(engine.program.lowering.state_slots))
-    return engine
+    torch.testing.assert_close(forward(program, ids), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_kda_hybrid_at_tp2_dcp2_gives_hf_tokens_with_heads_and_state_split(traced):
     arch, model, program = traced
-    engine = _run(model, program, 2, 2)
+    engine = run_on_mesh(model, program, 2, 2)
     compiled = engine.program
     local = SHAPE.on_rank(2)
     assert {(p.name, p.shape) for p in compiled.recurrent_states} == {
         *((f"conv_state_{i}", local.conv_state_shape(1)[1:]) for i in KDA_LAYERS),
         *((f"recurrent_state_{i}", local.recurrent_state_shape(1)[1:]) for i in KDA_LAYERS)}
-    rules = {s.target: s.shard for s in compiled.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
+    rules = shard_rules(compiled)
     prefix = "model.layers.0.self_attn."
     assert rules[prefix + "conv1d.weight"] == SectionShardRule(0, sections=(32, 32, 32))
     assert rules[prefix + "o_proj.weight"] == ShardRule(1) and rules[prefix + "q_proj.weight"] == ShardRule(0)
@@ -82,22 +64,21 @@ def test_kda_hybrid_at_tp2_dcp2_gives_hf_tokens_with_heads_and_state_split(trace
     report = engine.memory_report()
     assert report["recurrent_state_bytes_per_request"] == 3 * SHAPE.state_bytes_per_request(torch.float32, tp=2)
     assert 2 * report["recurrent_state_bytes_per_request"] == 3 * SHAPE.state_bytes_per_request(torch.float32)
-    step = next(p for p in compiled.provenance if p.name == "shard_recurrent_tp")
-    assert "split by heads/channels" in step.summary and "replicated" not in step.summary
+    summary = recurrent_tp_summary(compiled)
+    assert "split by heads/channels" in summary and "replicated" not in summary
 
 
 @pytest.mark.slow  # 10-40 s a case by load (verified compile, HF generate, ~20 engine steps)
 @pytest.mark.parametrize("tp, dcp", [(1, 1), (4, 2), (4, 4)])
 def test_kda_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     _, model, program = traced
-    _run(model, program, tp, dcp)
+    run_on_mesh(model, program, tp, dcp)
 
 
 @pytest.mark.slow  # ~30 s: its own trace, a verified compile, HF generate
 def test_kda_layers_tp_does_not_divide_are_replicated():
     model = kimi_linear(kda_heads=2)  # 2 KDA heads: tp=4 replicates them beside the split MLA
-    engine = _run(model, dcpgraph.trace(model), 4, 2)
-    step = next(p for p in engine.program.provenance if p.name == "shard_recurrent_tp")
-    assert "layers [0, 1, 3] replicated" in step.summary
+    engine = run_on_mesh(model, dcpgraph.trace(model), 4, 2)
+    assert "layers [0, 1, 3] replicated" in recurrent_tp_summary(engine.program)
     full = 3 * KimiDeltaShape(2, 8, 4).state_bytes_per_request(torch.float32)
     assert engine.memory_report()["recurrent_state_bytes_per_request"] == full

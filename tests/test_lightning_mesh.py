@@ -15,16 +15,24 @@ import dcpgraph
 from dcpgraph.passes.collectives import collective_group
 from dcpgraph.program import ShardRule
 from dcpgraph.recurrent_state import LightningAttentionShape
-from dcpgraph.testing.generation import drain, hf_greedy
+from dcpgraph.testing.generation import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_mesh_checks import (  # noqa: E402
+    count,
+    forward,
+    recurrent_tp_summary,
+    run_on_mesh,
+    shard_rules,
+    users_within,
+)
 from hybrid_models import NEW_TOKENS, PROMPTS, minimax, run_through_preemption  # noqa: E402 - after the check
-from test_frontend_recurrent import _count, _run  # noqa: E402
 
 SHAPE = LightningAttentionShape(4, 8)  # the tiny model's lightning layers: 4 heads of 8
 LIGHTNING_LAYERS = (0, 2)
-PREEMPTING_BLOCKS = {2: 4}  # blocks of 4 per rank: the longest request fits alone, not all three
+# blocks of 4 per rank at dcp 2: the longest request fits alone, not all three; dcp 4: the default cache
+PREEMPTING_BLOCKS = {2: 4}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +44,12 @@ def traced():
 def test_trace_gives_hf_logits_and_names_the_lightning_layers(traced):
     model, program = traced
     assert program.facts.extra["recurrent_layers"] == {0: "lightning attention", 2: "lightning attention"}
-    assert _count(program, torch.ops.dcpgraph.lightning_attention.default) == 2
-    assert _count(program, torch.ops.dcpgraph.attention.default) == 2
+    assert count(program, torch.ops.dcpgraph.lightning_attention.default) == 2
+    assert count(program, torch.ops.dcpgraph.attention.default) == 2
     ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))  # 3 of HF's prefill blocks
     with torch.no_grad():
         want = model(input_ids=ids).logits
-    torch.testing.assert_close(_run(program, ids), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(forward(program, ids), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # ~10 s; the default tier's tp2·dcp2 run also goes through a preemption
@@ -55,7 +63,7 @@ def test_tp1_gives_hf_greedy_tokens_through_prefill_chunks_and_a_preemption(trac
 def _check_split_over(compiled, tp: int) -> None:
     """Each lightning layer split by heads over ``tp``: its parameters' rules, ``1/tp`` kv-state
     pools, ``H/tp`` local heads reaching the op, and its output norm's mean all-reduced over TP."""
-    rules = {s.target: s.shard for s in compiled.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
+    rules = shard_rules(compiled)
     for layer in LIGHTNING_LAYERS:
         prefix = f"model.layers.{layer}.self_attn."
         assert all(rules[prefix + name] == ShardRule(0)
@@ -64,22 +72,14 @@ def _check_split_over(compiled, tp: int) -> None:
     local = SHAPE.on_rank(tp)
     assert {(p.name, p.role, p.shape) for p in compiled.recurrent_states} == {
         (f"kv_state_{i}", "kv_state", local.kv_state_shape(1)[1:]) for i in LIGHTNING_LAYERS}
-    step = next(p for p in compiled.provenance if p.name == "shard_recurrent_tp")
-    assert "layers [0, 2] split by heads/channels" in step.summary and "replicated" not in step.summary
+    summary = recurrent_tp_summary(compiled)
+    assert "layers [0, 2] split by heads/channels" in summary and "replicated" not in summary
     graph = compiled.graph_module.graph
     ops = [n for n in graph.nodes if n.target == torch.ops.dcpgraph.lightning_attention_.default]
     assert [tuple(n.args[0].meta["val"].shape[1:]) for n in ops] == [(SHAPE.heads // tp, 8)] * 2
     reduced_means = [n for n in graph.nodes if n.target is torch.ops.aten.mean.dim
-                     and any((collective_group(u) or ("",))[0] == "tp" for u in _users(n, 2))]
+                     and any((collective_group(u) or ("",))[0] == "tp" for u in users_within(n, 2))]
     assert len(reduced_means) == 2  # each lightning layer's output norm averages over the TP group
-
-
-def _users(node, depth):
-    frontier, found = {node}, set()
-    for _ in range(depth):
-        frontier = {u for n in frontier for u in n.users}
-        found |= frontier
-    return found
 
 
 @pytest.mark.parametrize("tp, dcp", [
@@ -89,16 +89,7 @@ def _users(node, depth):
 ])
 def test_minimax_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     model, program = traced
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    blocks = PREEMPTING_BLOCKS.get(dcp)
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8,
-                              **({"num_blocks": blocks} if blocks else {}))
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    if blocks:
-        assert engine.scheduler.stats["preemptions"] >= 1
+    engine = run_on_mesh(model, program, tp, dcp, blocks=PREEMPTING_BLOCKS)
     _check_split_over(engine.program, tp)
     report = engine.memory_report()
     assert report["recurrent_state_bytes_per_request"] == 2 * SHAPE.state_bytes_per_request(torch.float32, tp=tp)

@@ -17,16 +17,12 @@ from dcpgraph.passes.pipeline import compile_program
 from dcpgraph.passes.tp_styles import SectionShardRule
 from dcpgraph.program import ShardRule
 from dcpgraph.recurrent_state import Mamba2Shape
-from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
+from hybrid_mesh_checks import BLOCK, reaches, recurrent_tp_summary, run_on_mesh  # noqa: E402
 from hybrid_models import MAMBA2_MESH_MODELS, bamba, falcon_h1  # noqa: E402 - after the transformers check
 
-PROMPTS = [[5, 9, 3, 17, 22, 40, 8, 1, 33, 12, 60], [7, 7, 30, 2, 19, 44], [1, 2, 3]]
-NEW_TOKENS = 6
-BLOCK = 4
-PREEMPTING_BLOCKS = {1: 7, 2: 4}  # as in test_hybrid_mesh: the longest request fits alone, not all three
 # Mamba-2 layers per model (and their module name); each 8 heads of 8, 4 groups of state 8, kernel 4.
 LAYERS = {"bamba": (2, "mamba"), "nemotron_h": (1, "mixer"), "granitemoehybrid": (2, "mamba"),
           "falcon_h1": (2, "mamba")}
@@ -48,36 +44,15 @@ def test_tp_splits_mamba2_sections_heads_groups_and_pools():
     pool_bytes = sum(torch.Size(p.shape).numel() * p.dtype.itemsize for p in compiled.recurrent_states)
     assert pool_bytes == 2 * local.state_bytes_per_request(torch.float32)  # two mixers
     assert 2 * pool_bytes == 2 * SHAPE.state_bytes_per_request(torch.float32)  # 1/2 of tp=1
-    step = next(p for p in compiled.provenance if p.name == "shard_recurrent_tp")
-    assert "layers [0, 2] split by heads/channels" in step.summary and "replicated" not in step.summary
+    summary = recurrent_tp_summary(compiled)
+    assert "layers [0, 2] split by heads/channels" in summary and "replicated" not in summary
     scans = [n for n in compiled.graph_module.graph.nodes if n.target == torch.ops.dcpgraph.mamba2_scan_.default]
     assert [tuple(n.args[0].meta["val"].shape[1:]) for n in scans] == [(4, 8)] * 2  # x: 4 local heads of 8
     assert [tuple(n.args[3].meta["val"].shape[1:]) for n in scans] == [(2, 8)] * 2  # B: 2 local groups
     reduces = {n for n in compiled.graph_module.graph.nodes if (collective_group(n) or ("",))[0] == "tp"}
     outs = [n for n in compiled.graph_module.graph.nodes if n.op == "call_function"
             and any(a.op == "placeholder" and a.name.endswith("_mamba_out_proj_weight") for a in n.all_input_nodes)]
-    assert len(outs) == 2 and all(_reaches(out, reduces) for out in outs)  # row-parallel
-
-
-def _reaches(node, targets, depth: int = 4) -> bool:
-    frontier = {node}
-    for _ in range(depth):
-        frontier = {u for n in frontier for u in n.users}
-        if frontier & targets:
-            return True
-    return False
-
-
-def _run(model, program, tp: int, dcp: int):
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=BLOCK, max_num_batched_tokens=8,
-                              num_blocks=PREEMPTING_BLOCKS[dcp])
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    assert engine.scheduler.stats["preemptions"] >= 1
-    return engine
+    assert len(outs) == 2 and all(reaches(out, reduces) for out in outs)  # row-parallel
 
 
 @pytest.fixture(scope="module", params=list(MAMBA2_MESH_MODELS))
@@ -90,7 +65,7 @@ def traced(request):
 @pytest.mark.parametrize("tp, dcp", [(2, 1), (2, 2), (4, 2)])
 def test_mamba2_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     arch, model, program = traced
-    engine = _run(model, program, tp, dcp)
+    engine = run_on_mesh(model, program, tp, dcp)
     count, _ = LAYERS[arch]
     report = engine.memory_report()
     assert report["recurrent_state_bytes_per_request"] == count * SHAPE.state_bytes_per_request(torch.float32, tp=tp)
@@ -100,9 +75,8 @@ def test_mamba2_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
 @pytest.mark.slow  # ~15 s: its own trace, a verified compile, HF generate
 def test_mamba2_groups_tp_does_not_divide_are_replicated():
     model = bamba(kv_heads=1, groups=2)  # 2 B/C groups: tp=4 replicates both mixers
-    engine = _run(model, dcpgraph.trace(model), 4, 2)
-    step = next(p for p in engine.program.provenance if p.name == "shard_recurrent_tp")
-    assert "layers [0, 2] replicated" in step.summary
+    engine = run_on_mesh(model, dcpgraph.trace(model), 4, 2)
+    assert "layers [0, 2] replicated" in recurrent_tp_summary(engine.program)
     full = 2 * Mamba2Shape(8, 8, 2, 8, 4).state_bytes_per_request(torch.float32)
     assert engine.memory_report()["recurrent_state_bytes_per_request"] == full
 
@@ -113,7 +87,7 @@ def test_falcon_h1_mup_vector_splits_with_in_proj_sections():
     ``[z | x | B | C | dt]`` section show each rank scales its own rows of each section."""
     model = falcon_h1(kv_heads=1, groups=4, ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0])
     assert model.model.layers[0].mamba.mup_vector.unique().numel() == 5
-    engine = _run(model, dcpgraph.trace(model), 2, 2)
+    engine = run_on_mesh(model, dcpgraph.trace(model), 2, 2)
     rules = {s.target: s.shard for s in engine.program.inputs}
     assert rules["model.layers.0.mamba.mup_vector"] == SectionShardRule(2, sections=(64, 64, 32, 32, 8))
 

@@ -12,15 +12,14 @@ import dcpgraph
 from dcpgraph.passes.tp_styles import SectionShardRule
 from dcpgraph.program import REPLICATE, ShardRule
 from dcpgraph.recurrent_state import GatedDeltaNetShape
-from dcpgraph.testing.generation import drain, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_models import NEW_TOKENS, PROMPTS, olmo_hybrid, run_through_preemption  # noqa: E402
-from test_frontend_recurrent import _count, _run  # noqa: E402
+from hybrid_mesh_checks import count, forward, run_on_mesh, shard_rules  # noqa: E402
+from hybrid_models import olmo_hybrid, run_through_preemption  # noqa: E402
 
 SHAPE = GatedDeltaNetShape(4, 8, 8, 8, 4)  # each of the 3 gated delta nets
-PREEMPTING_BLOCKS = {2: 4}
+PREEMPTING_BLOCKS = {2: 4}  # at dcp 4 the default cache; no preemption asked for
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +32,11 @@ def traced():
 def test_trace_gives_hf_logits(traced):
     model, program = traced
     assert program.facts.extra["recurrent_layers"] == {i: "gated delta net" for i in range(3)}
-    assert _count(program, torch.ops.dcpgraph.gated_delta_rule.default) == 3
+    assert count(program, torch.ops.dcpgraph.gated_delta_rule.default) == 3
     ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(input_ids=ids).logits
-    torch.testing.assert_close(_run(program, ids), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(forward(program, ids), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # ~25 s on the shared cores: a verified compile, HF generate, ~20 steps
@@ -52,17 +51,8 @@ def test_tp1_gives_hf_greedy_tokens_through_prefill_chunks_and_a_preemption(trac
 @pytest.mark.parametrize("tp, dcp", [(2, 2), (4, 2), (4, 4)])
 def test_olmo_hybrid_gives_hf_greedy_tokens_on_meshes(traced, tp, dcp):
     model, program = traced
-    want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    blocks = PREEMPTING_BLOCKS.get(dcp)
-    engine = dcpgraph.compile(program, tp=tp, dcp=dcp, block_size=4, max_num_batched_tokens=8,
-                              **({"num_blocks": blocks} if blocks else {}))
-    for prompt in PROMPTS:
-        engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
-    got = drain(engine)
-    assert [got[i] for i in range(len(PROMPTS))] == want
-    if blocks:
-        assert engine.scheduler.stats["preemptions"] >= 1
-    rules = {s.target: s.shard for s in engine.program.stage("fuse_mla_preprocess").inputs}  # before fuse_linears
+    engine = run_on_mesh(model, program, tp, dcp, blocks=PREEMPTING_BLOCKS)
+    rules = shard_rules(engine.program)
     prefix = "model.layers.0.linear_attn."
     assert all(rules[f"{prefix}{name}_proj.weight"] == ShardRule(0) for name in "qkvgba")
     assert rules[prefix + "conv1d.weight"] == SectionShardRule(0, sections=(32, 32, 64))

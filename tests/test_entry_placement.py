@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcpgraph.layout import owner
 from dcpgraph.ops import compressed_cached, compressed_dcp
 from dcpgraph.passes.insert_compressed_cache import entry_tokens_per_row
-from dcpgraph.runtime.entry_placement import entry_owner, entry_slots
+from dcpgraph.runtime.entry_placement import entry_slots
 
 TOKENS, DIM, BLOCKS = 37, 3, 24
 # (dcp, interleave, block_size): dcp=1, dcp > 1 with interleave 1, runs of entries, whole blocks
@@ -66,7 +67,7 @@ def test_entries_move_between_layouts_by_the_placement(source, rate):
     producer = Side(source, rate, seed=1)
     producer.write_by_ops(row_form)
     # the placement finds every entry on its owner, nowhere else, each in its own slot
-    owners = entry_owner(entries, producer.dcp, producer.interleave)
+    owners = owner(entries, producer.dcp, producer.interleave)
     gathered = torch.empty_like(rows)
     for rank in range(producer.dcp):
         slots = producer.slots(entries, rank)

@@ -32,11 +32,6 @@ def is_entry_cache(spec) -> bool:
     return spec.role in ENTRY_ROLES
 
 
-def entry_owner(entries: torch.Tensor, dcp: int, interleave: int) -> torch.Tensor:
-    """The DCP rank that holds each entry: ``(w // I) % N``."""
-    return layout.owner(entries, dcp, interleave)
-
-
 def entry_slots(table_row, entries: torch.Tensor, *, rate: int, tokens_per_row: int, block_size: int, dcp: int,
                 dcp_rank: int, interleave: int) -> torch.Tensor:
     """Flat row of each of ``entries`` in DCP rank ``dcp_rank``'s entry cache (``−1`` where that

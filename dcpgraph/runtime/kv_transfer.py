@@ -38,7 +38,7 @@ import torch
 
 from .. import layout
 from ..errors import RequestError
-from .entry_placement import entry_owner, entry_slots, is_entry_cache
+from .entry_placement import entry_slots, is_entry_cache
 
 REPLICATED_STATE_ROLES = frozenset({"open_window"})  # V4's compressor windows: the same on every rank
 
@@ -100,11 +100,6 @@ def _rows(engine, spec, computed: int) -> torch.Tensor:
     return torch.arange(computed)
 
 
-def _owners(engine, spec, rows: torch.Tensor) -> torch.Tensor:
-    mesh = engine.mesh
-    return (entry_owner if is_entry_cache(spec) else layout.owner)(rows, mesh.dcp, engine.interleave)
-
-
 def _slots(engine, spec, rows: torch.Tensor, table: list[int], rank: int) -> torch.Tensor:
     """Slots of ``rows`` (token positions, or entry indices of an entry cache) on ``rank``; −1 where
     its DCP rank does not hold them."""
@@ -142,7 +137,7 @@ def export_kv(engine, request) -> KVTransfer:
         full = {}
         for spec in engine.program.caches:
             rows = _rows(engine, spec, request.computed)
-            owners = _owners(engine, spec, rows)
+            owners = layout.owner(rows, mesh.dcp, engine.interleave)  # token or entry index: one rule
             out = _bits(torch.empty(len(rows), spec.heads, spec.dim, dtype=spec.dtype))
             for d, member in enumerate(group):
                 mine = owners == d

@@ -307,9 +307,10 @@ def test_invalid_mesh_raises_before_anything_runs(zoo, monkeypatch, name, tp, dc
     import dcpgraph.frontends.hf as hf
     import dcpgraph.passes.pipeline as pipeline
 
+    models = (zoo.model(name), zoo.program(name))  # traced here, before tracing is forbidden
     monkeypatch.setattr(hf, "trace_hf", forbidden)
     monkeypatch.setattr(pipeline, "compile_program", forbidden)
-    for model in (zoo.model(name), zoo.program(name)):  # the nn.Module is never traced
+    for model in models:  # the nn.Module is never traced
         with pytest.raises(ConfigError) as err:
             dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=BLOCK_SIZE, **kw)
         assert "failed" in str(err.value) or "must" in str(err.value) or "num_kv_heads" in str(err.value)

@@ -102,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     from dcpgraph.runtime.distributed import spawn
 
     hw = get_hardware(args.hardware)
-    print(f"planner hardware: {hw.name}: {hw.compute_flops / 1e9:.1f} GFLOP/s, link {hw.link_bandwidth / 1e9:.2f} GB/s, "
-          f"{hw.link_latency_s * 1e6:.0f} us ({hw.source})", flush=True)
+    prefill = ", ".join(f"{8 * b}-bit linear {lin / 1e9:.1f} / attention {att / 1e9:.1f}"
+                        for (b, lin), (_, att) in zip(hw.linear_flops, hw.prefill_attention_flops))
+    print(f"planner hardware: {hw.name}: decode attention {hw.compute_flops / 1e9:.1f} GFLOP/s, prefill "
+          f"{prefill or 'not calibrated'} GFLOP/s, "
+          f"link {hw.link_bandwidth / 1e9:.2f} GB/s, {hw.link_latency_s * 1e6:.0f} us ({hw.source})", flush=True)
 
     cores = os.cpu_count() or 1
     itemsize = 2 if args.dtype == "bfloat16" else 4

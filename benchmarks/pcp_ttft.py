@@ -2,7 +2,8 @@
 ``--pcp`` sizes; tp=1), beside the planner's prediction.
 
 Each rank is a real gloo process running the eager PCP prefill (:mod:`dcpgraph.pcp.eager`) of one
-``--tokens`` prompt through a seeded random Llama (``--layers`` layers, hidden 512, 8 query heads
+``--tokens`` prompt (or, with ``--engine llm``, ``dcpgraph.LLM`` with ``prefill_context_parallel_size``
+generating one token: the compiled engine and its worker processes, the prompt in one prefill step) through a seeded random Llama (``--layers`` layers, hidden 512, 8 query heads
 of 64, 2 KV heads, MLP 1408, ``--dtype``). TTFT is, per rep, the slowest rank's wall time from a
 barrier to the first token's logits (all K/V exchanges and the logits' share included). Variants,
 interleaved rep by rep:
@@ -23,6 +24,7 @@ link, measured once before the runs), and the measured ÷ predicted ratio. Targe
     python benchmarks/pcp_ttft.py                       # 8K and 16K tokens, bf16, 8 layers
     python benchmarks/pcp_ttft.py --tokens 2048 --dtype float32 --reps 1   # a quick look
     python benchmarks/pcp_ttft.py --tokens 4096 --pcp 2 4 --hardware h200   # pcp 4, a preset's figures
+    python benchmarks/pcp_ttft.py --engine llm --tokens 8192    # the compiled engine, through dcpgraph.LLM
 """
 
 from __future__ import annotations
@@ -64,6 +66,57 @@ def _rank(rank: int, world: int, tokens: int, layers: int, dtype: str, threads: 
     return times
 
 
+def _checkpoint(directory: str, tokens: int, layers: int, dtype: str) -> str:
+    """The benchmark's seeded Llama as a model directory (``--engine llm``), with a tokenizer of its
+    vocabulary."""
+    import torch
+    import transformers as tf
+
+    from dcpgraph.testing.checkpoints import first_special_id, tiny_tokenizer
+
+    special = first_special_id(SHAPE["vocab_size"])
+    config = tf.LlamaConfig(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max(tokens, 4096) + 16,
+                            bos_token_id=special, eos_token_id=special + 2, pad_token_id=special)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval().save_pretrained(directory)
+    tiny_tokenizer(SHAPE["vocab_size"]).save_pretrained(directory)
+    return directory
+
+
+def _llm_ttft(model_dir: str, tokens: int, pcp: int, threads: int, reps: int, out) -> None:
+    """In a fresh process: ``LLM(model_dir, prefill_context_parallel_size=pcp)`` (its ``pcp`` worker
+    processes take one thread each; at pcp=1 the engine runs here on ``threads``), the whole prompt
+    in one prefill step, one token generated; after a short warm-up prompt, ``reps`` timings."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from dcpgraph import LLM, SamplingParams
+
+    ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    with LLM(model_dir, prefill_context_parallel_size=pcp, max_num_batched_tokens=tokens, max_model_len=tokens + 8,
+             max_num_seqs=1, enable_prefix_caching=False) as llm:
+        llm.generate([{"prompt_token_ids": ids[:64]}], params)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], params)
+            times.append(time.perf_counter() - start)
+    out.put(times)
+
+
+def llm_ttft(model_dir: str, tokens: int, pcp: int, threads: int, reps: int) -> list[float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_llm_ttft, args=(model_dir, tokens, pcp, threads, reps, out))
+    proc.start()
+    times = out.get(timeout=7200)
+    proc.join(60)
+    return times
+
+
 def attention_flops(tokens: int, pcp: int, rank: int, layers: int) -> int:
     from dcpgraph.pcp.split import causal_work
 
@@ -95,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pcp", type=int, nargs="+", default=[2], help="PCP sizes beside pcp=1 (one thread a rank)")
     parser.add_argument("--hardware", default="this-machine",
                         help="the planner's hardware for the prediction: this-machine (measured here) or a preset")
+    parser.add_argument("--engine", default="eager", choices=["eager", "llm"],
+                        help="eager: the eager PCP prefill on gloo ranks (dcpgraph.pcp.eager); llm: dcpgraph.LLM "
+                             "with prefill_context_parallel_size (the compiled engine users run, its workers)")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/pcp_ttft.json)")
     args = parser.parse_args(argv)
 
@@ -102,21 +158,32 @@ def main(argv: list[str] | None = None) -> int:
     from dcpgraph.runtime.distributed import spawn
 
     hw = get_hardware(args.hardware)
-    print(f"planner hardware: {hw.name}: {hw.compute_flops / 1e9:.1f} GFLOP/s, link {hw.link_bandwidth / 1e9:.2f} GB/s, "
-          f"{hw.link_latency_s * 1e6:.0f} us ({hw.source})", flush=True)
+    prefill = ", ".join(f"{8 * b}-bit linear {lin / 1e9:.1f} / attention {att / 1e9:.1f}"
+                        for (b, lin), (_, att) in zip(hw.linear_flops, hw.prefill_attention_flops))
+    print(f"planner hardware: {hw.name}: decode attention {hw.compute_flops / 1e9:.1f} GFLOP/s, prefill "
+          f"{prefill or 'not calibrated'} GFLOP/s, "
+          f"link {hw.link_bandwidth / 1e9:.2f} GB/s, {hw.link_latency_s * 1e6:.0f} us ({hw.source})", flush=True)
 
     cores = os.cpu_count() or 1
     itemsize = 2 if args.dtype == "bfloat16" else 4
     records, name = [], "pcp_ttft"
     load_before = os.getloadavg()[0]
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="pcp_ttft_")
     for n in args.tokens:
-        config = f"{n} tokens, {args.layers} layers, {args.dtype}"
+        config = f"{n} tokens, {args.layers} layers, {args.dtype}" + (", LLM" if args.engine == "llm" else "")
+        model_dir = (_checkpoint(os.path.join(scratch.name, str(n)), n, args.layers, args.dtype)
+                     if args.engine == "llm" else None)
         ttft: dict[str, list[float]] = {}
         variants = [(f"pcp1_t{cores}", 1, cores), ("pcp1_t1", 1, 1), *((f"pcp{p}", p, 1) for p in args.pcp)]
         for _ in range(args.reps):  # interleaved: one rep of each variant in turn
             for label, world, threads in variants:
-                per_rank = spawn(_rank, world, n, args.layers, args.dtype, threads, 1, timeout_s=3600)
-                ttft.setdefault(label, []).append(max(t[0] for t in per_rank))
+                if model_dir is not None:
+                    ttft.setdefault(label, []).append(llm_ttft(model_dir, n, world, threads, 1)[0])
+                else:
+                    per_rank = spawn(_rank, world, n, args.layers, args.dtype, threads, 1, timeout_s=3600)
+                    ttft.setdefault(label, []).append(max(t[0] for t in per_rank))
                 print(f"{config}: {label} {ttft[label][-1]:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         for label, _, _ in variants:
             records.append(record(name, config, f"ttft_{label}", min(ttft[label]), "s"))

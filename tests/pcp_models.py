@@ -26,3 +26,10 @@ def pcp_model(name: str) -> torch.nn.Module:
                     "qwen3": (tf.Qwen3ForCausalLM, pcp_config(tf.Qwen3Config, kv=2))}[name]
         _MODELS[name] = cls(cfg).to(torch.float64).eval()
     return _MODELS[name]
+
+
+def matches_hf(model, prompt, tokens) -> bool:
+    """HF greedy gives ``tokens`` (it stops after an EOS, so a shorter answer must be a prefix)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False)
+    ref = out[0, len(prompt):].tolist()
+    return len(ref) >= 1 and tokens[:len(ref)] == ref

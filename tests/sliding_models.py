@@ -13,6 +13,10 @@ import torch
 import transformers
 
 WINDOW = 5
+# Run settings of the end-to-end suites: prompts longer than the window, a block shorter than it.
+PROMPTS = ((5,), (9, 4, 77), (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46), tuple(range(40, 61)))
+MAX_NEW = 12
+BLOCK = 4
 COMMON = dict(
     vocab_size=131, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=1,
     max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,

@@ -5,13 +5,18 @@ engines (tp=1): requests go to the least busy replica, ids are the client's
 own, aborts reach the right replica, and every prompt's tokens equal one engine's. Slow tier, on
 real gloo workers: ``LLM(..., data_parallel_size=2)`` at tp=2/dcp=2 (four worker processes) equals
 HF's greedy tokens with both replicas serving, and ``dcpgraph serve -dp 2`` answers concurrent
-``openai`` clients with HF's text.
+``openai`` clients with HF's text, then fails ``/health`` and new requests once a replica's worker
+is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
+import httpx
 import openai
 import pytest
 
@@ -110,6 +115,14 @@ def test_serve_with_two_replicas_answers_concurrent_clients(checkpoints, tmp_pat
         # each replica's share under its own engine label, summing to every request
         served = [sum(scrape(server, "vllm:request_success_total", engine=e)) for e in "01"]
         assert min(served) >= 1 and sum(served) == len(prompts)
+        # a replica's worker dies: the server says so on /health and refuses new work, as with one replica
+        os.kill(server.worker_pids()[-1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still OK after a replica's worker died"
+            time.sleep(0.25)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     for prompt, answer in zip(prompts, answers):
         expected = tokenizer.decode(hf_greedy(hf, tokenizer(prompt)["input_ids"], 10), skip_special_tokens=True)
         assert answer.choices[0].text == expected, prompt

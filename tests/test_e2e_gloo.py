@@ -17,7 +17,7 @@ tokens, equal to HF ``generate(do_sample=False)`` prompt by prompt.
 from __future__ import annotations
 
 import pytest
-from test_e2e_gqa import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model, hf_greedy
+from gqa_models import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model, hf_greedy
 
 from dcpgraph.runtime.distributed import spawn
 

@@ -42,65 +42,25 @@ from fractions import Fraction
 
 import pytest
 import torch
+from gqa_models import (
+    BLOCK_SIZE,
+    COMMON,
+    COMMS,
+    EOS,
+    EXPECTED_VALID,
+    INTERLEAVES,
+    MAX_BATCHED,
+    MAX_NEW,
+    MODELS,
+    PROMPTS,
+    VOCAB,
+    build_model,
+)
 
 import dcpgraph
 from dcpgraph import ConfigError, Mesh, RequestError, layout
 from dcpgraph.api import facts_of
 from dcpgraph.testing.generation import drain, hf_greedy
-
-# -- models -------------------------------------------------------------------------------------
-VOCAB = 128
-EOS = 2
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=8, max_position_embeddings=256, initializer_range=0.2,
-    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=EOS,
-)
-MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),
-}
-# Seeds picked for varied greedy outputs; qwen3's stops at EOS after 23 tokens on the 1-token prompt.
-SEEDS = {"llama": 0, "qwen3": 4, "qwen2": 0}
-EXPECTED_VALID = {
-    "llama": [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)],
-    "qwen3": [(1, 1), (2, 1), (4, 1), (4, 2)],
-    "qwen2": [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)],
-}
-
-# -- run settings -------------------------------------------------------------------------------
-BLOCK_SIZE = 4
-INTERLEAVES = (1, 2, BLOCK_SIZE)
-COMMS = ("a2a", "ag_rs")
-MAX_BATCHED = 8
-MAX_NEW = 24
-PROMPTS = (
-    (5,),
-    (9, 4, 77),
-    tuple(range(10, 17)),
-    tuple((7 * i + 3) % VOCAB for i in range(13)),
-    tuple((11 * i + 5) % VOCAB for i in range(21)),
-)
-assert all(EOS not in p for p in PROMPTS)
-
-
-def build_model(name: str, seed: int | None = None) -> torch.nn.Module:
-    """The fp64 model ``name`` with seeded random weights (biases and norm weights redrawn)."""
-    import transformers
-
-    seed = SEEDS[name] if seed is None else seed
-    config_cls, model_cls, extra = MODELS[name]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(torch.float64).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.normal_(1.0, 0.3)
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.3)
-    return model
 
 
 def valid_meshes(name: str) -> list[tuple[int, int]]:
@@ -347,9 +307,10 @@ def test_invalid_mesh_raises_before_anything_runs(zoo, monkeypatch, name, tp, dc
     import dcpgraph.frontends.hf as hf
     import dcpgraph.passes.pipeline as pipeline
 
+    models = (zoo.model(name), zoo.program(name))  # traced here, before tracing is forbidden
     monkeypatch.setattr(hf, "trace_hf", forbidden)
     monkeypatch.setattr(pipeline, "compile_program", forbidden)
-    for model in (zoo.model(name), zoo.program(name)):  # the nn.Module is never traced
+    for model in models:  # the nn.Module is never traced
         with pytest.raises(ConfigError) as err:
             dcpgraph.compile(model, tp=tp, dcp=dcp, block_size=BLOCK_SIZE, **kw)
         assert "failed" in str(err.value) or "must" in str(err.value) or "num_kv_heads" in str(err.value)

@@ -13,7 +13,7 @@ caches sharded (per-token bytes halved) and each rank holding exactly its share 
 from __future__ import annotations
 
 import pytest
-from test_e2e_mla import (
+from mla_models import (
     BLOCK_SIZE,
     KV_LORA_RANK,
     LAYERS,

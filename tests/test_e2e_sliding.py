@@ -16,14 +16,21 @@ import copy
 
 import pytest
 import torch
-from sliding_models import FEATURES, MODELS, WINDOW, build, compile_options, layer_kinds
+from sliding_models import (
+    BLOCK,
+    FEATURES,
+    MAX_NEW,
+    MODELS,
+    PROMPTS,
+    WINDOW,
+    build,
+    compile_options,
+    layer_kinds,
+)
 
 import dcpgraph
 from dcpgraph.testing.generation import drain, hf_greedy
 
-PROMPTS = ((5,), (9, 4, 77), (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46), tuple(range(40, 61)))
-MAX_NEW = 12
-BLOCK = 4
 MESHES = [(1, 1, 1, "auto"), (2, 2, 2, "a2a"), (4, 4, 1, "ag_rs"), (4, 2, BLOCK, "a2a")]
 
 _models: dict[str, torch.nn.Module] = {}

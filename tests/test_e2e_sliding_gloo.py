@@ -7,8 +7,7 @@ with ag_rs. Every rank returns the same tokens, equal to HF ``generate`` prompt 
 from __future__ import annotations
 
 import pytest
-from sliding_models import build, compile_options
-from test_e2e_sliding import BLOCK, MAX_NEW, PROMPTS
+from sliding_models import BLOCK, MAX_NEW, PROMPTS, build, compile_options
 
 from dcpgraph.runtime.distributed import spawn
 from dcpgraph.testing.generation import hf_greedy

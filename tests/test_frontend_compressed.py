@@ -11,7 +11,8 @@ import functools
 import dsv4_models
 import pytest
 import torch
-from test_frontend_recurrent import _count, _run
+from hybrid_mesh_checks import count as _count
+from hybrid_mesh_checks import forward as _run
 
 import dcpgraph
 from dcpgraph.errors import UnsupportedModelError

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_e2e_mla import BLOCK_SIZE, CASES, MAX_BATCHED, MAX_NEW, PROMPTS, build, sizing
+from mla_models import BLOCK_SIZE, CASES, MAX_BATCHED, MAX_NEW, PROMPTS, build, sizing
 
 import dcpgraph
 from dcpgraph import ConfigError

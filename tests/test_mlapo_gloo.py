@@ -11,7 +11,7 @@ slots this DCP rank owns).
 from __future__ import annotations
 
 import pytest
-from test_e2e_mla import BLOCK_SIZE, LAYERS, MAX_BATCHED, MAX_NEW, PROMPTS, build, hf_greedy
+from mla_models import BLOCK_SIZE, LAYERS, MAX_BATCHED, MAX_NEW, PROMPTS, build, hf_greedy
 
 from dcpgraph import layout
 from dcpgraph.runtime.distributed import spawn

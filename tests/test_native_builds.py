@@ -19,8 +19,7 @@ from dcpgraph.ops import linear, native, rms_norm, rms_norm_f32, rotary
 EXTENSIONS = {
     "paged_decode": native.EXTENSION,
     "linear_bf16": linear.EXTENSION,
-    "rms_norm_bf16": rms_norm.EXTENSION,
-    "rms_norm_f32": rms_norm_f32.EXTENSION,
+    "rms_norm": rms_norm.EXTENSION,  # rms_norm_bf16 and rms_norm_f32: one build
     "rotary": rotary.EXTENSION,
 }
 
@@ -41,6 +40,11 @@ def _needs_a_compiler() -> None:
         pytest.skip("DCPGRAPH_NATIVE=0 turns the native kernels off; unset it to run this")
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on PATH, so the native kernels cannot build here; install g++ to run this")
+
+
+def test_both_rms_norm_ops_come_from_one_build():
+    assert rms_norm_f32.EXTENSION is rms_norm.EXTENSION
+    assert rms_norm.NATIVE.kernel is not rms_norm_f32.NATIVE.kernel  # each op keeps its own self-check
 
 
 @pytest.mark.parametrize("name", list(EXTENSIONS))

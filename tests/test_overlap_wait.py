@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx
-from test_e2e_gqa import BLOCK_SIZE, build_model
+from gqa_models import BLOCK_SIZE, build_model
 
 import dcpgraph
 from dcpgraph.collectives import ALL_GATHER, WAIT

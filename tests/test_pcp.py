@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from pcp_models import pcp_config, pcp_model
+from pcp_models import matches_hf, pcp_config, pcp_model
 
 import dcpgraph
 from dcpgraph import ConfigError, Mesh
@@ -96,13 +96,6 @@ def test_rank_attention_merged_equals_dense_causal(n, cached, pcp):
 
 
 # -- end to end: greedy tokens against HF generate -------------------------------------------------
-def _matches_hf(model, prompt, tokens) -> bool:
-    """HF greedy gives ``tokens`` (it stops after an EOS, so a shorter answer must be a prefix)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False)
-    ref = out[0, len(prompt):].tolist()
-    return len(ref) >= 1 and tokens[:len(ref)] == ref
-
-
 GREEDY_CASES = [(name, *mesh) for name in ("llama", "qwen3")
                 for mesh in [(1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 2)]
                 if not (name == "qwen3" and mesh == (2, 2, 4))]  # 2 KV heads: each on 2 attention ranks
@@ -116,14 +109,14 @@ def test_greedy_tokens_match_hf_generate(name, tp, pcp, dcp):
     for length, chunk, interleave in [(1, None, 1), (6, 4, 2), (45, 8, 1), (101, 32, 4)]:
         prompt = torch.randint(0, 128, (length,), generator=g).tolist()
         tokens, caches = generate_greedy(model, mesh, prompt, 8, prefill_chunk=chunk, interleave=interleave)
-        assert _matches_hf(model, prompt, tokens), (length, chunk, interleave)
+        assert matches_hf(model, prompt, tokens), (length, chunk, interleave)
         for rank, cache in caches.items():  # each rank stores exactly the positions it owns
             owned = [x for x in range(length + 7) if (x // interleave) % dcp == mesh.dcp_rank(rank)]
             assert cache.positions[0].tolist() == owned
 
 
 @pytest.mark.parametrize("pcp, dcp", [(2, 2), (4, 2)])
-def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
+def test_prefix_reuse_then_pcp_prefillmatches_hf(pcp, dcp):
     model, mesh = pcp_model("qwen3"), Mesh(tp=1, dcp=dcp, pcp=pcp)
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 128, (24,), generator=g).tolist()
@@ -132,7 +125,7 @@ def test_prefix_reuse_then_pcp_prefill_matches_hf(pcp, dcp):
     _, caches = generate_greedy(model, mesh, first, 2, prefill_chunk=7)
     reused = {r: c.truncated(len(shared)) for r, c in caches.items()}
     tokens, _ = generate_greedy(model, mesh, second, 6, reused=reused, reused_len=len(shared), prefill_chunk=5)
-    assert _matches_hf(model, second, tokens)
+    assert matches_hf(model, second, tokens)
 
 
 def test_eager_path_refuses_what_it_does_not_run():

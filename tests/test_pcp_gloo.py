@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pcp_models import pcp_model
-from test_pcp import _matches_hf
+from pcp_models import matches_hf, pcp_model
 
 from dcpgraph.runtime.distributed import spawn
 
@@ -49,8 +48,8 @@ def _rank(rank: int, world: int, tp: int, pcp: int, dcp: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pcp, dcp", [(1, 2, 2), (2, 2, 2)])
-def test_pcp_on_gloo_matches_hf(tp, pcp, dcp):
+def test_pcp_on_gloomatches_hf(tp, pcp, dcp):
     results = spawn(_rank, tp * pcp, tp, pcp, dcp, timeout_s=300)
     _, second = _prompts()
     assert all(tokens == results[0] for tokens in results)
-    assert _matches_hf(pcp_model("qwen3"), second, results[0])
+    assert matches_hf(pcp_model("qwen3"), second, results[0])

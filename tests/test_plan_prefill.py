@@ -82,3 +82,25 @@ def test_cli_prints_the_prefill_table_and_json(capsys):
                                                                  (1, 2)}
     best = d["prefill_rows"][d["prefill_recommended"]]
     assert best["fits"] and best["ttft_ms"] == min(r["ttft_ms"] for r in d["prefill_rows"] if r["fits"])
+
+
+def test_the_prefill_runs_at_the_measured_rates_of_the_model_dtype():
+    """A measured machine's prefill time is its linear FLOPs over the linear rate plus its attention
+    FLOPs over the attention rate, both at the model's width; an unmeasured width falls back to
+    compute_flops."""
+    import dataclasses
+
+    from dcpgraph.plan.calibration import calibrate_prefill
+    from dcpgraph.plan.hardware import PRESETS
+
+    cal = calibrate_prefill(linear=(32, 64, 64), attention=(64, 2, 32), reps=1)
+    for rates in (cal.linear_flops, cal.attention_flops):
+        assert [b for b, _ in rates] == [4, 2] and all(r > 0 for _, r in rates)
+    shape = load_model_shape("llama-3.1-70b")
+    hw = dataclasses.replace(PRESETS["h200"], linear_flops=((shape.dtype_bytes, 1e9),),
+                             prefill_attention_flops=((shape.dtype_bytes, 4e9),))
+    est = prefill_estimate(shape, hw, tp=1, pcp=2, prompt_tokens=4096)
+    assert est.compute_s == pytest.approx(est.dense_flops / 1e9 + est.attention_flops / 4e9)
+    other = dataclasses.replace(hw, linear_flops=((8, 1e9),), prefill_attention_flops=((8, 1e9),))
+    assert prefill_estimate(shape, other, tp=1, pcp=2, prompt_tokens=4096).compute_s == pytest.approx(
+        (est.dense_flops + est.attention_flops) / hw.compute_flops)

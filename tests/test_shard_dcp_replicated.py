@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_e2e_gqa import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model
+from gqa_models import BLOCK_SIZE, MAX_BATCHED, PROMPTS, build_model
 
 import dcpgraph
 from dcpgraph.collectives import ALL_GATHER, ALL_REDUCE

@@ -11,7 +11,7 @@ emulated engine's; rank 0 made one scheduler and rank 1 none; a rank op's rank h
 from __future__ import annotations
 
 import pytest
-from test_e2e_gqa import BLOCK_SIZE, PROMPTS, build_model
+from gqa_models import BLOCK_SIZE, PROMPTS, build_model
 
 from dcpgraph.runtime.distributed import spawn
 

@@ -3,7 +3,7 @@
 HF models normalise with ``w * (h * rsqrt(mean(h², -1) + eps)).to(bf16)``, ``h = x.float()``:
 eight eager ops and as many temporaries per norm, four norms a Qwen3 layer (49 a step for the
 benchmark's 12 layers, ~400 of a step's ~1000 ops). :func:`rms_norm_reference` is that sequence
-(the op's meaning and its kernel off the CPU); ``csrc/rms_norm_bf16.cpp`` runs the row loop of
+(the op's meaning and its kernel off the CPU); ``csrc/rms_norm.cpp`` runs the row loop of
 ``csrc/rms_norm_rows.h`` for bf16: the mean of squares from ATen's own reduction (the same fp32
 sums in the same order), the rest, the same IEEE operations and two bf16 roundings, in one pass per
 row, so its results equal eager torch's bit for bit. The kernel is built lazily and registered as

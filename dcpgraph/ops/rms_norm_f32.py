@@ -3,7 +3,7 @@
 In fp32 HF's ``w * (h * rsqrt(mean(h², -1) + eps)).to(fp32)``, ``h = x.float()``, traces to
 eight ops (two casts that return their input), four norms a Qwen3 layer.
 :func:`rms_norm_f32_reference` is that sequence (the op's meaning and its kernel off the CPU);
-``csrc/rms_norm_f32.cpp`` runs the row loop of ``csrc/rms_norm_rows.h`` for fp32: the mean of
+``csrc/rms_norm.cpp`` runs the row loop of ``csrc/rms_norm_rows.h`` for fp32: the mean of
 squares from ATen's own reduction (the same fp32 sums in the same order), the rest, the same IEEE
 operations, in one pass per row, so on a contiguous ``x`` its results equal eager torch's bit for
 bit. The kernel is built lazily and registered as the op's CPU kernel when it loads

@@ -1,11 +1,12 @@
-"""The native RMSNorm kernel of one activation dtype, built lazily and self-checked.
+"""The native RMSNorm kernels, one build for every activation dtype, each self-checked.
 
-Each dtype's op (``dcpgraph.rms_norm_bf16``, ``dcpgraph.rms_norm_f32``) has a C++ source
-``csrc/<op>.cpp`` that instantiates the row loop of ``csrc/rms_norm_rows.h`` for its element type
-and registers it as the op's CPU kernel when the module loads. :class:`NativeRmsNorm` builds it
+``csrc/rms_norm.cpp`` instantiates the row loop of ``csrc/rms_norm_rows.h`` for each dtype's op
+(``dcpgraph.rms_norm_bf16``, ``dcpgraph.rms_norm_f32``) and registers them as the ops' CPU kernels
+when the module loads. :data:`EXTENSION` builds it once per machine
 (:class:`~dcpgraph.ops.native_build.NativeExtension`, without ``-ffast-math``: GCC would otherwise
-turn ``1/sqrt`` into an approximate reciprocal square root) and lets it serve only after its
-self-check: on every shape of :data:`CHECK_SHAPES`, ``x = 4·N(0, 1)`` and ``w = N(0, 1)`` cast to the
+turn ``1/sqrt`` into an approximate reciprocal square root); :class:`NativeRmsNorm` lets one op's
+kernel serve only after its own self-check (a failed check turns that op's rewrite off, not the
+other's): on every shape of :data:`CHECK_SHAPES`, ``x = 4·N(0, 1)`` and ``w = N(0, 1)`` cast to the
 dtype (one generator seeded 0), the kernel equals the op's eager reference bit for bit.
 """
 
@@ -23,6 +24,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")  # no -ffast-math: 1/sqrt stays ex
 CHECK_SHAPES = ((1, 1, 70), (3, 4, 64), (2, 768))
 
 Reference = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+EXTENSION = NativeExtension("dcpgraph_rms_norm", CSRC / "rms_norm.cpp", "native RMSNorm kernels",
+                            "RMSNorm runs as eager torch ops", cflags=CFLAGS, headers=(CSRC / "rms_norm_rows.h",))
 
 
 def rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,10 +40,7 @@ class NativeRmsNorm:
     def __init__(self, op: str, dtype: torch.dtype, label: str, reference: Reference):
         self.op, self.dtype, self.reference = op, dtype, reference
         self.what = f"native {label} RMSNorm kernel"
-        self.extension = NativeExtension(
-            f"dcpgraph_{op}", CSRC / f"{op}.cpp", self.what, "RMSNorm runs as eager torch ops",
-            cflags=CFLAGS, headers=(CSRC / "rms_norm_rows.h",),
-        )
+        self.extension = EXTENSION
         self.kernel = SelfCheckedKernel(self.extension, self.check)
 
     def check(self, module) -> str | None:

@@ -1,4 +1,5 @@
-"""Measuring ``this-machine``: the attention op's cost terms and the gloo links between ranks.
+"""Measuring ``this-machine``: the attention op's cost terms, the prefill's rates per dtype
+(:func:`calibrate_prefill`: a linear and causal flash attention) and the gloo links between ranks.
 
 Attention (:func:`calibrate_attention`, ``paged_attention`` on one thread, fp32, one KV head,
 best of ``reps`` thread-CPU times; calls under a millisecond take the best of at least
@@ -37,6 +38,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import dcpgraph.ops.library  # noqa: F401  (registers torch.ops.dcpgraph)
 
@@ -154,6 +156,58 @@ def calibrate_attention(tokens: int = 1 << 17, dim: int = 128, heads: tuple[int,
     return AttentionCalibration(bandwidth, rate, overhead, cache, cache_bandwidth, seconds, curve)
 
 
+PREFILL_LINEAR = (512, 1024, 1024)  # (rows, in, out): a prefill chunk through a linear
+PREFILL_ATTENTION = (1024, 8, 64)  # (tokens, heads, head dim): a causal square
+PREFILL_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PrefillCalibration:
+    """One thread's prefill rates by element width: ``((bytes, FLOP/s), ...)``."""
+
+    linear_flops: tuple[tuple[int, float], ...]
+    attention_flops: tuple[tuple[int, float], ...]
+
+
+def _best_thread_time(call, reps: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.thread_time()
+        call()
+        best = min(best, time.thread_time() - start)
+    return max(best, 1e-9)
+
+
+def calibrate_prefill(linear: tuple[int, int, int] = PREFILL_LINEAR,
+                      attention: tuple[int, int, int] = PREFILL_ATTENTION,
+                      dtypes: tuple[str, ...] = PREFILL_DTYPES, reps: int = 3) -> PrefillCalibration:
+    """One thread's ``F.linear`` of ``[M, K]`` by ``[N, K]`` (``2·M·K·N`` FLOPs) and causal flash
+    attention of ``n`` tokens (``4·H·D·n(n+1)/2`` FLOPs, the ``QKᵀ`` and ``PV`` products over the
+    visible keys, as :mod:`.prefill_cost` counts them) in each dtype: best of ``reps`` thread times."""
+    import torch
+    import torch.nn.functional as F
+
+    m, k, n = linear
+    tokens, heads, dim = attention
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    linear_rates, attention_rates = [], []
+    try:
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            g = torch.Generator().manual_seed(0)
+            x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+            linear_rates.append((x.element_size(), 2.0 * m * k * n / _best_thread_time(partial(F.linear, x, w), reps)))
+            q, kk, v = (torch.randn(1, heads, tokens, dim, generator=g).to(dtype) for _ in range(3))
+            seconds = _best_thread_time(partial(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, q, kk, v,
+                                                0.0, True, scale=dim ** -0.5), reps)
+            attention_rates.append((q.element_size(), 4.0 * heads * dim * tokens * (tokens + 1) / 2 / seconds))
+    finally:
+        torch.set_num_threads(threads)
+    return PrefillCalibration(tuple(linear_rates), tuple(attention_rates))
+
+
 def measure_links(reps: int = 20) -> dict[str, tuple[float, float]]:
     """``{collective: (latency_s, bandwidth bytes/s)}`` for ``all_gather`` and ``all_to_all`` in
     the current gloo world, over the transport the graphs' collectives will take (shared memory
@@ -210,11 +264,13 @@ def _links_worker(rank: int, world: int, reps: int) -> dict:
 
 
 def measure_this_machine(links: bool = True, **calibration) -> Hardware:
-    """This machine as one rank: physical memory, :func:`calibrate_attention`'s figures and, with
+    """This machine as one rank: physical memory, :func:`calibrate_attention`'s figures,
+    :func:`calibrate_prefill`'s (the prefill's rates per dtype) and, with
     ``links``, :func:`measure_links` between two gloo processes on it (a few seconds more; the
     latency and bandwidth are the two collectives' means). Without ``links`` the link figures are
     loopback assumptions, not measurements: 5 GB/s, 200 µs per collective."""
     cal = calibrate_attention(**calibration)
+    prefill = calibrate_prefill()
     link_bw, link_latency, how = 5e9, 200e-6, "links assumed"
     if links:
         measured = spawn(_links_worker, 2, 10, timeout_s=120)[0]
@@ -224,7 +280,9 @@ def measure_this_machine(links: bool = True, **calibration) -> Hardware:
     return Hardware(MEASURED, physical_memory(), cal.bandwidth, cal.compute_flops, link_bw, link_latency,
                     compute_overlaps_memory=False, attention_overhead_s=cal.overhead_s,
                     cache_bytes=cal.cache_bytes, cache_bandwidth=cal.cache_bandwidth,
-                    bandwidth_curve=cal.bandwidth_curve, source=f"measured: paged_attention calibration on this CPU; {how}")
+                    bandwidth_curve=cal.bandwidth_curve, linear_flops=prefill.linear_flops,
+                    prefill_attention_flops=prefill.attention_flops,
+                    source=f"measured: paged_attention and prefill calibration on this CPU; {how}")
 
 
 def get_hardware(name: str, **overrides) -> Hardware:

@@ -14,7 +14,12 @@ term (a step whose working set fits in ``cache_bytes / 2`` reads it at ``cache_b
 measured for ``this-machine`` only; the presets leave them off (0), since a decode step's KV on
 those devices is far larger than their caches and their launch cost is not a datasheet figure.
 ``this-machine`` is measured by :func:`~.calibration.measure_this_machine` (a short calibration
-of the paged attention op and of the gloo links between two processes).
+of the paged attention op, of one thread's linear and causal prefill attention in fp32 and bf16,
+and of the gloo links between two processes). The prefill's rates are their own
+(``linear_flops``, ``prefill_attention_flops``): on a CPU without bf16 arithmetic a bf16 linear
+runs several times slower than an fp32 one while the flash attention kernel does not, and the
+paged decode kernel's rate (``compute_flops``, fp32 over the cache's rows) says nothing about
+either.
 
 Between nodes. A collective whose group spans nodes runs at the inter-node link, a separate
 figure: ``inter_node_bandwidth`` per direction per device and ``inter_node_latency_s`` per node
@@ -52,6 +57,16 @@ class Hardware:
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     inter_node_bandwidth: float = INTER_NODE_BANDWIDTH  # bytes/s per direction per device, between nodes
     inter_node_latency_s: float = INTER_NODE_LATENCY_S  # per node boundary crossed
+    # measured (element bytes, FLOP/s) of one rank's prefill work at that dtype: its linears
+    # (``x @ Wᵀ``) and its causal attention (the flash kernel); empty: compute_flops for both
+    linear_flops: tuple[tuple[int, float], ...] = ()
+    prefill_attention_flops: tuple[tuple[int, float], ...] = ()
+
+    def prefill_flops(self, dtype_bytes: int) -> tuple[float, float]:
+        """``(linear, attention)`` FLOP/s of a prefill in a ``dtype_bytes``-wide dtype: the measured
+        entries of that width, else ``compute_flops`` (the presets' dense bf16)."""
+        return (dict(self.linear_flops).get(dtype_bytes, self.compute_flops),
+                dict(self.prefill_attention_flops).get(dtype_bytes, self.compute_flops))
 
     def read_bandwidth(self, working_set_bytes: float) -> float:
         """Bandwidth of a step that touches ``working_set_bytes``. With a measured

@@ -14,8 +14,12 @@ two chunks, at most):
 * **TP all-reduces** (tp > 1): two per layer of ``tokens · hidden · b``, a ring moving
   ``2 (tp − 1)/tp`` of that per rank.
 
-``ttft = (dense + attention) / compute_flops + exchange + all-reduces``: no overlap of transfers
-with compute is assumed (the all-gather precedes the attention that needs it).
+``ttft = dense / linear_rate + attention / attention_rate + exchange + all-reduces`` with the two
+rates :meth:`Hardware.prefill_flops` gives for the model's element width ``b`` (measured on
+``this-machine``: a bf16 linear on a CPU without bf16 arithmetic runs several times slower than an
+fp32 one, its flash attention does not; the datasheet's dense bf16 figure for both on a preset).
+No overlap of transfers with compute is assumed (the all-gather precedes the attention that needs
+it).
 """
 
 from __future__ import annotations
@@ -76,5 +80,6 @@ def prefill_estimate(shape: ModelShape, hw: Hardware, *, tp: int, pcp: int, prom
     exchange_s = layers * hw.link_latency_s + exchange_bytes / hw.link_bandwidth if pcp > 1 else 0.0
     allreduce = 2 * layers * (hw.link_latency_s + 2 * (tp - 1) / tp * tokens * shape.hidden_size * b
                               / hw.link_bandwidth) if tp > 1 else 0.0
-    return PrefillEstimate(tokens, dense, attention, exchange_bytes, (dense + attention) / hw.compute_flops,
+    linear_rate, attention_rate = hw.prefill_flops(b)
+    return PrefillEstimate(tokens, dense, attention, exchange_bytes, dense / linear_rate + attention / attention_rate,
                            exchange_s, allreduce)

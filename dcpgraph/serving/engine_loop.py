@@ -30,6 +30,7 @@ from .params import SamplingParams
 
 log = logging.getLogger("dcpgraph.serving")
 SNAPSHOT_EVERY_S = 0.5
+LIVENESS_EVERY_S = 0.5  # between steps, how often the engine's processes are checked
 
 
 class EngineDeadError(DcpGraphError, RuntimeError):
@@ -79,6 +80,7 @@ class EngineLoop:
         self._snapshot = {"running": 0, "waiting": 0, "kv_usage": [0.0] * llm.config.tensor_parallel_size,
                           "kv_blocks": [], "prefix_cache": {}, "scheduler": {}, "engines": []}
         self._snapshot_at = 0.0
+        self._checked_at = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcpgraph-engine-loop", daemon=True)
         self._thread.start()
@@ -132,6 +134,7 @@ class EngineLoop:
                         self._handle(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                self._check_alive()
                 if self.kv_agent is not None and self.error is None:
                     self.kv_agent.tick()
                 if self._live and self.error is None:
@@ -158,6 +161,7 @@ class EngineLoop:
                 self._record(live, "abort")
             return
         _, prompt_ids, params, max_tokens, index, choice, out, log_id, loop, done, kv = command
+        self._check_alive(now=True)
         if self.error is not None:
             loop.call_soon_threadsafe(_set_exception, done, EngineDeadError(self.error))
             return
@@ -281,6 +285,19 @@ class EngineLoop:
                           "kv_blocks": [b for x in engines for b in x["kv_blocks"]],
                           "kv_usage": [u for x in engines for u in x["kv_usage"]], "engines": engines}
         self._snapshot_at = now
+
+    def _check_alive(self, now: bool = False) -> None:
+        """Fail the engine as soon as one of its processes is gone, not at its next step: a worker
+        (or a data-parallel replica's worker) that dies while idle, or while only other replicas
+        have work, leaves an engine that ``/health`` reports down, so it takes no new request and
+        ends the ones in flight, as one replica does (vLLM's data-parallel engines fail together).
+        Checked every :data:`LIVENESS_EVERY_S` between steps, and before each new request."""
+        moment = time.monotonic()
+        if self.error is not None or (not now and moment - self._checked_at < LIVENESS_EVERY_S):
+            return
+        self._checked_at = moment
+        if not self.engine.healthy():
+            self._fail(EngineDeadError("a worker process is not running"))
 
     def _fail(self, err: Exception) -> None:
         self.error = f"{type(err).__name__}: {err}"

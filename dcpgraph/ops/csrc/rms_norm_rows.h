@@ -1,6 +1,5 @@
 // HF's RMSNorm over the last dimension of a tensor of element type T (float or c10::BFloat16), the
-// CPU kernel behind dcpgraph::rms_norm_bf16 (rms_norm_bf16.cpp) and dcpgraph::rms_norm_f32
-// (rms_norm_f32.cpp):
+// CPU kernel behind dcpgraph::rms_norm_bf16 and dcpgraph::rms_norm_f32 (both in rms_norm.cpp):
 //   h = float(x);  v = mean(h^2, -1);  y = T(float(w) * float(T(h * (1 / sqrt(v + eps)))))
 // equal bit for bit to eager torch's `w * (h * rsqrt(mean(h.pow(2), -1) + eps)).to(T)` on a contiguous
 // x: the mean is ATen's own reduction of the squares (the same fp32 sums in the same order), the rest is

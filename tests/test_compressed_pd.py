@@ -78,6 +78,7 @@ def test_v4_side_states_its_entry_caches_and_replicated_open_windows():
     entry index and the windows across tp."""
     import torch
 
+    from dcpgraph.errors import UnsupportedModelError
     from dcpgraph.program import CacheSpec
     from dcpgraph.serving.kv_connector.plan import KVSide
 
@@ -86,11 +87,17 @@ def test_v4_side_states_its_entry_caches_and_replicated_open_windows():
     caches = (CacheSpec("compressed_kv_1", 1, "compressed_kv", 1, 32, torch.float64),
               CacheSpec("entries_1", 1, "compressed_entries", 1, 32, torch.float64, tokens_per_row=4))
     pools = (SimpleNamespace(name="open_window_1", shape=(8, 64), dtype=torch.float64, role="open_window"),)
-    engine = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches, recurrent_states=pools),
+    lowering = SimpleNamespace(sliding_caches=())
+    engine = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches, recurrent_states=pools, lowering=lowering),
                              mesh=SimpleNamespace(tp=1, dcp=1, pcp=1), interleave=1, block_size=4)
     side = KVSide.of_engine(engine)
     assert side.entries == (("entries_1", 4, 4),) and side.replicated_states
     assert KVSide.from_json(side.to_json()) == side
     hybrid = SimpleNamespace(**{**engine.__dict__, "program": SimpleNamespace(
-        facts=facts, caches=caches[:1], recurrent_states=(SimpleNamespace(**{**pools[0].__dict__, "role": "ssm"}),))})
+        facts=facts, caches=caches[:1], lowering=lowering,
+        recurrent_states=(SimpleNamespace(**{**pools[0].__dict__, "role": "ssm"}),))})
     assert not KVSide.of_engine(hybrid).replicated_states and KVSide.of_engine(hybrid).entries == ()
+    windowed = SimpleNamespace(**{**engine.__dict__, "program": SimpleNamespace(
+        **{**engine.program.__dict__, "lowering": SimpleNamespace(sliding_caches=("compressed_kv_1",))})})
+    with pytest.raises(UnsupportedModelError, match="hybrid_kv_cache=True gives the sliding-window layers their own"):
+        KVSide.of_engine(windowed)

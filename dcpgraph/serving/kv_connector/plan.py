@@ -80,6 +80,11 @@ class KVSide:
                 f"{facts.architecture}: KV transfer between instances (P/D) places every cache's heads by one "
                 f"KV head count, and this model's layers have {sorted(set(facts.layer_kv_heads))}; serve it "
                 "without a KV connector")
+        if program.lowering.sliding_caches:
+            raise UnsupportedModelError(
+                f"{facts.architecture}: KV transfer between instances (P/D) addresses every cache through the "
+                "request's one block table, and hybrid_kv_cache=True gives the sliding-window layers their own; "
+                "serve it with hybrid_kv_cache off (the default) or without a KV connector")
         rates = facts.extra.get("compress_rates") or {}
         entries = tuple((c.name, int(rates[c.layer]), int(c.tokens_per_row)) for c in program.caches
                         if is_entry_cache(c))

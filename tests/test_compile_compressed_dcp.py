@@ -29,18 +29,25 @@ def test_compiled_v4_at_tp2_dcp2_gives_hf_greedy_tokens(traced_four_groups):
     """tp=2·dcp=2 with interleave = block size (runs of 4 tokens, and of 4 entries, per rank):
     prompts of 1-23 tokens in 5-token prefill chunks crossing window and entry boundaries, 5
     virtual blocks of 8 tokens (one request preempted and recomputed) give HF ``generate``'s
-    greedy tokens, and the lowered program holds the DCP forms of the compressed ops."""
+    greedy tokens, and the lowered program holds the DCP forms of the compressed ops. With
+    ``hybrid_kv_cache`` the raw windows join the sliding group: their blocks wholly before the
+    window go back to the sliding pool (read as the null block from then on), the entries keep the
+    full table. (The full-table layout at dcp > 1 runs in ``test_e2e_compressed_gloo``,
+    ``test_compressed_pd`` and ``test_compressed_only``.)"""
     from dcpgraph.testing.generation import drain, hf_greedy
 
     model, program = traced_four_groups
     want = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     engine = dcpgraph.compile(program, tp=2, dcp=2, interleave=BLOCK, block_size=BLOCK, max_num_batched_tokens=5,
-                              num_blocks=4)
+                              num_blocks=4, hybrid_kv_cache=True)
     for prompt in PROMPTS:
         engine.add_request(prompt, max_new_tokens=NEW_TOKENS)
     got = drain(engine)
     assert [got[i] for i in range(len(PROMPTS))] == want
     assert engine.scheduler.stats["preemptions"] >= 1
+    assert {"compressed_kv_1", "compressed_kv_2", "compressed_kv_3"} <= set(engine.program.lowering.sliding_caches)
+    assert not any(name.startswith(("entries_", "index_entries_")) for name in engine.program.lowering.sliding_caches)
+    assert engine.blocks.sliding_stats["dropped"] > 0
     targets = {n.target for n in engine.program.graph_module.graph.nodes if n.op == "call_function"}
     dcp_ops = torch.ops.dcpgraph
     assert {dcp_ops.compressed_attention_dcp_.default, dcp_ops.compressed_topk_dcp_.default} <= targets

@@ -72,9 +72,10 @@ def test_v4_prefix_hits_at_dcp2_restore_open_windows_and_give_hf_tokens(v4):
     assert stats["restored"] - before[1]["restored"] == 2
 
 
-def test_v4_kv_transfer_between_instances_is_refused_by_name():
-    """The connector between serving instances moves token rows (``serving.kv_connector.plan``); a
-    program with entry caches is refused when an instance states its side, before any transfer."""
+def test_v4_side_states_its_entry_caches_and_replicated_open_windows():
+    """An instance's side (``serving.kv_connector.plan``) names each entry cache with its compress
+    rate and rows, and marks open windows as whole on every rank, so the connector moves entries by
+    entry index and the windows across tp."""
     import torch
 
     from dcpgraph.errors import UnsupportedModelError
@@ -82,14 +83,21 @@ def test_v4_kv_transfer_between_instances_is_refused_by_name():
     from dcpgraph.serving.kv_connector.plan import KVSide
 
     facts = SimpleNamespace(architecture="DeepseekV4ForCausalLM", layer_kv_heads=(), attention="gqa",
-                            num_kv_heads=1)
+                            num_kv_heads=1, extra={"compress_rates": {1: 4}})
     caches = (CacheSpec("compressed_kv_1", 1, "compressed_kv", 1, 32, torch.float64),
               CacheSpec("entries_1", 1, "compressed_entries", 1, 32, torch.float64, tokens_per_row=4))
-    engine = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches, recurrent_states=()),
+    pools = (SimpleNamespace(name="open_window_1", shape=(8, 64), dtype=torch.float64, role="open_window"),)
+    lowering = SimpleNamespace(sliding_caches=())
+    engine = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches, recurrent_states=pools, lowering=lowering),
                              mesh=SimpleNamespace(tp=1, dcp=1, pcp=1), interleave=1, block_size=4)
-    with pytest.raises(UnsupportedModelError, match=r"compressed layers \[1\] hold one row per compressed entry; "
-                                                    r"serve it without a KV connector"):
-        KVSide.of_engine(engine)
-    plain = SimpleNamespace(program=SimpleNamespace(facts=facts, caches=caches[:1], recurrent_states=()),
-                            mesh=SimpleNamespace(tp=1, dcp=1, pcp=1), interleave=1, block_size=4)
-    assert KVSide.of_engine(plain).caches == (("compressed_kv_1", "compressed_kv", 1, 32, "torch.float64"),)
+    side = KVSide.of_engine(engine)
+    assert side.entries == (("entries_1", 4, 4),) and side.replicated_states
+    assert KVSide.from_json(side.to_json()) == side
+    hybrid = SimpleNamespace(**{**engine.__dict__, "program": SimpleNamespace(
+        facts=facts, caches=caches[:1], lowering=lowering,
+        recurrent_states=(SimpleNamespace(**{**pools[0].__dict__, "role": "ssm"}),))})
+    assert not KVSide.of_engine(hybrid).replicated_states and KVSide.of_engine(hybrid).entries == ()
+    windowed = SimpleNamespace(**{**engine.__dict__, "program": SimpleNamespace(
+        **{**engine.program.__dict__, "lowering": SimpleNamespace(sliding_caches=("compressed_kv_1",))})})
+    with pytest.raises(UnsupportedModelError, match="hybrid_kv_cache=True gives the sliding-window layers their own"):
+        KVSide.of_engine(windowed)

@@ -200,9 +200,10 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     of ``interleave·lcm(m)`` at ``dcp > 1``; the open windows kept at block boundaries as recurrent
     state, :mod:`dcpgraph.runtime.state_prefix_cache`); P/D in one process between any two meshes
     (``Engine.prefill`` / ``continue_from``, entries placed by :mod:`dcpgraph.runtime.entry_placement`);
-    with ``hybrid_kv_cache`` the raw window joins the sliding group at ``dcp = 1``
-    (:mod:`dcpgraph.passes.insert_compressed_cache`). KV transfer between serving instances is
-    refused when the connector states its side (:class:`dcpgraph.serving.kv_connector.plan.KVSide`)."""
+    with ``hybrid_kv_cache`` the raw window joins the sliding group at any ``dcp``
+    (:mod:`dcpgraph.passes.layer_group_tables`). Between serving instances (``dcpgraph serve``
+    with a KV connector) the same entries and open windows move across meshes too
+    (:mod:`dcpgraph.serving.kv_connector.plan`, by the same placement)."""
     layers = compressed_layer_indices(model)
     if not layers:
         return
@@ -210,8 +211,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     unsupported = []
     if pcp != 1:
         unsupported.append(f"pcp={pcp} (only pcp=1: prefill context parallelism of the compressor is not built)")
-    if dcp > 1 and opts.get("hybrid_kv_cache"):
-        unsupported.append(f"hybrid_kv_cache=True at dcp={dcp} (the raw window joins the sliding group at dcp=1 only)")
     groups = output_groups(model)
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
@@ -233,5 +232,5 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
             + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
             "prefix caching (block_size a multiple of the compress rates at dcp=1, of interleave·lcm of them at "
-            "dcp>1); P/D in one process (Engine.prefill / continue_from), not between serving instances; "
+            "dcp>1); P/D in one process (Engine.prefill / continue_from) and between serving instances; "
             "per-rank bytes: dcpgraph plan")

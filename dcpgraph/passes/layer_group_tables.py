@@ -24,6 +24,8 @@ import torch
 
 from ..capacity import SCALE_SUFFIX
 from ..errors import ConfigError
+from ..ops import compressed_cached as _cached_ops  # noqa: F401  (registers the cached forms)
+from ..ops import compressed_dcp as _dcp_ops  # noqa: F401  (registers the DCP forms)
 from ..program import META, InputSpec, Program
 from .graph_edit import add_placeholders, nodes_calling
 from .manager import program_pass, ran
@@ -32,9 +34,12 @@ dcp_ops = torch.ops.dcpgraph
 
 SLIDING_ROLES = ("block_table_sliding", "slot_mapping_sliding")
 _TABLE_ARG, _WINDOW_START_ARG = 3, 8  # paged_attention(q, k, v, block_table, cu, lens, bound, scale, kv_start, …)
-# compressed_attention(q, kv, entries, positions, sinks, scale, window, …) and its cached form
+# compressed_attention(q, kv, entries, positions, sinks, scale, window, …) and its cached forms:
 # compressed_attention_(q, kv, entries, positions, sinks, kv_cache, entry_cache, block_table, window_table, …)
-_COMPRESSED_WINDOW_ARG, _RAW_CACHE_ARG, _RAW_TABLE_ARG = 6, 5, 8
+# compressed_attention_dcp_(q, kv, entries, positions, kv_cache, entry_cache, block_table, window_table, …)
+_COMPRESSED_WINDOW_ARG = 6
+_RAW_ARGS = {dcp_ops.compressed_attention_.default: (5, 8),  # (raw cache, window table) argument indices
+             dcp_ops.compressed_attention_dcp_.default: (4, 7)}
 _WRITES = (dcp_ops.kv_cache_write_.default, dcp_ops.kv_cache_write_fp8_.default)
 
 
@@ -68,7 +73,7 @@ def layer_group_tables(program: Program, windows: tuple[int, ...] = ()):
     graph = gm.graph
     reads = [n for n in nodes_calling(graph, dcp_ops.paged_attention.default)
              if len(n.args) > _WINDOW_START_ARG and n.args[_WINDOW_START_ARG] is not None]
-    compressed = nodes_calling(graph, dcp_ops.compressed_attention_.default)
+    compressed = [n for n in graph.nodes if n.op == "call_function" and n.target in _RAW_ARGS]
     if not (reads or compressed) or not windows:
         raise ConfigError("hybrid_kv_cache=True needs a model with sliding-window layers; this one has none")
     table, slots = add_placeholders(graph, list(SLIDING_ROLES))
@@ -76,9 +81,10 @@ def layer_group_tables(program: Program, windows: tuple[int, ...] = ()):
     for read in reads:
         read.args = (*read.args[:_TABLE_ARG], table, *read.args[_TABLE_ARG + 1:])
         sliding.update(_cache_placeholder(a).name for a in read.args[1:3])
-    for read in compressed:  # DeepSeek-V4: the raw window's rows (entries keep the full table)
-        read.args = (*read.args[:_RAW_TABLE_ARG], table, *read.args[_RAW_TABLE_ARG + 1:])
-        sliding.add(read.args[_RAW_CACHE_ARG].name)
+    for read in compressed:  # DeepSeek-V4: the raw window's rows (entries keep the full table), at any dcp
+        raw_cache, raw_table = _RAW_ARGS[read.target]
+        read.args = (*read.args[:raw_table], table, *read.args[raw_table + 1:])
+        sliding.add(read.args[raw_cache].name)
     reads += compressed
     rewired = 0
     for write in (n for target in _WRITES for n in nodes_calling(graph, target)):

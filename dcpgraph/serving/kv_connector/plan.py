@@ -22,23 +22,33 @@ Packing: every pair moves one flat byte buffer, each cache's rows in cache order
 are, the last one with its unwritten tail. Otherwise *row* mode moves token rows addressed by
 :func:`dcpgraph.layout.slot_mapping` on each side (the general re-shard).
 
+DeepSeek-V4's entry caches (:mod:`dcpgraph.runtime.entry_placement`: one row per compressed entry
+``w`` of a layer with rate ``m``) move as rows by entry index in either mode: entries
+``[start // m, end // m)``, entry ``w`` on DCP rank ``owner(w)`` of each side (the interleave rule on
+entry indices), addressed on each side by :func:`~dcpgraph.runtime.entry_placement.entry_slots`,
+the placement the in-process hand-over uses. A pair's buffer carries its token units and its
+entry units per rate (:class:`PairPlan`).
+
 A hybrid model's recurrent state (every pool's slot of the request, :func:`pack_states`) is split
 over TP by heads and identical on every member of a DCP group, so producer rank ``i`` sends its
 own to consumer rank ``i`` (both sides have the same ``tp``, checked by :func:`check_compatible`),
-appended after that pair's KV rows.
+appended after that pair's KV rows. State that is whole on every rank (V4's open windows,
+``replicated_states``) goes to consumer rank ``c`` from producer rank ``c mod (tp·pcp)``, whatever
+the two ``tp`` (:func:`state_source`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ... import layout
 from ...errors import UnsupportedModelError
 from ...mesh import Mesh
-from ...runtime.entry_placement import is_entry_cache
+from ...runtime.entry_placement import entry_slots, is_entry_cache
+from ...runtime.kv_transfer import REPLICATED_STATE_ROLES
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
 
@@ -57,6 +67,9 @@ class KVSide:
     # hybrid models: (name, shape per slot on a rank, dtype) of every recurrent state pool
     states: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     pcp: int = 1  # PCP replicas of the TP group: the side has tp·pcp ranks
+    # DeepSeek-V4: (cache name, compress rate m, tokens per row) of every cache with one row per entry
+    entries: tuple[tuple[str, int, int], ...] = ()
+    replicated_states: bool = False  # every state pool is whole on every rank (V4's open windows)
 
     @classmethod
     def of_engine(cls, engine) -> KVSide:
@@ -67,24 +80,28 @@ class KVSide:
                 f"{facts.architecture}: KV transfer between instances (P/D) places every cache's heads by one "
                 f"KV head count, and this model's layers have {sorted(set(facts.layer_kv_heads))}; serve it "
                 "without a KV connector")
-        entries = sorted({c.layer for c in program.caches if is_entry_cache(c)})
-        if entries:
+        if program.lowering.sliding_caches:
             raise UnsupportedModelError(
-                f"{facts.architecture}: KV transfer between instances (P/D through dcpgraph serve) moves token rows, "
-                f"and the DeepSeek-V4 compressed layers {entries[:8]} hold one row per compressed entry; serve it "
-                "without a KV connector (in one process, Engine.prefill and continue_from move V4's entries and "
-                "open windows across meshes)")
+                f"{facts.architecture}: KV transfer between instances (P/D) addresses every cache through the "
+                "request's one block table, and hybrid_kv_cache=True gives the sliding-window layers their own; "
+                "serve it with hybrid_kv_cache off (the default) or without a KV connector")
+        rates = facts.extra.get("compress_rates") or {}
+        entries = tuple((c.name, int(rates[c.layer]), int(c.tokens_per_row)) for c in program.caches
+                        if is_entry_cache(c))
+        pools = program.recurrent_states
         return cls(engine.mesh.tp, engine.mesh.dcp, engine.interleave, engine.block_size, facts.attention,
                    int(facts.num_kv_heads),
                    tuple((c.name, c.role, c.heads, c.dim, str(c.dtype)) for c in program.caches),
-                   tuple((p.name, tuple(int(n) for n in p.shape), str(p.dtype)) for p in program.recurrent_states),
-                   engine.mesh.pcp)
+                   tuple((p.name, tuple(int(n) for n in p.shape), str(p.dtype)) for p in pools),
+                   engine.mesh.pcp, entries,
+                   bool(pools) and all(p.role in REPLICATED_STATE_ROLES for p in pools))
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "dcp": self.dcp, "interleave": self.interleave, "block_size": self.block_size,
                 "attention": self.attention, "num_kv_heads": self.num_kv_heads,
                 "caches": [list(c) for c in self.caches],
-                "states": [[name, list(shape), dtype] for name, shape, dtype in self.states], "pcp": self.pcp}
+                "states": [[name, list(shape), dtype] for name, shape, dtype in self.states], "pcp": self.pcp,
+                "entries": [list(e) for e in self.entries], "replicated_states": self.replicated_states}
 
     @classmethod
     def from_json(cls, data: dict) -> KVSide:
@@ -92,7 +109,9 @@ class KVSide:
                    str(data["attention"]), int(data["num_kv_heads"]),
                    tuple((str(n), str(r), int(h), int(d), str(t)) for n, r, h, d, t in data["caches"]),
                    tuple((str(n), tuple(int(x) for x in shape), str(t)) for n, shape, t in data.get("states", ())),
-                   int(data.get("pcp", 1)))
+                   int(data.get("pcp", 1)),
+                   tuple((str(n), int(m), int(r)) for n, m, r in data.get("entries", ())),
+                   bool(data.get("replicated_states", False)))
 
     @property
     def state_bytes(self) -> int:
@@ -143,6 +162,18 @@ class KVSide:
         return g * heads, (g + 1) * heads
 
     @property
+    def entry_rates(self) -> dict[str, int]:
+        """Entry cache name → its compress rate ``m`` (empty without compressed layers)."""
+        return {name: rate for name, rate, _ in self.entries}
+
+    def entry_slots(self, rank: int, cache: str, entries: torch.Tensor, table: list[int]) -> torch.Tensor:
+        """Flat rows of ``entries`` in entry cache ``cache`` on global ``rank`` (``−1`` where it
+        holds none of them): :func:`dcpgraph.runtime.entry_placement.entry_slots` of this side."""
+        _, rate, per_row = next(e for e in self.entries if e[0] == cache)
+        return entry_slots(table, entries, rate=rate, tokens_per_row=per_row, block_size=self.block_size,
+                           dcp=self.dcp, dcp_rank=self.dcp_rank(rank), interleave=self.interleave)
+
+    @property
     def whole_blocks(self) -> bool:
         """Whether every physical block holds one contiguous run of ``block_size`` tokens."""
         return self.dcp == 1 or self.interleave == self.block_size
@@ -160,13 +191,24 @@ def check_compatible(producer: KVSide, consumer: KVSide) -> None:
         if (p[1], p[3], p[4], p_total) != (c[1], c[3], c[4], c_total):
             raise ValueError(f"cache {i} differs: producer (role, dim, dtype, heads) = {(p[1], p[3], p[4], p_total)}, "
                              f"consumer {(c[1], c[3], c[4], c_total)}")
-    if (producer.states or consumer.states) and (producer.tp, producer.pcp) != (consumer.tp, consumer.pcp):
+    if producer.entry_rates != consumer.entry_rates:
+        raise ValueError(f"the compressed entry caches differ (name: compress rate): producer "
+                         f"{producer.entry_rates}, consumer {consumer.entry_rates}")
+    replicated = producer.replicated_states and consumer.replicated_states
+    if ((producer.states or consumer.states) and not replicated
+            and (producer.tp, producer.pcp) != (consumer.tp, consumer.pcp)):
         raise ValueError(f"a hybrid model's recurrent state is split over tp by heads and moves rank to rank, so "
                          f"both sides need the same tp (producer tp={producer.tp}, consumer tp={consumer.tp}; "
                          "any dcp on either side)")
     if producer.states != consumer.states:
         raise ValueError(f"the recurrent state pools differ: producer {list(producer.states)}, "
                          f"consumer {list(consumer.states)}")
+
+
+def state_source(producer: KVSide, consumer: KVSide, dst: int) -> int:
+    """The producer rank that sends consumer rank ``dst`` its recurrent state: the same index, or
+    where every pool is whole on every rank (``replicated_states``) rank ``dst mod (tp·pcp)``."""
+    return dst % producer.ranks if producer.replicated_states and consumer.replicated_states else dst
 
 
 def state_rows(side: KVSide, caches: dict[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
@@ -197,11 +239,13 @@ def block_mode(producer: KVSide, consumer: KVSide) -> bool:
 @dataclass(frozen=True)
 class PairPlan:
     """Producer rank ``src`` sends consumer rank ``dst`` the ``units``: global token positions
-    (row mode) or run indices ``k`` of tokens ``[k·B, (k+1)·B)`` (block mode)."""
+    (row mode) or run indices ``k`` of tokens ``[k·B, (k+1)·B)`` (block mode); and for each
+    compress rate ``m`` of V4's entry caches, ``entries[m]``: the entry indices it sends."""
 
     src: int
     dst: int
     units: torch.Tensor
+    entries: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _heads_overlap(producer: KVSide, src: int, consumer: KVSide, dst: int) -> bool:
@@ -211,30 +255,40 @@ def _heads_overlap(producer: KVSide, src: int, consumer: KVSide, dst: int) -> bo
     return gp * nc < (gc + 1) * np_ and gc * np_ < (gp + 1) * nc
 
 
+def _owners(side: KVSide, units: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """The DCP rank holding each unit: run ``k`` on ``k mod dcp`` (block mode), else the interleave
+    rule on the index (a token position, or an entry index of an entry cache)."""
+    return units % side.dcp if blocks else layout.owner(units, side.dcp, side.interleave)
+
+
 def transfer_plan(producer: KVSide, consumer: KVSide, start: int, end: int) -> list[PairPlan]:
     """Every non-empty (producer rank, consumer rank) message for positions ``[start, end)``, by
-    global rank; each consumer row of each head is covered exactly once."""
+    global rank; each consumer row of each head is covered exactly once, and so is each of the
+    entries ``[start // m, end // m)`` of every entry cache's rate ``m``."""
     blocks = block_mode(producer, consumer)
     if blocks:
         if start % producer.block_size:
             raise ValueError(f"block mode needs a block-aligned start, got {start}")
         units = torch.arange(start // producer.block_size, -(-end // producer.block_size))
-        p_owner, c_owner = units % producer.dcp, units % consumer.dcp
     else:
         units = torch.arange(start, end)
-        p_owner = layout.owner(units, producer.dcp, producer.interleave)
-        c_owner = layout.owner(units, consumer.dcp, consumer.interleave)
+    # (units, owners on the producer, owners on the consumer): tokens first, then each rate's entries
+    kinds = {None: (units, _owners(producer, units, blocks), _owners(consumer, units, blocks))}
+    for rate in sorted(set(producer.entry_rates.values())):
+        ids = torch.arange(start // rate, end // rate)
+        kinds[rate] = (ids, _owners(producer, ids, False), _owners(consumer, ids, False))
     plans = []
     for dst in range(consumer.ranks):
-        mine = c_owner == consumer.dcp_rank(dst)
         for group in range(producer.head_groups):
             first = group * producer.replicas  # the first DCP group of this replica set sends (attention order)
             if not _heads_overlap(producer, producer.rank_at(first), consumer, dst):
                 continue
             for d in range(producer.dcp):
-                sel = units[mine & (p_owner == d)]
-                if len(sel):
-                    plans.append(PairPlan(producer.rank_at(first + d), dst, sel))
+                picked = {kind: ids[(c_owner == consumer.dcp_rank(dst)) & (p_owner == d)]
+                          for kind, (ids, p_owner, c_owner) in kinds.items()}
+                if any(len(sel) for sel in picked.values()):
+                    tokens = picked.pop(None)
+                    plans.append(PairPlan(producer.rank_at(first + d), dst, tokens, picked))
     return plans
 
 
@@ -263,24 +317,41 @@ def _local_heads(side: KVSide, rank: int, cache: int, other: KVSide, other_rank:
     return slice(a - lo, b - lo)
 
 
+def _rows_of(side: KVSide, rank: int, cache: int, pair: PairPlan, table: list[int],
+             blocks: bool) -> tuple[torch.Tensor, int]:
+    """(indices into the cache viewed as ``[-1, unit_rows, heads, dim]``, ``unit_rows``) of what
+    ``pair`` moves of cache number ``cache`` on ``rank``: entry slots of an entry cache, else
+    :func:`unit_indices` of the token units."""
+    name = side.caches[cache][0]
+    rate = side.entry_rates.get(name)
+    if rate is None:
+        return unit_indices(side, rank, pair.units, table, blocks), side.block_size if blocks else 1
+    slots = side.entry_slots(rank, name, pair.entries.get(rate, torch.empty(0, dtype=torch.int64)), table)
+    assert bool((slots >= 0).all()), "a planned entry is not owned by this rank"
+    return slots, 1
+
+
 def buffer_bytes(side: KVSide, rank: int, pair: PairPlan, peer: KVSide, peer_rank: int, blocks: bool) -> int:
     """Bytes of ``pair``'s buffer, computed from ``side``'s caches (either end gets the same)."""
-    unit_rows = side.block_size if blocks else 1
     total = 0
-    for i, (_, _, _, dim, dtype) in enumerate(side.caches):
+    for i, (name, _, _, dim, dtype) in enumerate(side.caches):
         heads = _local_heads(side, rank, i, peer, peer_rank)
         size = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        total += len(pair.units) * unit_rows * (heads.stop - heads.start) * dim * size
+        rate = side.entry_rates.get(name)
+        if rate is None:
+            rows = len(pair.units) * (side.block_size if blocks else 1)
+        else:
+            rows = len(pair.entries.get(rate, ()))
+        total += rows * (heads.stop - heads.start) * dim * size
     return total
 
 
 def gather(side: KVSide, rank: int, caches: list[torch.Tensor], table: list[int], pair: PairPlan,
            consumer: KVSide, blocks: bool) -> torch.Tensor:
     """The producer's flat byte buffer for ``pair`` from ``rank``'s caches (in cache order)."""
-    unit_rows = side.block_size if blocks else 1
-    index = unit_indices(side, rank, pair.units, table, blocks)
     parts = []
     for i, cache in enumerate(caches):
+        index, unit_rows = _rows_of(side, rank, i, pair, table, blocks)
         heads = _local_heads(side, rank, i, consumer, pair.dst)
         rows = _cache_view(cache, unit_rows).index_select(0, index)[:, :, heads]
         parts.append(rows.contiguous().view(-1).view(torch.uint8))
@@ -290,10 +361,9 @@ def gather(side: KVSide, rank: int, caches: list[torch.Tensor], table: list[int]
 def scatter(side: KVSide, rank: int, caches: list[torch.Tensor], table: list[int], pair: PairPlan,
             producer: KVSide, blocks: bool, buffer: torch.Tensor) -> None:
     """Write ``buffer`` (from :func:`gather` on ``pair.src``) into ``rank``'s caches."""
-    unit_rows = side.block_size if blocks else 1
-    index = unit_indices(side, rank, pair.units, table, blocks)
     offset = 0
     for i, cache in enumerate(caches):
+        index, unit_rows = _rows_of(side, rank, i, pair, table, blocks)
         heads = _local_heads(side, rank, i, producer, pair.src)
         view = _cache_view(cache, unit_rows)[:, :, heads]
         shape = (len(index), unit_rows, heads.stop - heads.start, *view.shape[3:])

@@ -30,6 +30,7 @@ from .plan import (
     gather,
     pack_states,
     scatter,
+    state_source,
     transfer_plan,
     unpack_states,
 )
@@ -104,16 +105,19 @@ def _plan(mine_json: dict, other: dict, producer_side: bool, start: int, end: in
 # -- rank halves: each rank moves its own rows --------------------------------------------------------
 def send_rows(state: RankState, table: list[int], state_slot: int | None, side: dict, transfer_id: str,
               consumer: dict, start: int, end: int, config: dict) -> int:
-    """Producer rank: send every consumer rank its rows of ``[start, end)`` and the consumer rank of
-    the same index this rank's recurrent state (hybrid models); returns bytes sent."""
+    """Producer rank: send every consumer rank its rows of ``[start, end)`` (and V4's entries of
+    them) and the consumer ranks whose :func:`~.plan.state_source` it is this rank's recurrent state
+    (hybrid models, V4's open windows); returns bytes sent."""
     rank = state.rank
     mine, peer, plans, blocks = _plan(side, consumer, True, start, end)
     caches = _caches(state)
     sends = {mine.ranks + p.dst: gather(mine, rank, caches, table, p, peer, blocks) for p in plans if p.src == rank}
     if mine.states:
         packed = pack_states(mine, state.caches, state_slot)
-        twin = mine.ranks + rank  # the consumer rank with this rank's heads
-        sends[twin] = torch.cat([sends[twin], packed]) if twin in sends else packed
+        for dst in range(peer.ranks):
+            if state_source(mine, peer, dst) == rank:
+                twin = mine.ranks + dst
+                sends[twin] = torch.cat([sends[twin], packed]) if twin in sends else packed
     if _fault("producer_exit_before_send"):
         os._exit(17)
     parse_kv_transfer_config(config).connector().exchange(transfer_id, rank, mine.ranks + peer.ranks, sends, {})
@@ -122,15 +126,17 @@ def send_rows(state: RankState, table: list[int], state_slot: int | None, side: 
 
 def recv_rows(state: RankState, table: list[int], state_slot: int | None, side: dict, transfer_id: str,
               producer: dict, start: int, end: int, config: dict) -> int:
-    """Consumer rank: receive this rank's rows of ``[start, end)`` into the request's blocks and
-    (hybrid models) the producer's same-index rank's recurrent state into its slot; returns bytes."""
+    """Consumer rank: receive this rank's rows of ``[start, end)`` (and V4's entries of them) into
+    the request's blocks and the recurrent state of its :func:`~.plan.state_source` rank into its
+    slot; returns bytes."""
     rank = state.rank
     mine, peer, plans, blocks = _plan(side, producer, False, start, end)
     mine_plans = [p for p in plans if p.dst == rank]
     kv_sizes = {p.src: buffer_bytes(mine, rank, p, peer, p.src, blocks) for p in mine_plans}
     sizes = dict(kv_sizes)
+    source = state_source(peer, mine, rank)
     if mine.states:
-        sizes[rank] = sizes.get(rank, 0) + mine.state_bytes
+        sizes[source] = sizes.get(source, 0) + mine.state_bytes
     connector = parse_kv_transfer_config(config).connector()
     if _fault("consumer_exit_mid_transfer"):  # the group is up, the producer is sending: die
         connector.join_group(transfer_id, peer.ranks + rank, mine.ranks + peer.ranks)
@@ -140,7 +146,7 @@ def recv_rows(state: RankState, table: list[int], state_slot: int | None, side: 
     for p in mine_plans:
         scatter(mine, rank, caches, table, p, peer, blocks, received[p.src][: kv_sizes[p.src]])
     if mine.states:
-        unpack_states(mine, state.caches, state_slot, received[rank][kv_sizes.get(rank, 0) :])
+        unpack_states(mine, state.caches, state_slot, received[source][kv_sizes.get(source, 0) :])
     return sum(sizes.values())
 
 

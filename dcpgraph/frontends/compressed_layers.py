@@ -208,8 +208,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         return
     opts = opts or {}
     unsupported = []
-    if pcp != 1:
-        unsupported.append(f"pcp={pcp} (only pcp=1: prefill context parallelism of the compressor is not built)")
     if dcp > 1 and opts.get("hybrid_kv_cache"):
         unsupported.append(f"hybrid_kv_cache=True at dcp={dcp} (the raw window joins the sliding group at dcp=1 only)")
     groups = output_groups(model)

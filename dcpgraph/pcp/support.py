@@ -64,8 +64,6 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
         return
     extra = facts.extra
     refused = []
-    if extra.get("compressed_layers"):
-        refused.append("compressed attention layers (dense GQA/MLA and sparse SFA attention are split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     if opts.get("hybrid_kv_cache"):

@@ -31,6 +31,14 @@ reads the whole step). MLA's value, a slice of its key, is sliced from the gathe
 A window's, chunk's, soft-cap's or sink's bound is per query position or per head, so windowed
 attention splits like causal attention.
 
+Compressed attention (DeepSeek-V4 CSA/HCA, :func:`_gather_compressed`): a compressor's windows
+span the PCP ranks' rows and its open window is per-request state, so each ``compress_windows``
+gets its ``kv``/``gate`` inputs gathered and pools the whole step (every rank writes the same open
+window), its row-form output read back at ``pcp_rows`` for the entries' row-wise norm and rotary;
+each ``compressed_topk`` (the indexer's query, head weights, keys) and ``compressed_attention``
+(query, K=V head, entries) reads gathered operands and the step's positions, so each row's
+selection and attention are those of ``pcp = 1``, read back at ``pcp_rows``.
+
 With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``, no sparse layer) the queries stay local
 (``queries="rank"``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
 ``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)

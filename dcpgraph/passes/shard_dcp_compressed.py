@@ -65,7 +65,7 @@ def shard_compressed(graph: torch.fx.Graph, e: Emitter, dcp_rank, n: int, interl
         with graph.inserting_before(node):
             heads_first = e(aten.clone.default, e(aten.select.int, q, 0, 0), memory_format=torch.contiguous_format)
             q_all = heads_first if same_queries else _distinct_blocks(
-                e, coll.all_gather(graph, heads_first, n, "dcp"), n, copies)  # [N·H, T, D], group-rank order
+                e, coll.all_gather(graph, heads_first, n, "dcp"), n, copies)  # [blocks·H, T, D], group order
             o, lse = e.pair(dcp_ops.compressed_attention_dcp_.default, q_all, kv, entries, positions, kv_cache,
                             entry_cache, table, window_table, cu, context, dcp_rank, scale, window, rate, selected,
                             n, interleave)

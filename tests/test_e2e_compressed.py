@@ -78,19 +78,19 @@ def test_mesh_rule_is_named():
 
 
 @pytest.mark.parametrize(("options", "named"), [
-    ({"tp": 2, "pcp": 2}, r"pcp=2 \(only pcp=1"),
+    ({"tp": 4, "pcp": 2}, r"tp=4 \(tp must divide o_groups=2"),
     ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
     ({"enable_prefix_caching": True, "block_size": 6}, r"enable_prefix_caching=True with block_size·dcp=6"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
 ])
 def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(options, named):
-    """The cached layer compiles at tp dividing o_groups and dcp dividing tp
-    (``test_compile_compressed``, ``test_compile_compressed_dcp``, the raw window in the sliding
-    group at any dcp); pcp and the features it does not keep state for are refused by name, before
-    any trace or pass."""
+    """The cached layer compiles at tp dividing o_groups and dcp dividing tp·pcp
+    (``test_compile_compressed``, ``test_compile_compressed_dcp``, ``test_pcp_compressed``, the raw
+    window in the sliding group at any dcp); a tp not dividing o_groups (with pcp too) and the
+    features it does not keep state for are refused by name, before any trace or pass."""
     with pytest.raises(UnsupportedModelError, match=r"DeepSeek-V4 compressed attention \(CSA/HCA\) at layers "
                        r"\[1, 2, 3\]: dcpgraph.compile does not support .*" + named
-                       + r".*Supported: pcp=1, tp dividing o_groups, dcp dividing tp"):
+                       + r".*Supported: tp dividing o_groups, dcp dividing tp·pcp"):
         dcpgraph.compile(_model(), **options)
 
 

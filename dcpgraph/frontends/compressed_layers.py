@@ -189,9 +189,11 @@ def _named(layers: list[int]) -> str:
 
 def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp: int = 1, opts=None) -> None:
     """``dcpgraph.compile`` of a V4 model with what its cached layer does not support, refused by
-    name before any pass or collective. Compiled: ``pcp = 1``, any ``tp`` dividing the grouped
-    output projection's ``o_groups`` (:mod:`.compressed_tp`) and any ``dcp`` dividing ``tp`` (the
-    entries dealt by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
+    name before any pass or collective. Compiled: any ``tp`` dividing the grouped output
+    projection's ``o_groups`` (:mod:`.compressed_tp`), any ``pcp`` (each compressed layer's
+    compressors, indexer and attention computed on the whole step on every PCP rank,
+    :mod:`dcpgraph.passes.split_pcp_prefill`) and any ``dcp`` dividing ``tp·pcp`` (the entries dealt
+    by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with the default KV
     dtype; ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
     and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
     distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives);
@@ -209,8 +211,6 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
         return
     opts = opts or {}
     unsupported = []
-    if pcp != 1:
-        unsupported.append(f"pcp={pcp} (only pcp=1: prefill context parallelism of the compressor is not built)")
     groups = output_groups(model)
     if tp > 1 and (groups is None or groups % tp):
         unsupported.append(f"tp={tp} (tp must divide o_groups={groups}: the grouped output projection is split "
@@ -230,7 +230,7 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: pcp=1, tp dividing o_groups, dcp dividing tp, kv_cache_dtype='auto', ngram speculative decoding; "
+            + ". Supported: tp dividing o_groups, dcp dividing tp·pcp, kv_cache_dtype='auto', ngram speculative decoding; "
             "prefix caching (block_size a multiple of the compress rates at dcp=1, of interleave·lcm of them at "
             "dcp>1); P/D in one process (Engine.prefill / continue_from) and between serving instances; "
             "per-rank bytes: dcpgraph plan")

@@ -223,7 +223,7 @@ def _lower(program: Program, comm: str) -> tuple[Program, str]:
     graph = gm.graph
     local_lens, dcp_rank = add_placeholders(graph, ["local_context_lens", "dcp_rank"])
     sharding = _ContextReadSharding(graph, program, comm, local_lens, dcp_rank)
-    compressed = shard_compressed(graph, sharding.e, dcp_rank, n, sharding.interleave)
+    compressed = shard_compressed(graph, sharding.e, dcp_rank, n, sharding.interleave, program.mesh.pcp)
     indexers = nodes_calling(graph, dcp_ops.paged_indexer_topk.default)
     for indexer in indexers:
         shard_indexer(graph, sharding.e, indexer, dcp_rank, n, sharding.interleave, _emit_local_len)

@@ -31,6 +31,14 @@ reads the whole step). MLA's value, a slice of its key, is sliced from the gathe
 A window's, chunk's, soft-cap's or sink's bound is per query position or per head, so windowed
 attention splits like causal attention.
 
+Compressed attention (DeepSeek-V4 CSA/HCA, :func:`_gather_compressed`): a compressor's windows
+span the PCP ranks' rows and its open window is per-request state, so each ``compress_windows``
+gets its ``kv``/``gate`` inputs gathered and pools the whole step (every rank writes the same open
+window), its row-form output read back at ``pcp_rows`` for the entries' row-wise norm and rotary;
+each ``compressed_topk`` (the indexer's query, head weights, keys) and ``compressed_attention``
+(query, K=V head, entries) reads gathered operands and the step's positions, so each row's
+selection and attention are those of ``pcp = 1``, read back at ``pcp_rows``.
+
 With ``dcp = 1`` (and the fused paged read, ``fuse_new_tokens``, no sparse layer) the queries stay local
 (``queries="rank"``): only ``k``/``v`` are gathered, and :func:`split_pcp_attention`, after
 ``fuse_new_tokens``, gives each paged read this rank's request boundaries (``pcp_cu_seqlens_q``)
@@ -54,6 +62,7 @@ import torch
 
 from ..errors import UnsupportedModelError, VerificationError
 from ..mesh import Mesh
+from ..ops import compressed as _compressed_ops  # noqa: F401  (registers the canonical compressed ops)
 from ..program import META, RANK, InputSpec, Program
 from . import collectives as coll
 from .graph_edit import Emitter, add_placeholders, nodes_calling, output_node
@@ -66,6 +75,9 @@ QUERY_ROWS = ("step", "rank", "group")
 ATTENTION = dcp_ops.attention.default
 PAGED = dcp_ops.paged_attention.default
 SPARSE = dcp_ops.sparse_attention.default
+COMPRESSED = dcp_ops.compressed_attention.default
+COMPRESS = dcp_ops.compress_windows.default
+COMPRESSED_TOPK = dcp_ops.compressed_topk.default
 
 
 def _ensures(program: Program) -> None:
@@ -78,6 +90,12 @@ def _ensures(program: Program) -> None:
                 raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
     for node in nodes_calling(graph, SPARSE):
         for operand in (*node.args[:3], *node.args[3].args[:3]):  # q, k, v and the indexer's q, k, weights
+            if not _step_ordered(operand):
+                raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
+    for node in [*nodes_calling(graph, COMPRESS), *nodes_calling(graph, COMPRESSED_TOPK),
+                 *nodes_calling(graph, COMPRESSED)]:
+        operands = node.args[:2] if node.target is COMPRESS else node.args[:3]
+        for operand in operands:  # the compressor's kv/gate; the indexer's q/weights/keys; the q/kv/entries
             if not _step_ordered(operand):
                 raise VerificationError(f"{node.name}: {operand.name} is not all-gathered over the PCP group")
     linear = find_logits_linear(graph)
@@ -131,6 +149,7 @@ def split_pcp_prefill(program: Program, mesh: Mesh, queries: str = "step"):
         if queries == "group" else (None, None)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     selected = 0
+    local_inputs = {}
     for name in ("input_ids", "position_ids", "hidden_states"):  # hidden_states: an MTP layer's [1, T, H]
         token_input = placeholders.get(name)
         if token_input is None:
@@ -140,16 +159,19 @@ def split_pcp_prefill(program: Program, mesh: Mesh, queries: str = "step"):
             mine = e(aten.index_select.default, token_input, 1, rows)
         for user in users:
             user.replace_input_with(token_input, mine)
+        local_inputs[mine] = token_input
         selected += 1
     if "input_ids" not in placeholders:
         raise VerificationError("split_pcp_prefill needs the 'input_ids' input, which the graph lacks")
-    attentions = [n for n in graph.nodes if n.op == "call_function" and n.target in (ATTENTION, SPARSE)]
+    attentions = [n for n in graph.nodes if n.op == "call_function" and n.target in (ATTENTION, SPARSE, COMPRESSED)]
     sparse = [n for n in attentions if n.target is SPARSE]
-    if len(attentions) != program.facts.num_layers:
+    compressed = _gather_compressed(graph, e, local_inputs, rows, order, mesh.pcp)
+    attentions = [n for n in attentions if n.target is not COMPRESSED]
+    if len(attentions) + compressed != program.facts.num_layers:
         raise UnsupportedModelError(
             f"{program.facts.architecture}: prefill_context_parallel_size={mesh.pcp} is compiled for attention "
-            f"(dense GQA or MLA, sliding-window, soft-capped, sink or chunked, or sparse SFA/DSA) in every layer; "
-            f"{program.facts.num_layers - len(attentions)} of {program.facts.num_layers} layers have none "
+            f"(dense GQA or MLA, sliding-window, soft-capped, sink or chunked, sparse SFA/DSA, or compressed "
+            f"CSA/HCA) in every layer; {program.facts.num_layers - len(attentions) - compressed} of {program.facts.num_layers} layers have none "
             "(layers without attention are not split over PCP ranks); use pcp=1")
     if sparse and queries != "step":
         raise VerificationError(f"split_pcp_prefill: sparse (SFA) attention gathers every step query (queries='step', "
@@ -165,7 +187,8 @@ def split_pcp_prefill(program: Program, mesh: Mesh, queries: str = "step"):
                 indexers.append(node.args[3])
                 _gather_indexer(graph, e, node.args[3], order, mesh.pcp)
             gathered_k = _gather_heads_first(graph, e, k, order, mesh.pcp)
-            gathered_v = _value_of(e, k, v, gathered_k) or _gather_heads_first(graph, e, v, order, mesh.pcp)
+            gathered_v = (gathered_k if v is k else _value_of(e, k, v, gathered_k)
+                          or _gather_heads_first(graph, e, v, order, mesh.pcp))
             if not local_queries:
                 q = _gather_heads_first(graph, e, q, order, mesh.pcp)
             if group_rows is not None:
@@ -200,6 +223,7 @@ def split_pcp_prefill(program: Program, mesh: Mesh, queries: str = "step"):
     gathered = {"rank": "k/v (queries stay local)", "step": "q/k/v",
                 "group": "q/k/v (queries read at the DCP group's rows)"}[queries]
     indexed = f", {len(indexers)} indexers' q/k/weights" if indexers else ""
+    indexed += f", {compressed} compressed layers' compressor, indexer and attention operands" if compressed else ""
     state = f", hidden-states output {hidden_output}" if hidden_output is not None else ""
     return (program.replace(graph_module=gm, inputs=inputs),
             f"pcp={mesh.pcp}: {selected} token inputs read at pcp_rows; {len(attentions)} attentions' {gathered}"
@@ -307,3 +331,54 @@ def _gather_tokens_first(graph, e: Emitter, x, order, pcp: int):
     """``x [1, L, ...]`` of every PCP rank as ``[1, T, ...]`` in step order."""
     rows = e(aten.clone.default, e(aten.squeeze.dim, x, 0), memory_format=torch.contiguous_format)
     return e(aten.unsqueeze.default, _gather_rows(graph, e, rows, order, pcp), 0)
+
+
+def _gather_compressed(graph, e: Emitter, local_inputs: dict, rows, order, pcp: int) -> int:
+    """DeepSeek-V4's compressed layers, computed on the whole step on every PCP rank (in place).
+
+    A compressor's windows span the PCP ranks' rows and its open window is per-request state, so
+    each ``compress_windows(kv [1, L, w], gate [1, L, w], ...)`` gets both inputs gathered in step
+    order and pools every step row as ``pcp = 1`` does (every rank then writes the same open
+    window); its row-form output is read back at ``pcp_rows``, where the entries' norm and compress
+    rotary run row-wise. Each ``compressed_topk`` (CSA's indexer: query, head weights, keys) and
+    ``compressed_attention`` (query, the K=V head, the entries) gets its operands gathered the same
+    way and its positions as the step's ``position_ids``, so every rank selects and attends every
+    row exactly as ``pcp = 1``; the selection feeds the gathered attention directly, and the
+    attention's output is read back at ``pcp_rows``. Returns the number of compressed attentions."""
+    def step_positions(x):
+        if x in local_inputs:
+            return local_inputs[x]  # position_ids read at pcp_rows: the step's own input
+        return _gather_tokens_first(graph, e, x, order, pcp)
+
+    for node in nodes_calling(graph, COMPRESS):
+        with graph.inserting_before(node):
+            step = [_gather_tokens_first(graph, e, x, order, pcp) for x in node.args[:2]]
+        node.args = (*step, *node.args[2:])
+        _read_back(graph, e, node, 1, rows, keep=())
+    for node in nodes_calling(graph, COMPRESSED_TOPK):
+        iq, weights, keys, positions = node.args[:4]
+        with graph.inserting_before(node):
+            step = [_gather_tokens_first(graph, e, x, order, pcp) for x in (iq, weights, keys)]
+            node.args = (*step, step_positions(positions), *node.args[4:])
+        _read_back(graph, e, node, 1, rows, keep=(COMPRESSED,))
+    attentions = nodes_calling(graph, COMPRESSED)
+    for node in attentions:
+        q, kv, entries, positions = node.args[:4]
+        with graph.inserting_before(node):
+            step = [_gather_heads_first(graph, e, q, order, pcp), _gather_heads_first(graph, e, kv, order, pcp),
+                    _gather_tokens_first(graph, e, entries, order, pcp), step_positions(positions)]
+        node.args = (*step, *node.args[4:])
+        _read_back(graph, e, node, 2, rows, keep=())
+    return len(attentions)
+
+
+def _read_back(graph, e: Emitter, node, dim: int, rows, keep: tuple) -> None:
+    """Users of ``node`` (a step-order ``T``-row result) other than calls of ``keep`` read it at
+    ``rows`` along ``dim``."""
+    users = [u for u in node.users if not (u.op == "call_function" and u.target in keep)]
+    if not users:
+        return
+    with graph.inserting_after(node):
+        back = e(aten.index_select.default, node, dim, rows)
+    for user in users:
+        user.replace_input_with(node, back)

@@ -1,7 +1,7 @@
 """What runs with ``pcp > 1``, refused by name before any tracing, pass or collective.
 
-``dcpgraph.compile`` runs ``pcp > 1`` for GQA, MLA and sparse (SFA/DSA) attention, with sliding
-windows, soft-caps, sinks or chunks (no compressed attention, no recurrent layers; layers without
+``dcpgraph.compile`` runs ``pcp > 1`` for GQA, MLA, sparse (SFA/DSA) and compressed (DeepSeek-V4
+CSA/HCA) attention, with sliding windows, soft-caps, sinks or chunks (no recurrent layers; layers without
 attention are refused by :mod:`dcpgraph.passes.split_pcp_prefill`), emulated or on a ``torch.distributed``
 world of ``tp·pcp`` ranks, with ngram speculative decoding (a verify step of ``k + 1`` tokens a
 request is split over the PCP ranks like a prefill chunk), draft-model speculative decoding (the
@@ -26,7 +26,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..mesh import Mesh
 
-COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3) and SFA (DeepSeek-V3.2) models, sliding-window, soft-capped "
+COMPILED = ("GQA (Llama, Qwen3, ...), MLA (DeepSeek-V2/V3), SFA (DeepSeek-V3.2) and compressed (DeepSeek-V4) "
+            "models, sliding-window, soft-capped "
             "and sink attention included, through dcpgraph.compile, emulated or on a torch.distributed world "
             "of tp·pcp ranks, with chunked prefill, prefix caching and ngram, draft-model or MTP speculative "
             "decoding")
@@ -64,8 +65,6 @@ def refuse_pcp_compile(mesh: Mesh, facts: Any, opts: dict[str, Any]) -> None:
         return
     extra = facts.extra
     refused = []
-    if extra.get("compressed_layers"):
-        refused.append("compressed attention layers (dense GQA/MLA and sparse SFA attention are split over PCP ranks)")
     if extra.get("recurrent_layers") or extra.get("stateless_layers"):
         refused.append("recurrent (hybrid) layers")
     if opts.get("hybrid_kv_cache"):

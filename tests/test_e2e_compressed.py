@@ -81,7 +81,6 @@ def test_mesh_rule_is_named():
     ({"tp": 4, "pcp": 2}, r"tp=4 \(tp must divide o_groups=2"),
     ({"tp": 4}, r"tp=4 \(tp must divide o_groups=2"),
     ({"enable_prefix_caching": True, "block_size": 6}, r"enable_prefix_caching=True with block_size·dcp=6"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
 ])
 def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(options, named):
     """The cached layer compiles at tp dividing o_groups and dcp dividing tp·pcp

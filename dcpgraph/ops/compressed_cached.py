@@ -44,6 +44,7 @@ import torch
 from .compressed import closing_rows
 from .compressed_attention import with_sinks
 from .compressor import OpenWindow, compress_stream, visible_entries
+from .fp8_rows import is_packed, pack_rows, unpack_rows
 from .sparse_kernels import attend_selected, index_scores, select_topk
 
 NS = "dcpgraph"
@@ -80,11 +81,19 @@ def entry_slots(table_row: torch.Tensor, entries: torch.Tensor, rate: int, block
 
 
 def _write(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    cache.view(-1, *cache.shape[2:])[slots] = rows.reshape(rows.shape[0], *cache.shape[2:]).to(cache.dtype)
+    """Rows ``[n, ·]`` into ``slots`` of a cache ``[blocks, B, H, D]``: cast to its dtype, or, for an
+    fp8 cache (uint8, :mod:`.fp8_rows`), quantised and packed with their scales."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if is_packed(cache):
+        flat[slots] = pack_rows(rows.reshape(rows.shape[0], cache.shape[2], -1))
+        return
+    flat[slots] = rows.reshape(rows.shape[0], *cache.shape[2:]).to(cache.dtype)
 
 
 def _read(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    return cache.view(-1, *cache.shape[2:])[slots]
+    """The rows at ``slots`` (``[n, H, D]``; an fp8 cache's dequantised to fp32)."""
+    rows = cache.view(-1, *cache.shape[2:])[slots]
+    return unpack_rows(rows) if is_packed(cache) else rows
 
 
 def _open_window(held: torch.Tensor, context: int, width: int, bias: torch.Tensor, rate: int,

@@ -19,7 +19,9 @@ written in place): ``compressed_kv_i`` (role ``compressed_kv``: the raw K=V rows
 position), ``entries_i`` (``compressed_entries``: the entries by entry index) and, for CSA,
 ``index_entries_i`` (``compressed_index``: the indexer keys by entry index); the entry caches
 have ``tokens_per_row = m``, ``ceil(B / m)`` rows per block (entry ``w`` in the block of token
-``w·m``). All three are read
+``w·m``). Rows are stored in the model's dtype, or as ``kv_cache_dtype`` says (the lowering's,
+decided by ``insert_kv_cache``): ``bf16``, or ``fp8_e4m3`` as packed rows, values then their scales,
+in a uint8 cache (:mod:`dcpgraph.ops.fp8_rows`). All three are read
 through the request's one block table; an entry index ``w`` is below the request's token count, so
 its blocks hold it. The raw rows' table (the second ``block_table``) is the one
 ``layer_group_tables`` rewires to the sliding group's under ``hybrid_kv_cache``. Open windows (kind ``recurrent``, ``[slots, rows, 2·width]`` in the model's
@@ -41,6 +43,7 @@ import torch
 
 from ..errors import ConfigError, VerificationError
 from ..ops import compressed_cached as _cached_ops  # noqa: F401  (registers the cached forms)
+from ..ops.fp8_rows import PACKED_DTYPE, packed_width
 from ..program import CACHE, META, RECURRENT, CacheSpec, InputSpec, Program, RecurrentStateSpec
 from .graph_edit import add_placeholders, output_node
 from .manager import holds, program_pass
@@ -126,6 +129,17 @@ def entry_tokens_per_row(rate: int, block_size: int, dcp: int, interleave: int) 
     return block_size // rows
 
 
+def stored_row(dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> tuple[int, torch.dtype]:
+    """``(dim, dtype)`` a compressed cache stores a ``dim``-element row in: the model's dtype
+    (``auto``), bfloat16 (``bf16``), or a packed fp8 row with its scales (``fp8_e4m3``: uint8 of
+    :func:`dcpgraph.ops.fp8_rows.packed_width` bytes)."""
+    if kv_cache_dtype == "fp8_e4m3":
+        return packed_width(dim), PACKED_DTYPE
+    if kv_cache_dtype == "bf16":
+        return dim, torch.bfloat16
+    return dim, dtype
+
+
 @program_pass("insert_compressed_cache", requires=[HAS_COMPRESSED, HAS_STEP_METADATA], ensures=[_none_left])
 def insert_compressed_cache(program: Program, dcp: int = 1):
     gm = program.copy_graph()
@@ -134,6 +148,7 @@ def insert_compressed_cache(program: Program, dcp: int = 1):
     caches: list[CacheSpec] = []
     pools: list[RecurrentStateSpec] = []
     block, interleave = int(program.lowering.block_size), int(program.lowering.interleave)
+    kv_cache_dtype = program.lowering.kv_cache_dtype or "auto"
     plan = []  # (node, its pool or caches names)
     for layer, compress, topk, attention in found:
         index_of = {}
@@ -146,8 +161,8 @@ def insert_compressed_cache(program: Program, dcp: int = 1):
             pools.append(RecurrentStateSpec(name, layer, "open_window", ((2 if overlap else 1) * rate,
                                                                          2 * int(kv.shape[-1])), kv.dtype))
             plan.append((node, name))
-        dim = int(attention.args[1].meta["val"].shape[-1])
-        dtype = attention.args[1].meta["val"].dtype
+        dim, dtype = stored_row(int(attention.args[1].meta["val"].shape[-1]), attention.args[1].meta["val"].dtype,
+                                kv_cache_dtype)
         caches.append(CacheSpec(f"compressed_kv_{layer}", layer, ROLES["compressed_kv"], 1, dim, dtype))
         rate = int(attention.args[7])
         caches.append(CacheSpec(f"entries_{layer}", layer, ROLES["entries"], 1, dim, dtype,
@@ -155,9 +170,10 @@ def insert_compressed_cache(program: Program, dcp: int = 1):
         plan.append((attention, (f"compressed_kv_{layer}", f"entries_{layer}")))
         if topk is not None:
             keys = topk.args[2].meta["val"]
-            caches.append(CacheSpec(f"index_entries_{layer}", layer, ROLES["index_entries"], 1, int(keys.shape[-1]),
-                                    keys.dtype, tokens_per_row=entry_tokens_per_row(int(topk.args[5]), block, dcp,
-                                                                                    interleave)))
+            key_dim, key_dtype = stored_row(int(keys.shape[-1]), keys.dtype, kv_cache_dtype)
+            caches.append(CacheSpec(f"index_entries_{layer}", layer, ROLES["index_entries"], 1, key_dim,
+                                    key_dtype, tokens_per_row=entry_tokens_per_row(int(topk.args[5]), block, dcp,
+                                                                                   interleave)))
             plan.append((topk, f"index_entries_{layer}"))
     has_slots = any(s.name == SLOTS_ROLE for s in program.inputs)
     names = [c.name for c in caches] + [p.name for p in pools] + ([] if has_slots else [SLOTS_ROLE])

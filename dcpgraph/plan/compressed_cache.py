@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..capacity import FP8_SCALE_BYTES, scale_groups
 from ..layout import max_local_len
 
 COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
@@ -50,27 +51,33 @@ def _get(config, name):
 
 
 def compressed_cache_bytes(config, *, context_tokens: int, dcp: int = 1, interleave: int = 1,
-                           element_bytes: int = 2, index_element_bytes: int | None = None) -> CompressedCacheBytes:
-    """The formula of this module for a ``DeepseekV4Config`` (or its dict)."""
+                           element_bytes: int = 2, index_element_bytes: int | None = None,
+                           fp8_scales: bool = False, state_element_bytes: int | None = None) -> CompressedCacheBytes:
+    """The formula of this module for a ``DeepseekV4Config`` (or its dict). ``fp8_scales``: every
+    cached row also holds its fp32 scales (``kv_cache_dtype="fp8_e4m3"``, rows packed as
+    :mod:`dcpgraph.ops.fp8_rows` says: ``4·ceil(D/128)`` bytes more a row); the open windows are
+    kept in the model's dtype, ``state_element_bytes`` (default ``element_bytes``)."""
     if context_tokens < 0:
         raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
-    b = element_bytes
-    bi = b if index_element_bytes is None else index_element_bytes
     d, di, w = int(_get(config, "head_dim")), int(_get(config, "index_head_dim")), int(_get(config, "sliding_window"))
+    scales = (lambda dim: FP8_SCALE_BYTES * scale_groups(dim)) if fp8_scales else (lambda dim: 0)
+    row = d * element_bytes + scales(d)  # the D·b of the module docstring
+    index_row = di * (element_bytes if index_element_bytes is None else index_element_bytes) + scales(di)
+    b = element_bytes if state_element_bytes is None else state_element_bytes
     rates = dict(_get(config, "compress_rates"))
     window = compressed = indexer = state = 0
     per_token = Fraction(0)
     for kind in _get(config, "layer_types"):
-        window += d * b * max_local_len(w - 1, dcp, interleave)
+        window += row * max_local_len(w - 1, dcp, interleave)
         if kind not in COMPRESSED_KINDS:
             continue
         m = int(rates[kind])
         entries = max_local_len(context_tokens // m, dcp, interleave)
-        compressed += d * b * entries
-        per_token += Fraction(d * b, m * dcp)
+        compressed += row * entries
+        per_token += Fraction(row, m * dcp)
         if kind == "compressed_sparse_attention":
-            indexer += di * bi * entries
-            per_token += Fraction(di * bi, m * dcp)
+            indexer += index_row * entries
+            per_token += Fraction(index_row, m * dcp)
             state += (m - 1) * 2 * (2 * d + 2 * di) * b + m * 2 * (d + di) * b
         else:
             state += (m - 1) * 2 * d * b

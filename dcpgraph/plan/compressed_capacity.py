@@ -28,22 +28,24 @@ from .compressed_cache import CompressedCacheBytes, compressed_cache_bytes
 from .compressed_model import CSA, HCA
 
 
-def request_bytes(shape, context: int, dcp: int, interleave: int, element_bytes: int) -> CompressedCacheBytes:
-    """One rank's bytes for one request of ``context`` tokens (indexer keys in the cache's dtype)."""
+def request_bytes(shape, context: int, dcp: int, interleave: int, kv_cache_dtype: str = "auto") -> CompressedCacheBytes:
+    """One rank's bytes for one request of ``context`` tokens: rows (and indexer keys) in the
+    cache's dtype, with their scales at fp8; the open windows in the model's dtype."""
     return compressed_cache_bytes(shape.compressed_config(), context_tokens=context, dcp=dcp,
-                                  interleave=interleave, element_bytes=element_bytes)
+                                  interleave=interleave, element_bytes=shape.kv_element_bytes(kv_cache_dtype),
+                                  fp8_scales=kv_cache_dtype == "fp8_e4m3", state_element_bytes=shape.dtype_bytes)
 
 
-def max_requests(shape, budget: int, context: int, dcp: int, interleave: int, element_bytes: int) -> int:
+def max_requests(shape, budget: int, context: int, dcp: int, interleave: int, kv_cache_dtype: str = "auto") -> int:
     """Requests of ``context`` tokens that fit in ``budget`` bytes per rank at once."""
-    return budget // request_bytes(shape, context, dcp, interleave, element_bytes).total
+    return budget // request_bytes(shape, context, dcp, interleave, kv_cache_dtype).total
 
 
-def longest_request(shape, budget: int, dcp: int, interleave: int, element_bytes: int, limit: int) -> int:
+def longest_request(shape, budget: int, dcp: int, interleave: int, kv_cache_dtype: str, limit: int) -> int:
     """The longest request (tokens, at most ``limit``) whose bytes fit in ``budget`` per rank;
     ``-1`` when not even an empty one does (its window and open windows)."""
     def fits(n: int) -> bool:
-        return request_bytes(shape, n, dcp, interleave, element_bytes).total <= budget
+        return request_bytes(shape, n, dcp, interleave, kv_cache_dtype).total <= budget
 
     if not fits(0):
         return -1

@@ -305,8 +305,7 @@ def _compressed_assumptions(shape, rows: list[PlanRow], context: int) -> list[st
         if not r.valid or (r.dcp, r.interleave) in seen:
             continue
         seen.add((r.dcp, r.interleave))
-        b = shape.kv_element_bytes(r.kv_cache_dtype)
-        got = compressed_capacity.request_bytes(shape, context, r.dcp, r.interleave, b)
+        got = compressed_capacity.request_bytes(shape, context, r.dcp, r.interleave, r.kv_cache_dtype)
         lines.append(f"one {context:,}-token request per rank at dcp={r.dcp} interleave={r.interleave}: "
                      f"{got.total / 2**20:,.1f} MiB = window {got.window / 2**20:,.1f} + entries "
                      f"{got.compressed / 2**20:,.1f} + indexer keys {got.indexer / 2**20:,.1f} + open windows "
@@ -319,13 +318,12 @@ def _evaluate_compressed(row, shape, hw, kv_dtype, world, max_model_len, context
     """DeepSeek-V4: capacity from one request's bytes per rank (:mod:`.compressed_capacity`), not
     from blocks; ``capacity_tokens`` is the longest request that fits alone."""
     tp, dcp, interleave = row.tp, row.dcp, row.interleave
-    b = shape.kv_element_bytes(kv_dtype)
     budget = kv_bytes if kv_bytes is not None else int(utilization * hw.memory_bytes) - row.weight_bytes_per_rank
     row.kv_budget_bytes_per_rank = budget
-    at_context = compressed_capacity.request_bytes(shape, context, dcp, interleave, b)
+    at_context = compressed_capacity.request_bytes(shape, context, dcp, interleave, kv_dtype)
     row.kv_bytes_per_token = float(at_context.per_token)
     row.request_bytes = at_context.total
-    row.capacity_tokens = max(0, compressed_capacity.longest_request(shape, budget, dcp, interleave, b, max_model_len))
+    row.capacity_tokens = max(0, compressed_capacity.longest_request(shape, budget, dcp, interleave, kv_dtype, max_model_len))
     if row.capacity_tokens == 0:
         row.rule = (f"no room for the caches: {row.weight_bytes_per_rank / 2**30:,.1f} GiB of weights per "
                     f"rank leave {budget / 2**30:,.1f} GiB of the budget")
@@ -337,10 +335,11 @@ def _evaluate_compressed(row, shape, hw, kv_dtype, world, max_model_len, context
     if row.capacity_tokens < max_model_len:
         row.rule = f"capacity {row.capacity_tokens:,} tokens < max_model_len {max_model_len:,}"
         return row
-    row.max_concurrency = compressed_capacity.max_requests(shape, budget, context, dcp, interleave, b)
+    row.max_concurrency = compressed_capacity.max_requests(shape, budget, context, dcp, interleave, kv_dtype)
     wanted = math.ceil(concurrency / row.replicas) if concurrency else row.max_concurrency
     row.batch = max(1, min(wanted, row.max_concurrency))
-    read = compressed_capacity.attention_read(shape, tp, dcp, interleave, context, row.batch, b)
+    read = compressed_capacity.attention_read(shape, tp, dcp, interleave, context, row.batch,
+                                              shape.kv_element_bytes(kv_dtype))
     row.cost = decode_step(shape, hw, tp=tp, dcp=dcp, comm=row.comm, context=context, batch=row.batch,
                            kv_bytes_per_token_layer=0.0, layer_read=read,
                            weight_bytes=weight_read_bytes(shape, tp, row.batch, wbytes, experts, dcp, row.comm),

@@ -1,0 +1,70 @@
+"""MTP speculation (``method="mtp"``) for DeepSeek-V4: the checkpoint's ``mtp.0.*`` layer
+(:mod:`dcpgraph.speculative.mtp_v4_module`) drafts from the target's hyper-connection streams.
+
+References, both independent of the compiled MTP: HF ``generate``'s greedy tokens on the target
+weights (speculation must not change a token), and a dense forward of the MTP layer written in
+``tests/dsv4_mtp.py`` (HF's decoder block with an explicit sliding-window mask over the whole
+context, the rest of DeepSeek's ``MTPBlock`` by hand, no cache) fed the HF target's streams:
+every draft the compiled proposer makes must equal that loop's argmax. The checkpoint is nearly
+a bigram model (``dsv4_mtp.save_checkpoint(eps=...)``), so drafts are both kept and rejected.
+"""
+
+from __future__ import annotations
+
+import dsv4_mtp
+import pytest
+import torch
+from mtp_reference import record_drafts
+
+import dcpgraph
+from dcpgraph.checkpoints.loader import load_program
+from dcpgraph.testing.generation import hf_greedy
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41, 9, 8, 7, 6, 5, 4]]
+NEW = 12
+K = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import transformers as tf
+
+    path = str(tmp_path_factory.mktemp("v4mtp"))
+    ref = dsv4_mtp.save_checkpoint(path, eps=0.005, hidden_part=0.1, mtp_attention=0.05)
+    target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    target.generation_config.eos_token_id = target.config.eos_token_id  # both stop at EOS, as the engine does
+    want = [hf_greedy(target, p, NEW) for p in PROMPTS]
+    return path, ref, target, want, load_program(path, "float64")
+
+
+@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~40 s here for both meshes)
+@pytest.mark.parametrize("mesh", [{}, {"tp": 2, "dcp": 2}], ids=["tp1", "tp2dcp2"])
+def test_v4_mtp_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop(checkpoint, mesh):
+    """Greedy: HF's tokens, drafts kept and rejected, each draft the dense loop's argmax. Sampled
+    (temperature 1): each draft's proposal distribution is the dense loop's softmax, fed the same
+    drafts (a check of the MTP's logits, not only their argmax)."""
+    path, ref, target, want, program = checkpoint
+    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8,
+                              speculative_config={"method": "mtp", "num_speculative_tokens": K}, **mesh)
+    seen = record_drafts(engine)
+    assert engine.generate(PROMPTS, NEW) == want
+    stats = engine.report()["speculative"]
+    assert 0 < stats["accepted"] < stats["drafted"], stats  # drafts both kept and rejected
+    assert stats["accepted_per_position"][1] > 0, stats  # a chained (second) draft was kept too
+    assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
+    assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)  # MTP steps in buckets
+    assert len(seen) >= 10
+    for tokens, s, drafts in seen:
+        dense = dsv4_mtp.dense_drafts(target, ref, tokens, s, drafts)
+        assert drafts == dense.argmax(-1).tolist(), (tokens[: s + 1], drafts)
+
+    proposer, sampled = engine.runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda plan: [sampled.append((list(item.request.tokens), item.chunk.start, d)) or d
+                                     for item, d in zip(plan, propose(plan))]
+    engine.generate(PROMPTS[1:], 6, temperature=1.0, seed=3)
+    sampled = [(tokens, s, d) for tokens, s, d in sampled if d.tokens]
+    assert len(sampled) >= 4
+    for tokens, s, d in sampled:
+        dense = dsv4_mtp.dense_drafts(target, ref, tokens, s, d.tokens)
+        torch.testing.assert_close(d.probs, torch.softmax(dense, -1), rtol=1e-5, atol=1e-7)

@@ -21,8 +21,11 @@ from dcpgraph.checkpoints.loader import load_program
 from dcpgraph.testing.generation import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41, 9, 8, 7, 6, 5, 4]]
-NEW = 12
+NEW = 10
 K = 2
+
+
+SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
 
 @pytest.fixture(scope="module")
@@ -34,37 +37,57 @@ def checkpoint(tmp_path_factory):
     target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     target.generation_config.eos_token_id = target.config.eos_token_id  # both stop at EOS, as the engine does
     want = [hf_greedy(target, p, NEW) for p in PROMPTS]
-    return path, ref, target, want, load_program(path, "float64")
+    return path, ref, target, want
 
 
-@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~40 s here for both meshes)
-@pytest.mark.parametrize("mesh", [{}, {"tp": 2, "dcp": 2}], ids=["tp1", "tp2dcp2"])
-def test_v4_mtp_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop(checkpoint, mesh):
-    """Greedy: HF's tokens, drafts kept and rejected, each draft the dense loop's argmax. Sampled
-    (temperature 1): each draft's proposal distribution is the dense loop's softmax, fed the same
-    drafts (a check of the MTP's logits, not only their argmax)."""
-    path, ref, target, want, program = checkpoint
-    engine = dcpgraph.compile(program, block_size=4, max_num_batched_tokens=8,
-                              speculative_config={"method": "mtp", "num_speculative_tokens": K}, **mesh)
-    seen = record_drafts(engine)
-    assert engine.generate(PROMPTS, NEW) == want
+def check_drafts(engine, target, ref, seen) -> None:
+    """Drafts kept and rejected (a chained one kept too); every recorded draft the dense loop's argmax."""
     stats = engine.report()["speculative"]
-    assert 0 < stats["accepted"] < stats["drafted"], stats  # drafts both kept and rejected
-    assert stats["accepted_per_position"][1] > 0, stats  # a chained (second) draft was kept too
-    assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
-    assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)  # MTP steps in buckets
+    assert stats["method"] == "mtp" and 0 < stats["accepted"] < stats["drafted"], stats
+    assert stats["accepted_per_position"][1] > 0, stats
     assert len(seen) >= 10
     for tokens, s, drafts in seen:
         dense = dsv4_mtp.dense_drafts(target, ref, tokens, s, drafts)
         assert drafts == dense.argmax(-1).tolist(), (tokens[: s + 1], drafts)
 
-    proposer, sampled = engine.runner.proposer, []
+
+@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~45 s on 2 loaded cores)
+def test_v4_mtp_through_llm_gives_hf_greedy_tokens(checkpoint):
+    """``LLM(model=dir, speculative_config={"method": "mtp", ...})`` at tp1. Greedy: HF's tokens,
+    each draft the dense loop's argmax. Sampled (temperature 1): each draft's proposal
+    distribution is the dense loop's softmax, fed the same drafts (a check of the MTP's logits,
+    not only their argmax)."""
+    from dcpgraph import LLM, SamplingParams
+
+    path, ref, target, want = checkpoint
+    llm = LLM(model=path, dtype="float64", block_size=4, max_num_batched_tokens=8, speculative_config=SPEC)
+    seen = record_drafts(llm.engine)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW)
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    assert [list(o.outputs[0].token_ids) for o in got] == want
+    check_drafts(llm.engine, target, ref, seen)
+
+    proposer, sampled = llm.engine.runner.proposer, []
     propose = proposer.propose
     proposer.propose = lambda plan: [sampled.append((list(item.request.tokens), item.chunk.start, d)) or d
                                      for item, d in zip(plan, propose(plan))]
-    engine.generate(PROMPTS[1:], 6, temperature=1.0, seed=3)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], SamplingParams(temperature=1.0, seed=3, max_tokens=6))
     sampled = [(tokens, s, d) for tokens, s, d in sampled if d.tokens]
     assert len(sampled) >= 4
     for tokens, s, d in sampled:
         dense = dsv4_mtp.dense_drafts(target, ref, tokens, s, d.tokens)
         torch.testing.assert_close(d.probs, torch.softmax(dense, -1), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~50 s on 2 loaded cores)
+def test_v4_mtp_at_tp2_dcp2_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop(checkpoint):
+    """HF's greedy tokens with the MTP layer's attention sharded by DCP; each draft the dense
+    loop's argmax, the MTP's one-token steps in decode buckets."""
+    path, ref, target, want = checkpoint
+    engine = dcpgraph.compile(load_program(path, "float64"), tp=2, dcp=2, block_size=4, max_num_batched_tokens=8,
+                              speculative_config=SPEC)
+    seen = record_drafts(engine)
+    assert engine.generate(PROMPTS, NEW) == want
+    assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
+    assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)
+    check_drafts(engine, target, ref, seen)

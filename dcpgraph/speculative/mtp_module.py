@@ -32,10 +32,10 @@ from ..checkpoints.names import CheckpointNames
 from ..checkpoints.quantization import dequantized_sources, fp8_block_size
 from ..checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored, read_local
 from ..errors import ConfigError
-from ..frontends.export import finish, program_from_export, run_export
-from ..frontends.hf_attention import register
 from ..frontends.compressed_layers import canonical_compressed_layers
 from ..frontends.compressed_tp import v4_attention_tp_plan
+from ..frontends.export import finish, program_from_export, run_export
+from ..frontends.hf_attention import register
 from ..program import REPLICATE, Program
 from .mtp_v4_module import MTPModuleV4, is_v4_config, mtp_v4_config, mtp_v4_sources
 

@@ -91,3 +91,46 @@ def test_v4_mtp_at_tp2_dcp2_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop
     assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
     assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)
     check_drafts(engine, target, ref, seen)
+
+
+def test_every_v4_mtp_tensor_is_found_under_the_released_names_with_its_values(tmp_path):
+    """transformers' own ``save_pretrained`` wrote the MTP block under the released names
+    (``attn.wq_a``, ``ffn.experts.{e}.w1``, ``hc_attn_fn``, ...) and the test moved it to
+    ``mtp.0.``; the loader's forward renaming (and expert merge) finds every parameter and buffer
+    of the MTP module with the values of HF's in-memory block, the MTP's own tensors, and the
+    target's embedding and head."""
+    from dcpgraph.speculative.mtp_module import _checkpoint_module
+
+    ref = dsv4_mtp.save_checkpoint(str(tmp_path))
+    _, module, sources = _checkpoint_module(str(tmp_path), torch.float64, 0, "eager", "meta")
+    from dcpgraph.checkpoints.tensor_sources import read_local
+    from dcpgraph.program import REPLICATE
+
+    index = module.layer_index
+    expected = {f"model.layers.{index}.{n}": t for n, t in [*ref.block.named_parameters(), *ref.block.named_buffers()]}
+    own = {"e_proj.weight": "e_proj", "h_proj.weight": "h_proj", "enorm.weight": "enorm", "hnorm.weight": "hnorm",
+           "norm.weight": "norm", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+           "hc_head.hc_scale": "hc_head_scale"}
+    expected.update({f"model.layers.{index}.{n}": ref.own[k] for n, k in own.items()})
+    expected.update({"model.embed_tokens.weight": ref.embed, "lm_head.weight": ref.head})
+    names = [n for n, _ in [*module.named_parameters(), *module.named_buffers()] if "rotary_emb" not in n]
+    assert sorted(names) == sorted(expected)
+    for name in names:
+        value = read_local(sources[name], REPLICATE, 0, 1)
+        assert torch.equal(value.to(torch.float64), expected[name].detach().to(torch.float64)), name
+
+
+def test_v4_mtp_checks_name_the_missing_layer():
+    """``check_mtp``: a V4 checkpoint holding ``mtp.0.e_proj.weight`` passes (its attention is not
+    MLA); without it the refusal names both layouts' tensors."""
+    from types import SimpleNamespace
+
+    from dcpgraph.errors import ConfigError
+    from dcpgraph.speculative.mtp import check_mtp
+
+    facts = SimpleNamespace(extra={"num_nextn_predict_layers": 1}, architecture="DeepseekV4ForCausalLM",
+                            num_layers=4, attention="gqa")
+    check_mtp(facts, ["model.embed_tokens.weight", "mtp.0.e_proj.weight"], 4)
+    check_mtp(facts, ["model.mtp.0.e_proj.weight"], 4)
+    with pytest.raises(ConfigError, match=r"holds MTP weights for 0 layer.*mtp.I.e_proj.weight"):
+        check_mtp(facts, ["model.embed_tokens.weight", "mtp.1.e_proj.weight"], 4)

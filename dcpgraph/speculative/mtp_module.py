@@ -16,7 +16,8 @@ The module is built on the meta device and traced like the main model (dcpgraph'
 ``batched_mm`` experts, a dynamic token count), so the pass pipeline gives its attention a paged
 KV cache and DCP; its weights are read per rank from the checkpoint by
 :class:`~dcpgraph.checkpoints.loader.ShardedReader`. Parameter names equal the checkpoint's names, so
-the target's TP plan (``model.layers.*.…``) applies unchanged.
+the target's TP plan (``model.layers.*.…``) applies unchanged. A DeepSeek-V4 checkpoint's layer
+(:mod:`.mtp_v4_module`) is built, found in the checkpoint and traced through the same functions.
 """
 
 from __future__ import annotations

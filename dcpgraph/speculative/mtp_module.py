@@ -241,8 +241,14 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
 
 
 def eager_mtp_module(path: str, dtype: torch.dtype, layer: int = 0) -> MTPModule:
-    """MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA (causal) attention:
-    the eager reference for the compiled MTP program."""
+    """DeepSeek-V3's MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA
+    (causal) attention: the eager reference for the compiled MTP program. A V4 layer is refused:
+    its sliding-window attention needs an explicit mask, which the module's forward does not build."""
+    import transformers as tf
+
+    if is_v4_config(tf.AutoConfig.from_pretrained(path)):
+        raise ValueError(f"{path}: eager_mtp_module builds DeepSeek-V3's MTP layer; a V4 MTP block attends over a "
+                         "sliding window that needs an explicit mask")
     _, module, sources = _checkpoint_module(path, dtype, layer, "sdpa", "cpu")
     state = {name: read_local(source, REPLICATE, 0, 1).to(dtype) for name, source in sources.items()}
     persistent = module.state_dict()

@@ -51,7 +51,7 @@ def check_drafts(engine, target, ref, seen) -> None:
         assert drafts == dense.argmax(-1).tolist(), (tokens[: s + 1], drafts)
 
 
-@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~45 s on 2 loaded cores)
+@pytest.mark.slow  # the V4 target's and the MTP layer's traces: ~20 s, up to 45 s on 2 loaded cores
 def test_v4_mtp_through_llm_gives_hf_greedy_tokens(checkpoint):
     """``LLM(model=dir, speculative_config={"method": "mtp", ...})`` at tp1. Greedy: HF's tokens,
     each draft the dense loop's argmax. Sampled (temperature 1): each draft's proposal
@@ -79,7 +79,7 @@ def test_v4_mtp_through_llm_gives_hf_greedy_tokens(checkpoint):
         torch.testing.assert_close(d.probs, torch.softmax(dense, -1), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.slow  # the V4 target's and the MTP layer's traces (~50 s on 2 loaded cores)
+@pytest.mark.slow  # the V4 target's and the MTP layer's traces: ~20 s, up to 70 s on 2 loaded cores
 def test_v4_mtp_at_tp2_dcp2_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop(checkpoint):
     """HF's greedy tokens with the MTP layer's attention sharded by DCP; each draft the dense
     loop's argmax, the MTP's one-token steps in decode buckets."""

@@ -99,12 +99,12 @@ def test_every_v4_mtp_tensor_is_found_under_the_released_names_with_its_values(t
     ``mtp.0.``; the loader's forward renaming (and expert merge) finds every parameter and buffer
     of the MTP module with the values of HF's in-memory block, the MTP's own tensors, and the
     target's embedding and head."""
+    from dcpgraph.checkpoints.tensor_sources import read_local
+    from dcpgraph.program import REPLICATE
     from dcpgraph.speculative.mtp_module import _checkpoint_module
 
     ref = dsv4_mtp.save_checkpoint(str(tmp_path))
     _, module, sources = _checkpoint_module(str(tmp_path), torch.float64, 0, "eager", "meta")
-    from dcpgraph.checkpoints.tensor_sources import read_local
-    from dcpgraph.program import REPLICATE
 
     index = module.layer_index
     expected = {f"model.layers.{index}.{n}": t for n, t in [*ref.block.named_parameters(), *ref.block.named_buffers()]}

@@ -5,8 +5,8 @@ norm, the state vLLM's DeepSeek MTP reads). This pass adds it as output 1, ``[1,
 ``T`` tokens of the step, not only the logits rows: an MTP layer catches up over every computed
 position). A DeepSeek-V4 model (hyper-connections) returns instead the input of its ``hc_head``,
 the ``n = hc_mult`` streams after the last decoder layer, flattened to ``[1, T, n·H]``: the state
-V4's MTP layer reads (:mod:`dcpgraph.speculative.mtp_v4_module`). It is the same on every rank of a TP group (the residual stream is replicated after
-each layer's reduction) and DCP leaves it alone (DCP shards attention only), so rank 0's output
+V4's MTP layer reads (:mod:`dcpgraph.speculative.mtp_v4_module`). It is the same on every rank of
+a TP group (the residual stream is replicated after each layer's reduction) and DCP leaves it alone (DCP shards attention only), so rank 0's output
 serves all. Output 0 (the logits) is unchanged; without this pass the program is as before.
 """
 
@@ -54,6 +54,7 @@ def return_hidden_states(program: Program):
 
 
 def _module_path(node) -> str:
+    """The innermost module a traced node belongs to (``nn_module_stack``), "" for none."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""
 

@@ -16,7 +16,7 @@ last decoder layer (the input of the target's ``hc_head``, before its final norm
 checkpoint has no compressor or indexer tensors for it), and a learned top-k router (its index
 is past the hash-routed layers). ``hc_head`` is the MTP's own (``hc_head_fn/base/scale``), ``norm``
 its own final norm; ``embed`` and ``head`` are the target's. The module returns ``(logits, x)``
-with ``x`` flattened to ``[T, n·D]``: the input of the next chained draft (vLLM's chaining feeds
+with ``x`` flattened to ``[1, T, n·D]``: the input of the next chained draft (vLLM's chaining feeds
 the MTP's own streams back as ``S``).
 
 Module state names are the target's layout (``model.layers.{L+i}.self_attn.q_b_proj.weight``,

@@ -23,8 +23,6 @@ from dcpgraph.testing.generation import hf_greedy
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [3], [40, 41, 42, 40, 41, 9, 8, 7, 6, 5, 4]]
 NEW = 10
 K = 2
-
-
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
 
@@ -82,12 +80,15 @@ def test_v4_mtp_through_llm_gives_hf_greedy_tokens(checkpoint):
 @pytest.mark.slow  # the V4 target's and the MTP layer's traces: ~20 s, up to 70 s on 2 loaded cores
 def test_v4_mtp_at_tp2_dcp2_gives_hf_greedy_tokens_and_drafts_equal_a_dense_loop(checkpoint):
     """HF's greedy tokens with the MTP layer's attention sharded by DCP; each draft the dense
-    loop's argmax, the MTP's one-token steps in decode buckets."""
+    loop's argmax, the MTP's one-token steps in decode buckets. Too few blocks for the three
+    requests preempt one, and the tables then name the highest block (the V4 engine's scratch
+    block 0 comes on top of ``num_blocks``, and the MTP's cache holds it too)."""
     path, ref, target, want = checkpoint
     engine = dcpgraph.compile(load_program(path, "float64"), tp=2, dcp=2, block_size=4, max_num_batched_tokens=8,
-                              speculative_config=SPEC)
+                              num_blocks=4, speculative_config=SPEC)
     seen = record_drafts(engine)
     assert engine.generate(PROMPTS, NEW) == want
+    assert engine.report()["scheduler"]["preemptions"] > 0
     assert any(n.startswith("verify[") for n in engine.report()["graph_steps"])
     assert any(n.startswith("decode[") for n in engine.runner.proposer.graph_steps)
     check_drafts(engine, target, ref, seen)

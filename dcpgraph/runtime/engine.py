@@ -119,7 +119,8 @@ class Engine(EngineClient):
                 verify_buckets = VerifyBuckets(sizes, width, 1 + k)
         proposer = None
         if self.speculative is not None:
-            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=num_blocks,
+            # the draft's caches hold every block the target's tables name (V4's scratch block 0 included)
+            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=cache_blocks,
                                      buckets=buckets, max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(program, executor_cls(program, cache_blocks, graphs), buckets, proposer,
                                   verify_buckets)

@@ -119,8 +119,10 @@ class Engine(EngineClient):
                 verify_buckets = VerifyBuckets(sizes, width, 1 + k)
         proposer = None
         if self.speculative is not None:
-            # the draft's caches hold every block the target's tables name (V4's scratch block 0 included)
-            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=cache_blocks,
+            # the draft's caches hold every block the target's (full-attention) tables name, V4's
+            # scratch block 0 included
+            draft_blocks = cache_blocks["full"] if isinstance(cache_blocks, dict) else cache_blocks
+            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=draft_blocks,
                                      buckets=buckets, max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(program, executor_cls(program, cache_blocks, graphs), buckets, proposer,
                                   verify_buckets)

@@ -311,7 +311,8 @@ def example_specs(program: Program, *, tokens: int = EXAMPLE_TOKENS, requests: i
             pool = pools[spec.name]
             out.append(((EXAMPLE_STATE_SLOTS, *pool.shape), pool.dtype))
         elif spec.kind == USER and spec.target == "hidden_states":  # an MTP layer's [1, T, H] input
-            out.append(((1, tokens, program.facts.hidden_size), program.facts.dtype))
+            width = program.facts.extra.get("hidden_states_width") or program.facts.hidden_size  # V4: n·H
+            out.append(((1, tokens, width), program.facts.dtype))
         elif spec.kind in (USER, META, RANK):
             if spec.target not in roles:
                 raise VerificationError(

@@ -93,11 +93,13 @@ def test_compiling_v4_with_what_its_cached_layer_lacks_is_refused_by_name(option
         dcpgraph.compile(_model(), **options)
 
 
-def test_speculation_other_than_ngram_is_refused_by_name():
-    """ngram runs (``test_compressed_speculative``); a draft model is refused before any trace."""
+def test_speculation_other_than_ngram_and_mtp_is_refused_by_name():
+    """ngram and MTP run (``test_compressed_speculative``, ``test_mtp_v4``); a draft model is
+    refused before any trace."""
     from dcpgraph.frontends.compressed_layers import refuse_compiling_compressed_layers
 
     with pytest.raises(UnsupportedModelError, match=r"does not support speculative_config method='draft_model' "
-                                                     r"\(only 'ngram'"):
+                                                     r"\(only 'ngram' and 'mtp'"):
         refuse_compiling_compressed_layers(_model(), opts={"speculative_config": {"method": "draft_model"}})
-    refuse_compiling_compressed_layers(_model(), opts={"speculative_config": {"method": "ngram"}})
+    for method in ("ngram", "mtp"):
+        refuse_compiling_compressed_layers(_model(), opts={"speculative_config": {"method": method}})

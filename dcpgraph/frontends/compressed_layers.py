@@ -194,7 +194,7 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
     compressors, indexer and attention computed on the whole step on every PCP rank,
     :mod:`dcpgraph.passes.split_pcp_prefill`) and any ``dcp`` dividing ``tp·pcp`` (the entries dealt
     by entry index, :mod:`dcpgraph.passes.shard_dcp_compressed`), with any ``kv_cache_dtype``
-    (fp8 rows packed with their scales, :mod:`dcpgraph.ops.fp8_rows`); ngram speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
+    (fp8 rows packed with their scales, :mod:`dcpgraph.ops.fp8_rows`); ngram and MTP speculative decoding (the open windows are recurrent state: :mod:`dcpgraph.runtime.state_rollback`,
     and the engine keeps block 0 as the scratch block padding rows write into); on the emulated and the
     distributed executor (the DCP group's all-gathers and all-to-all are the pass's collectives);
     prefix caching where a cached block holds exactly its own tokens' entries
@@ -222,13 +222,14 @@ def refuse_compiling_compressed_layers(model, *, tp: int = 1, dcp: int = 1, pcp:
             unsupported.append(f"enable_prefix_caching=True with {misaligned}")
     spec = opts.get("speculative_config")
     method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
-    if spec is not None and method != "ngram":
-        unsupported.append(f"speculative_config method={method!r} (only 'ngram' is checked against HF; transformers "
-                           "does not instantiate V4's MTP layers)")
+    if spec is not None and method not in ("ngram", "mtp"):
+        unsupported.append(f"speculative_config method={method!r} (only 'ngram' and 'mtp' are checked against HF; "
+                           "a V4 draft model's compressed layers are not built)")
     if unsupported:
         raise UnsupportedModelError(
             f"{_named(layers)}: dcpgraph.compile does not support " + "; ".join(unsupported)
-            + ". Supported: tp dividing o_groups, dcp dividing tp·pcp, kv_cache_dtype 'auto', 'bf16' or 'fp8_e4m3', ngram speculative decoding; "
+            + ". Supported: tp dividing o_groups, dcp dividing tp·pcp, kv_cache_dtype 'auto', 'bf16' or 'fp8_e4m3', "
+            "ngram or mtp speculative decoding; "
             "prefix caching (block_size a multiple of the compress rates at dcp=1, of interleave·lcm of them at "
             "dcp>1); P/D in one process (Engine.prefill / continue_from) and between serving instances; "
             "per-rank bytes: dcpgraph plan")

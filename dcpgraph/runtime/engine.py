@@ -75,8 +75,10 @@ class Engine(EngineClient):
     ):
         speculative = speculative_config_of(speculative_config, speculative_tokens)
         draft_layers = sorted({p.layer for p in draft[0].recurrent_states}) if draft is not None else []
-        refuse_recurrent_state_features(sorted({p.layer for p in program.recurrent_states}),
-                                        speculative, draft_layers)
+        # DeepSeek-V4's compressor open windows are rolled back like recurrent state, and its MTP
+        # reads the verification step's hidden streams, which a replay leaves as they were
+        recurrent_layers = {p.layer for p in program.recurrent_states if p.role != "open_window"}
+        refuse_recurrent_state_features(sorted(recurrent_layers), speculative, draft_layers)
         if program.recurrent_states:
             snapshots = max_num_seqs if speculative is not None else None  # state_rollback's rows
             prefix_rows = max_num_seqs if enable_prefix_caching else None  # state_prefix_cache's rows
@@ -117,7 +119,10 @@ class Engine(EngineClient):
                 verify_buckets = VerifyBuckets(sizes, width, 1 + k)
         proposer = None
         if self.speculative is not None:
-            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=num_blocks,
+            # the draft's caches hold every block the target's (full-attention) tables name, V4's
+            # scratch block 0 included
+            draft_blocks = cache_blocks["full"] if isinstance(cache_blocks, dict) else cache_blocks
+            proposer = make_proposer(self.speculative, draft, executor_cls=executor_cls, num_blocks=draft_blocks,
                                      buckets=buckets, max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(program, executor_cls(program, cache_blocks, graphs), buckets, proposer,
                                   verify_buckets)

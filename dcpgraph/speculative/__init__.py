@@ -7,7 +7,7 @@ acceptance statistics (:mod:`dcpgraph.runtime.acceptance`). This package holds t
 
 - :mod:`.ngram` (prompt lookup), :mod:`.draft_model` (a smaller LM compiled on the same mesh),
   :mod:`.mtp` (checks), :mod:`.mtp_module` (the DeepSeek-V3 MTP layer, traced like the main
-  model) and :mod:`.mtp_proposer` (MTP drafting from the target's final hidden states);
+  model), :mod:`.mtp_v4_module` (DeepSeek-V4's, after DeepSeek's ``MTPBlock``) and :mod:`.mtp_proposer` (MTP drafting from the target's final hidden states);
 - :mod:`.build`: each method's factory, registered with the runtime when this package is imported.
 
 Verification under DCP needs no CP-aware mask: the drafts are the *new* tokens of the

@@ -1,9 +1,10 @@
-"""``method="mtp"``: DeepSeek-V3-style multi-token-prediction layers — the checks.
+"""``method="mtp"``: DeepSeek-V3's and V4's multi-token-prediction layers — the checks.
 
 A DeepSeek-V3 checkpoint with ``num_nextn_predict_layers = n`` stores, after its
 ``num_hidden_layers = L`` decoder layers, ``n`` extra layers ``model.layers.{L+i}.*``: ``enorm``
 (embedding norm), ``hnorm`` (hidden-state norm), ``eh_proj`` (projection of their concatenation),
-one decoder layer and ``shared_head`` (final norm and head). HF transformers' ``deepseek_v3``
+one decoder layer and ``shared_head`` (final norm and head); a DeepSeek-V4 checkpoint stores them
+as ``mtp.{i}.*`` (:mod:`.mtp_v4_module`). HF transformers' ``deepseek_v3`` (and ``deepseek_v4``)
 drops those weights when loading, so an ``nn.Module`` or a traced Program never has them: MTP
 needs the target given as a checkpoint (a directory for ``LLM``, or a Program from
 :func:`dcpgraph.checkpoints.loader.load_program` for ``compile``).
@@ -23,11 +24,16 @@ ALTERNATIVES = "use method 'ngram' or 'draft_model'"
 
 
 def mtp_weight_prefixes(names, num_hidden_layers: int, layers: int) -> list[str]:
-    """The ``model.layers.{L+i}.`` prefixes among ``names`` that carry an MTP layer's
-    ``eh_proj.weight`` (the tensor only an MTP layer has)."""
+    """The prefixes among ``names`` that carry an MTP layer: DeepSeek-V3's
+    ``model.layers.{L+i}.`` with ``eh_proj.weight``, or DeepSeek-V4's ``mtp.{i}.`` (or
+    ``model.mtp.{i}.``) with ``e_proj.weight`` (the tensors only an MTP layer has)."""
     present = set(names)
-    prefixes = [f"model.layers.{num_hidden_layers + i}." for i in range(layers)]
-    return [p for p in prefixes if f"{p}eh_proj.weight" in present]
+    found = []
+    for i in range(layers):
+        v3 = f"model.layers.{num_hidden_layers + i}."
+        v4 = [p for p in (f"mtp.{i}.", f"model.mtp.{i}.") if f"{p}e_proj.weight" in present]
+        found += [v3] if f"{v3}eh_proj.weight" in present else v4[:1]
+    return found
 
 
 def check_mtp(facts, weight_names=None, num_hidden_layers: int | None = None) -> None:
@@ -46,9 +52,11 @@ def check_mtp(facts, weight_names=None, num_hidden_layers: int | None = None) ->
     found = mtp_weight_prefixes(weight_names, num_hidden_layers or facts.num_layers, layers)
     if len(found) < layers:
         raise ConfigError(f"the checkpoint declares num_nextn_predict_layers={layers} but holds MTP weights "
-                          f"for {len(found)} layer(s) (no model.layers.N.eh_proj.weight): {ALTERNATIVES}")
-    if facts.attention != "mla":
-        raise ConfigError(f"speculative method 'mtp' runs DeepSeek-V3-style MTP layers (MLA attention); "
+                          f"for {len(found)} layer(s) (no model.layers.N.eh_proj.weight, nor DeepSeek-V4's "
+                          f"mtp.I.e_proj.weight): {ALTERNATIVES}")
+    if facts.attention != "mla" and not all("mtp." in p for p in found):
+        raise ConfigError(f"speculative method 'mtp' runs DeepSeek-V3-style MTP layers (MLA attention) and "
+                          f"DeepSeek-V4's (mtp.I.*); "
                           f"{facts.architecture} has {facts.attention} attention: {ALTERNATIVES}")
 
 

@@ -16,7 +16,8 @@ The module is built on the meta device and traced like the main model (dcpgraph'
 ``batched_mm`` experts, a dynamic token count), so the pass pipeline gives its attention a paged
 KV cache and DCP; its weights are read per rank from the checkpoint by
 :class:`~dcpgraph.checkpoints.loader.ShardedReader`. Parameter names equal the checkpoint's names, so
-the target's TP plan (``model.layers.*.…``) applies unchanged.
+the target's TP plan (``model.layers.*.…``) applies unchanged. A DeepSeek-V4 checkpoint's layer
+(:mod:`.mtp_v4_module`) is built, found in the checkpoint and traced through the same functions.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from ..checkpoints.names import CheckpointNames
 from ..checkpoints.quantization import dequantized_sources, fp8_block_size
 from ..checkpoints.tensor_sources import InMemory, SafetensorsFiles, Stored, read_local
 from ..errors import ConfigError
+from ..frontends.compressed_layers import canonical_compressed_layers
+from ..frontends.compressed_tp import v4_attention_tp_plan
 from ..frontends.export import finish, program_from_export, run_export
 from ..frontends.hf_attention import register
 from ..program import REPLICATE, Program
+from .mtp_v4_module import MTPModuleV4, is_v4_config, mtp_v4_config, mtp_v4_sources
 
 
 def _classes():
@@ -132,30 +136,40 @@ def checkpoint_names(config, own_head: bool, tied: bool) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
 
 
-def mtp_facts(target_facts, layer_index: int):
+def mtp_facts(target_facts, layer_index: int, module: torch.nn.Module | None = None):
     """The MTP program's facts: the target's shapes, one attention layer, the target's TP plan
-    (its ``model.layers.*`` keys match) with the shared head sharded like the LM head."""
+    (its ``model.layers.*`` keys match) with the shared head sharded like the LM head, and the
+    per-module plan of a V4 attention in ``module`` (:mod:`~dcpgraph.frontends.compressed_tp`)
+    and the width of its ``hidden_states`` input (``hc_mult`` streams); no compressed layers (a V4
+    MTP block is sliding-window attention)."""
     plan = dict(target_facts.tp_plan)
     if "lm_head" in plan:
         plan[f"model.layers.{layer_index}.shared_head.head"] = plan["lm_head"]
-    extra = {**target_facts.extra, "num_nextn_predict_layers": 0, "mtp_layer": layer_index}
+    extra = {k: v for k, v in target_facts.extra.items() if k not in ("compressed_layers", "compress_rates")}
+    extra = {**extra, "num_nextn_predict_layers": 0, "mtp_layer": layer_index}
+    if module is not None:
+        plan.update(v4_attention_tp_plan(module))
+        extra["hidden_states_width"] = module.hc_mult * target_facts.hidden_size  # the streams, flattened
     return dataclasses.replace(target_facts, architecture=f"{target_facts.architecture}MTP", num_layers=1,
                                tp_plan=plan, extra=extra)
 
 
-def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
-    """The MTP module as a canonical Program with user inputs ``input_ids``, ``position_ids``
-    and ``hidden_states``; works on meta parameters (the graph then runs on the CPU)."""
+def trace_mtp(module: torch.nn.Module, facts, example_tokens: int = 8) -> Program:
+    """The MTP module (V3's or V4's) as a canonical Program with user inputs ``input_ids``,
+    ``position_ids`` and ``hidden_states`` (``hc_mult · hidden_size`` wide for V4's streams);
+    works on meta parameters (the graph then runs on the CPU). A V4 attention's grouped output
+    projection is traced with its group count taken from the local weight, as the target's."""
     register()
     device = next(module.parameters()).device
     dtype = next(module.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, facts.vocab_size, (1, example_tokens), generator=gen).to(device)
     positions = torch.arange(example_tokens).unsqueeze(0).to(device)
-    hidden = torch.randn(1, example_tokens, facts.hidden_size, generator=gen, dtype=dtype).to(device)
+    width = facts.extra.get("hidden_states_width") or facts.hidden_size
+    hidden = torch.randn(1, example_tokens, width, generator=gen, dtype=dtype).to(device)
     tokens = torch.export.Dim("tokens", min=2, max=1 << 16)
     module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), canonical_compressed_layers(module):
         exported, seconds = run_export(_TraceWrapper(module).eval(), (ids, positions, hidden), {
             "input_ids": {1: tokens}, "position_ids": {1: tokens}, "hidden_states": {1: tokens}})
     program = program_from_export(exported, facts, prefix="model.", seconds=seconds,
@@ -169,13 +183,18 @@ def trace_mtp(module: MTPModule, facts, example_tokens: int = 8) -> Program:
 
 def _checkpoint_module(path: str, dtype: torch.dtype, layer: int, attention: str, device: str):
     """``(config, MTP module on device, sources by module state name)`` for MTP layer ``layer``
-    of the checkpoint at ``path``; raises ConfigError naming tensors the checkpoint lacks."""
+    of the checkpoint at ``path`` (DeepSeek-V3's, or V4's: :mod:`.mtp_v4_module`); raises
+    ConfigError naming tensors the checkpoint lacks."""
     import transformers as tf
-
 
     config = tf.AutoConfig.from_pretrained(path)
     index = config.num_hidden_layers + layer
     files = SafetensorsFiles(path, weight_files(path))
+    if is_v4_config(config):
+        with torch.device(device):
+            module = MTPModuleV4(mtp_v4_config(config, attention), index).to(dtype)
+        sources = mtp_v4_sources(module, config, files, layer)
+        return config, module, dequantized_sources(sources, files, fp8_block_size(config, path))
     own_head = f"model.layers.{index}.shared_head.head.weight" in files
     aliases = checkpoint_names(config, own_head, bool(getattr(config, "tie_word_embeddings", False)))
     with torch.device(device):
@@ -216,13 +235,20 @@ def load_mtp_program(path: str, target_facts, dtype: torch.dtype, layer: int = 0
     """MTP layer ``layer`` of the checkpoint at ``path``, traced on the meta device, with a
     reader that gives each rank its slices of the checkpoint's MTP tensors."""
     config, module, sources = _checkpoint_module(path, dtype, layer, "dcpgraph", "meta")
-    program = trace_mtp(module, mtp_facts(target_facts, config.num_hidden_layers + layer))
+    v4 = module if is_v4_config(config) else None
+    program = trace_mtp(module, mtp_facts(target_facts, config.num_hidden_layers + layer, v4))
     return program.replace(state_reader=ShardedReader(sources))
 
 
 def eager_mtp_module(path: str, dtype: torch.dtype, layer: int = 0) -> MTPModule:
-    """MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA (causal) attention:
-    the eager reference for the compiled MTP program."""
+    """DeepSeek-V3's MTP layer ``layer`` of ``path`` as a plain CPU module with PyTorch SDPA
+    (causal) attention: the eager reference for the compiled MTP program. A V4 layer is refused:
+    its sliding-window attention needs an explicit mask, which the module's forward does not build."""
+    import transformers as tf
+
+    if is_v4_config(tf.AutoConfig.from_pretrained(path)):
+        raise ValueError(f"{path}: eager_mtp_module builds DeepSeek-V3's MTP layer; a V4 MTP block attends over a "
+                         "sliding window that needs an explicit mask")
     _, module, sources = _checkpoint_module(path, dtype, layer, "sdpa", "cpu")
     state = {name: read_local(source, REPLICATE, 0, 1).to(dtype) for name, source in sources.items()}
     persistent = module.state_dict()

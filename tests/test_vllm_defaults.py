@@ -99,6 +99,14 @@ def test_the_space_is_capped_at_every_sequence_slot_at_full_length_without_prefi
     cached = dcpgraph.compile(model, kv_cache_space_bytes=1 << 20, max_num_seqs=4, max_model_len=64,
                               enable_prefix_caching=True)
     assert cached.blocks.num_blocks == 128 and cached.blocks.enable_prefix_caching
+    # ten 48-token prompts take 30 blocks, past the 16 of every slot at full length: the first
+    # prompt's blocks are still cached when it comes back (a 16-block cache had evicted them); its
+    # first two match (the last prompt token is always recomputed, so the third is not looked up)
+    prompts = [[(7 * i + t) % 97 + 1 for t in range(48)] for i in range(10)]
+    first = cached.generate(prompts, 1)
+    assert cached.report()["prefix_cache"]["hit_tokens"] == 0
+    assert cached.generate(prompts[:1], 1) == first[:1]
+    assert cached.report()["prefix_cache"]["hit_tokens"] == 32
     explicit = dcpgraph.compile(model, kv_cache_space_bytes=1 << 20, num_blocks=500, max_num_seqs=4, max_model_len=64)
     assert explicit.blocks.num_blocks == 500
 

@@ -12,8 +12,10 @@ least 8), at most ``--concurrency`` in flight, sent as fast as allowed (``--requ
 streamed through ``/v1/completions``; the same seed, so both servers get the same prompts.
 Before each point, ``concurrency`` warm-up requests (dcpgraph compiles a graph per batch size on
 first use; vLLM warms up at start). Both servers run with their defaults except
-``--max-num-seqs``, ``--max-model-len`` and the dtype; vLLM's KV cache is
-``VLLM_CPU_KVCACHE_SPACE`` (``--vllm-kv-gib``). Measured per point, as ``vllm bench serve``
+``--max-num-seqs``, ``--max-model-len`` and the dtype; both servers' KV cache is
+``VLLM_CPU_KVCACHE_SPACE`` (``--vllm-kv-gib``) per rank. Every point uses the same seed, so a
+larger point's first prompts are a smaller point's (vLLM's random dataset draws its offsets in
+order) and hit the prefix cache where the space still holds them, on both servers alike. Measured per point, as ``vllm bench serve``
 computes them: output tokens per second (generated tokens ÷ the run's wall time), TTFT (request
 sent → first streamed token) and TPOT ((latency − TTFT) ÷ (tokens − 1)), median and p99. Each
 record's value is dcpgraph's, ``baseline`` vLLM's and ``ratio`` dcpgraph ÷ vLLM (above 1 is
@@ -68,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None, help="per point (default: 4 × concurrency, ≥ 8)")
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE, for both servers")
     p.add_argument("--vllm-omp-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for vLLM (default: vLLM's own choice, which on 2 cores is 1 torch thread)")
     p.add_argument("--quick", action="store_true", help="a ~27M-parameter model, concurrency 1 and 4, "
@@ -105,7 +107,8 @@ def server_flags(args) -> list[str]:
 
 
 def measure_dcpgraph(model: str, args, root: Path) -> dict[int, dict]:
-    with running_server(model, *server_flags(args), log_path=str(root / "dcpgraph-server.log")) as server:
+    with running_server(model, *server_flags(args), log_path=str(root / "dcpgraph-server.log"),
+                        env={"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}) as server:
         return measure(server.url, model, args, root, "dcpgraph")
 
 

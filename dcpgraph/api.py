@@ -70,7 +70,8 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
 
     Options: ``plan`` (TP plan for plain modules), ``num_blocks`` / ``kv_cache_tokens`` /
     ``kv_cache_bytes_per_rank`` (cache size, at most one; without one, every sequence slot at
-    ``max_model_len``, at most ``kv_cache_space_bytes`` when given), ``max_num_batched_tokens`` (chunked-prefill
+    ``max_model_len``; with ``kv_cache_space_bytes`` given, what those bytes buy, capped at every
+    sequence slot at ``max_model_len`` only without prefix caching), ``max_num_batched_tokens`` (chunked-prefill
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
@@ -222,8 +223,10 @@ def _num_blocks(program: Program, config: CompileConfiguration,
     """KV-cache blocks per rank: from the cache size given; else from ``gpu_memory_utilization``
     (given, or 0.9 on an accelerator; :func:`dcpgraph.memory.size_for_utilization`, the smallest
     count over the ranks of a distributed world), with its :class:`MemorySizing`; else the default
-    budget: every sequence slot at ``max_model_len``, and with ``kv_cache_space_bytes`` (LLM and
-    serve on the host) at most the blocks that many bytes buy."""
+    budget: every sequence slot at ``max_model_len``; with ``kv_cache_space_bytes`` (LLM and serve
+    on the host) the blocks that many bytes buy, no more than every sequence slot at
+    ``max_model_len`` without prefix caching (a block past that is never used) and all of them with
+    it (past that, blocks keep finished requests' prefixes for later hits, as vLLM's space does)."""
 
     opts, spec = config.opts, config.spec
     decode_tokens = 1 + (spec.num_speculative_tokens if spec else 0)
@@ -244,7 +247,8 @@ def _num_blocks(program: Program, config: CompileConfiguration,
               "decode_tokens": decode_tokens, "step_tokens": min(opts["max_num_batched_tokens"], config.max_model_len)}
     blocks = blocks_for_budget(program, **{k: opts[k] for k in CACHE_SIZE_OPTIONS}, **budget)
     if not explicit and opts["kv_cache_space_bytes"] is not None:
-        blocks = min(blocks, blocks_for_budget(program, kv_cache_bytes_per_rank=opts["kv_cache_space_bytes"], **budget))
+        space = blocks_for_budget(program, kv_cache_bytes_per_rank=opts["kv_cache_space_bytes"], **budget)
+        blocks = space if opts["enable_prefix_caching"] else min(blocks, space)
     return blocks, None
 
 

@@ -79,10 +79,12 @@ def test_llm_logs_the_figures_and_sizes_the_cache_from_the_space(tmp_path, monke
     llm.shutdown()
 
 
-@pytest.mark.slow  # 12-18 s on two loaded cores (three compiles); the default tier sizes from the space in the LLM test
-def test_the_space_is_capped_at_every_sequence_slot_at_full_length():
-    """compile's ``kv_cache_space_bytes`` (what LLM passes): at most the bytes' blocks, and no more
-    than ``max_num_seqs`` sequences of ``max_model_len`` take; an explicit size is not capped.
+@pytest.mark.slow  # 16-24 s on two loaded cores (four compiles); the default tier sizes from the space in the LLM test
+def test_the_space_is_capped_at_every_sequence_slot_at_full_length_without_prefix_caching():
+    """compile's ``kv_cache_space_bytes`` (what LLM passes): at most the bytes' blocks, and without
+    prefix caching no more than ``max_num_seqs`` sequences of ``max_model_len`` take; with prefix
+    caching every block of the space (the blocks past the slots keep finished prompts' prefixes, as
+    vLLM's space does); an explicit size is not capped.
     The tiny Qwen3 in float64: a 16-token block is 2 x 2 x 16 x 16 x 8 bytes = 8 KiB."""
     import torch
 
@@ -94,6 +96,17 @@ def test_the_space_is_capped_at_every_sequence_slot_at_full_length():
     assert space.blocks.num_blocks == (1 << 20) // (8 << 10) == 128
     capped = dcpgraph.compile(model, kv_cache_space_bytes=1 << 20, max_num_seqs=4, max_model_len=64)
     assert capped.blocks.num_blocks == 4 * 64 // 16
+    cached = dcpgraph.compile(model, kv_cache_space_bytes=1 << 20, max_num_seqs=4, max_model_len=64,
+                              enable_prefix_caching=True)
+    assert cached.blocks.num_blocks == 128 and cached.blocks.enable_prefix_caching
+    # ten 48-token prompts take 30 blocks, past the 16 of every slot at full length: the first
+    # prompt's blocks are still cached when it comes back (a 16-block cache had evicted them); its
+    # first two match (the last prompt token is always recomputed, so the third is not looked up)
+    prompts = [[(7 * i + t) % 97 + 1 for t in range(48)] for i in range(10)]
+    first = cached.generate(prompts, 1)
+    assert cached.report()["prefix_cache"]["hit_tokens"] == 0
+    assert cached.generate(prompts[:1], 1) == first[:1]
+    assert cached.report()["prefix_cache"]["hit_tokens"] == 32
     explicit = dcpgraph.compile(model, kv_cache_space_bytes=1 << 20, num_blocks=500, max_num_seqs=4, max_model_len=64)
     assert explicit.blocks.num_blocks == 500
 

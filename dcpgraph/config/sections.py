@@ -201,9 +201,9 @@ class CacheConfig(Section):
                                            "their window (Gemma-2/3, GPT-OSS, Qwen3 hybrids: more requests in the "
                                            "same memory); not with --enable-prefix-caching")
     kv_cache_space_bytes: int | None = setting(
-        None, "the default KV cache budget per rank when no cache size is given, on the host: at most this many "
-              "bytes, and no more blocks than max-num-seqs sequences of max-model-len take (LLM and serve: "
-              "$VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB; None: max-num-seqs sequences of max-model-len)",
+        None, "the default KV cache budget per rank when no cache size is given, on the host: this many bytes, "
+              "without prefix caching no more blocks than max-num-seqs sequences of max-model-len take (LLM and "
+              "serve: $VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB; None: max-num-seqs sequences of max-model-len)",
         low=1, cli=False)
     kv_allocation: str = setting("on_demand", "on_demand: blocks as requests grow; whole_request: prompt + max new "
                                               "tokens reserved at admission", choices=KV_ALLOCATIONS)

@@ -14,8 +14,9 @@ With ``world = tp`` (the ranks; pipeline parallelism is 1) and ``L = max_model_l
 * prefix caching on where the model supports it; compile decides it off, with one reason the
   start-up line names, for compressed (V4) layers and ``hybrid_kv_cache``.
 * KV cache on the host, when no size and no ``gpu_memory_utilization`` is given:
-  ``$VLLM_CPU_KVCACHE_SPACE`` GiB per rank, else 4 GiB, and no more blocks than ``max_num_seqs``
-  sequences of ``L`` take (a block past that could never be used). Its pages are mapped lazily
+  ``$VLLM_CPU_KVCACHE_SPACE`` GiB per rank, else 4 GiB; without prefix caching no more blocks than
+  ``max_num_seqs`` sequences of ``L`` take (a block past that is never used), with it all of them
+  (finished requests' prefixes stay there for later hits, as in vLLM). Its pages are mapped lazily
   (:mod:`dcpgraph.runtime.host_memory`): memory is committed as blocks are written. On an
   accelerator ``gpu_memory_utilization`` 0.9 applies, as in vLLM.
 

@@ -9,13 +9,14 @@ driven by vLLM's own load client, ``vllm bench serve``, with the same load.
 The load: ``--dataset-name random`` prompts of exactly ``--input-len`` tokens, ``--output-len``
 new tokens each with ``--ignore-eos``, ``--num-prompts`` per point (default 4 × concurrency, at
 least 8), at most ``--concurrency`` in flight, sent as fast as allowed (``--request-rate inf``),
-streamed through ``/v1/completions``; the same seed, so both servers get the same prompts.
+streamed through ``/v1/completions``; the same seeds, so both servers get the same prompts.
 Before each point, ``concurrency`` warm-up requests (dcpgraph compiles a graph per batch size on
 first use; vLLM warms up at start). Both servers run with their defaults except
 ``--max-num-seqs``, ``--max-model-len`` and the dtype; both servers' KV cache is
-``VLLM_CPU_KVCACHE_SPACE`` (``--vllm-kv-gib``) per rank. Every point uses the same seed, so a
-larger point's first prompts are a smaller point's (vLLM's random dataset draws its offsets in
-order) and hit the prefix cache where the space still holds them, on both servers alike. Measured per point, as ``vllm bench serve``
+``VLLM_CPU_KVCACHE_SPACE`` (``--vllm-kv-gib``) per rank. Each point draws its prompts with its own
+seed, ``--seed + concurrency``: with one seed a larger point's first prompts would be a smaller
+point's (vLLM's random dataset draws its offsets in order) and hit the prefix cache wherever the
+space still held them, so a point would measure cache retention as well as compute. Measured per point, as ``vllm bench serve``
 computes them: output tokens per second (generated tokens ÷ the run's wall time), TTFT (request
 sent → first streamed token) and TPOT ((latency − TTFT) ÷ (tokens − 1)), median and p99. Each
 record's value is dcpgraph's, ``baseline`` vLLM's and ``ratio`` dcpgraph ÷ vLLM (above 1 is
@@ -92,7 +93,7 @@ def measure(server_url: str, model: str, args, root: Path, who: str) -> dict[int
     for c in args.concurrency:
         command = bench_command(server_url, model, SERVED, backend="openai", num_prompts=num_prompts(args, c),
                                 input_len=args.input_len, output_len=args.output_len, concurrency=c,
-                                result_dir=str(root), result_file=f"{who}-c{c}.json", seed=args.seed, warmups=c)
+                                result_dir=str(root), result_file=f"{who}-c{c}.json", seed=args.seed + c, warmups=c)
         start = time.perf_counter()
         results[c] = run_bench(command, str(root / f"{who}-c{c}.log"), timeout_s=1800)
         print(f"  {who} concurrency {c}: {results[c]['output_throughput']:.1f} output tok/s, "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capacity import FP8_SCALE_BYTES, scale_groups
+from ..capacity import FP8_SCALE_BYTES, FP8_SCALE_GROUP, scale_groups
 from .quant import dequantize_fp8, quantize_fp8
 
 PACKED_DTYPE = torch.uint8
@@ -30,12 +30,13 @@ def packed_width(dim: int) -> int:
 
 
 def unpacked_dim(width: int) -> int:
-    """The ``dim`` whose packed row is ``width`` bytes (``packed_width`` is strictly increasing)."""
-    for groups in range(1, width // FP8_SCALE_BYTES + 1):
-        dim = width - FP8_SCALE_BYTES * groups
-        if dim > 0 and scale_groups(dim) == groups:
-            return dim
-    raise ValueError(f"{width} bytes is no packed fp8 row width")
+    """The ``dim`` whose packed row is ``width`` bytes: with ``G = ceil(D / 128)`` groups a row
+    is ``D + 4G`` bytes, in ``(132G − 128, 132G]``, so ``G = ceil(width / 132)``."""
+    groups = -(-width // (FP8_SCALE_GROUP + FP8_SCALE_BYTES))
+    dim = width - FP8_SCALE_BYTES * groups
+    if dim <= 0 or packed_width(dim) != width:
+        raise ValueError(f"{width} bytes is no packed fp8 row width")
+    return dim
 
 
 def is_packed(cache: torch.Tensor) -> bool:

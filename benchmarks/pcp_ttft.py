@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import time
 
@@ -112,7 +113,13 @@ def llm_ttft(model_dir: str, tokens: int, pcp: int, threads: int, reps: int) -> 
     out = ctx.Queue()
     proc = ctx.Process(target=_llm_ttft, args=(model_dir, tokens, pcp, threads, reps, out))
     proc.start()
-    times = out.get(timeout=7200)
+    while True:  # a child that dies before answering must not leave the benchmark waiting
+        try:
+            times = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the LLM process for pcp={pcp} exited with code {proc.exitcode} before timing") from None
     proc.join(60)
     return times
 

@@ -75,12 +75,17 @@ class CheckpointNames:
         renamed = forward_names(self.patterns, files).get(name) if self.patterns else None
         if renamed is not None:
             return Stored(files, renamed)
+        return self.merged(name, shape, files, lambda n: self._stored(n, files))
+
+    def merged(self, name: str, shape: tuple[int, ...], files: SafetensorsFiles, lookup):
+        """The fused tensor ``name`` stacked from its per-expert stored tensors (``lookup``: a
+        per-expert model-side name → its stored name, or None), or None when a merge does not
+        apply or a part is missing."""
         for merge in self.merges:
             if not name.endswith(merge.target) or not shape:
                 continue
             prefix = name[: len(name) - len(merge.target)]
-            stored = [[self._stored(prefix + s.replace("*", str(e)), files) for s in merge.sources]
-                      for e in range(shape[0])]
+            stored = [[lookup(prefix + s.replace("*", str(e))) for s in merge.sources] for e in range(shape[0])]
             if all(n is not None for names in stored for n in names):
                 parts = [[Stored(files, n) for n in names] for names in stored]
                 return Stacked(tuple(Concatenated(tuple(p), 0) if len(p) > 1 else p[0] for p in parts))
@@ -93,18 +98,28 @@ class CheckpointNames:
         return found
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled(patterns: tuple[tuple[str, str], ...]) -> tuple:
+    return tuple((re.compile(source), target) for source, target in patterns)
+
+
+def renamed(patterns: tuple[tuple[str, str], ...], name: str) -> str:
+    """``name`` run forward through ``patterns``: each ``(regex, text)`` in order replaces its
+    first match (they chain), as transformers renames a stored name when it loads."""
+    for regex, target in _compiled(patterns):
+        name = regex.sub(lambda _m, t=target: t, name, count=1)
+    return name
+
+
 @functools.lru_cache(maxsize=4)
 def forward_names(patterns: tuple[tuple[str, str], ...], files: SafetensorsFiles) -> dict[str, str]:
     """Model-side name → stored name, for every stored name that ``patterns`` rename: each
     ``(regex, text)`` in order replaces its first match (they chain). A model-side name two
     stored names rename to is left out (ambiguous)."""
-    compiled = [(re.compile(source), target) for source, target in patterns]
     out: dict[str, str] = {}
     clashes = set()
     for stored in files.names():
-        name = stored
-        for regex, target in compiled:
-            name = regex.sub(lambda _m, t=target: t, name, count=1)
+        name = renamed(patterns, stored)
         if name == stored:
             continue
         if name in out:

@@ -27,12 +27,11 @@ under the stored ``mtp.{i}.`` names through transformers' V4 renamings.
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 
-from ..checkpoints.names import CheckpointNames
-from ..checkpoints.tensor_sources import Concatenated, InMemory, Stacked, Stored
+from ..checkpoints.names import CheckpointNames, renamed
+from ..checkpoints.tensor_sources import InMemory, Stored
 from ..errors import ConfigError
 
 MTP_BLOCK = ("sliding_attention", "moe")  # (layer type, MLP type) of an MTP layer's decoder block
@@ -129,17 +128,13 @@ def _renamed(files, prefix: str, index: int, names: CheckpointNames) -> dict[str
     as ``model.layers.{index}.<suffix>`` and run through transformers' V4 renamings in order
     (``.attn.`` → ``.self_attn.``, ``.wq_a.`` → ``.q_a_proj.``, ...), except the MTP-only
     :data:`OWN_NAMES`."""
-    compiled = [(re.compile(source), target) for source, target in names.patterns]
     out = {}
     for stored in files.names():
         if not stored.startswith(prefix):
             continue
         suffix = stored[len(prefix):]
         name = f"model.layers.{index}.{OWN_NAMES.get(suffix, suffix)}"
-        if suffix not in OWN_NAMES:
-            for regex, target in compiled:
-                name = regex.sub(lambda _m, t=target: t, name, count=1)
-        out[name] = stored
+        out[name if suffix in OWN_NAMES else renamed(names.patterns, name)] = stored
     return out
 
 
@@ -165,7 +160,7 @@ def mtp_v4_sources(module: MTPModuleV4, config, files, layer: int) -> dict:
         elif name in own:
             found = Stored(files, own[name])
         else:
-            found = _merged(name, tuple(value.shape), own, files, names)
+            found = names.merged(name, tuple(value.shape), files, own.get)
         if found is None:
             missing.append(name)
         else:
@@ -173,16 +168,3 @@ def mtp_v4_sources(module: MTPModuleV4, config, files, layer: int) -> dict:
     if missing:
         raise ConfigError(f"{files.path}: MTP layer {layer} ({prefix}*) has no checkpoint tensor for {missing}")
     return sources
-
-
-def _merged(name: str, shape: tuple[int, ...], own: dict[str, str], files, names: CheckpointNames):
-    """A fused expert tensor stacked from the MTP layer's per-expert tensors, or None."""
-    for merge in names.merges:
-        if not name.endswith(merge.target) or not shape:
-            continue
-        base = name[: len(name) - len(merge.target)]
-        stored = [[own.get(base + s.replace("*", str(e))) for s in merge.sources] for e in range(shape[0])]
-        if all(n is not None for parts in stored for n in parts):
-            return Stacked(tuple(Concatenated(tuple(Stored(files, n) for n in parts), 0) if len(parts) > 1
-                                 else Stored(files, parts[0]) for parts in stored))
-    return None

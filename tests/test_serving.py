@@ -247,9 +247,4 @@ def test_a_dead_worker_fails_health_and_in_flight_requests(servers):
                 started = time.monotonic()
     assert started is not None and time.monotonic() - started < 30
     assert any('"error"' in line for line in lines) and "data: [DONE]" not in lines
-    deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/health", timeout=10).status_code != 503:
-        assert time.monotonic() < deadline, "/health still OK after a worker died"
-        time.sleep(0.25)
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    server.wait_down()

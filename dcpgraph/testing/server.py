@@ -32,6 +32,20 @@ class ServerProcess:
         match = re.search(r"pids \[([\d, ]+)\]", self.log())
         return [int(p) for p in match.group(1).split(",")] if match else []
 
+    def wait_down(self, timeout_s: float = 30.0) -> None:
+        """Wait (bounded) until ``/health`` answers 503, then check that a new completion is
+        refused with 503 ``service_unavailable``: what a server whose engine died must do."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + "/health", timeout=10).status_code != 503:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/health still OK {timeout_s:.0f} s after the engine died")
+            time.sleep(0.25)
+        r = httpx.post(self.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        if r.status_code != 503 or r.json()["error"]["type"] != "service_unavailable":
+            raise AssertionError(f"a new request after the engine died got {r.status_code}: {r.text[:200]}")
+
 
 @contextlib.contextmanager
 def running_server(model_dir: str, *args: str, log_path: str, start_timeout_s: float = 600.0,

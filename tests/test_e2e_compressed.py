@@ -48,7 +48,8 @@ def test_greedy_matches_hf_generate(prompt, chunk, tp, dcp, interleave):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("chunk", "tp", "dcp", "interleave"),
-                         [(1, 1, 1, 1), (2, 2, 1, 1), (64, 2, 2, 2), (7, 4, 2, 1), (6, 4, 4, 1)])
+                         [(1, 1, 1, 1), (2, 2, 1, 1), (64, 2, 2, 2), (8, 4, 1, 1), (7, 4, 2, 1), (3, 4, 2, 2),
+                          (6, 4, 4, 1)])
 @pytest.mark.parametrize("prompt", dsv4_models.PROMPTS, ids=lambda p: f"len{len(p)}")
 def test_greedy_matches_hf_generate_more_meshes(prompt, chunk, tp, dcp, interleave):
     got = dsv4_models.sharded_greedy(_model(), prompt, NEW_TOKENS, chunk=chunk, tp=tp, dcp=dcp, interleave=interleave)

@@ -8,7 +8,9 @@ replica (one holding only transfers included), so every replica steps the same n
 replica's steps under the client's id.
 Slow tier, on real gloo workers: a tiny Qwen3-MoE at ``-dp 2 -tp 1 --enable-expert-parallel`` as
 both producer and consumer behind ``dcpgraph proxy`` answers concurrent ``openai`` clients with
-HF's greedy text, every replica of both sides serving, nothing recomputed on the consumer.
+HF's greedy text, every replica of both sides serving with as many forwards as the other
+(``dcpgraph:model_forwards_total``; a request sent alone makes the other replica of each side run
+dummy forwards), nothing recomputed on the consumer.
 """
 
 from __future__ import annotations
@@ -182,14 +184,22 @@ def test_pd_between_replicas_sharing_experts_equals_hf(tmp_path):
                              log_path=str(tmp_path / "proxy.log")) as proxy:
         async def ask_all():
             api = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
-            return await asyncio.gather(*(api.completions.create(model="tiny", prompt=q, max_tokens=8, temperature=0)
-                                          for q in prompts))
+            together = await asyncio.gather(*(api.completions.create(model="tiny", prompt=q, max_tokens=8,
+                                                                     temperature=0) for q in prompts[:-1]))
+            # the last one alone: one replica of each side works, the other runs dummy forwards
+            return [*together, await api.completions.create(model="tiny", prompt=prompts[-1], max_tokens=8,
+                                                            temperature=0)]
 
         answers = asyncio.run(asyncio.wait_for(ask_all(), 240))
         wait_kv_free(p, d)
         for server in (p, d):  # every replica of both sides served, under its own engine label
             served = [sum(scrape(server, "vllm:request_success_total", engine=e)) for e in "01"]
             assert min(served) >= 1 and sum(served) == len(prompts), (server.url, served)
+            # lockstep: each replica ran as many forwards (its batches, and dummies when idle) as the other
+            forwards = [[scrape(server, "dcpgraph:model_forwards_total", engine=e, kind=k)[0] for k in ("work", "dummy")]
+                        for e in "01"]
+            assert sum(forwards[0]) == sum(forwards[1]) and min(w for w, _ in forwards) >= 1, (server.url, forwards)
+            assert max(dummy for _, dummy in forwards) >= 1, (server.url, forwards)
         sent, received = kv_stats(p), kv_stats(d)
         assert [s["transfers_sent"] >= 1 for s in sent["replicas"]] == [True, True]
         assert received["transfers_received"] == sent["transfers_sent"] == len(prompts)

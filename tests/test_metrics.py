@@ -67,7 +67,10 @@ def test_tokens_requests_and_phases_in_vllms_meaning():
     m.request_done(FinishedRequest("abort", prompt_tokens=3, generation_tokens=0, e2e=0.1, queued=None,
                                    prefill=None, decode=None))
     m.parent_done(n=2, max_generated=4)
-    text = m.render({**IDLE, "scheduler": {"preemptions": 3}, "prefix_cache": {"query_tokens": 9, "hit_tokens": 4}})
+    text = m.render({**IDLE, "scheduler": {"preemptions": 3}, "prefix_cache": {"query_tokens": 9, "hit_tokens": 4},
+                     "forwards": {"work": 5, "dummy": 2}})
+    assert samples(text, "dcpgraph:model_forwards_total", kind="work") == [5]
+    assert samples(text, "dcpgraph:model_forwards_total", kind="dummy") == [2]
     assert samples(text, "vllm:prompt_tokens_total") == [7]
     assert samples(text, "vllm:generation_tokens_total") == [4]
     assert samples(text, "vllm:iteration_tokens_total_count") == [2]

@@ -4,7 +4,8 @@ Default tier: replica ``r``'s rendezvous is ``kv_port + r`` and a producer's par
 replica holding the KV, so a consumer asks at that replica's store and only that replica's agent
 sees the ask (real ``TCPStore``s, replicas faked: no model runs); a consumer adopts on the replica
 its router picks; settings P/D cannot run with replicas are refused by name, by ``dcpgraph serve``
-before it reads the model. Slow tier, on real
+before it reads the model (replicas sharing the experts are not among them); the agent's counters
+are the ones summed over replicas. Slow tier, on real
 gloo workers: a ``-dp 2`` producer and a ``-dp 2`` consumer behind ``dcpgraph proxy`` answer
 concurrent ``openai`` clients with HF's greedy text, every replica on both sides serving.
 """
@@ -17,10 +18,11 @@ import openai
 import pytest
 
 from dcpgraph.errors import ConfigError, RequestError
-from dcpgraph.runtime.ports import binds, free_port
 from dcpgraph.serving.data_parallel import DataParallelEngine
 from dcpgraph.serving.kv_connector import KVTransferConfig
+from dcpgraph.serving.kv_connector.agent import COUNTERS
 from dcpgraph.serving.kv_connector.replicas import ReplicaKVAgents, check_data_parallel_pd
+from dcpgraph.testing.pd import consecutive_free_ports
 
 
 class FakeReplica:
@@ -47,14 +49,6 @@ class FakeReplica:
         raise AssertionError(f"unexpected rank op {name}")
 
 
-def two_free_ports() -> int:
-    for _ in range(32):
-        port = free_port("127.0.0.1")
-        if port < 65535 and binds("127.0.0.1", port + 1):
-            return port
-    raise AssertionError("no two consecutive free ports")
-
-
 def test_replica_endpoints_are_the_configured_port_plus_the_replica():
     config = KVTransferConfig("kv_consumer", kv_rank=1, kv_port=14579)
     assert [config.for_replica(r).kv_port for r in range(3)] == [14579, 14580, 14581]
@@ -69,14 +63,12 @@ def test_replica_endpoints_are_the_configured_port_plus_the_replica():
 def test_settings_data_parallel_pd_cannot_run_are_refused_by_name():
     producer, consumer = KVTransferConfig("kv_producer", 0), KVTransferConfig("kv_consumer", 1)
     for config in (producer, consumer, KVTransferConfig("kv_both", 0)):
-        check_data_parallel_pd(config, 4)  # runs
+        check_data_parallel_pd(config, 4)  # runs, with or without --enable-expert-parallel
     check_data_parallel_pd(KVTransferConfig("kv_producer", 1), 1)  # no replicas: as before
     with pytest.raises(ConfigError, match="a kv_producer with --data-parallel-size 2 must be kv_rank 0, got kv_rank 1"):
         check_data_parallel_pd(KVTransferConfig("kv_producer", 1), 2)
     with pytest.raises(ConfigError, match="a kv_both with --data-parallel-size 2 must be kv_rank 0"):
         check_data_parallel_pd(KVTransferConfig("kv_both", 1), 2)
-    with pytest.raises(ConfigError, match="--enable-expert-parallel is not supported"):
-        check_data_parallel_pd(consumer, 2, expert_parallel=True)
     with pytest.raises(ConfigError, match="replica 3 has no rendezvous port"):
         check_data_parallel_pd(KVTransferConfig("kv_consumer", 1, kv_port=65533), 4)
 
@@ -89,16 +81,20 @@ def test_serve_refuses_them_before_reading_the_model(tmp_path, capsys):
     config = '{"kv_role": "kv_producer", "kv_rank": 1}'
     assert main([str(empty), "-dp", "2", "--kv-transfer-config", config]) == 2
     assert "must be kv_rank 0, got kv_rank 1" in capsys.readouterr().err
+    # replicas sharing the experts (DP attention + EP) are P/D instances like any others: a valid
+    # consumer gets past every P/D check to the model (none here), an invalid producer gets the same refusal
     assert main([str(empty), "-dp", "2", "--enable-expert-parallel", "--kv-transfer-config",
                  '{"kv_role": "kv_consumer", "kv_rank": 1}']) == 2
-    assert "--enable-expert-parallel is not supported" in capsys.readouterr().err
+    assert "must be a local HF model directory" in capsys.readouterr().err
+    assert main([str(empty), "-dp", "2", "--enable-expert-parallel", "--kv-transfer-config", config]) == 2
+    assert "must be kv_rank 0, got kv_rank 1" in capsys.readouterr().err
 
 
 def test_a_transfer_is_asked_for_at_the_replica_that_holds_it():
     """A producer at -dp 2 hosting both stores: each request is held by the replica that ran it,
     leaves the client, and a consumer's ask (at the endpoint the parameters name) reaches only
     that replica's agent."""
-    port = two_free_ports()
+    port = consecutive_free_ports(2)
     config = KVTransferConfig("kv_producer", 0, kv_port=port)
     replicas = [FakeReplica(), FakeReplica()]
     dp = DataParallelEngine(replicas)
@@ -148,6 +144,27 @@ def test_a_consumer_adopts_on_the_routed_replica():
     assert [dp.live(0), dp.live(1)] == [1, 1]  # a failed receive joins nothing
 
 
+IDENTITY = ("kv_rank", "kv_replica", "kv_port")  # which agent it is, not something it counted
+
+
+def test_every_count_an_agent_keeps_is_summed_over_replicas():
+    """The summed counters are the agent's own (one definition): a count added to the agent's
+    stats outside ``COUNTERS`` would be missing from an instance's totals, and this fails."""
+    dp = DataParallelEngine([FakeReplica(), FakeReplica(), FakeReplica()])
+    agents = ReplicaKVAgents(KVTransferConfig("kv_consumer", 1), dp)  # no store hosted: no ports
+    try:
+        counts = sorted(k for k, v in agents.agents[0].stats.items() if type(v) is int and k not in IDENTITY)
+        assert counts == sorted(COUNTERS)
+        for r, agent in enumerate(agents.agents):
+            for i, key in enumerate(COUNTERS):
+                agent.stats[key] = (r + 1) * 10 + i
+        stats = agents.stats
+        assert {k: stats[k] for k in COUNTERS} == {k: 60 + 3 * i for i, k in enumerate(COUNTERS)}
+        assert [s["kv_replica"] for s in stats["replicas"]] == [0, 1, 2]
+    finally:
+        agents.close()
+
+
 @pytest.mark.gloo
 @pytest.mark.slow  # four tp=1 worker processes, two front ends and a proxy: ~35 s on a loaded core
 def test_pd_with_two_replicas_on_each_side_equals_hf(checkpoints, tmp_path):
@@ -160,7 +177,7 @@ def test_pd_with_two_replicas_on_each_side_equals_hf(checkpoints, tmp_path):
     path = checkpoints["qwen3"]
     hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
     prompts = ["The future of AI is", "héllo wörld", "a b c d e f g h", "one two three", "zz top", "x y"]
-    port = two_free_ports()
+    port = consecutive_free_ports(2)
     producer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_producer", 0, 2, port)),
                 str(tmp_path / "p.log"))
     consumer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_consumer", 1, 2, port)),

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             par = settings.parallel
             refuse_pcp_execution(Mesh(par.tensor_parallel_size, par.decode_context_parallel_size,
                                       par.prefill_context_parallel_size), kv_role=kv_config.kv_role)
-            check_data_parallel_pd(kv_config, par.data_parallel_size, expert_parallel=par.enable_expert_parallel)
+            check_data_parallel_pd(kv_config, par.data_parallel_size)
         llm = LLM(model=settings.model.model, usage_context="serve", **llm_kwargs(settings))
     except DcpGraphError as err:
         print(f"dcpgraph serve: {err}", file=sys.stderr)

@@ -24,7 +24,9 @@ and a replica that fails stops the whole group at once (:meth:`_await_steps`).
 
 P/D transfer runs one KV agent per replica (:mod:`.kv_connector.replicas`): a producer's held
 request leaves this client (:meth:`detach`), a consumer's adopted one joins it on the replica the
-router chose (:meth:`route`, then :meth:`attach`).
+router chose (:meth:`route`, then :meth:`attach`). With ``lockstep`` too: every transfer call is made
+between two steps of this client, never inside one (why the EP collectives stay in order:
+:mod:`.kv_connector.replicas`).
 """
 
 from __future__ import annotations

@@ -279,7 +279,8 @@ class EngineLoop:
             engines.append({"running": running, "waiting": len(lives) - running, "kv_blocks": blocks,
                             "kv_usage": [u / t if t else 0.0 for u, t in blocks],
                             "prefix_cache": report["prefix_cache"], "scheduler": report["scheduler"],
-                            "speculative": report["speculative"] if speculative else {}})
+                            "speculative": report["speculative"] if speculative else {},
+                            "forwards": {"work": report.get("steps", 0), "dummy": report.get("dummy_steps", 0)}})
         self._snapshot = {**engines[0], "running": sum(x["running"] for x in engines),
                           "waiting": sum(x["waiting"] for x in engines),
                           "kv_blocks": [b for x in engines for b in x["kv_blocks"]],

@@ -183,6 +183,13 @@ def _engine_counters(labelled: list[tuple[list[str], dict]]) -> Iterable:
                    cache("preempted_hit_tokens"))
     yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                    per_engine(lambda snap: (snap.get("scheduler") or {}).get("preemptions", 0)))
+    forwards = CounterMetricFamily("dcpgraph:model_forwards", "Forwards the engine ran: kind=work (its scheduled "
+                                   "batch) or kind=dummy (a replica sharing the experts with nothing scheduled).",
+                                   labels=["model_name", "engine", "kind"])
+    for labels, snap in labelled:
+        for kind in ("work", "dummy"):
+            forwards.add_metric([*labels, kind], (snap.get("forwards") or {}).get(kind, 0))
+    yield forwards
     speculating = [(labels, snap["speculative"]) for labels, snap in labelled
                    if (snap.get("speculative") or {}).get("method")]
     if not speculating:

@@ -33,6 +33,10 @@ from .plan import KVSide, check_compatible
 
 log = logging.getLogger("dcpgraph.serving")
 PARAM_KEYS = ("transfer_id", "producer", "prompt_token_ids", "output_token_ids", "computed")
+# The integer entries of ``KVAgent.stats``: counters since start, and ``held`` (transfers held now).
+# Every one is a sum over an instance's data-parallel replicas (:class:`~.replicas.ReplicaKVAgents`).
+COUNTERS = ("transfers_sent", "transfers_received", "bytes_sent", "bytes_received", "tokens_sent", "tokens_received",
+            "tokens_from_prefix_cache", "failures", "expired", "held")
 
 
 @dataclass
@@ -58,9 +62,7 @@ class KVAgent:
         self.side = self._call("side", {})[0]
         self.held: dict[str, _Held] = {}
         self.stats = {"role": config.kv_role, "kv_rank": config.kv_rank, "kv_replica": replica,
-                      "kv_port": self.config.kv_port, "transfers_sent": 0, "transfers_received": 0,
-                      "bytes_sent": 0, "bytes_received": 0, "tokens_sent": 0, "tokens_received": 0,
-                      "tokens_from_prefix_cache": 0, "failures": 0, "expired": 0, "held": 0,
+                      "kv_port": self.config.kv_port, **dict.fromkeys(COUNTERS, 0),
                       "last_transfer_s": None, "last_error": None}
 
     def _call(self, fn: str, args: dict) -> list:

@@ -12,30 +12,45 @@ Invariants:
   (prefix-cache aware, then least outstanding), which pulls from the endpoint the parameters name,
   and joins the client there once received (:meth:`~dcpgraph.serving.data_parallel.DataParallelEngine.attach`);
 - what the transfer cannot run is refused by :func:`check_data_parallel_pd` before any process starts.
+
+Replicas that share the routed experts (``--enable-expert-parallel``, a ``lockstep``
+:class:`~dcpgraph.serving.data_parallel.DataParallelEngine`) make every MoE layer a collective
+over all replicas' ranks (the EP group), so every rank must enter the same EP collectives in the
+same order. Transfers keep that order because:
+
+1. EP collectives are made only inside a forward (one MAX all-reduce of the token count, then an
+   all-gather and a reduce-scatter per MoE layer), and every forward belongs to a step;
+2. a lockstep step starts on every replica or on none, and is one forward on each: its batch, or a
+   dummy forward of one token when it has nothing scheduled (a producer replica whose requests are
+   all held for transfer, since a held request has left its scheduler);
+3. every transfer call (``side``, ``hold``, ``release``, ``adopt``, ``send``, ``recv``) is a rank op
+   that the front end's one engine thread makes on one replica *between* two steps, never while
+   one is in flight, and its rank halves move KV over the transfer's own gloo group (rendezvous at
+   ``kv_port + r``), never over the EP group.
+
+So the ``k``-th forward of every rank of every replica is the same lockstep step, whatever the
+transfers in between; a transfer on replica ``r`` only delays the next step of all of them (as it
+pauses an instance's other requests without replicas). A consumer's adopted request is in its
+replica's scheduler from ``adopt`` and joins the client (``attach``) before the next step, so it
+is stepped like any other.
 """
 
 from __future__ import annotations
 
 from ...errors import ConfigError
-from .agent import KVAgent
+from .agent import COUNTERS, KVAgent
 from .config import KVTransferConfig
 
-COUNTERS = ("transfers_sent", "transfers_received", "bytes_sent", "bytes_received", "tokens_sent", "tokens_received",
-            "tokens_from_prefix_cache", "failures", "expired", "held")
 
-
-def check_data_parallel_pd(config: KVTransferConfig, replicas: int, *, expert_parallel: bool = False) -> None:
+def check_data_parallel_pd(config: KVTransferConfig, replicas: int) -> None:
     """Raise ``ConfigError`` for a P/D setting ``replicas`` data-parallel replicas cannot run, naming
     what runs: every replica needs a rendezvous port (``kv_port + replicas - 1 <= 65535``); replicas
     that produce hold their transfers on stores only the ``kv_rank 0`` instance hosts, so a
-    producer (or ``kv_both``) with ``replicas > 1`` must be ``kv_rank 0``; replicas sharing the
-    routed experts (``enable_expert_parallel``) are not run as P/D instances."""
+    producer (or ``kv_both``) with ``replicas > 1`` must be ``kv_rank 0``. Replicas that share the
+    routed experts run as any others (the module's docstring says why their EP collectives stay
+    in order)."""
     if replicas == 1:
         return
-    if expert_parallel:
-        raise ConfigError(f"--kv-transfer-config with --data-parallel-size {replicas} and --enable-expert-parallel "
-                          "is not supported (replicas that share the routed experts step together); P/D runs with "
-                          "-dp without --enable-expert-parallel, or with --enable-expert-parallel at -dp 1")
     config.replica_port(replicas - 1)
     if config.is_producer and not config.hosts_store:
         raise ConfigError(f"--kv-transfer-config: a {config.kv_role} with --data-parallel-size {replicas} must be "
@@ -48,7 +63,7 @@ class ReplicaKVAgents:
     def __init__(self, config: KVTransferConfig, engine, *, agent=KVAgent):
         """``engine``: a :class:`~dcpgraph.serving.data_parallel.DataParallelEngine`; ``agent``
         builds replica ``r``'s agent as ``agent(config, replica_engine, replica=r)``."""
-        check_data_parallel_pd(config, len(engine.replicas), expert_parallel=engine.lockstep)
+        check_data_parallel_pd(config, len(engine.replicas))
         self.config = config
         self.engine = engine
         self.agents: list = []
@@ -65,8 +80,8 @@ class ReplicaKVAgents:
 
     @property
     def stats(self) -> dict:
-        """The counters summed over replicas, each replica's own under ``replicas``; ``last_*``
-        from the highest replica that has one."""
+        """The counters (:data:`~.agent.COUNTERS`) summed over replicas, each replica's own under
+        ``replicas``; ``last_*`` from the highest replica that has one."""
         per = [a.stats for a in self.agents]
         total = {"role": self.config.kv_role, "kv_rank": self.config.kv_rank, "data_parallel_size": len(per),
                  **{k: sum(s[k] for s in per) for k in COUNTERS}}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+from ..runtime.ports import binds, free_port
+
 SERVE_ARGS = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "256", "--served-model-name", "tiny",
               "--enable-prefix-caching")
 
@@ -13,8 +15,6 @@ SERVE_ARGS = ("--dtype", "float64", "--block-size", "4", "--max-model-len", "256
 def consecutive_free_ports(count: int = 2, host: str = "127.0.0.1") -> int:
     """A port ``p`` such that ``p .. p + count - 1`` all bind now: the rendezvous ports
     (``kv_port + r``) of a ``-dp count`` P/D instance. ``AssertionError`` if 32 draws find none."""
-    from ..runtime.ports import binds, free_port
-
     for _ in range(32):
         port = free_port(host)
         if port + count - 1 <= 65535 and all(binds(host, port + i) for i in range(1, count)):

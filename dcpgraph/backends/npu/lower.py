@@ -78,7 +78,7 @@ def lower_npu(
         except NpuLoweringError as err:
             if strict:
                 raise
-            left[node.name] = str(err)
+            left[node.name] = f"{node.target}: {err}"
             continue
         inserted.update(splice(graph, node, traced, inputs, rule.name))
         counts[rule.name] += 1

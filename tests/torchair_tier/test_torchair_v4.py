@@ -11,6 +11,12 @@ here) replaces exactly the ops that have a rule (the sliding layer's KV writes a
 sink merge, the candidates' top-k merge) and names the rest: the compressed ops as having no rule, the
 sliding layer's attention as refused by the FusedInferAttentionScore rules (a window with sinks
 has no FIAS rule yet).
+
+The one V4 rule GE would get in a V4 program, ``compressed_merge_sinks`` → aten, is converted on
+its own: one spawned process loads torchair from the torch-npu wheel (``torchair_support``) and
+compiles a graph of the op through the torchair backend in GE mode: every node must convert (GE
+compile, a stand-in, then fails at the first call), the dump holds none of dcpgraph's ops, and
+the lowered graph run on CPU equals the op.
 """
 
 from __future__ import annotations
@@ -87,3 +93,63 @@ def test_lower_npu_of_the_v4_rank_graph_replaces_exactly_the_ops_with_rules(v4_e
     assert before - after == {"dcpgraph.kv_cache_write_.default", "dcpgraph.merge_attention.default",
                               "dcpgraph.compressed_merge_sinks.default", "dcpgraph.merge_topk.default"}
     assert unlowered_ops(lowered) == NO_RULE
+
+
+# -- the sink merge through GE conversion (torchair from the wheel, one spawned process) -----------
+def _merge_sinks_rank(rank: int, world: int, tier, dump: str):
+    import torchair_support as ts
+
+    ts.activate(tier)
+    import torch
+
+    from dcpgraph.backends.fallback import FallbackGraph
+    from dcpgraph.backends.torchair import compile_torchair
+    from dcpgraph.ops import compressed_dcp  # noqa: F401 - registers compressed_merge_sinks
+
+    merge = torch.ops.dcpgraph.compressed_merge_sinks.default
+    gen = torch.Generator().manual_seed(6)
+    outs, lses, sinks = (torch.randn(2, 4, 3, 32, generator=gen), 3 * torch.randn(2, 4, 3, generator=gen),
+                         torch.randn(4, generator=gen))
+    lses[0, :, 1] = float("-inf")  # one rank empty for token 1; every rank for token 2, head 0
+    lses[:, 0, 2] = float("-inf")
+    outs[:, 0, 2] = 0.0
+    gm = torch.fx.symbolic_trace(lambda o, s, k: merge(o, s, k))
+    built = {}
+
+    def factory(graph, example_inputs):
+        built["graph"] = compile_torchair(graph, example_inputs, dump_dir=dump)
+        return built["graph"]
+
+    graph = FallbackGraph("merge_sinks", gm, factory, backend="torchair")
+    want = merge(outs, lses, sinks)
+    fell_back = graph(outs, lses, sinks)
+    status = {k: v for k, v in graph.status.items() if k != "traceback"}
+    lowered = built["graph"].lowered if "graph" in built else None
+    return {
+        "status": status, "traceback": graph.status.get("traceback", ""),
+        "fallback_exact": bool(torch.equal(fell_back, want)),
+        "lowered_diff": None if lowered is None else float((lowered(outs, lses, sinks) - want).abs().max()),
+        "counts": None if lowered is None else dict(lowered.meta["lower_npu"]),
+    }
+
+
+def test_merge_sinks_rule_converts_to_ge(tmp_path):
+    import collections
+
+    import torchair_support as ts
+
+    from dcpgraph.runtime.distributed import spawn
+
+    tier = ts.prepare()
+    if tier.skip_reason:
+        pytest.skip(tier.skip_reason)
+    dump = str(tmp_path / "merge_sinks")
+    (result,) = spawn(_merge_sinks_rank, 1, tier, dump, timeout_s=300)
+    assert result["status"]["fallback"].startswith("first call failed: GeUnavailableError"), (
+        result["status"], result["traceback"][-2500:])
+    assert result["fallback_exact"] and result["counts"] == {"compressed_merge_sinks->aten": 1}
+    assert result["lowered_diff"] < 1e-6
+    ops = collections.Counter(n["op"] for n in ts.read_ge_dump(dump))
+    print(f"\nGE ops of the lowered sink merge: {dict(ops)}")
+    assert ops["Sigmoid"] == 1 and ops["Exp"] >= 2 and ops["Log"] == 1, ops
+    assert not [op for op in ops if "dcpgraph" in op.lower()], ops

@@ -4,13 +4,16 @@
 ``lses [N, H, T]`` by log-sum-exp and joins the per-head sink ``s_h`` once::
 
     lse = logsumexp_i lse_i                     (max + log Σ exp(lse_i − max); −inf when all are)
-    o   = Σ_i w_i·o_i,   w_i = exp(lse_i − lse), NaN → 0 (every partial empty)
+    o   = Σ_i w_i·o_i,   w_i = exp(lse_i − lse), 0 where lse = −inf (every partial empty)
     out = o · exp(lse − logaddexp(lse, s_h)) = o · sigmoid(lse − s_h),   0 where lse = −inf
 
 in ``acc = promote(dtype, fp32)``, the result cast back to ``outs``' dtype and shaped
-``[1, H, T, D]``. All shapes are the inputs' (static), every op has a GE converter (``max.dim``,
-``exp``, ``log``, ``sum``, ``where``, ``nan_to_num``, ``sigmoid``; not ``logsumexp``'s list form or
-``logaddexp``, whose torchair 2.13 converter raises NotImplementedError).
+``[1, H, T, D]``. The op zeroes ``w_i`` with ``nan_to_num``, which is NaN exactly where every
+partial is empty (its lses are −inf or finite); the rule zeroes it there by ``where``, because
+torchair 2.13's ``nan_to_num`` converter fails on the default ``posinf=None``. All shapes are the
+inputs' (static), and every op converts (``ArgMaxWithValue``, ``Exp``, ``Log``, ``ReduceSum``,
+``SelectV2``, ``Sigmoid``; not ``logaddexp``, whose converter raises NotImplementedError), checked by
+``tests/torchair_tier/test_torchair_v4.py``.
 
 The other V4 ops deliberately have **no rule** (:data:`NO_GE_FORM`): their kernels are
 per-request loops whose trip counts and slice lengths come from step metadata read on the host
@@ -39,7 +42,7 @@ def compressed_merge_sinks_as_aten(outs: torch.Tensor, lses: torch.Tensor, sinks
     peak = torch.max(lse_i, 0)[0]  # [H, T]
     peak = torch.where(peak == NEG_INF, 0.0, peak)  # all empty: exp(−inf − 0) = 0, log 0 = −inf
     lse = peak + torch.log(torch.exp(lse_i - peak).sum(0))
-    weight = torch.nan_to_num(torch.exp(lse_i - lse), 0.0)
+    weight = torch.where(lse == NEG_INF, 0.0, torch.exp(lse_i - lse))  # the op's NaN → 0 (all empty)
     merged = (outs.to(acc) * weight.unsqueeze(-1)).sum(0)  # [H, T, D]
     share = torch.sigmoid(lse - sinks.to(acc).unsqueeze(-1))
     share = torch.where(lse == NEG_INF, 0.0, share)

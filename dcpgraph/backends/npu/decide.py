@@ -17,7 +17,7 @@ from .rules_compressed import NO_GE_FORM
 
 
 def unlowered_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """Names (``namespace::op.overload``, sorted, each once) of the dcpgraph ops in ``gm`` that no
+    """Names (``dcpgraph.<op>.<overload>``, sorted, each once) of the dcpgraph ops in ``gm`` that no
     rule of :data:`~.rules.TABLE` lowers."""
     names = {str(n.target) for n in gm.graph.nodes
              if n.op == "call_function" and _is_dcpgraph_op(n.target) and not TABLE.rules_for(n.target)}

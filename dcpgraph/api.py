@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .backends import compile_backend, use_compile_cache_dir
+from .backends import backend_provenance, compile_backend, use_compile_cache_dir
 from .compile_config import (
     CompileConfiguration,
     configuration,
@@ -168,7 +168,8 @@ def compile_programs(model: torch.nn.Module | Program, *, ranks_on_host: int | N
             state_slots=slots, state_snapshots=slots if config.spec is not None else None,
             state_prefix_rows=slots if config.opts["enable_prefix_caching"] else None))
     num_blocks, sizing = _num_blocks(program, config, ranks_on_host)
-    return CompiledModel(program, num_blocks, _compiled_graphs(program, config),
+    graphs = _compiled_graphs(program, config)
+    return CompiledModel(backend_provenance(program, graphs), num_blocks, graphs,
                          _compiled_draft(config, comm_workload), config, sizing)
 
 

@@ -10,6 +10,12 @@ exception while compiling **or during the first call** (GE compiles lazily) swit
 to eager for good, records the reason and warns once; results are identical to eager's because
 the same GraphModule runs.
 
+A program the torchair (GE) backend cannot lower as a whole (it holds dcpgraph ops with no GE
+lowering rule: DeepSeek-V4's compressed ops) is decided eager **before** anything compiles, from
+the rules table alone (:func:`dcpgraph.backends.npu.decide.ge_decision`): no graph is handed to
+torchair, nothing warns per graph or step, and the reason naming the ops is in the report
+(``eager_reason``) and, through :func:`backend_provenance`, in the program's provenance.
+
 Where compiled code runs: the single-rank executor and the distributed executor call the
 compiled callable. The multi-rank emulator interprets the FX graph node by node (it has to stop
 at every collective), so it always runs eagerly; its report says so.
@@ -18,6 +24,7 @@ at every collective), so it always runs eagerly; its report says so.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +32,12 @@ import torch
 import torch.fx
 
 from .compile_log import CompileLog
-from .registry import available_backends, resolve_backend
+from .registry import GE_FACTORY, available_backends, resolve_backend
 
-__all__ = ["CompiledGraphs", "available_backends", "compile_backend", "resolve_backend", "use_compile_cache_dir"]
+log = logging.getLogger("dcpgraph")
+
+__all__ = ["CompiledGraphs", "available_backends", "backend_provenance", "compile_backend", "resolve_backend",
+           "use_compile_cache_dir"]
 
 
 class CompiledGraphs:
@@ -37,11 +47,13 @@ class CompiledGraphs:
     :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly. Every compile is
     recorded in ``log`` (:class:`~.compile_log.CompileLog`)."""
 
-    def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None):
+    def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None,
+                 eager_reason: str | None = None):
         self.program = program
         self.name = name
         self.factory = factory
-        self.runs_compiled = runs_compiled and factory is not None
+        self.eager_reason = eager_reason  # the backend refused the whole program, and why
+        self.runs_compiled = runs_compiled and factory is not None and eager_reason is None
         self.note = note
         self.log = CompileLog()
         self._graphs: dict[Any, Any] = {}
@@ -71,6 +83,8 @@ class CompiledGraphs:
         out = {"backend": self.name, "graphs": graphs, "compile": self.log.report()}
         if self.note:
             out["note"] = self.note
+        if self.eager_reason:
+            out["eager_reason"] = self.eager_reason
         return out
 
 
@@ -85,7 +99,25 @@ def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGrap
     note = None
     if factory is not None and not runs_compiled:
         note = f"{name} requested; the multi-rank emulator interprets the graph eagerly"
-    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note)
+    eager_reason = None
+    if factory is GE_FACTORY:
+        from .npu.decide import ge_decision
+
+        why = ge_decision(program.graph_module)
+        if why is not None:
+            eager_reason = f"{name} (GE) not used, the program runs eagerly: {why}"
+            log.info("dcpgraph: %s", eager_reason)
+    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note, eager_reason=eager_reason)
+
+
+def backend_provenance(program, graphs: CompiledGraphs):
+    """``program`` with a ``backend`` provenance record when its backend refused it whole (so
+    :func:`dcpgraph.explain` shows why it runs eagerly); ``program`` itself otherwise."""
+    if graphs.eager_reason is None:
+        return program
+    from ..program import Provenance
+
+    return program.replace(provenance=(*program.provenance, Provenance("backend", 0.0, graphs.eager_reason)))
 
 
 def use_compile_cache_dir(path: str) -> None:

@@ -53,6 +53,8 @@ def _npugraph_ex(gm: torch.fx.GraphModule, example_inputs: list, **options: Any)
     return compile_torchair(gm, example_inputs, mode="npugraph_ex", **options)
 
 
+GE_FACTORY = _torchair  # the backend that needs every dcpgraph op lowered (lower_npu)
+
 _BACKENDS: dict[str, Factory | None] = {
     "eager": None,
     "inductor": _inductor,

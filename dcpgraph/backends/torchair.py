@@ -21,6 +21,9 @@ Modes:
     ``torch.compile`` callable is at its first call; GE compile and run happen right after, in
     that same first call. On a machine without CANN that first call therefore fails after
     conversion (and after the graph dump, when ``dump_dir`` is set).
+    A graph holding a dcpgraph op with no lowering rule (DeepSeek-V4's compressed ops) is
+    refused before torchair is imported, naming the ops; :func:`dcpgraph.compile` decides such a
+    program eager before compiling anything (:func:`dcpgraph.backends.compile_backend`).
 ``"npugraph_ex"`` (aclgraph)
     Ops run as eager aclnn/ATen kernels captured into an NPU graph; only fake (meta) kernels are
     needed, which every dcpgraph op has, so the graph is not lowered. With torch_npu present the
@@ -117,6 +120,13 @@ def compile_torchair(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "max-autotune":  # refuse a graph GE cannot take before importing anything
+        from .npu import NpuLoweringError
+        from .npu.decide import ge_decision
+
+        why = ge_decision(gm)
+        if why is not None:
+            raise NpuLoweringError(why)
     torchair = import_torchair()
     if mode == "npugraph_ex":
         if "torch_npu" in sys.modules and config is None:

@@ -4,7 +4,9 @@
 :mod:`.trace` (a function traced in place of a node) · :mod:`.ascend` (Ascend ops, GE gaps) ·
 the rules with their op contracts: :mod:`.rules_attention` (FusedInferAttentionScore),
 :mod:`.rules_merge` (AttentionUpdate / aten merge), :mod:`.rules_cache` (KV write → scatter),
-:mod:`.rules_sparse` (DSA: LightningIndexer, SparseFlashAttention, an aten top-k merge).
+:mod:`.rules_sparse` (DSA: LightningIndexer, SparseFlashAttention, an aten top-k merge),
+:mod:`.rules_compressed` (DeepSeek-V4: the sink merge → aten; why the other V4 ops have no rule);
+:mod:`.decide` (whether a graph can go to GE at all: the ops with no rule, decided from the table).
 
 Checked on CPU by ``tests/torchair_tier``: conversion of DCP decode programs (GQA and MLA, a2a and
 ag_rs) to GE with every node converted, which GE ops come out, and that the lowered graph run with

@@ -8,7 +8,8 @@ no CPU kernels), so it never becomes a Program.
 
 GE ("max-autotune") needs a converter for every FX node and dcpgraph's ops have none, so each is
 replaced by the first rule of :data:`~.rules.TABLE` whose checker accepts it (rules and their op
-contracts: :mod:`.rules_attention`, :mod:`.rules_merge`, :mod:`.rules_cache`, :mod:`.rules_mlapo`). Collectives stay
+contracts: :mod:`.rules_attention`, :mod:`.rules_merge`, :mod:`.rules_cache`, :mod:`.rules_mlapo`,
+:mod:`.rules_sparse`, :mod:`.rules_compressed`). Collectives stay
 ``_c10d_functional`` ops: torchair converts them to ``HcomAllGather``, ``HcomAllToAll(V)``,
 ``HcomReduceScatter``, ``HcomAllReduce``. Nodes a rule emitted that end up unused (an lse nobody
 reads) are dropped.
@@ -24,7 +25,15 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import rules_attention, rules_cache, rules_merge, rules_mlapo, rules_native, rules_sparse  # noqa: F401 - they register their rules
+from . import (  # noqa: F401 - they register their rules
+    rules_attention,
+    rules_cache,
+    rules_compressed,
+    rules_merge,
+    rules_mlapo,
+    rules_native,
+    rules_sparse,
+)
 from .ascend import GE_DECOMPOSITIONS
 from .rules import TABLE, NpuLoweringError, Rule, Site
 from .trace import LoweringTracer, splice
@@ -37,6 +46,7 @@ def lower_npu(
     example_inputs: Sequence | None = None,
     *,
     merge: str = "auto",
+    strict: bool = True,
 ) -> torch.fx.GraphModule:
     """A new GraphModule with every dcpgraph op replaced; ``meta['lower_npu']`` counts the rules used.
 
@@ -54,21 +64,32 @@ def lower_npu(
     counts: collections.Counter[str] = collections.Counter()
     inserted: set[torch.fx.Node] = set()
     trace = LoweringTracer(GE_DECOMPOSITIONS)
+    left: dict[str, str] = {}
     for node in list(graph.nodes):
-        if node.op != "call_function" or not TABLE.rules_for(node.target):
+        if node.op != "call_function" or not _is_dcpgraph_op(node.target):
             continue
-        site = Site.of(node)
-        rule = TABLE.choose(site, _candidates(node.target, merge))
-        traced, inputs = trace(rule.lowering, node, rule.params(site))
+        if not TABLE.rules_for(node.target):
+            left[node.name] = f"{node.target}: no lowering rule"
+            continue
+        try:
+            site = Site.of(node)
+            rule = TABLE.choose(site, _candidates(node.target, merge))
+            traced, inputs = trace(rule.lowering, node, rule.params(site))
+        except NpuLoweringError as err:
+            if strict:
+                raise
+            left[node.name] = f"{node.target}: {err}"
+            continue
         inserted.update(splice(graph, node, traced, inputs, rule.name))
         counts[rule.name] += 1
+    no_rule = [name for name, why in left.items() if why.endswith("no lowering rule")]
+    if strict and no_rule:
+        raise NpuLoweringError(f"dcpgraph ops left after lower_npu (no lowering rule): {no_rule}")
     graph.eliminate_dead_code(is_impure_node=lambda n: n not in inserted or n.is_impure())
-    left = [n.name for n in graph.nodes if n.op == "call_function" and _is_dcpgraph_op(n.target)]
-    if left:
-        raise NpuLoweringError(f"dcpgraph ops left after lower_npu (no lowering rule): {left}")
     graph.lint()
     new.recompile()
     new.meta["lower_npu"] = dict(counts)
+    new.meta["lower_npu_left"] = left
     return new
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..program import Provenance
 from .compile_log import CompileLog
 from .registry import GE_FACTORY, available_backends, resolve_backend
 
@@ -115,8 +116,6 @@ def backend_provenance(program, graphs: CompiledGraphs):
     :func:`dcpgraph.explain` shows why it runs eagerly); ``program`` itself otherwise."""
     if graphs.eager_reason is None:
         return program
-    from ..program import Provenance
-
     return program.replace(provenance=(*program.provenance, Provenance("backend", 0.0, graphs.eager_reason)))
 
 

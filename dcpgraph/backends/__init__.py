@@ -13,6 +13,9 @@ the same GraphModule runs.
 Where compiled code runs: the single-rank executor and the distributed executor call the
 compiled callable. The multi-rank emulator interprets the FX graph node by node (it has to stop
 at every collective), so it always runs eagerly; its report says so.
+
+On a CUDA device each static-shape bucket's compiled callable is also captured as a CUDA graph and
+replayed (:mod:`.device_graphs`, ``cudagraph_mode``); nothing changes elsewhere.
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ class CompiledGraphs:
     mixed steps) and ``("decode", R_b)`` (one static-shape graph per decode bucket). Each key
     gets its own GraphModule copy (its own code object, so dynamo caches never mix) wrapped in a
     :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly. Every compile is
-    recorded in ``log`` (:class:`~.compile_log.CompileLog`)."""
+    recorded in ``log`` (:class:`~.compile_log.CompileLog`). ``device_graphs`` (a capture maker,
+    :func:`.device_graphs.device_graphs_for`): every key but ``"mixed"`` is also captured as a
+    device graph (:class:`~.device_graphs.DeviceGraph`); None (the CPU) wraps nothing."""
 
-    def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None):
+    def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None,
+                 device_graphs=None):
         self.program = program
         self.name = name
         self.factory = factory
         self.runs_compiled = runs_compiled and factory is not None
         self.note = note
+        self.device_graphs = device_graphs if self.runs_compiled else None
         self.log = CompileLog()
         self._graphs: dict[Any, Any] = {}
 
@@ -61,7 +68,12 @@ class CompiledGraphs:
             if getattr(self.factory, "counts_compiles", False):
                 factory = functools.partial(factory, on_compile=on_compile)
                 on_compile = None  # the factory reports each compile itself
-            self._graphs[key] = FallbackGraph(name, copy, factory, backend=self.name, on_compile=on_compile)
+            graph = FallbackGraph(name, copy, factory, backend=self.name, on_compile=on_compile)
+            if self.device_graphs is not None and key != "mixed":
+                from .device_graphs import DeviceGraph, static_inputs
+
+                graph = DeviceGraph(name, graph, static_inputs(self.program), self.device_graphs)
+            self._graphs[key] = graph
         return self._graphs[key]
 
     def report(self) -> dict:
@@ -71,6 +83,8 @@ class CompiledGraphs:
         out = {"backend": self.name, "graphs": graphs, "compile": self.log.report()}
         if self.note:
             out["note"] = self.note
+        if self.device_graphs is not None:
+            out["device_graphs"] = getattr(self.device_graphs, "kind", type(self.device_graphs).__name__)
         return out
 
 
@@ -78,14 +92,15 @@ def _key_name(key) -> str:
     return key if isinstance(key, str) else f"{key[0]}[{key[1]}]"
 
 
-def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGraphs:
-    """The graphs of ``program`` for ``backend``, compiled lazily per shape key."""
+def compile_backend(program, backend: Any, *, distributed: bool, device_graphs=None) -> CompiledGraphs:
+    """The graphs of ``program`` for ``backend``, compiled lazily per shape key; ``device_graphs``:
+    the capture maker for static-shape keys (:func:`.device_graphs.device_graphs_for`), None for none."""
     name, factory = resolve_backend(backend)
     runs_compiled = distributed or program.mesh.world_size == 1
     note = None
     if factory is not None and not runs_compiled:
         note = f"{name} requested; the multi-rank emulator interprets the graph eagerly"
-    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note)
+    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note, device_graphs=device_graphs)
 
 
 def use_compile_cache_dir(path: str) -> None:

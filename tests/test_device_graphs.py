@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import dcpgraph
+import dcpgraph.api as api
 from dcpgraph import ConfigError
 from dcpgraph.api import compile_programs, engine_for
 from dcpgraph.backends import compile_backend
 from dcpgraph.backends.device_graphs import CudaCaptures, DeviceGraph, device_graphs_for
 from dcpgraph.backends.fallback import FallbackGraph
+from dcpgraph.compile_config import configuration
 from dcpgraph.config import DcpgraphConfig
 from dcpgraph.devices import DeviceProbe
 from dcpgraph.models import build_model
@@ -67,13 +69,30 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(DeviceProbe, "count", lambda self, kind: (2, "") if kind in ("cpu", "cuda") else (0, "none"))
 
 
+SMALL = dict(num_blocks=4, max_model_len=32, block_size=4, capture_limit=2)
+
+
 def _graphs(traced, **options):
-    """The graphs an engine would get (compile_programs builds them; nothing is compiled yet)."""
-    return compile_programs(traced, num_blocks=4, max_model_len=32, block_size=4, capture_limit=2, **options).graphs
+    """The graphs an engine would get, built by :func:`compile_programs` (nothing is compiled yet)."""
+    return compile_programs(traced, **SMALL, **options).graphs
 
 
-def test_a_cuda_placement_captures_its_decode_buckets_and_not_the_mixed_graph(traced, fake_cuda):
+@pytest.fixture(scope="module")
+def lowered(traced):
+    return compile_programs(traced, **SMALL, backend="eager").program
+
+
+def _graphs_for(lowered, **options):
+    """The same as :func:`_graphs` without running the passes again: ``compile_programs``' last step
+    (its configuration, the program placed, :func:`dcpgraph.api._compiled_graphs`) on a program
+    lowered once."""
+    config = configuration(lowered, DcpgraphConfig.from_compile_options(**SMALL, **options))
+    return api._compiled_graphs(api.placed(lowered, config.opts["device"]), config)
+
+
+def test_a_cuda_placement_captures_its_decode_buckets_and_not_the_mixed_graph(traced, lowered, fake_cuda):
     graphs = _graphs(traced, device="cuda", backend="aot_eager")
+    assert _graphs_for(lowered, device="cuda", backend="aot_eager").report() == graphs.report()  # the shortcut
     assert isinstance(graphs.device_graphs, CudaCaptures) and graphs.report()["device_graphs"] == "cuda"
     decode = graphs.get(("decode", 2))
     assert isinstance(decode, DeviceGraph) and decode.new_capture is graphs.device_graphs
@@ -86,17 +105,17 @@ def test_a_cuda_placement_captures_its_decode_buckets_and_not_the_mixed_graph(tr
     {"device": "cpu", "backend": "aot_eager"},
     {"device": "cuda", "backend": "aot_eager", "cudagraph_mode": "NONE"},  # the off switch
 ])
-def test_cpu_and_the_off_switch_keep_the_compiled_buckets_uncaptured(traced, fake_cuda, options):
-    graphs = _graphs(traced, **options)
+def test_cpu_and_the_off_switch_keep_the_compiled_buckets_uncaptured(lowered, fake_cuda, options):
+    graphs = _graphs_for(lowered, **options)
     assert graphs.device_graphs is None and "device_graphs" not in graphs.report()
     assert isinstance(graphs.get(("decode", 2)), FallbackGraph)
 
 
 @pytest.mark.parametrize("given", [{"enforce_eager": True}, {"backend": "eager"}])
-def test_eager_captures_nothing_on_cuda(traced, fake_cuda, given):
+def test_eager_captures_nothing_on_cuda(lowered, fake_cuda, given):
     """``--enforce-eager`` (LLM's and serve's) is compile's ``backend="eager"``: nothing compiled or captured."""
     opts = DcpgraphConfig.from_llm_kwargs(model="/m", device="cuda", **given).compile_options()
-    graphs = _graphs(traced, device="cuda", backend=opts["backend"], cudagraph_mode=opts["cudagraph_mode"])
+    graphs = _graphs_for(lowered, device="cuda", backend=opts["backend"], cudagraph_mode=opts["cudagraph_mode"])
     assert graphs.device_graphs is None and graphs.get(("decode", 2)) is None
 
 

@@ -69,7 +69,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(DeviceProbe, "count", lambda self, kind: (2, "") if kind in ("cpu", "cuda") else (0, "none"))
 
 
-SMALL = dict(num_blocks=4, max_model_len=32, block_size=4, capture_limit=2)
+SMALL = dict(num_blocks=32, max_model_len=64, block_size=4, capture_limit=4)
 
 
 def _graphs(traced, **options):
@@ -78,8 +78,14 @@ def _graphs(traced, **options):
 
 
 @pytest.fixture(scope="module")
-def lowered(traced):
-    return compile_programs(traced, **SMALL, backend="eager").program
+def compiled(traced):
+    """The model through the passes once (the file's main cost), for every test that can share it."""
+    return compile_programs(traced, **SMALL, backend="eager")
+
+
+@pytest.fixture(scope="module")
+def lowered(compiled):
+    return compiled.program
 
 
 def _graphs_for(lowered, **options):
@@ -204,8 +210,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [11, 12, 13], [5] * 9, [7, 8]]
 ARRIVALS = {0: [PROMPTS[0]], 1: PROMPTS[1:3], 3: [PROMPTS[3]], 6: [PROMPTS[4]]}  # decode batches of 1 to 4
 
 
-def test_an_engine_with_captured_buckets_equals_hf_and_replays_every_decode_step(model, traced):
-    compiled = compile_programs(traced, backend=identity_backend, block_size=4, capture_limit=4, max_model_len=64)
+def test_an_engine_with_captured_buckets_equals_hf_and_replays_every_decode_step(model, compiled):
     makes = HostReplayCaptures()
     graphs = compile_backend(compiled.program, identity_backend, distributed=False, device_graphs=makes)
     engine = engine_for(dataclasses.replace(compiled, graphs=graphs))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on a machine with a CUDA GPU, first thing whenever one is lent: the gpu test tier, the
-# device-aware benchmarks and serving on the GPU, all figures into one file. About 10 minutes;
+# device-aware benchmarks (decode with and without CUDA graphs too) and serving on the GPU, all
+# figures into one file. About 10 minutes (11 if every step ran to its limit, as before);
 # every step has its own time limit so a hang in one still leaves the others' figures.
 #
 #   bash benchmarks/device_check.sh                 # writes $OUT/device_check.md (default: benchmarks/results)
@@ -37,12 +38,15 @@ section() {  # section TITLE LIMIT_S COMMAND...: run it with a limit, its output
   return $rc
 }
 
-section "gpu tier: python -m pytest -q -m gpu" 300 python -m pytest -q -m gpu -p no:cacheprovider -rs
+section "gpu tier: python -m pytest -q -m gpu" 270 python -m pytest -q -m gpu -p no:cacheprovider -rs
 tier=$?
-section "decode step on cuda (benchmarks/run.py --device cuda --quick)" 180 \
+section "decode step on cuda (benchmarks/run.py --device cuda --quick)" 120 \
   python benchmarks/run.py --device cuda --quick
+# decode buckets captured as CUDA graphs vs the same compiled buckets uncaptured (cudagraph_mode NONE)
+section "decode step with and without CUDA graphs (benchmarks/device_graphs.py --quick, inductor)" 120 \
+  python benchmarks/device_graphs.py --quick --batches 1 4
 tp=$(( gpus >= 2 ? 2 : 1 ))
-section "serving on cuda (benchmarks/serve_throughput.py --quick -tp $tp -dcp $tp --device cuda)" 180 \
+section "serving on cuda (benchmarks/serve_throughput.py --quick -tp $tp -dcp $tp --device cuda)" 150 \
   python benchmarks/serve_throughput.py --quick -tp "$tp" -dcp "$tp" --device cuda
 echo "figures: $report"
 exit $(( tier == 0 ? 0 : 1 ))

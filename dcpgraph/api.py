@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .backends import backend_provenance, compile_backend, use_compile_cache_dir
+from .backends.device_graphs import device_graphs_for
 from .compile_config import (
     CompileConfiguration,
     configuration,
@@ -75,7 +76,10 @@ def compile(  # noqa: A001 - the library's verb, like torch.compile
     budget, default 256), ``max_num_seqs`` (default 8), ``executor`` ("auto", "emulated",
     "distributed"), ``verify`` (run the verifier after every pass, default True),
     ``capture_limit`` (largest decode batch given a static-shape graph, default 32; 0 disables
-    graph mode), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
+    graph mode), ``cudagraph_mode`` (vLLM's name; ``"FULL_DECODE_ONLY"``, the default: on a CUDA
+    device each static-shape bucket of a compiling backend is also captured as a CUDA graph and
+    replayed, see :mod:`dcpgraph.backends.device_graphs`; ``"NONE"``: compiled buckets, no capture;
+    nothing is captured on the CPU), ``speculative_config`` (vLLM's dict: ``{"method": "ngram" | "draft_model" | "mtp",
     "num_speculative_tokens": k, "model": draft dir/module/Program, "prompt_lookup_min"/"_max": n}``,
     see :mod:`dcpgraph.speculative`; a draft model, or with ``"mtp"`` the checkpoint's MTP layer (the
     target must then be a Program from :func:`dcpgraph.checkpoints.loader.load_program`), is compiled
@@ -282,7 +286,8 @@ def _compiled_graphs(program: Program, config: CompileConfiguration):
 
     if config.opts["compile_cache_dir"] is not None:
         use_compile_cache_dir(config.opts["compile_cache_dir"])
-    return compile_backend(program, config.opts["backend"], distributed=config.distributed)
+    return compile_backend(program, config.opts["backend"], distributed=config.distributed,
+                           device_graphs=device_graphs_for(program_device(program), config.opts["cudagraph_mode"]))
 
 
 def _compiled_draft(config: CompileConfiguration, comm_workload):
@@ -300,5 +305,7 @@ def _compiled_draft(config: CompileConfiguration, comm_workload):
         verify=opts["verify"], kv_cache_dtype=opts["kv_cache_dtype"], comm_workload=comm_workload,
         fuse_new=opts["fuse_new_tokens"], fuse_linears=opts["fuse_linears"],
     )
-    return draft_program, compile_backend(draft_program, opts["backend"], distributed=config.distributed)
+    return draft_program, compile_backend(
+        draft_program, opts["backend"], distributed=config.distributed,
+        device_graphs=device_graphs_for(program_device(draft_program), opts["cudagraph_mode"]))
 

@@ -60,6 +60,34 @@ def test_inductor_on_cuda_captures_at_start_up_and_equals_hf():
     report = engine.report()
     assert report["compile"]["compiles_after_startup"] == 0
     assert all(s["fallback"] is None for s in report["graphs"].values())
+    assert report["device_graphs"] == "cuda"  # the default cudagraph_mode: decode buckets captured
+    captured = {name: s["device_graph"] for name, s in report["graphs"].items() if name != "mixed"}
+    assert captured and all(s["captured"] and s["reason"] is None for s in captured.values()), captured
+
+
+ARRIVALS = {0: [PROMPTS[0]], 1: PROMPTS[1:3], 3: [[5] * 9], 6: [[7, 8]]}  # decode batches of 1 to 4
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])  # inductor: the test above (against HF)
+def test_cuda_graph_decode_equals_eager_and_replays_once_per_decode_step(backend):
+    """Decode buckets captured as CUDA graphs (``cudagraph_mode`` FULL_DECODE_ONLY) give eager's
+    tokens step for step while requests arrive and leave, and every decode step on a bucket is one
+    replay of its graph (the model runner's step counts against the wrapper's replay counts)."""
+    from dcpgraph.testing.device_graphs import replays_and_decode_steps, serve_arrivals
+
+    model = build_model("qwen3", dtype=torch.float32).cuda()
+    options = dict(block_size=4, capture_limit=4, max_num_seqs=8)
+    captured = dcpgraph.compile(model, backend=backend, **options)
+    uncaptured = dcpgraph.compile(model, backend=backend, cudagraph_mode="NONE", **options)
+    eager = dcpgraph.compile(model, backend="eager", **options)
+    expected = serve_arrivals(eager, ARRIVALS, 6)
+    assert serve_arrivals(captured, ARRIVALS, 6) == expected
+    assert serve_arrivals(uncaptured, ARRIVALS, 6) == expected
+    report = captured.report()
+    replays, decode_steps = replays_and_decode_steps(report)
+    assert len(decode_steps) == 3 and replays == decode_steps, (replays, decode_steps)
+    assert all(s["device_graph"]["uncaptured_calls"] == 0 for n, s in report["graphs"].items() if n != "mixed")
+    assert "device_graphs" not in uncaptured.report()
 
 
 def _nccl_rank(rank, world):

@@ -19,6 +19,9 @@ torchair, nothing warns per graph or step, and the reason naming the ops is in t
 Where compiled code runs: the single-rank executor and the distributed executor call the
 compiled callable. The multi-rank emulator interprets the FX graph node by node (it has to stop
 at every collective), so it always runs eagerly; its report says so.
+
+On a CUDA device each static-shape bucket's compiled callable is also captured as a CUDA graph and
+replayed (:mod:`.device_graphs`, ``cudagraph_mode``); nothing changes elsewhere.
 """
 
 from __future__ import annotations
@@ -46,16 +49,19 @@ class CompiledGraphs:
     mixed steps) and ``("decode", R_b)`` (one static-shape graph per decode bucket). Each key
     gets its own GraphModule copy (its own code object, so dynamo caches never mix) wrapped in a
     :class:`FallbackGraph`. ``get`` returns None where the graph runs eagerly. Every compile is
-    recorded in ``log`` (:class:`~.compile_log.CompileLog`)."""
+    recorded in ``log`` (:class:`~.compile_log.CompileLog`). ``device_graphs`` (a capture maker,
+    :func:`.device_graphs.device_graphs_for`): every key but ``"mixed"`` is also captured as a
+    device graph (:class:`~.device_graphs.DeviceGraph`); None (the CPU) wraps nothing."""
 
     def __init__(self, program, name: str, factory, *, runs_compiled: bool, note: str | None = None,
-                 eager_reason: str | None = None):
+                 eager_reason: str | None = None, device_graphs=None):
         self.program = program
         self.name = name
         self.factory = factory
         self.eager_reason = eager_reason  # the backend refused the whole program, and why
         self.runs_compiled = runs_compiled and factory is not None and eager_reason is None
         self.note = note
+        self.device_graphs = device_graphs if self.runs_compiled else None
         self.log = CompileLog()
         self._graphs: dict[Any, Any] = {}
 
@@ -74,7 +80,12 @@ class CompiledGraphs:
             if getattr(self.factory, "counts_compiles", False):
                 factory = functools.partial(factory, on_compile=on_compile)
                 on_compile = None  # the factory reports each compile itself
-            self._graphs[key] = FallbackGraph(name, copy, factory, backend=self.name, on_compile=on_compile)
+            graph = FallbackGraph(name, copy, factory, backend=self.name, on_compile=on_compile)
+            if self.device_graphs is not None and key != "mixed":
+                from .device_graphs import DeviceGraph, static_inputs
+
+                graph = DeviceGraph(name, graph, static_inputs(self.program), self.device_graphs)
+            self._graphs[key] = graph
         return self._graphs[key]
 
     def report(self) -> dict:
@@ -86,6 +97,8 @@ class CompiledGraphs:
             out["note"] = self.note
         if self.eager_reason:
             out["eager_reason"] = self.eager_reason
+        if self.device_graphs is not None:
+            out["device_graphs"] = getattr(self.device_graphs, "kind", type(self.device_graphs).__name__)
         return out
 
 
@@ -93,8 +106,9 @@ def _key_name(key) -> str:
     return key if isinstance(key, str) else f"{key[0]}[{key[1]}]"
 
 
-def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGraphs:
-    """The graphs of ``program`` for ``backend``, compiled lazily per shape key."""
+def compile_backend(program, backend: Any, *, distributed: bool, device_graphs=None) -> CompiledGraphs:
+    """The graphs of ``program`` for ``backend``, compiled lazily per shape key; ``device_graphs``:
+    the capture maker for static-shape keys (:func:`.device_graphs.device_graphs_for`), None for none."""
     name, factory = resolve_backend(backend)
     runs_compiled = distributed or program.mesh.world_size == 1
     note = None
@@ -108,7 +122,8 @@ def compile_backend(program, backend: Any, *, distributed: bool) -> CompiledGrap
         if why is not None:
             eager_reason = f"{name} (GE) not used, the program runs eagerly: {why}"
             log.info("dcpgraph: %s", eager_reason)
-    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note, eager_reason=eager_reason)
+    return CompiledGraphs(program, name, factory, runs_compiled=runs_compiled, note=note, eager_reason=eager_reason,
+                          device_graphs=device_graphs)
 
 
 def backend_provenance(program, graphs: CompiledGraphs):

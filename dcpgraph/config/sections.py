@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.device_graphs import CUDAGRAPH_MODES
 from ..backends.registry import SPLIT_NEW_TOKENS, available_backends, resolve_backend
 from ..capacity import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from ..devices import DEVICE_CHOICES
@@ -280,6 +281,11 @@ class CompilationConfig(Section):
     compile_cache_dir: str | None = setting(None, "a directory that keeps compiled graphs across processes and "
                                                   "restarts, so a second start-up compiles from it")
     capture_limit: int = setting(32, "largest decode batch given a static-shape graph (0: no graph mode)", low=0)
+    cudagraph_mode: str = setting(
+        "FULL_DECODE_ONLY", "on a CUDA device, each decode bucket's compiled graph captured as a CUDA graph and "
+                            "replayed (FULL_DECODE_ONLY, the default) or not (NONE: compiled buckets, no capture); "
+                            "nothing is captured on the CPU, on Ascend (the backend's own graphs) or under "
+                            "--enforce-eager", flags=("--cudagraph-mode", "-O.cudagraph_mode"), choices=CUDAGRAPH_MODES)
     mlapo: bool = setting(True, "an MLA model's query/KV preprocessing as one mla_preprocess op per layer")
     fuse_linears: bool = setting(False, "linears that read one input (q/k/v, gate/up) as one linear over their "
                                         "weights concatenated, then slices (off: it measured no faster on CPU)")
@@ -291,6 +297,9 @@ class CompilationConfig(Section):
     def _validate(self) -> None:
         if self.enforce_eager and self.backend not in ("auto", "eager"):
             raise ConfigError(f"--enforce-eager runs the 'eager' backend; it contradicts --backend {self.backend}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ConfigError(f"cudagraph_mode must be one of {list(CUDAGRAPH_MODES)} (vLLM's PIECEWISE and FULL "
+                              f"modes capture mixed steps, which dcpgraph does not), got {self.cudagraph_mode!r}")
         if self.comm not in COMMS:
             raise ConfigError(f"comm must be 'auto', 'a2a', 'ag_rs' or 'ag', got {self.comm!r}")
         cache_dir = self.compile_cache_dir

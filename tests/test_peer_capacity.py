@@ -31,7 +31,7 @@ from dcpgraph.testing.vllm_bench import vllm_venv
 # vllm/v1/core/kv_cache_utils.py (0.32.0), update_kv_cache_capacity's logger.info_once format
 VLLM_FORMAT = "%s KV cache size: %s tokens, Maximum concurrency for %s tokens per request: %.2fx"
 # and the prefix vLLM's logger puts before it in an engine-core process
-VLLM_PREFIX = "(EngineCore pid=4242) INFO 12-05 03:20:11 [kv_cache_utils.py:2329] "
+VLLM_PREFIX = "(EngineCore pid=4242) INFO 12-05 03:20:11 [kv_cache_utils.py:2327] "
 
 
 def vllm_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
@@ -40,6 +40,17 @@ def vllm_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
     concurrency = num_blocks / math.ceil(max_model_len / block_size)
     return VLLM_PREFIX + VLLM_FORMAT % ("CPU", f"{int(concurrency * max_model_len):,}", f"{max_model_len:,}",
                                         concurrency)
+
+
+def test_a_real_vllm_capacity_line_is_parsed():
+    """As vLLM 0.32 -tp 2 wrote it on this machine (2 layers, one KV head, 655,360 bytes per rank)."""
+    log = ("(Worker_TP0 pid=15450) INFO 12-05 03:26:37 [cpu_worker.py:260] Explicitly set (0.0/23.54) GiB for KV "
+           "cache on node 0.\n(EngineCore pid=15348) INFO 12-05 03:26:37 [kv_cache_utils.py:2327] CPU KV cache size: "
+           "640 tokens, Maximum concurrency for 256 tokens per request: 2.50x\n")
+    line = parse_vllm_capacity(log)
+    assert (line.pool, line.tokens, line.per_request, line.concurrency) == ("CPU", 640, 256, 2.5)
+    # 5 blocks of 128 (2.50x), of which the null block leaves 4: two requests of 256 tokens ran at once
+    assert line.tokens // 128 == 5 and KvCapacity(5, 128, 1, 1).requests(256) == 2
 
 
 def test_vllm_capacity_line_is_parsed():

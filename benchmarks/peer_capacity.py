@@ -2,7 +2,7 @@
 many concurrent requests of ``--input-len`` + ``--output-len`` tokens each server holds at once,
 and their throughput when each is driven at its own count.
 
-    python benchmarks/peer_capacity.py --quick     # ~2 vs ~4 requests of 224 + 32 tokens (smoke)
+    python benchmarks/peer_capacity.py --quick     # 2 vs 5 requests of 160 + 96 tokens (smoke)
     python benchmarks/peer_capacity.py             # 8,192 + 128 tokens: ~4 vs ~8 requests
 
 The checkpoint has one KV head (MQA, head_dim 64), fewer than tp: vLLM keeps that head whole on
@@ -17,9 +17,9 @@ one request's tokens.
 
 Per server, one after the other: start it; read its KV cache from its start-up log and its
 ``/metrics`` ``cache_config_info`` (:mod:`dcpgraph.testing.peer_capacity` counts both the same
-way: usable blocks ÷ blocks per request); then one wave of ``vllm bench serve``, ``--num-prompts``
-= ``--max-concurrency`` = that count (after as many warm-up requests), while a thread polls
-``/metrics`` for the most requests running at once and the preemptions. A count is confirmed when
+way: usable blocks ÷ blocks per request); then a warm-up of that many short requests at once, and
+one wave of ``vllm bench serve``, ``--num-prompts`` = ``--max-concurrency`` = that count, while a
+thread polls ``/metrics`` for the most requests running at once and the preemptions. A count is confirmed when
 the peak equals it and nothing was preempted. Records (``benchmarks/results/peer_capacity.json``):
 ``capacity_requests`` (dcpgraph's value, vLLM's as the baseline, their ratio; target ≥ 1.8×),
 ``kv_tokens``, ``peak_running``, ``preemptions`` and the throughput, TTFT and TPOT of each wave.
@@ -65,6 +65,7 @@ from dcpgraph.testing.vllm_bench import (
 NAME = "peer_capacity"
 SERVED = "peer"
 TARGET = 1.8  # dcpgraph's count ÷ vLLM's at the same per-rank KV budget
+WARMUP_INPUT_LEN = 256  # the warm-up's prompts: short, distinct from the wave's
 # One KV head (fewer than tp = 2), head_dim 64; small so the 8K wave fits in minutes on 2 cores.
 FULL = ModelShape(hidden=256, layers=4, heads=4, kv_heads=1, intermediate=768, vocab=8192, max_positions=16384)
 QUICK = ModelShape(hidden=256, layers=2, heads=4, kv_heads=1, intermediate=512, vocab=2048, max_positions=1024)
@@ -84,28 +85,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-bytes", type=int, default=None, help="the per-rank KV budget in bytes (instead of "
                                                               "--vllm-requests)")
     p.add_argument("--vllm-cpu-bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (one list per rank)")
-    p.add_argument("--quick", action="store_true", help="a 2-layer model, 224 + 32 tokens, a budget of 2 vLLM "
+    p.add_argument("--quick", action="store_true", help="a 2-layer model, 160 + 96 tokens, a budget of 2 vLLM "
                                                         "requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, help="keep the checkpoint, server logs and bench results here "
                                                     "(default: a temporary directory, removed at the end)")
     args = p.parse_args(argv)
     if args.quick:
-        args.input_len, args.output_len, args.vllm_requests = 224, 32, 2
+        # 96 new tokens: a wave of a few requests decodes for seconds, long enough for the /metrics polls
+        args.input_len, args.output_len, args.vllm_requests = 160, 96, 2
     return args
 
 
 def wave(server_url: str, model: str, args, root: Path, who: str, concurrency: int) -> tuple[dict, object]:
-    """One wave of ``concurrency`` requests at once (after as many warm-ups), watched on /metrics."""
-    command = bench_command(server_url, model, SERVED, backend="openai", num_prompts=concurrency,
-                            input_len=args.input_len, output_len=args.output_len, concurrency=concurrency,
-                            result_dir=str(root), result_file=f"{who}.json", seed=args.seed, warmups=concurrency)
+    """A warm-up of ``concurrency`` short requests at once (decode batches up to that size run once;
+    not watched: they would share no blocks with the wave), then the measured wave of
+    ``concurrency`` requests at once, watched on /metrics."""
+    def command(name: str, input_len: int, seed: int) -> list[str]:
+        return bench_command(server_url, model, SERVED, backend="openai", num_prompts=concurrency, input_len=input_len,
+                             output_len=args.output_len, concurrency=concurrency, result_dir=str(root),
+                             result_file=f"{name}.json", seed=seed, warmups=0)
+
     start = time.perf_counter()
+    run_bench(command(f"{who}-warmup", min(args.input_len, WARMUP_INPUT_LEN), args.seed + 1),
+              str(root / f"{who}-warmup.log"), timeout_s=1800)
+    warm = time.perf_counter()
     with watch_running(server_url) as peak:
-        result = run_bench(command, str(root / f"{who}-bench.log"), timeout_s=3600)
+        result = run_bench(command(who, args.input_len, args.seed), str(root / f"{who}-bench.log"), timeout_s=3600)
     print(f"  {who}: {concurrency} at once: peak running {peak.peak_running}, peak waiting {peak.peak_waiting}, "
-          f"{peak.preemptions} preempted, {result['output_throughput']:.1f} output tok/s, {result['failed']} failed "
-          f"({time.perf_counter() - start:.0f} s)", flush=True)
+          f"{peak.preemptions} preempted ({peak.polls} /metrics polls, {len(peak.errors)} failed), {result['output_throughput']:.1f} output tok/s, {result['failed']} failed "
+          f"(warm-up {warm - start:.0f} s, wave {time.perf_counter() - warm:.0f} s)", flush=True)
     return result, peak
 
 
@@ -187,7 +196,8 @@ def records_for(config: str, ours: dict, theirs: dict | None) -> list[dict]:
            row("kv_tokens", kv.usable_tokens, "tokens", peer["kv"].usable_tokens if theirs else None,
                dcpgraph_blocks=kv.num_blocks, **({"vllm_blocks": peer["kv"].num_blocks} if theirs else {})),
            row("reported_max_concurrency", ours["reported"], "requests", peer.get("reported")),
-           row("peak_running", ours["peak"].peak_running, "requests", peer["peak"].peak_running if theirs else None),
+           row("peak_running", ours["peak"].peak_running, "requests", peer["peak"].peak_running if theirs else None,
+               dcpgraph_polls=ours["peak"].polls, **({"vllm_polls": peer["peak"].polls} if theirs else {})),
            record(NAME, config, "preemptions", ours["peak"].preemptions, "preemptions",
                   **({"vllm_preemptions": peer["peak"].preemptions} if theirs else {}))]
     wave_config = f"{config} concurrency={ours['count']}" + (f"/vllm={theirs['count']}" if theirs else "")

@@ -98,31 +98,39 @@ def test_dcpgraph_metrics_give_its_blocks_dcp_and_running_counts():
     assert metrics_point(text) == (7, 2, 3)
 
 
-# vLLM 0.32's /metrics lines for these (labels trimmed to the ones read; one engine)
+# vLLM 0.32's /metrics at -tp 2 on this machine (the --quick smoke run's start-up scrape; the
+# running count and preemptions set by hand, cache_config_info's other 20 labels left out)
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="peer"} 4.0
+vllm:num_requests_running{engine="0",model_name="peer"} 2.0
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="peer"} 0.0
+# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="peer",reason="capacity"} 0.0
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="peer"} 1.0
+vllm:num_preemptions_created{engine="0",model_name="peer"} 1.796441868782426e+09
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_gpu_blocks="261"} 1.0
+vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",enable_prefix_caching="True",\
+engine="0",kv_cache_max_concurrency="2.5",kv_cache_memory_bytes="655360",kv_cache_size_tokens="640",\
+num_cpu_blocks="None",num_gpu_blocks="5",num_gpu_blocks_override="None"} 1.0
 """
 
 
 def test_vllm_metrics_give_its_blocks_less_the_null_block():
     kv = vllm_capacity(VLLM_METRICS)
-    assert kv == KvCapacity(num_blocks=261, block_size=128, dcp=1, reserved_blocks=1)
-    assert (kv.usable_tokens, kv.requests(8320)) == (260 * 128, 4)
-    assert metrics_point(VLLM_METRICS) == (4, 0, 1)
-    # one block fewer: vLLM's line still says 4.00x, but one block of the 260 is the null block
-    tight = KvCapacity(260, 128, 1, 1)
-    assert parse_vllm_capacity(vllm_line(260, 128, 8320)).concurrency == 4.0 and tight.requests(8320) == 3
+    assert kv == KvCapacity(num_blocks=5, block_size=128, dcp=1, reserved_blocks=1)
+    # its own figures count the null block: 640 tokens, 2.5 requests; 2 of 256 tokens fit
+    assert (kv.usable_tokens, kv.requests(256)) == (512, 2)
+    assert metrics_point(VLLM_METRICS) == (2, 0, 1)
+    # the 8K budget: 261 blocks read 4.02x and admit 4; one block fewer still reads 4.00x but admits 3
+    assert parse_vllm_capacity(vllm_line(260, 128, 8320)).concurrency == 4.0
+    assert (KvCapacity(261, 128, 1, 1).requests(8320), KvCapacity(260, 128, 1, 1).requests(8320)) == (4, 3)
 
 
 def admitted_by_hand(num_blocks: int, reserved: int, tokens_per_block: int, tokens: int) -> int:

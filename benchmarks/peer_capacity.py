@@ -2,8 +2,8 @@
 many concurrent requests of ``--input-len`` + ``--output-len`` tokens each server holds at once,
 and their throughput when each is driven at its own count.
 
-    python benchmarks/peer_capacity.py --quick     # 2 vs 5 requests of 160 + 96 tokens (smoke)
-    python benchmarks/peer_capacity.py             # 8,192 + 128 tokens: ~4 vs ~8 requests
+    python benchmarks/peer_capacity.py --quick     # 2 vs 4 requests of 256 + 512 tokens (smoke)
+    python benchmarks/peer_capacity.py             # 8,192 + 512 tokens: 4 vs 8 requests
 
 The checkpoint has one KV head (MQA, head_dim 64), fewer than tp: vLLM keeps that head whole on
 both TP ranks, dcpgraph's tp2·dcp2 splits its tokens between them (docs/benchmarks.md explains the
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                  "128 (default: a random one-KV-head Qwen3 written for the run)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--input-len", type=int, default=8192)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512, help="new tokens per request: enough decode steps "
+                                                                   "with every request running for /metrics polls to see")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dcp", type=int, default=2)
     p.add_argument("--vllm-requests", type=int, default=4,
@@ -85,15 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-bytes", type=int, default=None, help="the per-rank KV budget in bytes (instead of "
                                                               "--vllm-requests)")
     p.add_argument("--vllm-cpu-bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (one list per rank)")
-    p.add_argument("--quick", action="store_true", help="a 2-layer model, 160 + 96 tokens, a budget of 2 vLLM "
+    p.add_argument("--quick", action="store_true", help="a 2-layer model, 256 + 512 tokens, a budget of 2 vLLM "
                                                         "requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, help="keep the checkpoint, server logs and bench results here "
                                                     "(default: a temporary directory, removed at the end)")
     args = p.parse_args(argv)
     if args.quick:
-        # 96 new tokens: a wave of a few requests decodes for seconds, long enough for the /metrics polls
-        args.input_len, args.output_len, args.vllm_requests = 160, 96, 2
+        # 512 new tokens: vLLM decodes a small wave at 7-25 ms a token here and a /metrics scrape
+        # takes up to 0.7 s, so a short wave can end between two polls
+        args.input_len, args.output_len, args.vllm_requests = 256, 512, 2
     return args
 
 

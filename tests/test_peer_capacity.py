@@ -158,14 +158,14 @@ def test_the_count_is_whole_blocks_per_request(blocks, block_size, dcp, reserved
 
 
 def test_the_default_budget_holds_the_vllm_count_and_twice_it_with_dcp():
-    """The 8K run's budget: 4 vLLM requests of 8,320 tokens plus the null block per rank. vLLM
-    keeps the one KV head on both ranks; dcpgraph tp2·dcp2 keeps half of each request's tokens."""
+    """The 8K run's budget: 4 vLLM requests of 8,192 + 512 tokens plus the null block per rank.
+    vLLM keeps the one KV head on both ranks; dcpgraph tp2·dcp2 keeps half of each request's tokens."""
     shape = {"layers": 4, "kv_heads": 1, "head_dim": 64}
-    budget = vllm_budget_bytes(shape, tp=2, dtype="float32", tokens=8320, requests=4)
+    budget = vllm_budget_bytes(shape, tp=2, dtype="float32", tokens=8704, requests=4)
     vllm_block = 4 * 2 * 128 * 1 * 64 * 4  # layers · (K, V) · tokens · heads · dim · fp32
-    assert budget == (4 * 65 + 1) * vllm_block
-    assert KvCapacity(budget // vllm_block, 128, 1, 1).requests(8320) == 4
+    assert budget == (4 * 68 + 1) * vllm_block == 71_565_312
+    assert KvCapacity(budget // vllm_block, 128, 1, 1).requests(8704) == 4
     dcpgraph_block = 4 * 2 * 16 * 1 * 64 * 4
-    assert KvCapacity(budget // dcpgraph_block, 16, 2, 0).requests(8320) == 8
+    assert KvCapacity(budget // dcpgraph_block, 16, 2, 0).requests(8704) == 8
     # a model with as many KV heads as tp: nothing replicated, one head per rank either way
-    assert vllm_budget_bytes({**shape, "kv_heads": 2}, 2, "float32", 8320, 4) == budget
+    assert vllm_budget_bytes({**shape, "kv_heads": 2}, 2, "float32", 8704, 4) == budget

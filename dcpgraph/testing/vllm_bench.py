@@ -169,17 +169,22 @@ def _without_pythonpath() -> dict:
 
 
 @contextlib.contextmanager
-def running_vllm(model_dir: str, *args: str, log_path: str, kv_cache_gib: float = 2.0,
+def running_vllm(model_dir: str, *args: str, log_path: str, kv_cache_gib: float | None = 2.0,
                  start_timeout_s: float = 900.0, env: dict | None = None):
     """``vllm serve model_dir *args`` from vLLM's venv on a free 127.0.0.1 port, with
     ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``, until the block exits; waits for ``/health``
-    (bounded), raising with the server's log if it exits or times out first."""
+    (bounded), raising with the server's log if it exits or times out first. ``kv_cache_gib=None``
+    leaves ``VLLM_CPU_KVCACHE_SPACE`` unset (vLLM 0.32 reads it as whole GiB and lets it override
+    ``--kv-cache-memory-bytes``, so a byte-exact size in ``args`` needs it unset)."""
     cli = vllm_cli()
     if cli is None:
         raise FileNotFoundError(f"no vLLM venv at {vllm_venv()}; install it: {install_command()}")
     port = free_port("127.0.0.1")
     command = [str(cli), "serve", model_dir, *args, "--host", "127.0.0.1", "--port", str(port)]
-    environment = {**_without_pythonpath(), "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", **(env or {})}
+    environment = {k: v for k, v in _without_pythonpath().items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    if kv_cache_gib is not None:
+        environment["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    environment.update(env or {})
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
                                    start_new_session=True)  # its engine and worker processes join its group

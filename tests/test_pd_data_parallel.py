@@ -170,21 +170,13 @@ def test_every_count_an_agent_keeps_is_summed_over_replicas():
 def test_pd_with_two_replicas_on_each_side_equals_hf(checkpoints, tmp_path):
     from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
     from dcpgraph.testing.generation import hf_greedy
-    from dcpgraph.testing.pd import SERVE_ARGS, kv_config, kv_stats, wait_kv_free
+    from dcpgraph.testing.pd import kv_stats, running_replica_pd, wait_kv_free
     from dcpgraph.testing.prometheus import scrape
-    from dcpgraph.testing.server import running_dcpgraph, running_servers
 
     path = checkpoints["qwen3"]
     hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
     prompts = ["The future of AI is", "héllo wörld", "a b c d e f g h", "one two three", "zz top", "x y"]
-    port = consecutive_free_ports(2)
-    producer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_producer", 0, 2, port)),
-                str(tmp_path / "p.log"))
-    consumer = ((path, *SERVE_ARGS, "-dp", "2", "--kv-transfer-config", kv_config("kv_consumer", 1, 2, port)),
-                str(tmp_path / "d.log"))
-    with running_servers(producer, consumer) as (p, d), \
-            running_dcpgraph("proxy", "--prefill", p.url, "--decode", d.url,
-                             log_path=str(tmp_path / "proxy.log")) as proxy:
+    with running_replica_pd(path, ("-dp", "2"), tmp_path) as (p, d, proxy):
         async def ask_all():
             api = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
             return await asyncio.gather(*(api.completions.create(model="tiny", prompt=q, max_tokens=8, temperature=0)

@@ -166,22 +166,13 @@ def test_pd_between_replicas_sharing_experts_equals_hf(tmp_path):
     from dcpgraph.checkpoints.model_dir import load_model, load_tokenizer
     from dcpgraph.testing.checkpoints import save_tiny_checkpoint
     from dcpgraph.testing.generation import hf_greedy
-    from dcpgraph.testing.pd import SERVE_ARGS, kv_config, kv_stats, wait_kv_free
+    from dcpgraph.testing.pd import kv_stats, running_replica_pd, wait_kv_free
     from dcpgraph.testing.prometheus import scrape
-    from dcpgraph.testing.server import running_dcpgraph, running_servers
 
     path = save_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
     hf, tokenizer = load_model(path, "float64"), load_tokenizer(path)
     prompts = ["The future of AI is", "héllo wörld", "a b c d e f g h", "one two three", "zz top", "x y"]
-    port = consecutive_free_ports(2)
-    shared = ("-dp", "2", "--enable-expert-parallel")
-    producer = ((path, *SERVE_ARGS, *shared, "--kv-transfer-config", kv_config("kv_producer", 0, 2, port)),
-                str(tmp_path / "p.log"))
-    consumer = ((path, *SERVE_ARGS, *shared, "--kv-transfer-config", kv_config("kv_consumer", 1, 2, port)),
-                str(tmp_path / "d.log"))
-    with running_servers(producer, consumer) as (p, d), \
-            running_dcpgraph("proxy", "--prefill", p.url, "--decode", d.url,
-                             log_path=str(tmp_path / "proxy.log")) as proxy:
+    with running_replica_pd(path, ("-dp", "2", "--enable-expert-parallel"), tmp_path) as (p, d, proxy):
         async def ask_all():
             api = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
             together = await asyncio.gather(*(api.completions.create(model="tiny", prompt=q, max_tokens=8,

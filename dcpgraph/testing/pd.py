@@ -3,6 +3,7 @@ counters read from a running ``dcpgraph serve`` (bounded waits)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -31,6 +32,21 @@ def kv_config(role: str, rank: int, size: int, port: int, **extra) -> str:
     if extra:
         config["kv_connector_extra_config"] = extra
     return json.dumps(config)
+
+
+@contextlib.contextmanager
+def running_replica_pd(path: str, serve_args: tuple[str, ...], log_dir):
+    """A ``-dp 2`` producer (kv_rank 0) and consumer (kv_rank 1) on ``path`` with ``serve_args``
+    after :data:`SERVE_ARGS`, and ``dcpgraph proxy`` in front: yields ``(producer, consumer, proxy)``;
+    logs ``p.log``, ``d.log``, ``proxy.log`` in ``log_dir``; all three stopped on exit."""
+    from .server import running_dcpgraph, running_servers
+
+    port = consecutive_free_ports(2)
+    sides = [((path, *SERVE_ARGS, *serve_args, "--kv-transfer-config", kv_config(role, rank, 2, port)),
+              str(log_dir / log)) for role, rank, log in (("kv_producer", 0, "p.log"), ("kv_consumer", 1, "d.log"))]
+    with running_servers(*sides) as (p, d), \
+            running_dcpgraph("proxy", "--prefill", p.url, "--decode", d.url, log_path=str(log_dir / "proxy.log")) as proxy:
+        yield p, d, proxy
 
 
 def kv_usage(server) -> list[float]:

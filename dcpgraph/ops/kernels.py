@@ -88,6 +88,9 @@ def attend(
         head = attend(q, k[: lk - lq], v[: lk - lq], scale)
         tail = attend(q, k[lk - lq :], v[lk - lq :], scale, causal=True)
         return merge_attention_reference(torch.stack([head[0], tail[0]]), torch.stack([head[1], tail[1]]))
+    if (kv_bound is not None and not causal and flash_dtype and lq > BOUND_TILE_QUERIES
+            and (q.shape[-1] == k.shape[-1] == dv or value_prefix) and is_non_decreasing(kv_bound)):
+        return _attend_bounded_tiles(q, k, v, scale, kv_bound)
     if kv_bound is None and flash_dtype and q.shape[-1] == k.shape[-1] == dv and (not causal or lq == lk):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(0, 1).unsqueeze(0),
@@ -102,6 +105,43 @@ def attend(
 
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BOUND_TILE_QUERIES = 128
+
+
+def is_non_decreasing(bound: torch.Tensor) -> bool:
+    return bound.numel() < 2 or bool((bound[1:] >= bound[:-1]).all())
+
+
+def _attend_bounded_tiles(q, k, v, scale, kv_bound):
+    """Attention under a non-decreasing ``kv_bound`` (a DCP or PCP rank's local keys of a prefill
+    chunk: query ``i`` sees ``j < kv_bound[i]``, which rises by about ``1/dcp`` key per query).
+
+    Queries go in tiles of :data:`BOUND_TILE_QUERIES`. In tile ``[i0, i1)`` every query sees keys
+    ``[0, lo)`` with ``lo = kv_bound[i0]`` (clamped to ``[0, Lk]``), so that part is unmasked
+    attention on the flash kernel; only the band ``[lo, hi)`` with ``hi = kv_bound[i1 − 1]`` needs a
+    mask (``j − lo < kv_bound[i] − lo``), on the math path. The two partials are merged by LSE
+    (:func:`~dcpgraph.ops.merge.merge_attention_reference`), which is exact. The masked work is
+    ``O(tile · band)`` per tile instead of ``O(Lq · Lk)`` for the whole chunk."""
+    lq, hq, _ = q.shape
+    lk, _, dv = v.shape
+    out, lse = empty_result(lq, hq, dv, q.dtype, q.device)
+    bounds = kv_bound.clamp(0, lk).tolist()
+    for i0 in range(0, lq, BOUND_TILE_QUERIES):
+        i1 = min(lq, i0 + BOUND_TILE_QUERIES)
+        lo, hi = bounds[i0], bounds[i1 - 1]
+        parts = []
+        if lo > 0:
+            parts.append(attend(q[i0:i1], k[:lo], v[:lo], scale))
+        if hi > lo:
+            band = kv_bound[i0:i1].to(torch.int64) - lo
+            parts.append(_attend_math(q[i0:i1], k[lo:hi], v[lo:hi], scale, causal=False, kv_bound=band))
+        if len(parts) == 1:
+            out[i0:i1], lse[i0:i1] = parts[0]
+        elif parts:
+            merged, merged_lse = merge_attention_reference(torch.stack([parts[0][0], parts[1][0]]),
+                                                           torch.stack([parts[0][1], parts[1][1]]))
+            out[i0:i1], lse[i0:i1] = merged.to(q.dtype), merged_lse
+    return out, lse
 
 
 def is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:

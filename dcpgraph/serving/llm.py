@@ -55,7 +55,7 @@ from .params import SamplingParams
 from .prefix_routing import PrefixAwareRouter
 from .prompts import Prompt, as_prompt_list, chat_prompt, encode_prompt, truncated
 from .vllm_defaults import FALLBACK_MAX_MODEL_LEN
-from .workers import RemoteEngine
+from .workers import RemoteEngine, warm_fork_server
 
 log = logging.getLogger("dcpgraph.serving")
 
@@ -196,6 +196,8 @@ class LLM:
         )  # every option checked, before the model directory is read
         parallel = settings.parallel
         world = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+        if (world > 1 or parallel.data_parallel_size > 1) and not (dist.is_available() and dist.is_initialized()):
+            warm_fork_server()  # worker processes will be started: their fork server imports meanwhile
         checked = checked_checkpoint(settings, usage_context)
         self.tokenizer, self.info, self.config = checked.tokenizer, checked.info, checked.config
         self.defaults = checked.defaults

@@ -35,7 +35,7 @@ import torch
 from .. import errors
 from ..api import engine_for
 from ..devices import DeviceKind, DeviceProbe, RankPlacement, place_rank
-from ..runtime.distributed import join_expert_group
+from ..runtime.distributed import FORKSERVER_PRELOAD, join_expert_group
 from ..runtime.engine_client import EngineClient
 from ..runtime.sampling_params import SamplingParams
 from ..runtime.scheduler import StepEvent
@@ -184,6 +184,19 @@ def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end
         _follow(conn, control, compiled)
 
 
+def warm_fork_server() -> None:
+    """Start the fork server now, so that its imports (:data:`FORKSERVER_PRELOAD`, seconds) run
+    beside this process's own start-up (option and checkpoint checks, the tokenizer) instead of
+    delaying the first worker. :func:`start_workers` then finds it running; the preload list is the
+    one it would set."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    if "forkserver" in mp.get_all_start_methods():
+        mp.get_context("forkserver").set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
+        forkserver.ensure_running()
+
+
 def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: tuple[str, int],
                   front_end: tuple[str, int], authkey: bytes, timeout_s: float, start_method: str | None = None):
     """Start one process per rank of ``ranks`` (:func:`worker_main`); returns them, started."""
@@ -193,7 +206,7 @@ def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: 
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+        ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
     procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
                          args=(rank, config.world_size, world_address, front_end, authkey,
                                config.to_json(), timeout_s, local_rank))

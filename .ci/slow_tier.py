@@ -51,9 +51,13 @@ class Chunk:
     started: float = field(default=0.0, repr=False)
 
 
-def slow_test_files(pytest_args: list[str]) -> list[str]:
-    """The test files holding at least one test ``-m slow`` selects, in collection order."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", "--collect-only",
+SLOW = "slow and not extended"  # the extended tier (tests/extended_tier.py) is its own run: --extended
+EXTENDED = "extended"
+
+
+def slow_test_files(pytest_args: list[str], marks: str = SLOW) -> list[str]:
+    """The test files holding at least one test ``-m marks`` selects, in collection order."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", marks, "--collect-only",
                           "-p", "no:cacheprovider", *pytest_args],
                          cwd=ROOT, capture_output=True, text=True)
     if out.returncode not in (0, 5):
@@ -92,7 +96,7 @@ def chunks_longest_first(files: list[str], seconds: dict[str, float]) -> list[Ch
 
 
 def run(chunks: list[Chunk], second_worker_after: Path | None, pytest_args: list[str],
-        junit_dir: Path | None) -> int:
+        junit_dir: Path | None, marks: str = SLOW) -> int:
     logs = Path(tempfile.mkdtemp(prefix="slow-tier-"))
     pending = list(chunks)
     running: dict[subprocess.Popen, Chunk] = {}
@@ -104,7 +108,7 @@ def run(chunks: list[Chunk], second_worker_after: Path | None, pytest_args: list
             junit = [f"--junitxml={junit_dir / f'chunk{chunk.index:02d}.xml'}"] if junit_dir else []
             chunk.started = time.monotonic()
             with chunk.log.open("w") as sink:
-                proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
+                proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marks, "-p", "no:cacheprovider",
                                          *junit, *pytest_args, *chunk.files],
                                         cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
             running[proc] = chunk
@@ -158,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--second-worker-after", type=Path,
                         help="a file whose existence lets a second pytest process start (CI: the default tier ended)")
     parser.add_argument("--junit-dir", type=Path, help="write each chunk's junit xml here")
+    parser.add_argument("--extended", action="store_true",
+                        help="run the extended tier (-m extended: the matrices' other cases) instead")
     parser.add_argument("--record-durations", nargs="+", metavar="JUNIT_XML",
                         help="rewrite durations.json from these junit files and exit")
     parser.add_argument("paths", nargs="*", help="test paths to draw the slow tests from (default: testpaths); "
@@ -168,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.junit_dir:
         args.junit_dir.mkdir(parents=True, exist_ok=True)
-    files = slow_test_files([*pytest_args, *args.paths])
+    marks = EXTENDED if args.extended else SLOW
+    files = slow_test_files([*pytest_args, *args.paths], marks)
     if not files:
         print("slow tier: no test selected")
         return 0
     chunks = chunks_longest_first(files, recorded_seconds())
-    return run(chunks, args.second_worker_after, pytest_args, args.junit_dir)
+    return run(chunks, args.second_worker_after, pytest_args, args.junit_dir, marks)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extended_tier import mark_extended
 from hypothesis import settings
 
 QWEN_PADDED_VOCAB = 333  # the session Qwen3 checkpoint's model vocabulary (its tokenizer has 321)
@@ -64,11 +65,13 @@ def _slow_by_duration() -> frozenset[str]:
 def pytest_collection_modifyitems(config, items):
     """Before ``-m`` selects: the default tier's slowest tests by measured duration join the slow
     tier (which CI also runs), so the README's default command stays near 20 minutes on 2 cores;
-    then the gpu tier skips, with the reason, where torch sees no CUDA device."""
+    then the matrix cases outside their representatives join the extended tier
+    (:mod:`extended_tier`); then the gpu tier skips, with the reason, where torch sees no CUDA device."""
     listed = _slow_by_duration()
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
+    mark_extended(items)
     if torch.cuda.is_available():
         return
     reason = ("no CUDA device: torch.cuda.is_available() is False (this torch build: "

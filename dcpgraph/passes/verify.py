@@ -23,6 +23,7 @@ with :func:`node_context`: the program lines around that node, the node marked `
 from __future__ import annotations
 
 import operator
+import threading
 
 import torch
 import torch.fx
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import VerificationError
 from ..program import Program, example_specs
 from .collectives import collective_group
+from .shape_keys import mutates_metadata, node_key
 
 CONTEXT_LINES = 3
 
@@ -43,18 +45,25 @@ def check_inputs(program: Program) -> None:
         raise VerificationError(f"placeholders {names} do not match input specs {specs}")
 
 
-def propagate_shapes(program: Program) -> None:
-    """Run the graph on fake tensors, storing ``meta['val']`` on every node.
+def propagate_shapes(program: Program) -> int:
+    """Run the graph on fake tensors, storing ``meta['val']`` on every node; returns how many
+    nodes ran.
+
+    A node whose operation and input metadata equal those of the run that stored its value is not
+    run again (:mod:`.shape_keys`: the same fake execution would give the same value), so after a
+    pass only the nodes it changed, and those downstream whose inputs' shapes changed, run. Every
+    run uses one fake mode (:data:`FAKE_MODE`), so kept and new values mix.
 
     Raises :class:`VerificationError` naming the node that failed, with its context.
     """
     check_inputs(program)
     gm = program.graph_module
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with _FAKE_LOCK, FAKE_MODE:
         args = [torch.empty(shape, dtype=dtype) for shape, dtype in example_specs(program)]
-        interpreter = _ShapeInterpreter(gm)
+        interpreter = _ShapeInterpreter(gm, reuse=not mutates_metadata(gm.graph))
         try:
             interpreter.run(*args)
+            return interpreter.ran
         except Exception as err:
             node = interpreter.current
             where = f" at %{node.name}" if node is not None else ""
@@ -64,18 +73,35 @@ def propagate_shapes(program: Program) -> None:
             ) from err
 
 
-class _ShapeInterpreter(torch.fx.Interpreter):
-    """Stores each node's fake result in ``meta['val']``; ``current`` is the node being run."""
+FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
+_FAKE_LOCK = threading.RLock()
 
-    def __init__(self, gm: torch.fx.GraphModule):
+
+class _ShapeInterpreter(torch.fx.Interpreter):
+    """Stores each node's fake result in ``meta['val']``, and ``(key, val)`` in
+    ``meta['shape_key']`` where the node has a key; ``current`` is the node being run; ``ran``
+    counts the nodes executed (the others kept their value)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, *, reuse: bool = True):
         super().__init__(gm)
         self.extra_traceback = False  # the error names the node itself, with context
         self.current: torch.fx.Node | None = None
+        self.reuse = reuse
+        self.ran = 0
 
     def run_node(self, n: torch.fx.Node):
         self.current = n
+        key = node_key(n) if self.reuse else None
+        stored = n.meta.get("shape_key")
+        if key is not None and stored is not None and stored[0] == key and stored[1] is n.meta.get("val"):
+            return stored[1]
         result = super().run_node(n)
+        self.ran += 1
         n.meta["val"] = result
+        if key is not None:
+            n.meta["shape_key"] = (key, result)
+        else:
+            n.meta.pop("shape_key", None)
         return result
 
 

@@ -3,7 +3,7 @@
 A matrix test (one test function over many models, meshes or options) keeps its representatives
 in the slow tier, which CI runs; every other case of it is marked ``extended`` and runs with
 ``python -m pytest -m extended`` (or ``python .ci/slow_tier.py --extended``). The representatives
-cover every mechanism the matrix checks (each recurrent kind, each merge strategy, interleave 1
+cover every mechanism the matrix checks (each recurrent kind at tp2·dcp2, each merge strategy, interleave 1
 and > 1, a tp4 mesh, PCP with DCP); the extended cases repeat those mechanisms on more models and
 meshes. A case is a representative when its parametrisation id contains one of the listed
 substrings. A listed substring that matches no case of its function is an error (a renamed case
@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 
 REPRESENTATIVES: dict[str, tuple[str, ...]] = {
-    # one model per recurrent kind runs every case (mamba2, gated delta, KDA, short conv,
-    # lightning); the other models run the draft model at tp2·dcp2 only
+    # Bamba (mamba2) and Qwen3-Next (gated delta) run every case; every hybrid runs the draft model
+    # at tp2·dcp2, and the KDA, short-conv and lightning ones a prefix hit at tp2·dcp2
     "tests/test_hybrid_acceptance.py::test_speculation_through_chunks_and_a_preemption":
-        ("bamba-", "qwen3_next-", "kimi_linear-", "lfm2-", "minimax-", "-draft-tp2dcp2"),
+        ("bamba-", "qwen3_next-", "-draft-tp2dcp2"),
     "tests/test_hybrid_acceptance.py::test_prefix_caching_hits_restore_the_state":
-        ("bamba-", "qwen3_next-", "kimi_linear-", "lfm2-", "minimax-"),
+        ("bamba-", "qwen3_next-", "kimi_linear-ngram-tp2dcp2", "lfm2-ngram-tp2dcp2", "minimax-ngram-tp2dcp2"),
     # (model-tp-dcp-interleave): tp2·dcp2 at interleave 1 and tp4·dcp2 at interleave 4
     "tests/test_hybrid_mesh.py::test_hybrid_gives_hf_greedy_tokens_on_meshes": ("-2-2-1]", "-4-2-4]"),
     "tests/test_mamba2_mesh.py::test_mamba2_hybrid_gives_hf_greedy_tokens_on_meshes": ("-2-2]",),

@@ -246,13 +246,13 @@ def _child(
     results.put(message)
 
 
-
 # Modules the fork server imports once, before it forks any rank: every rank then starts with them
 # loaded instead of importing them itself (torch ~3 s; transformers' model base ~5 s on a 2-core
 # VM, which every rank that builds or traces an HF model pays). A module that is not installed is
 # skipped by the fork server (it ignores ImportError), so transformers stays optional.
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils",
                       "transformers.generation")
+
 
 def spawn(
     fn: Callable[..., Any],

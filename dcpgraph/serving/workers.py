@@ -184,16 +184,19 @@ def worker_main(rank: int, world: int, world_address: tuple[str, int], front_end
         _follow(conn, control, compiled)
 
 
+WORKER_PRELOAD = [*FORKSERVER_PRELOAD, __name__]  # what the fork server imports before forking workers
+
+
 def warm_fork_server() -> None:
     """Start the fork server now, so that its imports (:data:`FORKSERVER_PRELOAD`, seconds) run
     beside this process's own start-up (option and checkpoint checks, the tokenizer) instead of
     delaying the first worker. :func:`start_workers` then finds it running; the preload list is the
-    one it would set."""
+    same :data:`WORKER_PRELOAD`."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
     if "forkserver" in mp.get_all_start_methods():
-        mp.get_context("forkserver").set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
+        mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
         forkserver.ensure_running()
 
 
@@ -206,7 +209,7 @@ def start_workers(config: EngineConfig, ranks: Sequence[int], *, world_address: 
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, __name__])
+        ctx.set_forkserver_preload(WORKER_PRELOAD)
     procs = [ctx.Process(target=worker_main, name=f"dcpgraph-worker{rank}", daemon=True,
                          args=(rank, config.world_size, world_address, front_end, authkey,
                                config.to_json(), timeout_s, local_rank))

@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
-    mark_extended(items)
+    mark_extended(items, config.args)
     if torch.cuda.is_available():
         return
     reason = ("no CUDA device: torch.cuda.is_available() is False (this torch build: "

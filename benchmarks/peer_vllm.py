@@ -31,6 +31,7 @@ error (metric ``vllm_unavailable``) and still measures dcpgraph. Records go to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import tempfile
 import time
@@ -104,7 +105,11 @@ def measure(server_url: str, model: str, args, root: Path, who: str) -> dict[int
 def server_flags(args) -> list[str]:
     """The flags both servers get (vLLM's names)."""
     return ["--served-model-name", SERVED, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-            "--max-model-len", str(args.input_len + args.output_len + 64)]
+            "--max-model-len", str(max_model_len(args))]
+
+
+def max_model_len(args) -> int:
+    return args.input_len + args.output_len + 64
 
 
 def measure_dcpgraph(model: str, args, root: Path) -> dict[int, dict]:
@@ -169,6 +174,8 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="peer_vllm-")
     root = Path(tmp.name)
     shape = QUICK if args.quick else FULL
+    # positions for the longest request both servers are asked to admit (8K prompts need more than 4,096)
+    shape = dataclasses.replace(shape, max_positions=max(shape.max_positions, max_model_len(args)))
     model = args.model or save_word_checkpoint(root / "model", shape)
     size = "" if args.model else f" params={shape.parameters() / 1e6:.0f}M"
     config = (f"in={args.input_len} out={args.output_len} {args.dtype}{size} max_num_seqs={args.max_num_seqs} "

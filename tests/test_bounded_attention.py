@@ -47,6 +47,27 @@ def test_tiled_bound_equals_the_masked_math_path(dtype, tol, dcp, rank, interlea
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiled_bound_in_half_precision_is_as_close_to_fp64_as_the_masked_path(dtype, monkeypatch):
+    """In bf16/fp16 the tiled path merges two rounded partials where the masked path rounds once: its
+    error against the fp64 result must stay within the masked path's own (plus one half-precision
+    ulp of the output), and its log-sum-exp (kept in fp32) close to fp64's."""
+    lq = 2 * BOUND_TILE_QUERIES + 45
+    bound = _dcp_bound(lq, 300, 2, 1, 1)
+    q, k, v = _qkv(lq, int(bound.max()), 8, 2, 64, dtype, seed=4)
+    calls, real = [], kernels._attend_bounded_tiles
+    monkeypatch.setattr(kernels, "_attend_bounded_tiles", lambda *a: calls.append(1) or real(*a))
+    tiled, tiled_lse = attend(q, k, v, 0.125, kv_bound=bound)
+    assert calls, "a long non-decreasing bound must take the tiled path in half precision too"
+    masked, _ = _attend_math(q, k, v, 0.125, causal=False, kv_bound=bound)
+    exact, exact_lse = _attend_math(q.double(), k.double(), v.double(), 0.125, causal=False, kv_bound=bound)
+    ulp = torch.finfo(dtype).eps * exact.abs().max().item()
+    tiled_err = (tiled.double() - exact).abs().max().item()
+    masked_err = (masked.double() - exact).abs().max().item()
+    assert tiled.dtype == dtype and tiled_err <= masked_err + ulp, (tiled_err, masked_err)
+    torch.testing.assert_close(tiled_lse.double(), exact_lse, atol=1e-2, rtol=1e-3)
+
+
 def test_rows_that_see_no_key_and_bounds_past_the_keys():
     """Leading queries with bound 0 get (0, −inf); bounds above Lk see every key."""
     lq, lk = 2 * BOUND_TILE_QUERIES + 3, 150

@@ -12,6 +12,8 @@ case must not silently leave CI), except where the command line names cases of t
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 REPRESENTATIVES: dict[str, tuple[str, ...]] = {
@@ -41,15 +43,15 @@ REPRESENTATIVES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _functions_named_by_case(args: list[str]) -> set[str]:
+def _functions_named_by_case(args: Sequence[str]) -> set[str]:
     """``file::function`` (its last path part) of every command-line argument that names a case id."""
     return {arg.partition("[")[0].replace("\\", "/").rsplit("/", 1)[-1] for arg in args if "::" in arg and "[" in arg}
 
 
-def mark_extended(items: list[pytest.Item], args: list[str] = ()) -> None:
+def mark_extended(items: list[pytest.Item], args: Sequence[str] = ()) -> None:
     """Mark every slow non-representative case of a listed matrix ``extended`` (before ``-m``);
     ``args`` are the command line's test arguments (``config.args``)."""
-    named = _functions_named_by_case(list(args))
+    named = _functions_named_by_case(args)
     seen: dict[str, set[str]] = {}
     for item in items:
         function, _, params = item.nodeid.partition("[")
